@@ -1,0 +1,198 @@
+"""The two collectives of ZeRO-3 (all-gather of parameters, reduce-scatter of gradients),
+issued so that they run under compute, with the bytes and times of each recorded.
+
+On CUDA each collective is issued on a side stream and completes by an event the compute
+stream waits on. On CPU (gloo) each is an asynchronous work handle that gloo's own threads
+complete while the caller computes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from overlap.kernels import KernelBackend
+from overlap.profiling import phase
+
+
+@dataclass
+class CommRecord:
+    """Timing of one collective, in seconds on the host's monotonic clock."""
+
+    kind: str
+    unit: str
+    nbytes: int
+    issued: float
+    completed: Optional[float] = None
+    wait_start: Optional[float] = None
+    wait_end: Optional[float] = None
+
+    @property
+    def exposed(self) -> float:
+        """Time the caller spent blocked waiting for this collective."""
+        if self.wait_start is None or self.wait_end is None:
+            return 0.0
+        return self.wait_end - self.wait_start
+
+    @property
+    def duration(self) -> float:
+        """Issue to completion (queueing behind earlier collectives included)."""
+        end = self.completed if self.completed is not None else self.wait_end
+        return 0.0 if end is None else max(end - self.issued, 0.0)
+
+
+@dataclass
+class Pending:
+    """An issued collective: its completion signal and the tensors it must keep alive.
+
+    `keep_alive` holds the input (and on CUDA, every buffer the side stream touches) until the
+    consumer has waited, so the caching allocator cannot hand the memory to another stream
+    while the collective still reads or writes it; no `record_stream` is needed.
+    """
+
+    record: CommRecord
+    work: Optional[dist.Work] = None
+    event: Optional[torch.cuda.Event] = None
+    keep_alive: tuple = ()
+    on_complete: Optional[Callable[[], None]] = None
+    # Output whose autograd version counter must not move (see flat_group.py's note), with
+    # its version before the collective was issued: gloo bumps it from its own thread when
+    # the work completes, so it is set back after the wait.
+    preserve_version_of: Optional[tuple[torch.Tensor, int]] = None
+    done: bool = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.record.wait_start = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+            if self.preserve_version_of is not None:
+                tensor, version = self.preserve_version_of
+                torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        if self.on_complete is not None:
+            self.on_complete()
+        self.record.wait_end = time.perf_counter()
+        if self.record.completed is None:
+            self.record.completed = self.record.wait_end
+        self.keep_alive = ()
+        self.done = True
+
+
+class Collectives:
+    """All-gather and reduce-scatter over one process group, on the right streams."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, kernels: KernelBackend) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.backend = dist.get_backend(group)
+        self.device = device
+        self.kernels = kernels
+        self.records: list[CommRecord] = []
+        # gloo has no native reduce-scatter: it emulates one, slower than an all-to-all of
+        # the gradient chunks followed by a local sum (measured in benchmarks/collectives.py),
+        # and the all-to-all moves the same (N-1)/N bytes a ring reduce-scatter does.
+        self.reduce_with_all_to_all = self.backend == "gloo"
+        self.use_streams = device.type == "cuda"
+        if self.use_streams:
+            # All-gathers of upcoming units run here so they overlap the unit computing on the
+            # default stream (prefetch).
+            self.all_gather_stream = torch.cuda.Stream(device=device, priority=-1)
+            # Gradient reduce-scatters (and the accumulation into sharded gradients) run here so
+            # they overlap the rest of backward.
+            self.reduce_scatter_stream = torch.cuda.Stream(device=device, priority=-1)
+
+    def _record(self, kind: str, unit: str, nbytes: int) -> CommRecord:
+        record = CommRecord(kind, unit, nbytes, time.perf_counter())
+        self.records.append(record)
+        return record
+
+    def _mark_completion(self, pending: Pending) -> None:
+        """Stamp the completion time from gloo's thread when the work finishes."""
+        record = pending.record
+
+        def stamp(_future):
+            record.completed = time.perf_counter()
+
+        pending.work.get_future().add_done_callback(stamp)
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str) -> Pending:
+        """Gather every rank's `shard` into `out` (world_size * shard.numel() elements), casting
+        the shard to out.dtype first."""
+        nbytes = out.numel() * out.element_size() * (self.world_size - 1) // self.world_size
+        record = self._record("all_gather", unit, nbytes)
+        with phase(f"overlap::all_gather::{unit}"):
+            if self.use_streams:
+                # The gather may only start once the optimizer has written the shard and the
+                # output memory's previous user has finished: both are on the current stream.
+                self.all_gather_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.all_gather_stream):
+                    source = self._cast(shard, out.dtype)
+                    dist.all_gather_into_tensor(out, source, group=self.group)
+                    event = torch.cuda.Event()
+                    event.record(self.all_gather_stream)
+                return Pending(record, event=event, keep_alive=(source, shard, out))
+            source = self._cast(shard, out.dtype)
+            version = out._version
+            work = dist.all_gather_into_tensor(out, source, group=self.group, async_op=True)
+            pending = Pending(record, work=work, keep_alive=(source,), preserve_version_of=(out, version))
+            self._mark_completion(pending)
+            return pending
+
+    def reduce_scatter(self, grad_full: torch.Tensor, shard_grad: torch.Tensor, reduce_dtype: torch.dtype,
+                       unit: str) -> Pending:
+        """Average `grad_full` over ranks and add this rank's chunk into `shard_grad` (fp32).
+
+        The average is a pre-division by the world size folded into the cast to
+        `reduce_dtype`, so low-precision reductions do not overflow.
+        """
+        world = self.world_size
+        nbytes = grad_full.numel() * torch.empty((), dtype=reduce_dtype).element_size() * (world - 1) // world
+        record = self._record("reduce_scatter", unit, nbytes)
+        with phase(f"overlap::reduce_scatter::{unit}"):
+            if self.use_streams:
+                self.reduce_scatter_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.reduce_scatter_stream):
+                    source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
+                    out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
+                    dist.reduce_scatter_tensor(out, source, op=dist.ReduceOp.SUM, group=self.group)
+                    self.kernels.accumulate(shard_grad, out)
+                    event = torch.cuda.Event()
+                    event.record(self.reduce_scatter_stream)
+                return Pending(record, event=event, keep_alive=(grad_full, source, out, shard_grad))
+            source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
+            if self.reduce_with_all_to_all:
+                out = torch.empty_like(source)
+                work = dist.all_to_all_single(out, source, group=self.group, async_op=True)
+                chunks = world
+            else:
+                out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
+                work = dist.reduce_scatter_tensor(out, source, op=dist.ReduceOp.SUM, group=self.group,
+                                                  async_op=True)
+                chunks = 1
+            pending = Pending(record, work=work, keep_alive=(source, out),
+                              on_complete=lambda: self.kernels.accumulate(shard_grad, out, 1.0, chunks))
+            self._mark_completion(pending)
+            return pending
+
+    def _cast(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if shard.dtype == dtype:
+            return shard.detach()
+        out = torch.empty(shard.numel(), dtype=dtype, device=shard.device)
+        self.kernels.pack([shard.detach()], out, [0])
+        return out
+
+    def _scaled(self, grad: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        if grad.dtype == dtype:
+            # The full gradient is the runtime's own buffer: divide it in place.
+            self.kernels.pack([grad], grad, [0], scale)
+            return grad
+        out = torch.empty(grad.numel(), dtype=dtype, device=grad.device)
+        self.kernels.pack([grad], out, [0], scale)
+        return out

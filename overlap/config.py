@@ -1,0 +1,111 @@
+"""Runtime settings: the one place that reads `OVERLAP_*` environment variables.
+
+Precedence for every setting: explicit argument > environment variable > automatic choice
+(`None` here means "let the planner decide"). Invalid values raise `ValueError` naming the
+variable and what it accepts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional
+
+KERNEL_CHOICES = ("auto", "torch", "triton", "ext", "cupy")
+LINK_CHOICES = ("auto", "nvlink", "infiniband", "ethernet", "loopback")
+LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# name -> (accepted values as users read them, description) for the README and error messages.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "OVERLAP_PREFETCH_DEPTH": ("integer >= 0 or 'auto'", "units whose all-gather runs ahead of compute"),
+    "OVERLAP_BUCKET_MB": ("number > 0 or 'auto'", "merge consecutive small units up to this size"),
+    "OVERLAP_KERNELS": ("|".join(KERNEL_CHOICES), "flat-buffer kernel backend"),
+    "OVERLAP_NVTX": ("0|1", "emit NVTX ranges for Nsight Systems"),
+    "OVERLAP_LOG": ("|".join(LOG_CHOICES), "level of the 'overlap' logger"),
+    "OVERLAP_LINK": ("|".join(LINK_CHOICES), "force the link class the planner assumes"),
+    "OVERLAP_MEMORY_BUDGET_MB": ("number > 0 or 'auto'", "cap on gathered parameter bytes in flight"),
+    "OVERLAP_PROBE": ("0|1", "time a few collectives at start-up to fit the link model"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    prefetch_depth: Optional[int] = None
+    bucket_mb: Optional[float] = None
+    kernels: str = "auto"
+    nvtx: bool = False
+    log_level: Optional[str] = None
+    link: str = "auto"
+    memory_budget_mb: Optional[float] = None
+    probe: bool = True
+
+    def with_overrides(self, **overrides: object) -> "Config":
+        """A copy with each non-None keyword replacing the current value (arguments beat env)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _parse_auto_number(name: str, raw: str, *, integer: bool, minimum: float, strict: bool):
+    if raw.strip().lower() == "auto":
+        return None
+    accepted = ENV_VARS[name][0]
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is invalid; accepted values: {accepted}") from None
+    if value < minimum or (strict and value == minimum) or value != value:
+        raise ValueError(f"{name}={raw!r} is invalid; accepted values: {accepted}")
+    return value
+
+
+def _parse_choice(name: str, raw: str, choices: tuple[str, ...], *, upper: bool = False) -> str:
+    value = raw.strip().upper() if upper else raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r} is invalid; accepted values: {ENV_VARS[name][0]}")
+    return value
+
+
+def _parse_flag(name: str, raw: str) -> bool:
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r} is invalid; accepted values: {ENV_VARS[name][0]}")
+    return raw.strip() == "1"
+
+
+def validate_prefetch_depth(value: int, source: str = "prefetch_depth") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{source}={value!r} is invalid; expected an integer >= 0")
+    return value
+
+
+def validate_bucket_mb(value: float, source: str = "bucket_mb") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{source}={value!r} is invalid; expected a number > 0")
+    return float(value)
+
+
+def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Read and validate every `OVERLAP_*` variable."""
+    env = os.environ if environ is None else environ
+    fields: dict[str, object] = {}
+    if "OVERLAP_PREFETCH_DEPTH" in env:
+        fields["prefetch_depth"] = _parse_auto_number(
+            "OVERLAP_PREFETCH_DEPTH", env["OVERLAP_PREFETCH_DEPTH"], integer=True, minimum=0, strict=False)
+    if "OVERLAP_BUCKET_MB" in env:
+        fields["bucket_mb"] = _parse_auto_number(
+            "OVERLAP_BUCKET_MB", env["OVERLAP_BUCKET_MB"], integer=False, minimum=0, strict=True)
+    if "OVERLAP_KERNELS" in env:
+        fields["kernels"] = _parse_choice("OVERLAP_KERNELS", env["OVERLAP_KERNELS"], KERNEL_CHOICES)
+    if "OVERLAP_NVTX" in env:
+        fields["nvtx"] = _parse_flag("OVERLAP_NVTX", env["OVERLAP_NVTX"])
+    if "OVERLAP_LOG" in env:
+        fields["log_level"] = _parse_choice("OVERLAP_LOG", env["OVERLAP_LOG"], LOG_CHOICES, upper=True)
+    if "OVERLAP_LINK" in env:
+        fields["link"] = _parse_choice("OVERLAP_LINK", env["OVERLAP_LINK"], LINK_CHOICES)
+    if "OVERLAP_MEMORY_BUDGET_MB" in env:
+        fields["memory_budget_mb"] = _parse_auto_number(
+            "OVERLAP_MEMORY_BUDGET_MB", env["OVERLAP_MEMORY_BUDGET_MB"], integer=False, minimum=0, strict=True)
+    if "OVERLAP_PROBE" in env:
+        fields["probe"] = _parse_flag("OVERLAP_PROBE", env["OVERLAP_PROBE"])
+    config = Config(**fields)
+    if config.log_level is not None:
+        logging.getLogger("overlap").setLevel(config.log_level)
+    return config

@@ -1,0 +1,274 @@
+"""When each unit is gathered, freed and reduced: the hooks, the learned execution orders,
+prefetch, and the end-of-backward flush.
+
+Prefetch follows the order units actually ran in the previous step (forward order in
+forward; in backward the order backward reached them, which before the first backward is
+the reverse of forward). When the order changes, the unit that runs is gathered on demand,
+prefetch continues from its position in the known order, and the new order replaces the
+old one at the end of the step: prefetch is never switched off.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, Iterable, Optional
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from overlap.collectives import Collectives, Pending
+from overlap.flat_group import FlatGroup
+from overlap.profiling import phase
+from overlap.unit import GatherState, TrainingState, Unit
+
+# Reduce-scatters in flight at once before the oldest is waited for: each holds a unit's
+# full-size gradient, so an unbounded queue would hold the whole model's gradients.
+MAX_REDUCES_IN_FLIGHT = 2
+
+
+def _distinct_after(order: list[Unit], index: int, skip: Unit, count: int) -> list[Unit]:
+    found: list[Unit] = []
+    for unit in order[index + 1:]:
+        if len(found) == count:
+            break
+        if unit is not skip and unit not in found:
+            found.append(unit)
+    return found
+
+
+def _dedupe(units: Iterable[Unit]) -> list[Unit]:
+    seen: list[Unit] = []
+    for unit in units:
+        if unit not in seen:
+            seen.append(unit)
+    return seen
+
+
+class Scheduler:
+    def __init__(self, root: Optional[Unit], units: list[Unit], collectives: Collectives, prefetch_depth: int,
+                 memory_budget_bytes: Optional[int], reshard_after_forward: bool) -> None:
+        self.root = root
+        self.units = units
+        self.collectives = collectives
+        self.prefetch_depth = prefetch_depth
+        self.memory_budget_bytes = memory_budget_bytes
+        self.reshard_after_forward = reshard_after_forward
+        self.sync_grads = True
+        self.in_backward = False
+        self.forward_order: list[Unit] = []
+        self.backward_order: list[Unit] = []
+        self._this_forward: list[Unit] = []
+        self._this_backward: list[Unit] = []
+        self._pending_reduces: list[Pending] = []
+        # (event, unit name, host time) for the current step: tests read the order, the
+        # overlap report the timings.
+        self.events: list[tuple[str, str, float]] = []
+        self.step = 0
+        self.max_gathered_units = 0
+
+        for unit in units:
+            for module in unit.modules:
+                module.register_forward_pre_hook(partial(self._pre_forward, unit))
+                module.register_forward_hook(partial(self._post_forward, unit))
+        for unit in self.all_units:
+            for group in unit.trainable_groups:
+                group.register_grad_hook(partial(self._on_grad, unit))
+
+    @property
+    def all_units(self) -> list[Unit]:
+        return ([self.root] if self.root is not None else []) + self.units
+
+    def _log(self, event: str, unit: Unit) -> None:
+        self.events.append((event, unit.name, time.perf_counter()))
+
+    # ---- prefetch -------------------------------------------------------------------------
+
+    def _gathered_units(self) -> list[Unit]:
+        return [u for u in self.units if u.gather_state is not GatherState.FREE]
+
+    def _start_gather(self, unit: Unit, event: str) -> None:
+        unit.start_gather()
+        self._log(event, unit)
+        self.max_gathered_units = max(self.max_gathered_units, len(self._gathered_units()))
+
+    def _prefetch_after(self, order: list[Unit], position: int, current: Optional[Unit]) -> None:
+        """Start the gathers of the `prefetch_depth` units that follow `current` in `order`."""
+        if self.prefetch_depth == 0 or not order:
+            return
+        if current is None:
+            index = -1
+        elif position < len(order) and order[position] is current:
+            index = position
+        elif current in order[position:]:
+            index = position + order[position:].index(current)
+        elif current in order:
+            index = order.index(current)
+        else:
+            return
+        for unit in _distinct_after(order, index, current, self.prefetch_depth):
+            if unit.gather_state is not GatherState.FREE:
+                continue
+            if self.memory_budget_bytes is not None:
+                in_flight = sum(u.gathered_nbytes for u in self._gathered_units())
+                if in_flight + unit.gathered_nbytes > self.memory_budget_bytes:
+                    break
+            self._start_gather(unit, "prefetch")
+
+    def _gather_for_compute(self, unit: Unit, order: list[Unit], position: int) -> None:
+        """Make `unit` ready to compute, prefetching what follows it before blocking on it."""
+        if unit.gather_state is GatherState.FREE:
+            self._start_gather(unit, "gather")
+            self._log("miss", unit)
+        elif unit.gather_state is GatherState.GATHERING:
+            self._log("hit", unit)
+        self._prefetch_after(order, position, unit)
+        unit.finish_gather()
+
+    # ---- forward --------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """Called before the wrapped module's forward: recover, gather the root, prefetch."""
+        self._recover()
+        self.step += 1
+        self.events = []
+        self.collectives.records.clear()
+        self.max_gathered_units = 0
+        self._this_forward = []
+        for unit in self.all_units:
+            unit.begin_step()
+        if self.root is not None:
+            self.root.start_gather()
+        self._prefetch_after(self.forward_order, -1, None)
+        if self.root is not None:
+            self._log("pre_forward", self.root)
+            self.root.finish_gather()
+            self.root.install_views()
+            self.root.state = TrainingState.FORWARD
+
+    def _recover(self) -> None:
+        """Bring every unit back to free after a step that did not finish (an exception in
+        forward, or a forward with no backward)."""
+        for pending in self._pending_reduces:
+            pending.wait()
+        self._pending_reduces = []
+        for unit in self.all_units:
+            unit.free()
+        self.in_backward = False
+
+    def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any) -> None:
+        if self.in_backward:
+            # Activation checkpointing re-runs forward inside backward: the unit is already
+            # gathered for its backward; only the views need to be (re)made.
+            unit.finish_gather()
+            unit.install_views()
+            return
+        with phase(f"overlap::pre_forward::{unit.name}"):
+            position = len(self._this_forward)
+            self._this_forward.append(unit)
+            self._gather_for_compute(unit, self.forward_order, position)
+            unit.install_views()
+            unit.state = TrainingState.FORWARD
+            unit.members_run.add(id(module))
+            self._log("pre_forward", unit)
+
+    def _post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.in_backward:
+            return
+        with phase(f"overlap::post_forward::{unit.name}"):
+            self._log("post_forward", unit)
+            if torch.is_grad_enabled():
+                self._hook_outputs(output, partial(self._pre_backward, unit))
+            if self.reshard_after_forward and len(unit.members_run) == len(unit.modules):
+                unit.free()
+                self._log("free", unit)
+
+    def end_forward(self, output: Any) -> None:
+        """Called with the wrapped module's output."""
+        self.forward_order = list(self._this_forward)
+        if not self.backward_order or set(self.backward_order) != set(self.forward_order):
+            self.backward_order = _dedupe(reversed(self.forward_order))
+        if self.root is not None:
+            self._log("post_forward", self.root)
+        if torch.is_grad_enabled() and self._hook_outputs(output, self._root_pre_backward):
+            # Backward starts with the root's own layers (head, loss): gather the first units
+            # of backward under them.
+            self._prefetch_after(self.backward_order, -1, None)
+        else:
+            for unit in self.all_units:
+                unit.free()
+
+    @staticmethod
+    def _hook_outputs(output: Any, hook) -> bool:
+        leaves, _ = tree_flatten(output)
+        hooked = False
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(hook)
+                hooked = True
+        return hooked
+
+    # ---- backward -------------------------------------------------------------------------
+
+    def _begin_backward(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        self._this_backward = []
+        Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _root_pre_backward(self, grad: torch.Tensor) -> None:
+        self._begin_backward()
+        if self.root is not None and self.root.state is not TrainingState.PRE_BACKWARD:
+            self.root.state = TrainingState.PRE_BACKWARD
+            self._log("pre_backward", self.root)
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._begin_backward()
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return
+        with phase(f"overlap::pre_backward::{unit.name}"):
+            position = len(self._this_backward)
+            self._this_backward.append(unit)
+            self._gather_for_compute(unit, self.backward_order, position)
+            unit.state = TrainingState.PRE_BACKWARD
+            self._log("pre_backward", unit)
+
+    def _on_grad(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
+        with phase(f"overlap::post_backward::{unit.name}"):
+            if self.sync_grads:
+                self._reduce(unit, group, group.take_grad_for_reduce(grad))
+            else:
+                group.hold_unsynced(grad)
+            unit.grads_pending -= 1
+            if unit.grads_pending == 0:
+                unit.state = TrainingState.POST_BACKWARD
+                unit.free()
+                self._log("free", unit)
+
+    def _reduce(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
+        shard_grad = group.ensure_shard_grad()
+        self._log("reduce", unit)
+        self._pending_reduces.append(
+            self.collectives.reduce_scatter(grad, shard_grad, group.reduce_dtype, unit.name))
+        while len(self._pending_reduces) > MAX_REDUCES_IN_FLIGHT:
+            self._pending_reduces.pop(0).wait()
+
+    def _end_backward(self) -> None:
+        """Runs once when the backward pass finishes: every gradient is reduced and every
+        gathered buffer freed before `backward()` returns."""
+        with phase("overlap::end_backward"):
+            if self.sync_grads:
+                # Gradients held back by no_sync for units that got none this time.
+                for unit in self.all_units:
+                    for group in unit.trainable_groups:
+                        if group.unsynced_grad is not None:
+                            self._reduce(unit, group, group.take_grad_for_reduce(None))
+            for pending in self._pending_reduces:
+                pending.wait()
+            self._pending_reduces = []
+            for unit in self.all_units:
+                unit.free()
+            if self._this_backward:
+                self.backward_order = _dedupe(self._this_backward)
+            self.in_backward = False

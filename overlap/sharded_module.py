@@ -1,0 +1,242 @@
+"""`ShardedModule`: the public face of the runtime."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import defaultdict
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from overlap.collectives import Collectives
+from overlap.config import Config, config_from_env, validate_bucket_mb, validate_prefetch_depth
+from overlap.flat_group import FlatGroup
+from overlap.kernels import BackendUnavailable, get_backend
+from overlap.mixed_precision import MixedPrecision
+from overlap.planner import initial_plan
+from overlap.profiling import enable_nvtx
+from overlap.scheduler import Scheduler
+from overlap.topology import detect_link
+from overlap.unit import Unit
+from overlap.units import UnitSpec, discover_units, merge_into_buckets
+
+logger = logging.getLogger("overlap")
+
+
+def _device_for(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _signature(root: UnitSpec, units: list[UnitSpec]) -> list[tuple]:
+    return [(spec.name or "<root>", [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                                     for name, p, _ in spec.params]) for spec in [root, *units]]
+
+
+def _agree(group: dist.ProcessGroup, error: Optional[str], signature: list[tuple], config: Config) -> None:
+    """Raise the same error on every rank if any rank failed to configure or sees another model."""
+    world = dist.get_world_size(group)
+    reports: list[Any] = [None] * world
+    dist.all_gather_object(reports, (error, signature, config), group=group)
+    for rank, (rank_error, _, _) in enumerate(reports):
+        if rank_error is not None:
+            raise ValueError(f"ShardedModule: rank {rank}: {rank_error}")
+    _, ref_signature, ref_config = reports[0]
+    for rank, (_, rank_signature, rank_config) in enumerate(reports):
+        if rank_signature != ref_signature:
+            names = [u[0] for u in ref_signature], [u[0] for u in rank_signature]
+            if names[0] != names[1]:
+                detail = f"units {names[1]} vs rank 0's {names[0]}"
+            else:
+                unit = next(a for a, b in zip(ref_signature, rank_signature) if a != b)
+                other = dict(rank_signature)[unit[0]]
+                diff = next((a, b) for a, b in zip(unit[1] + [None], other + [None]) if a != b)
+                detail = f"unit {unit[0]!r}: parameter {diff[1]} vs rank 0's {diff[0]}"
+            raise ValueError(f"ShardedModule: rank {rank} wraps a different model than rank 0: {detail}")
+        if rank_config != ref_config:
+            raise ValueError(f"ShardedModule: rank {rank} has settings {rank_config} but rank 0 has {ref_config}; "
+                             "OVERLAP_* variables and arguments must match on every rank")
+
+
+class ShardedModule(nn.Module):
+    """Shard `module`'s parameters, gradients and optimizer state across the ranks of
+    `process_group` (ZeRO-3), gathering each unit's parameters just before it computes.
+
+    Args:
+        module: any nn.Module; rank 0's initial parameter values are used on every rank.
+        unit_types: module classes whose instances each become a unit; None for the
+            automatic policy (see `overlap.units`).
+        process_group: defaults to the world group.
+        mixed_precision: dtypes to gather in and reduce in; master shards keep the
+            parameters' own dtype.
+        prefetch_depth: units gathered ahead of the one computing (argument > OVERLAP_PREFETCH_DEPTH > planner).
+        bucket_mb: consecutive units are merged into buckets up to this size (argument > OVERLAP_BUCKET_MB > planner).
+        reshard_after_forward: free each unit after its forward and gather it again for
+            backward (3 passes of communication per step); False keeps it until its backward (2).
+    """
+
+    def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 mixed_precision: Optional[MixedPrecision] = None, prefetch_depth: Optional[int] = None,
+                 bucket_mb: Optional[float] = None, reshard_after_forward: bool = True) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedModule needs torch.distributed to be initialised "
+                               "(dist.init_process_group(), launched with torchrun)")
+        group = process_group if process_group is not None else dist.group.WORLD
+        device = _device_for(group)
+        mp = mixed_precision or MixedPrecision()
+
+        error: Optional[str] = None
+        config = Config()
+        try:
+            config = config_from_env().with_overrides(
+                prefetch_depth=None if prefetch_depth is None else validate_prefetch_depth(prefetch_depth),
+                bucket_mb=None if bucket_mb is None else validate_bucket_mb(bucket_mb))
+            kernels = get_backend(config.kernels, device)
+        except (ValueError, BackendUnavailable) as exc:
+            error = str(exc)
+        root_spec, unit_specs = discover_units(module, unit_types)
+        _agree(group, error, _signature(root_spec, unit_specs), config)
+
+        enable_nvtx(config.nvtx)
+        self.link = detect_link(group, config.link)
+        plan = initial_plan(self.link)
+        self.config = config.with_overrides(
+            prefetch_depth=plan.prefetch_depth if config.prefetch_depth is None else None,
+            bucket_mb=plan.bucket_mb if config.bucket_mb is None else None)
+        logger.info("plan: %s; using depth %d, bucket %.1f MB", plan.reason, self.config.prefetch_depth,
+                    self.config.bucket_mb)
+
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None:
+                    sub._buffers[name] = buf.to(device)
+        # State-dict keys in the module's own order, read before parameters leave their modules.
+        keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
+
+        self.collectives = Collectives(group, device, kernels)
+        self.mixed_precision = mp
+        self.module = module
+        self.flat_params = nn.ParameterDict()
+        self._slot_of: dict[int, tuple[FlatGroup, int]] = {}
+        buckets = merge_into_buckets(unit_specs, int(self.config.bucket_mb * 2**20))
+        root = self._build_unit(root_spec, "root", is_root=True) if root_spec.params else None
+        units = [self._build_unit(spec, f"unit{i}", is_root=False) for i, spec in enumerate(buckets)]
+        budget = None if self.config.memory_budget_mb is None else int(self.config.memory_budget_mb * 2**20)
+        self.scheduler = Scheduler(root, units, self.collectives, self.config.prefetch_depth, budget,
+                                   reshard_after_forward)
+        # key -> (group, slot index) for parameters, None for buffers and extra state.
+        self._state_dict_layout = [(key, self._slot_of.get(ident)) for key, ident in keys]
+
+    def _build_unit(self, spec: UnitSpec, key: str, is_root: bool) -> Unit:
+        by_kind: dict[tuple[torch.dtype, bool], list] = defaultdict(list)
+        for entry in spec.params:
+            by_kind[(entry[1].dtype, entry[1].requires_grad)].append(entry)
+        groups = []
+        for (dtype, requires_grad), entries in by_kind.items():
+            label = f"{key}_{str(dtype).removeprefix('torch.')}{'' if requires_grad else '_frozen'}"
+            group = FlatGroup(label, entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
+                              self.mixed_precision.grad_reduce_dtype(dtype), self.collectives.kernels)
+            self.flat_params[label] = group.shard
+            for index, (_, param, _) in enumerate(entries):
+                self._slot_of[id(param)] = (group, index)
+            groups.append(group)
+        return Unit(spec.name or "<root>", [] if is_root else spec.modules, groups, is_root)
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.scheduler.begin_forward()
+        param_dtype = self.mixed_precision.param_dtype
+        if param_dtype is not None:
+            def cast(x: Any) -> Any:
+                return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        output = self.module(*args, **kwargs)
+        self.scheduler.end_forward(output)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (unsharded, in the reduce dtype) without communicating;
+        the next backward outside the context reduces everything accumulated."""
+        previous = self.scheduler.sync_grads
+        self.scheduler.sync_grads = False
+        try:
+            yield
+        finally:
+            self.scheduler.sync_grads = previous
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all shards together; returns the total norm (same on every rank)."""
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.flat_params.values() if p.grad is not None]
+        device = self.collectives.device
+        group = self.collectives.group
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            total = local.to(torch.float32).clone()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        else:
+            local = sum((g.to(torch.float32).abs().pow(norm_type).sum() for g in grads),
+                        torch.zeros((), device=device))
+            dist.all_reduce(local, group=group)
+            total = local.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The wrapped module's state dict with full (unsharded) CPU tensors, on every rank."""
+        values = {group: group.full_values().cpu()
+                  for unit in self.scheduler.all_units for group in unit.groups}
+        others = self.module.state_dict()
+        out: dict[str, torch.Tensor] = {}
+        for key, where in self._state_dict_layout:
+            if where is None:
+                value = others[key]
+                out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+            else:
+                group, index = where
+                slot = group.slots[index]
+                out[key] = values[group][slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return out
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load full tensors (as `full_state_dict` returns them); every rank passes the same."""
+        expected = [key for key, _ in self._state_dict_layout]
+        missing = [key for key in expected if key not in state_dict]
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing or unexpected:
+            raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        per_group: dict[FlatGroup, list[Optional[torch.Tensor]]] = {}
+        others = {}
+        for key, where in self._state_dict_layout:
+            value = state_dict[key]
+            if where is None:
+                others[key] = value
+                continue
+            group, index = where
+            slot = group.slots[index]
+            if tuple(value.shape) != tuple(slot.shape):
+                raise ValueError(f"load_full_state_dict: {key} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(slot.shape)}")
+            per_group.setdefault(group, [None] * len(group.slots))[index] = value
+        for group, tensors in per_group.items():
+            group.load_full(tensors)
+        if others:
+            self.module.load_state_dict(others, strict=False)

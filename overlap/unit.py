@@ -1,0 +1,85 @@
+"""One unit: the parameters that are gathered and freed together (one or more modules)."""
+from __future__ import annotations
+
+import enum
+import torch
+from torch import nn
+
+from overlap.collectives import Pending
+from overlap.flat_group import FlatGroup
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"                      # between steps, or forward not reached yet
+    FORWARD = "forward"                # at least one member ran forward this step
+    PRE_BACKWARD = "pre_backward"      # backward reached the unit; parameters gathered for it
+    POST_BACKWARD = "post_backward"    # gradients complete and reduction issued
+
+
+class GatherState(enum.Enum):
+    FREE = "free"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Unit:
+    def __init__(self, name: str, modules: list[nn.Module], groups: list[FlatGroup], is_root: bool) -> None:
+        self.name = name
+        self.modules = modules
+        self.groups = groups
+        self.is_root = is_root
+        self.state = TrainingState.IDLE
+        self.gather_state = GatherState.FREE
+        self._pending: list[Pending] = []
+        self.members_run: set[int] = set()       # id() of member modules that ran forward this step
+        self.grads_pending = 0                   # trainable groups whose gradient has not arrived yet
+
+    @property
+    def gathered_nbytes(self) -> int:
+        return sum(g.gathered_nbytes for g in self.groups)
+
+    @property
+    def numel(self) -> int:
+        return sum(g.padded_numel for g in self.groups)
+
+    @property
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [g for g in self.groups if g.requires_grad]
+
+    def start_gather(self) -> None:
+        """Launch the all-gathers of all groups; returns at once."""
+        if self.gather_state is not GatherState.FREE:
+            return
+        self._pending = [g.start_gather(self.name) for g in self.groups]
+        self.gather_state = GatherState.GATHERING
+
+    def finish_gather(self) -> None:
+        """Block until the parameters are gathered (the wait is timed in each CommRecord)."""
+        if self.gather_state is GatherState.GATHERED:
+            return
+        if self.gather_state is GatherState.FREE:
+            self.start_gather()
+        for pending in self._pending:
+            pending.wait()
+        self._pending = []
+        self.gather_state = GatherState.GATHERED
+
+    def install_views(self) -> None:
+        for group in self.groups:
+            group.install_views()
+
+    def free(self) -> None:
+        """Drop the gathered parameters (waiting first for a gather still writing into them)."""
+        if self.gather_state is GatherState.FREE:
+            return
+        for pending in self._pending:
+            pending.wait()
+        self._pending = []
+        for group in self.groups:
+            group.free()
+        self.gather_state = GatherState.FREE
+
+    def begin_step(self) -> None:
+        self.state = TrainingState.IDLE
+        self.members_run.clear()
+        self.grads_pending = len(self.trainable_groups)

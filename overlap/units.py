@@ -1,0 +1,106 @@
+"""Which parameters form which unit, and how small units merge into buckets.
+
+Automatic policy (unit_types=None), the same on every rank because it depends on the
+module tree alone: every parameter-holding element of an `nn.ModuleList` (the usual stack
+of transformer blocks) is a unit, searching from the root down and not inside a unit; a
+model with no such list makes each parameter-holding child of the root a unit. Parameters
+outside every unit, and parameters shared by modules of different units (tied embeddings),
+belong to the root unit.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from torch import nn
+
+# (qualified name, parameter, every (module, attribute) that holds it)
+ParamEntry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    modules: list[nn.Module]
+    params: list[ParamEntry] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p, _ in self.params)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _auto_unit_modules(root: nn.Module) -> list[nn.Module]:
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                found.extend(m for m in child if _has_params(m))
+            else:
+                visit(child)
+
+    visit(root)
+    if not found:
+        found = [m for m in root.children() if _has_params(m)]
+    return found
+
+
+def discover_units(root: nn.Module, unit_types: Optional[Sequence[type]]) -> tuple[UnitSpec, list[UnitSpec]]:
+    """Split `root`'s parameters into the root unit and the units, in module order."""
+    if unit_types is None:
+        unit_modules = _auto_unit_modules(root)
+    else:
+        types = tuple(unit_types)
+        unit_modules = [m for m in root.modules() if isinstance(m, types) and m is not root and _has_params(m)]
+    unit_ids = {id(m) for m in unit_modules}
+
+    # Owning unit of each module: the innermost unit module above it (or itself).
+    owner_of: dict[int, int] = {}
+    root_spec = UnitSpec("", [root])
+    specs: dict[int, UnitSpec] = {}
+    occurrences: dict[int, list[tuple[str, nn.Module, str, int]]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
+
+    def walk(module: nn.Module, prefix: str, owner: int) -> None:
+        if id(module) in unit_ids:
+            owner = id(module)
+            specs.setdefault(owner, UnitSpec(prefix.rstrip("."), [module]))
+        for attr, param in module._parameters.items():
+            if param is not None:
+                occurrences[id(param)].append((prefix + attr, module, attr, owner))
+                params[id(param)] = param
+        for child_name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{child_name}.", owner)
+
+    walk(root, "", 0)
+    by_owner: dict[int, UnitSpec] = {0: root_spec, **specs}
+    for key, places in occurrences.items():
+        owners = {owner for *_, owner in places}
+        owner = owners.pop() if len(owners) == 1 else 0
+        by_owner[owner].params.append((places[0][0], params[key], [(m, a) for _, m, a, _ in places]))
+    units = [specs[id(m)] for m in unit_modules if id(m) in specs and specs[id(m)].params]
+    return root_spec, units
+
+
+def merge_into_buckets(units: list[UnitSpec], bucket_bytes: Optional[int]) -> list[UnitSpec]:
+    """Merge consecutive units while the bucket stays within `bucket_bytes` (None: no merging).
+
+    A unit larger than the bucket size stays alone; units are never split.
+    """
+    if not bucket_bytes:
+        return list(units)
+    buckets: list[UnitSpec] = []
+    for unit in units:
+        last = buckets[-1] if buckets else None
+        if last is not None and last.nbytes + unit.nbytes <= bucket_bytes:
+            buckets[-1] = UnitSpec(f"{last.name.split('..')[0]}..{unit.name}", last.modules + unit.modules,
+                                   last.params + unit.params)
+        else:
+            buckets.append(unit)
+    return buckets

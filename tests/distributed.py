@@ -1,0 +1,78 @@
+"""Run a function on N gloo ranks in fresh processes, with a deadline, and collect results."""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, env: dict, args: tuple) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            result = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+class RankError(RuntimeError):
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, env: dict | None = None,
+                    timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """`fn(rank, world_size, *args)` on every rank; returns the per-rank results.
+
+    Raises RankError with every failing rank's traceback; a rank still running after
+    `timeout` seconds is killed and reported.
+    """
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(fn, world_size, port, out_dir, env or {}, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while not ctx.join(timeout=1):
+            if datetime.datetime.now() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"distributed test did not finish within {timeout}s")
+        results, errors = [], {}
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors[rank] = value
+            results.append(value)
+        if errors:
+            raise RankError(errors)
+        return results
