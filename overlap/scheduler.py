@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.autograd import Variable
@@ -66,6 +66,8 @@ class Scheduler:
         self.events: list[tuple[str, str, float]] = []
         self.step = 0
         self.max_gathered_units = 0
+        # Called with the scheduler after every backward pass (planner, overlap report).
+        self.step_end_callbacks: list[Callable[["Scheduler"], None]] = []
 
         for unit in units:
             for module in unit.modules:
@@ -272,3 +274,6 @@ class Scheduler:
             if self._this_backward:
                 self.backward_order = _dedupe(self._this_backward)
             self.in_backward = False
+            self.events.append(("end_backward", "", time.perf_counter()))
+            for callback in self.step_end_callbacks:
+                callback(self)

@@ -131,6 +131,8 @@ class ShardedModule(nn.Module):
         budget = None if self.config.memory_budget_mb is None else int(self.config.memory_budget_mb * 2**20)
         self.scheduler = Scheduler(root, units, self.collectives, self.config.prefetch_depth, budget,
                                    reshard_after_forward)
+        module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._root_post_forward)
         # key -> (group, slot index) for parameters, None for buffers and extra state.
         self._state_dict_layout = [(key, self._slot_of.get(ident)) for key, ident in keys]
 
@@ -158,15 +160,23 @@ class ShardedModule(nn.Module):
             return getattr(self._modules["module"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # The root hooks on the wrapped module do the work, so that calls that reach it
+        # another way (its own `generate`, say) are handled the same.
+        return self.module(*args, **kwargs)
+
+    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.scheduler.begin_forward()
         param_dtype = self.mixed_precision.param_dtype
-        if param_dtype is not None:
-            def cast(x: Any) -> Any:
-                return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        output = self.module(*args, **kwargs)
+        if param_dtype is None:
+            return args, kwargs
+
+        def cast(x: Any) -> Any:
+            return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.scheduler.end_forward(output)
-        return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
