@@ -1,0 +1,64 @@
+"""Run a command inside a network namespace whose loopback is throttled: an emulated link.
+
+gloo between ranks on one host talks over loopback, where its transfers are CPU copies
+that compete with compute. A token-bucket filter (`tc ... tbf`) on the namespace's loopback
+turns it into a link of a chosen rate, so time spent on the wire becomes time the CPU is
+free, as with a real network, and overlap becomes measurable. Needs root (`ip netns`).
+
+    python benchmarks/netns.py --rate 2gbit -- torchrun --nproc-per-node 2 script.py
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+from typing import Iterator, Optional, Sequence
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def throttled_namespace(rate: Optional[str], name: Optional[str] = None) -> Iterator[list[str]]:
+    """Create a namespace (loopback throttled to `rate`, e.g. '2gbit'; None: unthrottled)
+    and yield the command prefix that runs a program inside it."""
+    if os.geteuid() != 0:
+        raise PermissionError("emulated links need root for `ip netns` and `tc`")
+    name = name or f"overlap-{os.getpid()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    _ip("netns", "add", name)
+    try:
+        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        if rate is not None:
+            subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                            "rate", rate, "burst", "256kb", "latency", "400ms"],
+                           check=True, capture_output=True, text=True)
+        yield ["ip", "netns", "exec", name]
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def run_on_link(command: Sequence[str], rate: Optional[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run `command` on an emulated link of `rate` (None: plain loopback, no namespace)."""
+    if rate is None:
+        return subprocess.run(list(command), **kwargs)
+    with throttled_namespace(rate) as prefix:
+        return subprocess.run(prefix + list(command), **kwargs)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", required=True, help="link rate for tc tbf, e.g. 2gbit or 400mbit")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="command to run (after --)")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given")
+    return run_on_link(command, args.rate).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
