@@ -17,6 +17,11 @@ import torch.distributed as dist
 from overlap.kernels import KernelBackend
 from overlap.profiling import phase
 
+# Newer torch names the tensor-in/tensor-out collectives `*_single`; older releases only
+# have the `*_tensor` spelling.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommRecord:
@@ -134,13 +139,13 @@ class Collectives:
                 self.all_gather_stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.all_gather_stream):
                     source = self._cast(shard, out.dtype)
-                    dist.all_gather_into_tensor(out, source, group=self.group)
+                    all_gather_flat(out, source, group=self.group)
                     event = torch.cuda.Event()
                     event.record(self.all_gather_stream)
                 return Pending(record, event=event, keep_alive=(source, shard, out))
             source = self._cast(shard, out.dtype)
             version = out._version
-            work = dist.all_gather_into_tensor(out, source, group=self.group, async_op=True)
+            work = all_gather_flat(out, source, group=self.group, async_op=True)
             pending = Pending(record, work=work, keep_alive=(source,), preserve_version_of=(out, version))
             self._mark_completion(pending)
             return pending
@@ -161,7 +166,7 @@ class Collectives:
                 with torch.cuda.stream(self.reduce_scatter_stream):
                     source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
                     out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
-                    dist.reduce_scatter_tensor(out, source, op=dist.ReduceOp.SUM, group=self.group)
+                    reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group)
                     self.kernels.accumulate(shard_grad, out)
                     event = torch.cuda.Event()
                     event.record(self.reduce_scatter_stream)
@@ -173,7 +178,7 @@ class Collectives:
                 chunks = world
             else:
                 out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
-                work = dist.reduce_scatter_tensor(out, source, op=dist.ReduceOp.SUM, group=self.group,
+                work = reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group,
                                                   async_op=True)
                 chunks = 1
             pending = Pending(record, work=work, keep_alive=(source, out),

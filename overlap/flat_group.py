@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.collectives import Collectives, Pending
+from overlap.collectives import Collectives, Pending, all_gather_flat
 from overlap.kernels import KernelBackend
 
 
@@ -141,7 +141,7 @@ class FlatGroup:
     def full_values(self) -> torch.Tensor:
         """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""
         out = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
-        dist.all_gather_into_tensor(out, self.shard.detach(), group=self.collectives.group)
+        all_gather_flat(out, self.shard.detach(), group=self.collectives.group)
         return out
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:

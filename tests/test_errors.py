@@ -1,0 +1,87 @@
+"""Bad input raises a clear error on every rank instead of hanging or corrupting training."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import RankError, run_distributed
+
+
+def _wrap(rank: int, world: int, widths: list[int]) -> str:
+    from overlap import ShardedModule
+
+    width = widths[rank % len(widths)]
+    ShardedModule(nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2)))
+    return "built"
+
+
+def _errors_by_rank(world: int, *args, env: dict | None = None) -> dict[int, str]:
+    with pytest.raises(RankError) as info:
+        run_distributed(_wrap, world, *args, env=env, timeout=120)
+    return info.value.errors
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("variable,value", [
+    ("OVERLAP_PREFETCH_DEPTH", "-1"), ("OVERLAP_PREFETCH_DEPTH", "two"),
+    ("OVERLAP_BUCKET_MB", "0"), ("OVERLAP_BUCKET_MB", "nan"),
+    ("OVERLAP_KERNELS", "fastest"), ("OVERLAP_NVTX", "yes"), ("OVERLAP_LOG", "loud"),
+    ("OVERLAP_LINK", "carrier-pigeon"), ("OVERLAP_MEMORY_BUDGET_MB", "-5"),
+])
+def test_invalid_environment_value_fails_on_every_rank(variable: str, value: str) -> None:
+    errors = _errors_by_rank(2, [3], env={variable: value})
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert "ValueError" in message and variable in message and repr(value) in message
+
+
+@pytest.mark.timeout(150)
+def test_one_rank_with_a_bad_value_stops_all_ranks() -> None:
+    """Only rank 1's setting is invalid: rank 0 must not wait for it forever."""
+
+    errors = _errors_by_rank(2, [3], env={"OVERLAP_PREFETCH_DEPTH": "x"})
+    assert set(errors) == {0, 1}
+
+
+@pytest.mark.timeout(150)
+def test_different_models_fail_on_every_rank_without_hanging() -> None:
+    errors = _errors_by_rank(2, [3, 5])
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert "different model" in message and "rank 1" in message
+
+
+def _bad_arguments(rank: int, world: int) -> list[str]:
+    from overlap import ShardedModule
+
+    messages = []
+    for kwargs in ({"prefetch_depth": -1}, {"prefetch_depth": 1.5}, {"bucket_mb": 0}):
+        try:
+            ShardedModule(nn.Linear(2, 2), **kwargs)
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.timeout(150)
+def test_invalid_arguments_are_named() -> None:
+    messages = run_distributed(_bad_arguments, 2, timeout=120)
+    for per_rank in messages:
+        assert len(per_rank) == 3
+        assert "prefetch_depth=-1" in per_rank[0] and "prefetch_depth=1.5" in per_rank[1]
+        assert "bucket_mb=0" in per_rank[2]
+
+
+def test_needs_an_initialised_process_group() -> None:
+    from overlap import ShardedModule
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ShardedModule(nn.Linear(2, 2))
+
+
+def test_mixed_precision_rejects_non_float_dtypes() -> None:
+    from overlap import MixedPrecision
+
+    with pytest.raises(ValueError, match="param_dtype"):
+        MixedPrecision(param_dtype=torch.int8)
