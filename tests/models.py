@@ -69,3 +69,20 @@ class FeatureNet(nn.Module):
             x = b[5](x)                                        # no gradient on steps that skip it
         logits = self.head(x)
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Reorderable(nn.Module):
+    """Blocks run in `order`, which can change between steps (data-dependent control flow)."""
+
+    def __init__(self, vocab: int = 37, d: int = 12, hidden: int = 20, n: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+        self.order = list(range(n))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for i in self.order:
+            x = self.blocks[i](x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())

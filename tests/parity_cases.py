@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models import Block, FeatureNet, Tiny
+from models import Block, FeatureNet, Reorderable, Tiny
 from parity import Case, token_batches
 
 from overlap import MixedPrecision
@@ -40,6 +40,10 @@ def _skip_optional_on_step_2(model: nn.Module, step: int) -> None:
     model.use_optional = step != 2
 
 
+def _reverse_order_on_step_1(model: nn.Module, step: int) -> None:
+    model.order = [3, 2, 1, 0] if step == 1 else [0, 1, 2, 3]
+
+
 _NO_MERGING = {"unit_types": (Block, Tiny), "bucket_mb": 1e-3}
 _GPT_BATCHES = token_batches(SMALL_GPT.vocab_size, 12, steps=4)
 
@@ -50,6 +54,10 @@ CASES = {case.name: case for case in [
          before_step=_skip_optional_on_step_2, fail_step=1, eval_every_step=True),
     Case("features_bucketed", FeatureNet, _lm_loss, token_batches(37, 6, steps=3),
          wrap={"unit_types": (Block, Tiny), "bucket_mb": 0.01}),
+    # The units' execution order changes on one step and changes back.
+    Case("order_change", Reorderable, _lm_loss, token_batches(37, 6, steps=4),
+         wrap={"unit_types": (Block,), "bucket_mb": 1e-3, "prefetch_depth": 2},
+         before_step=_reverse_order_on_step_1),
     Case("gpt_adamw_clip", lambda: GPT(SMALL_GPT), _lm_loss, _GPT_BATCHES, optimizer="adamw", clip=0.5,
          rtol=1e-3, atol=2e-4),
     Case("gpt_no_sync", lambda: GPT(SMALL_GPT), _lm_loss, _GPT_BATCHES, micro_batches=2),

@@ -80,3 +80,52 @@ def test_bytes_per_step_match_zero3(world: int, reshard: bool) -> None:
     expected = (passes * result["unit_bytes"] + 2 * result["root_bytes"]) * (world - 1) // world
     assert result["kinds"] == ["all_gather", "reduce_scatter"]
     assert abs(result["comm_bytes"] - expected) <= result["num_groups"] * passes
+
+
+def _order_change(rank: int, world: int) -> list[dict]:
+    from models import Block as TestBlock
+    from models import Reorderable
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    inner = Reorderable()
+    model = ShardedModule(inner, unit_types=(TestBlock,), prefetch_depth=1, bucket_mb=1e-3)
+    tokens = torch.randint(0, 37, (2, 6))
+    steps = []
+    for order in ([0, 1, 2, 3], [0, 1, 2, 3], [3, 1, 0, 2], [3, 1, 0, 2]):
+        inner.order = order
+        model(tokens, tokens).backward()
+        kinds = [kind for kind, _, _ in model.scheduler.events]
+        steps.append({"misses": kinds.count("miss"), "hits": kinds.count("hit")})
+    return steps
+
+
+@pytest.mark.timeout(240)
+def test_prefetch_follows_a_changed_order() -> None:
+    """A new order costs misses for one step only; prefetch is never switched off."""
+    steps = run_distributed(_order_change, 2)[0]
+    # Step 1 knows no order yet: all four blocks miss. Step 2 has learned it.
+    assert steps[0]["misses"] == 4 and steps[1]["misses"] == 0
+    # Step 3 runs another order: some gathers miss, but prefetch goes on from the known order.
+    assert 0 < steps[2]["misses"] < 8 and steps[2]["hits"] > 0
+    # Step 4 has learned the new order.
+    assert steps[3]["misses"] == 0 and steps[3]["hits"] == 8
+
+
+def _with_budget(rank: int, world: int, budget_units: int) -> int:
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(CONFIG), unit_types=(Block,), prefetch_depth=3, bucket_mb=1e-3)
+    unit_bytes = model.scheduler.units[0].gathered_nbytes
+    model.scheduler.memory_budget_bytes = budget_units * unit_bytes
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 12))
+    for _ in range(2):
+        model(tokens, tokens).backward()
+    return model.scheduler.max_gathered_units
+
+
+@pytest.mark.timeout(240)
+def test_memory_budget_caps_prefetch() -> None:
+    assert run_distributed(_with_budget, 2, 2)[0] <= 2
+    assert run_distributed(_with_budget, 2, 100)[0] == 4      # depth 3 + the unit computing

@@ -1,0 +1,179 @@
+"""The memory model: ZeRO formulas, the `overlap estimate` CLI, and estimate vs measurement
+on a 2-rank `ShardedModule` run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap import estimate as estimate_cli
+from overlap.memory_model import (MODEL_STATE_CATEGORIES, STAGES, ActivationShape, activation_bytes, estimate,
+                                  gathered_buffer_bytes, layer_activation_bytes, state_bytes)
+from distributed import run_distributed  # tests/ is on sys.path under pytest
+
+PAPER_PSI, PAPER_WORLD = 7.5e9, 64
+
+
+def _model_states_gb(stage: str, world: int = PAPER_WORLD) -> float:
+    return estimate(PAPER_PSI, world, stage=stage, precision="bf16", optimizer="adamw").model_states / 1e9
+
+
+def test_paper_example_per_stage():
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, mixed-precision Adam (K = 12).
+    expected_gb = {"dp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+    for stage, gb in expected_gb.items():
+        assert _model_states_gb(stage) == pytest.approx(gb, abs=0.05), stage
+
+
+def test_per_parameter_bytes():
+    assert state_bytes("bf16", "adamw") == state_bytes("fp16", "adamw")
+    def triple(precision: str, optimizer: str) -> tuple[float, float, float]:
+        per_param = state_bytes(precision, optimizer)
+        return per_param.weights, per_param.gradients, per_param.optimizer_state
+
+    assert triple("bf16", "adamw") == (2, 2, 12)
+    assert [triple("fp32", name) for name in ("adamw", "sgd-momentum", "sgd")] == [(4, 4, 8), (4, 4, 4), (4, 4, 0)]
+    with pytest.raises(ValueError, match="precision='int3'"):
+        state_bytes("int3", "adamw")
+    with pytest.raises(ValueError, match="optimizer='lion'"):
+        state_bytes("bf16", "lion")
+
+
+def test_stages_shrink_memory_in_order_and_world_one_is_dp():
+    for world in (2, 8, 1024):
+        totals = [_model_states_gb(stage, world) for stage in STAGES]
+        assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1]
+    dp = estimate(1e9, 1, stage="dp")
+    for stage in STAGES:
+        one = estimate(1e9, 1, stage=stage)
+        for category in MODEL_STATE_CATEGORIES:
+            assert getattr(one, category) == getattr(dp, category), (stage, category)
+
+
+def test_zero3_is_sixteen_psi_over_n_and_gathers_units():
+    shape = ActivationShape(batch=2, seq=64, hidden=256, layers=4, heads=4)
+    result = estimate(1e8, 16, stage="zero3", activations=shape, prefetch_depth=2, root_params=1e6)
+    assert result.model_states == pytest.approx(16 * 1e8 / 16)
+    # (2 + 1) units of 1e8 / 4 parameters and the root, in bf16
+    assert result.gathered_buffers == pytest.approx(3 * 2.5e7 * 2 + 1e6 * 2)
+    assert result.total == pytest.approx(result.model_states + result.activations + result.gathered_buffers)
+    assert estimate(1e8, 16, stage="zero2", activations=shape).gathered_buffers == 0
+    # prefetching further than there are units gathers each unit once
+    assert gathered_buffer_bytes(10.0, prefetch_depth=5, num_units=3) == 30.0
+
+
+def test_activation_formula():
+    shape = ActivationShape(batch=8, seq=4096, hidden=4096, layers=32, heads=32)
+    sbh = 8 * 4096 * 4096
+    assert layer_activation_bytes(shape, 2) == 32 * sbh + 4 * 32 * 4096 * 8
+    eager = ActivationShape(batch=8, seq=4096, hidden=4096, layers=32, heads=32, fused_attention=False)
+    assert layer_activation_bytes(eager, 2) == 32 * sbh + 2 * 32 * 4096 ** 2 * 8
+    full = activation_bytes(shape, 2, checkpointing=False)
+    ckpt = activation_bytes(shape, 2, checkpointing=True)
+    assert full == 32 * layer_activation_bytes(shape, 2)
+    assert ckpt == 32 * 2 * sbh + layer_activation_bytes(shape, 2)
+    assert activation_bytes(shape, 4, False) > full
+    with_head = ActivationShape(batch=8, seq=4096, hidden=4096, layers=32, heads=32, vocab=32000)
+    assert activation_bytes(with_head, 2, False) - full == 2 * 2 * sbh + 4 * 8 * 4096 * 32000
+    with pytest.raises(ValueError, match="heads=3"):
+        ActivationShape(batch=1, seq=1, hidden=64, layers=1, heads=3)
+    with pytest.raises(ValueError, match="batch=0"):
+        ActivationShape(batch=0, seq=1, hidden=64, layers=1, heads=1)
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+def test_cli_prints_chosen_stage_and_every_stage(capsys):
+    assert estimate_cli.main(["--params", "7.5e9", "--world", "64", "--seq", "4096", "--batch", "8",
+                              "--layers", "32", "--hidden", "4096", "--ckpt"]) == 0
+    out = capsys.readouterr().out
+    stage_rows = {line[:16].strip(): line[16:].split() for line in out.split("every stage")[0].splitlines()}
+    assert stage_rows["weights"][0] == stage_rows["gradients"][0] == "2Ψ/N"
+    assert stage_rows["optimizer state"][0] == "12Ψ/N"
+    comparison = out.split("every stage")[1]
+    optimizer_row = next(line for line in comparison.splitlines() if line.startswith("optimizer state"))
+    assert optimizer_row.split()[2:] == ["90.00", "1.41", "1.41", "1.41"]
+    total_row = next(line for line in comparison.splitlines() if line.startswith("total"))
+    expected = estimate(7.5e9, 64, stage="zero3", activations=ActivationShape(8, 4096, 4096, 32, 32),
+                        checkpointing=True).total
+    assert total_row.split()[-1] == f"{expected / 1e9:,.2f}"
+
+
+def test_cli_fp32_sgd_dp(capsys):
+    assert estimate_cli.main(["--params", "1B", "--world", "8", "--precision", "fp32", "--optimizer", "sgd",
+                              "--stage", "dp"]) == 0
+    out = capsys.readouterr().out
+    stage_table = out.split("every stage")[0]
+    assert [line.split()[-1] for line in stage_table.splitlines() if line.startswith(("weights", "gradients"))] \
+        == ["4.00", "4.00"]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--world", "8"], "--params"),
+    (["--params", "0", "--world", "8"], "--params"),
+    (["--params", "7e9", "--world", "0"], "--world"),
+    (["--params", "7e9", "--world", "8", "--stage", "zero4"], "--stage"),
+    (["--params", "7e9", "--world", "8", "--optimizer", "lion"], "--optimizer"),
+    (["--params", "7e9", "--world", "8", "--seq", "128"], "--batch"),
+    (["--params", "7e9", "--world", "8", "--prefetch-depth", "-1"], "--prefetch-depth"),
+    (["--params", "7e9", "--world", "8", "--seq", "8", "--batch", "1", "--layers", "2", "--hidden", "64",
+      "--heads", "3"], "--heads"),
+])
+def test_cli_rejects_bad_arguments(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        estimate_cli.main(argv)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+# ---- estimate vs measurement on a live run --------------------------------------------------
+
+def _measure_on_ranks(rank: int, world_size: int) -> list[dict]:
+    from overlap import MixedPrecision, ShardedModule
+    from overlap.memory_model import measure, memory_report
+    from overlap.models import GPT, Block, GPTConfig
+
+    config = GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=64)
+    idx = torch.randint(0, config.vocab_size, (2, config.block_size), generator=torch.Generator().manual_seed(0))
+    results = []
+    for optimizer_name in ("adamw", "sgd-momentum"):
+        torch.manual_seed(0)
+        model = ShardedModule(GPT(config), unit_types=[Block], bucket_mb=1e-6, prefetch_depth=1,
+                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer_name == "adamw"
+                     else torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(idx, idx).backward()
+            optimizer.step()
+
+        step()  # the optimizer's state exists from here on, as in any later step
+        shape = ActivationShape(batch=2, seq=config.block_size, hidden=config.n_embd, layers=config.n_layer,
+                                heads=config.n_head, vocab=config.vocab_size)
+        report = memory_report(model, optimizer, step, activations=shape)
+        held = measure(model, optimizer)  # no step: the model states held after it
+        dp = estimate(config.num_params, world_size, stage="dp", precision="fp32",
+                      optimizer=optimizer_name)
+        results.append({"optimizer": optimizer_name, "table": report.table(),
+                        "ratios": {c: report.ratio(c) for c in MODEL_STATE_CATEGORIES},
+                        "dp_ratio": report.measured.optimizer_state / dp.optimizer_state,
+                        "measured": report.measured, "held": held})
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_measured_model_states_match_estimate_on_two_ranks():
+    per_rank = run_distributed(_measure_on_ranks, 2, env={"OMP_NUM_THREADS": "1"}, timeout=100)
+    for rank, results in enumerate(per_rank):
+        for result in results:
+            print(f"rank {rank}, {result['optimizer']}\n{result['table']}")
+            for category, ratio in result["ratios"].items():
+                assert ratio == pytest.approx(1.0, abs=0.10), (rank, result["optimizer"], category)
+            # The unsharded optimizer state would be twice as large: the check tells stages apart.
+            assert result["dp_ratio"] == pytest.approx(0.5, abs=0.05)
+            measured, held = result["measured"], result["held"]
+            assert measured.activations > 0 and measured.gathered_buffers > 0
+            assert measured.peak >= measured.weights + measured.optimizer_state
+            for category in MODEL_STATE_CATEGORIES:
+                assert getattr(held, category) == getattr(measured, category), category
+            assert held.peak is None and held.activations is None
