@@ -60,6 +60,7 @@ class FlatGroup:
         self.numel = offset
         self.shard_numel = -(-max(offset, 1) // world)
         self.padded_numel = self.shard_numel * world
+        self._split_sizes = [s.numel for s in self.slots] + [self.padded_numel - self.numel]
 
         # Rank 0's initial values are the truth on every rank, as with DDP.
         flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=device)
@@ -102,9 +103,15 @@ class FlatGroup:
         self.full.untyped_storage().resize_(0)
 
     def install_views(self) -> None:
-        """Point every owner module's attribute at its parameter's view of `full`."""
-        for slot in self.slots:
-            view = self.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+        """Point every owner module's attribute at its parameter's view of `full`.
+
+        One `split` makes all views: its backward writes every gradient into one flat tensor
+        in a single pass, where a `narrow` per parameter would materialise a zero-filled
+        full-size gradient per parameter and sum them.
+        """
+        pieces = torch.split(self.full, self._split_sizes)
+        for slot, piece in zip(self.slots, pieces):
+            view = piece.view(slot.shape)
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
 
