@@ -179,11 +179,20 @@ class Scheduler:
             return
         with phase(f"overlap::post_forward::{unit.name}"):
             self._log("post_forward", unit)
-            if torch.is_grad_enabled():
-                self._hook_outputs(output, partial(self._pre_backward, unit))
-            if self.reshard_after_forward and len(unit.members_run) == len(unit.modules):
+            backward_follows = torch.is_grad_enabled() and self._hook_outputs(
+                output, partial(self._pre_backward, unit))
+            if (self.reshard_after_forward and len(unit.members_run) == len(unit.modules)
+                    and not (backward_follows and self._ends_forward(unit))):
                 unit.free()
                 self._log("free", unit)
+
+    def _ends_forward(self, unit: Unit) -> bool:
+        """Whether `unit` ran last in the previous forward and again at the same position:
+        backward needs it first, so it stays gathered instead of being freed and gathered
+        again at once."""
+        position = len(self._this_forward) - 1
+        return bool(self.forward_order) and position == len(self.forward_order) - 1 \
+            and self.forward_order[position] is unit
 
     def end_forward(self, output: Any) -> None:
         """Called with the wrapped module's output."""
