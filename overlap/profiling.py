@@ -31,3 +31,20 @@ def phase(name: str) -> Iterator[None]:
                 torch.cuda.nvtx.range_pop()
         else:
             yield
+
+
+class Span:
+    """A labelled range opened in one hook and closed in another (a unit's forward runs from
+    its pre-forward hook to its post-forward hook; its backward from the hook on its outputs'
+    gradient to the hook on its parameters' gradient). NVTX start/end ranges, unlike
+    push/pop, need not nest, which backward's interleaving requires."""
+
+    def __init__(self, name: str) -> None:
+        self._record = record_function(name)
+        self._record.__enter__()
+        self._nvtx = torch.cuda.nvtx.range_start(name) if _nvtx_enabled else None
+
+    def close(self) -> None:
+        self._record.__exit__(None, None, None)
+        if self._nvtx is not None:
+            torch.cuda.nvtx.range_end(self._nvtx)

@@ -141,6 +141,7 @@ class Scheduler:
             unit.begin_step()
         if self.root is not None:
             self.root.start_gather()
+            self._log("gather", self.root)
         self._prefetch_after(self.forward_order, -1, None)
         if self.root is not None:
             self._log("pre_forward", self.root)
@@ -173,10 +174,12 @@ class Scheduler:
             unit.state = TrainingState.FORWARD
             unit.members_run.add(id(module))
             self._log("pre_forward", unit)
+            unit.open_span("forward")
 
     def _post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.in_backward:
             return
+        unit.close_span()
         with phase(f"overlap::post_forward::{unit.name}"):
             self._log("post_forward", unit)
             backward_follows = torch.is_grad_enabled() and self._hook_outputs(
@@ -206,8 +209,13 @@ class Scheduler:
             # of backward under them.
             self._prefetch_after(self.backward_order, -1, None)
         else:
-            for unit in self.all_units:
+            self._free_all()
+
+    def _free_all(self) -> None:
+        for unit in self.all_units:
+            if unit.gather_state is not GatherState.FREE:
                 unit.free()
+                self._log("free", unit)
 
     @staticmethod
     def _hook_outputs(output: Any, hook) -> bool:
@@ -244,8 +252,10 @@ class Scheduler:
             self._gather_for_compute(unit, self.backward_order, position)
             unit.state = TrainingState.PRE_BACKWARD
             self._log("pre_backward", unit)
+            unit.open_span("backward")
 
     def _on_grad(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
+        unit.close_span()
         with phase(f"overlap::post_backward::{unit.name}"):
             if self.sync_grads:
                 self._reduce(unit, group, group.take_grad_for_reduce(grad))
@@ -263,7 +273,8 @@ class Scheduler:
         self._pending_reduces.append(
             self.collectives.reduce_scatter(grad, shard_grad, group.reduce_dtype, unit.name))
         while len(self._pending_reduces) > MAX_REDUCES_IN_FLIGHT:
-            self._pending_reduces.pop(0).wait()
+            with phase(f"overlap::wait_reduce_scatter::{self._pending_reduces[0].record.unit}"):
+                self._pending_reduces.pop(0).wait()
 
     def _end_backward(self) -> None:
         """Runs once when the backward pass finishes: every gradient is reduced and every
@@ -275,11 +286,11 @@ class Scheduler:
                     for group in unit.trainable_groups:
                         if group.unsynced_grad is not None:
                             self._reduce(unit, group, group.take_grad_for_reduce(None))
-            for pending in self._pending_reduces:
-                pending.wait()
+            with phase("overlap::wait_reduce_scatter::all"):
+                for pending in self._pending_reduces:
+                    pending.wait()
             self._pending_reduces = []
-            for unit in self.all_units:
-                unit.free()
+            self._free_all()
             if self._this_backward:
                 self.backward_order = _dedupe(self._this_backward)
             self.in_backward = False

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import enum
+from typing import Optional
 import torch
 from torch import nn
 
 from overlap.collectives import Pending
 from overlap.flat_group import FlatGroup
+from overlap.profiling import Span, phase
 
 
 class TrainingState(enum.Enum):
@@ -33,6 +35,7 @@ class Unit:
         self._pending: list[Pending] = []
         self.members_run: set[int] = set()       # id() of member modules that ran forward this step
         self.grads_pending = 0                   # trainable groups whose gradient has not arrived yet
+        self.span: Optional[Span] = None         # the profiler range of the unit's compute
 
     @property
     def gathered_nbytes(self) -> int:
@@ -59,10 +62,20 @@ class Unit:
             return
         if self.gather_state is GatherState.FREE:
             self.start_gather()
-        for pending in self._pending:
-            pending.wait()
+        with phase(f"overlap::wait_all_gather::{self.name}"):
+            for pending in self._pending:
+                pending.wait()
         self._pending = []
         self.gather_state = GatherState.GATHERED
+
+    def open_span(self, phase_name: str) -> None:
+        self.close_span()
+        self.span = Span(f"overlap::{phase_name}::{self.name}")
+
+    def close_span(self) -> None:
+        if self.span is not None:
+            self.span.close()
+            self.span = None
 
     def install_views(self) -> None:
         for group in self.groups:
@@ -75,6 +88,7 @@ class Unit:
         for pending in self._pending:
             pending.wait()
         self._pending = []
+        self.close_span()
         for group in self.groups:
             group.free()
         self.gather_state = GatherState.FREE

@@ -1,0 +1,78 @@
+"""`overlap train`: the whole job through its own launcher, with tiny settings, and its errors."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from overlap.train_job import ByteBatches, main
+
+TINY = ["--steps", "16", "--eval-every", "8", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32",
+        "--batch", "8", "--lr", "1e-2", "--sample", "1", "--sample-len", "24"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One self-launched run (2 gloo ranks) with --trace; shared by the tests below."""
+    workdir = tmp_path_factory.mktemp("train")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TORCHELASTIC_RUN_ID", None)      # make sure the job launches its own ranks
+    done = subprocess.run([sys.executable, "-m", "overlap", "train", *TINY, "--trace", "trace"], cwd=workdir,
+                          env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return workdir, done.stdout
+
+
+@pytest.mark.timeout(180)
+def test_train_prints_a_falling_loss_and_the_report(job):
+    _, out = job
+    losses = [float(x) for x in re.findall(r"^step \d+: train loss ([\d.]+), val loss [\d.]+$", out, re.M)]
+    assert len(losses) == 2, out
+    assert losses[-1] < losses[0] < 5.6, out      # starts near ln(256) = 5.55 and falls
+    assert re.search(r"^communication [\d.]+ m?s/step, \d+% hidden, exposed [\d.]+ m?s$", out, re.M), out
+    assert re.search(r"^blocks\.0 ", out, re.M) and re.search(r"^blocks\.1 ", out, re.M), out
+    assert "--- sample 1 ---" in out
+
+
+@pytest.mark.timeout(180)
+def test_trace_writes_chrome_traces_and_a_timeline(job):
+    workdir, _ = job
+    for rank in (0, 1):
+        with open(workdir / "trace" / f"trace_rank{rank}.json") as f:
+            names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
+        assert any(name.startswith("overlap::all_gather::blocks.") for name in names)
+        assert any(name.startswith("overlap::pre_backward::blocks.") for name in names)
+    with open(workdir / "trace" / "timeline.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hidden", "30", "--heads", "4"], "--hidden 30 must be a multiple of --heads 4"),
+    (["--data", "no/such/file.txt"], "--data 'no/such/file.txt' cannot be read"),
+    (["--seq", "100000"], "--seq 100000 is too long"),
+])
+def test_bad_settings_are_named(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_option_values_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        main(["--steps", "0"])
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_batches_are_next_byte_targets():
+    text = bytes(range(200))
+    batches = ByteBatches(text, seq=8, device=torch.device("cpu"), seed=0)
+    inputs, targets = batches.get("train", 4)
+    assert inputs.shape == targets.shape == (4, 8)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert int(inputs.max()) < 180           # train split: the first 90%
+    val_inputs, _ = batches.get("val", 2)
+    assert int(val_inputs.min()) >= 180
