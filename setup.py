@@ -26,16 +26,20 @@ def _extension_modules():
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     define_macros = [("OVERLAP_WITH_CUDA", "1")] if use_cuda else []
-    extra = {"cxx": ["-O3", "-fopenmp"]}
+    # -ffp-contract=off: `a + b * s` must round twice, as torch's separate ops do (no FMA).
+    extra = {"cxx": ["-O3", "-fopenmp", "-ffp-contract=off"]}
+    # csrc/flat_launch.cu includes the kernels the CuPy backend also compiles at run time.
+    include_dirs = [os.path.abspath("csrc"), os.path.abspath("kernels")]
     if use_cuda:
         extra["nvcc"] = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
         ext = cpp_extension.CUDAExtension(
-            "overlap._C", cpp_sources + cuda_sources, define_macros=define_macros,
+            "overlap._C", cpp_sources + cuda_sources, define_macros=define_macros, include_dirs=include_dirs,
             extra_compile_args=extra, extra_link_args=["-fopenmp"],
         )
     else:
         ext = cpp_extension.CppExtension(
-            "overlap._C", cpp_sources, extra_compile_args=extra, extra_link_args=["-fopenmp"],
+            "overlap._C", cpp_sources, include_dirs=include_dirs, extra_compile_args=extra,
+            extra_link_args=["-fopenmp"],
         )
     return [ext], {"build_ext": _optional(cpp_extension.BuildExtension)}
 

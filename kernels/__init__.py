@@ -11,9 +11,10 @@ collective buffers:
   chunks of src`` (reduce-scatter output, or the chunks an all-to-all returns, into the fp32
   sharded gradient).
 
-Backends: ``torch`` (reference), and the optional compiled ones registered below. The
-choice is made by name through :func:`get_backend`; ``auto`` picks the fastest backend
-available for a device.
+Backends: ``torch`` (reference), ``ext`` (the ``overlap._C`` C++/CUDA extension),
+``triton`` and ``cupy`` (NVRTC); the compiled ones share ``kernels/flat_kernels.cu`` or its
+semantics and are tested element for element against the reference. The choice is made by
+name through :func:`get_backend`; ``auto`` picks the fastest backend available for a device.
 """
 from __future__ import annotations
 
@@ -44,31 +45,69 @@ class BackendUnavailable(RuntimeError):
     """Raised when a backend is asked for by name but cannot run here."""
 
 
+# Fastest first, per device type. CPU (measured, benchmarks/kernels.py): the extension
+# beats torch on the runtime's per-step calls (one pass instead of a temporary and a copy)
+# and matches torch.cat on many small tensors; Triton on CPU is its interpreter, for tests
+# only. CUDA: Triton first, as it needs no compiled extension matching the installed torch;
+# then the extension, then CuPy. Their relative speed on a GPU is not yet measured
+# (benchmarks/gpu_check.sh prints the comparison that should settle this order).
+AUTO_ORDER = {
+    "cpu": ("ext", "torch", "triton"),
+    "cuda": ("triton", "ext", "cupy", "torch"),
+}
+_loaded: dict[str, KernelBackend] = {}
+
+
 def _load(name: str) -> KernelBackend:
-    if name == "torch":
-        return TorchKernels()
-    raise BackendUnavailable(f"kernel backend {name!r} is not available in this install")
+    """The backend object for `name`, created once; BackendUnavailable if it cannot be imported."""
+    if name in _loaded:
+        return _loaded[name]
+    try:
+        if name == "torch":
+            backend: KernelBackend = TorchKernels()
+        elif name == "triton":
+            from .triton_backend import TritonKernels
+            backend = TritonKernels()
+        elif name == "ext":
+            from .ext_backend import ExtKernels
+            backend = ExtKernels()
+        elif name == "cupy":
+            from .cupy_backend import CupyKernels
+            backend = CupyKernels()
+        else:
+            raise BackendUnavailable(f"kernel backend {name!r} is not available in this install")
+    except ImportError as exc:
+        hint = {"ext": "overlap._C was not built (reinstall with a C++ compiler)",
+                "triton": "install triton", "cupy": "install cupy-cuda13x"}.get(name, "")
+        raise BackendUnavailable(f"kernel backend {name!r} is not available: {exc}; {hint}") from exc
+    _loaded[name] = backend
+    return backend
+
+
+def _usable(name: str, device: torch.device) -> bool:
+    try:
+        return _load(name).supports(device)
+    except BackendUnavailable:
+        return False
 
 
 def available_backends(device: torch.device) -> list[str]:
     """Names of the backends that can run on `device`, fastest first."""
-    names = []
-    for name in ("torch",):
-        try:
-            if _load(name).supports(device):
-                names.append(name)
-        except BackendUnavailable:
-            pass
-    return names
+    device = torch.device(device)
+    return [name for name in AUTO_ORDER.get(device.type, ("torch",)) if _usable(name, device)]
 
 
 def get_backend(name: str, device: torch.device) -> KernelBackend:
     """The backend called `name` for tensors on `device`; `auto` picks the fastest available."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    device = torch.device(device)
     if name == "auto":
-        return _load(available_backends(device)[0])
+        # The first usable backend in AUTO_ORDER; the later ones are not even imported.
+        return _load(next(n for n in AUTO_ORDER.get(device.type, ("torch",)) if _usable(n, device)))
     backend = _load(name)
     if not backend.supports(device):
-        raise BackendUnavailable(f"kernel backend {name!r} cannot run on device {device}")
+        hint = " (Triton runs CPU tensors only in its interpreter, TRITON_INTERPRET=1)" \
+            if name == "triton" and device.type == "cpu" else ""
+        raise BackendUnavailable(f"kernel backend {name!r} cannot run on device {device}{hint}")
     return backend

@@ -1,0 +1,15 @@
+// Schemas of the `torch.ops.overlap` flat-buffer ops, and the Python module `overlap._C`
+// whose import loads them. Implementations: flat_ops_cpu.cpp, flat_ops_cuda.cpp.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(overlap, m) {
+  m.def("pack(Tensor[] srcs, Tensor(a!) dst, int[] offsets, float scale) -> ()");
+  m.def("unpack(Tensor src, Tensor(a!)[] dsts, int[] offsets) -> ()");
+  m.def("accumulate(Tensor(a!) dst, Tensor src, float scale, int num_chunks) -> ()");
+}
+
+// The module has no Python functions of its own: importing it registers the ops above.
+static struct PyModuleDef overlap_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&overlap_c_module); }

@@ -1,0 +1,67 @@
+"""The `ext` backend: the `overlap._C` extension's `torch.ops.overlap` custom ops.
+
+Built by setup.py from csrc/: a CPU implementation always (split over tensors and blocks,
+vectorised for the CPU it runs on), and a CUDA one when the build had CUDA and nvcc. The
+CUDA kernels are kernels/flat_kernels.cu, the same source the `cupy` backend compiles.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .compiled import CompiledKernels
+
+
+def _load_ops() -> None:
+    """Import the extension, which registers torch.ops.overlap.*; ImportError if it was not built."""
+    import overlap._C  # noqa: F401
+
+
+def _has_kernel(device_type: str) -> bool:
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("overlap::pack", key)
+
+
+class ExtKernels(CompiledKernels):
+    name = "ext"
+
+    def __init__(self) -> None:
+        _load_ops()
+        self._ops = torch.ops.overlap
+
+    def supports(self, device: torch.device) -> bool:
+        return _has_kernel(torch.device(device).type)
+
+    # The ops check every argument before writing anything, in C++, which costs far less than
+    # CompiledKernels' checks in Python for hundreds of tensors. A call they refuse (bad
+    # arguments, or a dtype the kernels do not cover) takes the checked path instead, which
+    # raises a ValueError naming the problem or hands uncovered dtypes to the reference.
+
+    def pack(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int],
+             scale: float = 1.0) -> None:
+        try:
+            self._ops.pack(srcs, dst, offsets, float(scale))
+        except RuntimeError:
+            super().pack(srcs, dst, offsets, scale)
+
+    def unpack(self, src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+        try:
+            self._ops.unpack(src, dsts, offsets)
+        except RuntimeError:
+            super().unpack(src, dsts, offsets)
+
+    def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, num_chunks: int = 1) -> None:
+        try:
+            self._ops.accumulate(dst, src, float(scale), num_chunks)
+        except RuntimeError:
+            super().accumulate(dst, src, scale, num_chunks)
+
+    def _pack(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int], scale: float) -> None:
+        self._ops.pack(srcs, dst, offsets, scale)
+
+    def _unpack(self, src: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
+        self._ops.unpack(src, dsts, offsets)
+
+    def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float, num_chunks: int) -> None:
+        self._ops.accumulate(dst, src, scale, num_chunks)

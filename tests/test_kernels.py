@@ -1,0 +1,256 @@
+"""Every available compiled kernel backend against the torch reference, element for element.
+
+Inputs are fresh random values each run (the seed is in every failure message); outputs
+start as NaN so a skipped element, a write into padding or a write past a region shows.
+Triton runs on CPU tensors through its interpreter, which is switched on here through
+Triton's own knob before its kernels are first built.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+try:
+    import triton
+except ImportError:
+    triton = None
+
+if triton is not None and not torch.cuda.is_available():
+    triton.knobs.runtime.interpret = True
+
+from overlap.kernels import BackendUnavailable, available_backends, get_backend  # noqa: E402
+from overlap.kernels.reference import TorchKernels  # noqa: E402
+
+# Triton's interpreter warns where numpy overflows to fp16 infinity or adds opposite
+# infinities, as the kernels must.
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (0, 1, 3, 7, 1023, 1025, 4097)  # empty, tiny, one below and above the block, non-multiples
+REFERENCE = TorchKernels()
+
+
+def _cases() -> list:
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    cases = []
+    for name in ("ext", "triton", "cupy"):
+        for device in devices:
+            if name in available_backends(device):
+                cases.append(pytest.param(name, device, id=f"{name}-{device.type}"))
+    return cases
+
+
+EVERY_BACKEND = pytest.mark.parametrize("name,device", _cases())
+EVERY_DTYPE_PAIR = pytest.mark.parametrize("src_dtype,dst_dtype", [(s, d) for s in DTYPES for d in DTYPES],
+                                           ids=lambda dtype: str(dtype).removeprefix("torch."))
+
+
+@pytest.fixture
+def rng() -> tuple[torch.Generator, int]:
+    seed = random.randrange(2**31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def _random(numel: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    # Values over a wide range, so casts round and overflow (fp16) differently if done wrong.
+    values = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-20, 20, (numel,), generator=gen).float())
+    return values.to(dtype).to(device)
+
+
+def _poisoned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full((numel,), float("nan"), dtype=dtype, device=device)
+
+
+def _layout(sizes, gen: torch.Generator) -> tuple[list[int], int]:
+    """Offsets with random gaps between regions (padding the kernels must leave alone)."""
+    offsets, end = [], int(torch.randint(0, 5, (), generator=gen))
+    for size in sizes:
+        offsets.append(end)
+        end += size + int(torch.randint(0, 5, (), generator=gen))
+    return offsets, end + 3
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor, seed: int, what: str) -> None:
+    """Bit-for-bit equal values (signed zeros and infinities included), NaN in the same places."""
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(actual.dtype, torch.int16)
+    numbers = ~expected.isnan()
+    same = torch.equal(actual.isnan(), expected.isnan()) and \
+        torch.equal(actual[numbers].view(bits), expected[numbers].view(bits))
+    assert same, f"{what} differs from the reference (seed {seed}): " \
+                 f"{(actual.double() - expected.double()).abs().nan_to_num(float('inf')).max().item()}"
+
+
+def _assert_sum_close(actual: torch.Tensor, expected: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
+                      num_chunks: int, scale: float, seed: int, what: str) -> None:
+    """For 3+ chunks torch.sum picks its own order of additions, so backends may differ from it
+    by rounding: each result is within (chunks * eps32 + 2 * eps(dst)) * sum of |terms| of the
+    exact value, so two results are within twice that."""
+    magnitude = dst.double().abs() + abs(scale) * src.double().abs().view(num_chunks, -1).sum(0)
+    eps = num_chunks * torch.finfo(torch.float32).eps + 2 * torch.finfo(dst.dtype).eps
+    tolerance = 2 * eps * magnitude + torch.finfo(dst.dtype).tiny
+    error = (actual.double() - expected.double()).abs()
+    assert bool((error <= tolerance).all()), f"{what} differs from the reference beyond rounding (seed {seed}): " \
+                                             f"{error.max().item()}"
+
+
+@EVERY_BACKEND
+@EVERY_DTYPE_PAIR
+def test_pack_many_sizes(name, device, src_dtype, dst_dtype, rng):
+    gen, seed = rng
+    backend = get_backend(name, device)
+    srcs = [_random(n, src_dtype, gen, device) for n in SIZES]
+    offsets, total = _layout(SIZES, gen)
+    for scale in (1.0, 0.37):
+        expected, actual = _poisoned(total, dst_dtype, device), _poisoned(total, dst_dtype, device)
+        REFERENCE.pack(srcs, expected, offsets, scale)
+        backend.pack(srcs, actual, offsets, scale)
+        _assert_same(actual, expected, seed, f"pack scale={scale}")
+
+
+@EVERY_BACKEND
+@EVERY_DTYPE_PAIR
+def test_unpack_many_sizes(name, device, src_dtype, dst_dtype, rng):
+    gen, seed = rng
+    backend = get_backend(name, device)
+    offsets, total = _layout(SIZES, gen)
+    flat = _random(total, src_dtype, gen, device)
+    shapes = [(n,) if n % 7 else (n // 7, 7) for n in SIZES]
+    expected = [_poisoned(n, dst_dtype, device).view(shape) for n, shape in zip(SIZES, shapes)]
+    actual = [t.clone() for t in expected]
+    REFERENCE.unpack(flat, expected, offsets)
+    backend.unpack(flat, actual, offsets)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        _assert_same(a, e, seed, f"unpack tensor {i}")
+
+
+@EVERY_BACKEND
+@EVERY_DTYPE_PAIR
+def test_pack_one_tensor_as_the_runtime_does(name, device, src_dtype, dst_dtype, rng):
+    """The per-step calls: a shard cast to the gather dtype, a gradient divided by the world size."""
+    gen, seed = rng
+    backend = get_backend(name, device)
+    for numel in SIZES:
+        src = _random(numel, src_dtype, gen, device)
+        for offset, scale in ((0, 1.0), (0, 1 / 3), (5, 0.125)):
+            expected = _poisoned(numel + offset + 2, dst_dtype, device)
+            actual = expected.clone()
+            REFERENCE.pack([src], expected, [offset], scale)
+            backend.pack([src], actual, [offset], scale)
+            _assert_same(actual, expected, seed, f"pack one numel={numel} offset={offset} scale={scale}")
+    if src_dtype == dst_dtype:
+        grad = _random(4097, src_dtype, gen, device)
+        expected = grad.clone()
+        REFERENCE.pack([expected], expected, [0], 0.25)
+        backend.pack([grad], grad, [0], 0.25)
+        _assert_same(grad, expected, seed, "in-place pre-division")
+
+
+@EVERY_BACKEND
+@EVERY_DTYPE_PAIR
+def test_accumulate_chunks(name, device, src_dtype, dst_dtype, rng):
+    gen, seed = rng
+    backend = get_backend(name, device)
+    for num_chunks in range(1, 9):
+        for numel in SIZES:
+            scale = 1.0 if num_chunks % 2 else 0.5
+            what = f"accumulate chunks={num_chunks} numel={numel} scale={scale}"
+            if num_chunks <= 2:  # the runtime's cases (reduce-scatter output, 2-rank all-to-all): exact
+                src = _random(num_chunks * numel, src_dtype, gen, device)
+                expected = _random(numel, dst_dtype, gen, device)
+            else:
+                src = torch.randn(num_chunks * numel, generator=gen).to(src_dtype).to(device)
+                expected = torch.randn(numel, generator=gen).to(dst_dtype).to(device)
+            start = expected.clone()
+            actual = expected.clone()
+            REFERENCE.accumulate(expected, src, scale, num_chunks)
+            backend.accumulate(actual, src, scale, num_chunks)
+            if num_chunks <= 2:
+                _assert_same(actual, expected, seed, what)
+            else:
+                _assert_sum_close(actual, expected, start, src, num_chunks, scale, seed, what)
+
+
+@EVERY_BACKEND
+def test_hundreds_of_tiny_tensors_mixed_dtypes(name, device, rng):
+    gen, seed = rng
+    backend = get_backend(name, device)
+    sizes = [int(n) for n in torch.randint(0, 40, (300,), generator=gen)]
+    srcs = [_random(n, DTYPES[i % 3], gen, device) for i, n in enumerate(sizes)]
+    offsets, total = _layout(sizes, gen)
+    expected, actual = _poisoned(total, torch.float32, device), _poisoned(total, torch.float32, device)
+    REFERENCE.pack(srcs, expected, offsets, 0.5)
+    backend.pack(srcs, actual, offsets, 0.5)
+    _assert_same(actual, expected, seed, "pack of 300 tensors")
+    outs = [_poisoned(n, torch.bfloat16, device) for n in sizes]
+    backend.unpack(actual, outs, offsets)
+    refs = [_poisoned(n, torch.bfloat16, device) for n in sizes]
+    REFERENCE.unpack(expected, refs, offsets)
+    for i, (a, e) in enumerate(zip(outs, refs)):
+        _assert_same(a, e, seed, f"unpack of 300 tensors, tensor {i}")
+
+
+@EVERY_BACKEND
+def test_strided_and_uncovered_dtypes_match_reference(name, device, rng):
+    """Strided sources and destinations, and float64 (left to the reference), in one call."""
+    gen, seed = rng
+    backend = get_backend(name, device)
+    srcs = [_random(35, torch.float32, gen, device).view(5, 7).t(), _random(9, torch.float64, gen, device),
+            _random(12, torch.bfloat16, gen, device)]
+    offsets, total = _layout([35, 9, 12], gen)
+    expected, actual = _poisoned(total, torch.float16, device), _poisoned(total, torch.float16, device)
+    REFERENCE.pack(srcs, expected, offsets, 2.0)
+    backend.pack(srcs, actual, offsets, 2.0)
+    _assert_same(actual, expected, seed, "pack of strided/float64 sources")
+    outs = [_poisoned(35, torch.float32, device).view(7, 5).t(), _poisoned(9, torch.float64, device),
+            _poisoned(12, torch.bfloat16, device)]
+    refs = [t.clone() for t in outs]
+    backend.unpack(actual, outs, offsets)
+    REFERENCE.unpack(actual, refs, offsets)
+    for i, (a, e) in enumerate(zip(outs, refs)):
+        _assert_same(a, e, seed, f"unpack into strided/float64 tensor {i}")
+
+
+@EVERY_BACKEND
+def test_bad_arguments_raise_clear_errors(name, device):
+    backend = get_backend(name, device)
+    flat = torch.zeros(10, device=device)
+    src = torch.ones(4, device=device)
+    with pytest.raises(ValueError, match="2 tensors but 1 offsets"):
+        backend.pack([src, src], flat, [0])
+    with pytest.raises(ValueError, match="does not fit"):
+        backend.pack([src], flat, [7])
+    with pytest.raises(ValueError, match="does not fit"):
+        backend.unpack(flat, [src], [-1])
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        backend.pack([src], flat.view(2, 5), [0])
+    with pytest.raises(ValueError, match="num_chunks"):
+        backend.accumulate(flat, torch.ones(30, device=device), 1.0, 2)
+    with pytest.raises(ValueError, match="num_chunks"):
+        backend.accumulate(flat, flat, 1.0, 0)
+
+
+def test_unknown_and_unavailable_backends_are_errors():
+    with pytest.raises(ValueError, match="unknown kernel backend 'fast'"):
+        get_backend("fast", torch.device("cpu"))
+    for name in ("triton", "ext", "cupy"):
+        if name not in available_backends(torch.device("cpu")):
+            with pytest.raises(BackendUnavailable, match=name):
+                get_backend(name, torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable, match="'ext'"):
+            get_backend("ext", torch.device("cuda"))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the extension is not built")
+def test_extension_was_built_and_auto_prefers_it_on_cpu():
+    assert "ext" in available_backends(torch.device("cpu")), "overlap._C is missing although a compiler exists"
+    assert get_backend("auto", torch.device("cpu")).name == "ext"
+
+
+@pytest.mark.skipif(triton is None or torch.cuda.is_available(), reason="Triton's interpreter is a CPU-only check")
+def test_triton_runs_on_cpu_through_its_interpreter():
+    assert "triton" in available_backends(torch.device("cpu"))
