@@ -25,6 +25,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_LINK": ("|".join(LINK_CHOICES), "force the link class the planner assumes"),
     "OVERLAP_MEMORY_BUDGET_MB": ("number > 0 or 'auto'", "cap on gathered parameter bytes in flight"),
     "OVERLAP_PROBE": ("0|1", "time a few collectives at start-up to fit the link model"),
+    "OVERLAP_PROBE_CACHE": ("file path", "JSON file where probe results are kept and reused"),
 }
 
 
@@ -38,6 +39,7 @@ class Config:
     link: str = "auto"
     memory_budget_mb: Optional[float] = None
     probe: bool = True
+    probe_cache: Optional[str] = None
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -105,6 +107,10 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
             "OVERLAP_MEMORY_BUDGET_MB", env["OVERLAP_MEMORY_BUDGET_MB"], integer=False, minimum=0, strict=True)
     if "OVERLAP_PROBE" in env:
         fields["probe"] = _parse_flag("OVERLAP_PROBE", env["OVERLAP_PROBE"])
+    if "OVERLAP_PROBE_CACHE" in env:
+        if not env["OVERLAP_PROBE_CACHE"].strip():
+            raise ValueError(f"OVERLAP_PROBE_CACHE='' is invalid; accepted values: {ENV_VARS['OVERLAP_PROBE_CACHE'][0]}")
+        fields["probe_cache"] = env["OVERLAP_PROBE_CACHE"].strip()
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)

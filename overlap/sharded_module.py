@@ -5,7 +5,7 @@ import contextlib
 import logging
 import math
 from collections import defaultdict
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,11 @@ from overlap.collectives import Collectives
 from overlap.config import Config, config_from_env, validate_bucket_mb, validate_prefetch_depth
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
+from overlap.memory_model import ActivationShape, MemoryReport, memory_report
 from overlap.mixed_precision import MixedPrecision
-from overlap.planner import initial_plan
+from overlap.planner import plan_at_startup, replanner_for
 from overlap.profiling import enable_nvtx
+from overlap.report import OverlapMonitor, OverlapReport
 from overlap.scheduler import Scheduler
 from overlap.topology import detect_link
 from overlap.unit import Unit
@@ -106,11 +108,12 @@ class ShardedModule(nn.Module):
 
         enable_nvtx(config.nvtx)
         self.link = detect_link(group, config.link)
-        plan = initial_plan(self.link)
+        startup = plan_at_startup(group, device, self.link, config, unit_specs, mp)
         self.config = config.with_overrides(
-            prefetch_depth=plan.prefetch_depth if config.prefetch_depth is None else None,
-            bucket_mb=plan.bucket_mb if config.bucket_mb is None else None)
-        logger.info("plan: %s; using depth %d, bucket %.1f MB", plan.reason, self.config.prefetch_depth,
+            prefetch_depth=startup.plan.forward_depth if config.prefetch_depth is None else None,
+            bucket_mb=startup.plan.bucket_mb if config.bucket_mb is None else None,
+            memory_budget_mb=startup.memory_budget_bytes / 2**20 if config.memory_budget_mb is None else None)
+        logger.info("plan: %s; using depth %d, bucket %.3g MB", startup.plan.reason, self.config.prefetch_depth,
                     self.config.bucket_mb)
 
         for sub in module.modules():
@@ -131,6 +134,13 @@ class ShardedModule(nn.Module):
         budget = None if self.config.memory_budget_mb is None else int(self.config.memory_budget_mb * 2**20)
         self.scheduler = Scheduler(root, units, self.collectives, self.config.prefetch_depth, budget,
                                    reshard_after_forward)
+        if config.prefetch_depth is None:
+            # Depth follows measured steps; see overlap.planner.Replanner.
+            self.scheduler.step_end_callbacks.append(
+                replanner_for(self.scheduler, startup, int(self.config.bucket_mb * 2**20), group, device))
+        # Per-step timings of compute and communication for `overlap_report()`.
+        self.overlap_monitor = OverlapMonitor()
+        self.scheduler.step_end_callbacks.append(self.overlap_monitor.on_step_end)
         module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         module.register_forward_hook(self._root_post_forward)
         # key -> (group, slot index) for parameters, None for buffers and extra state.
@@ -225,6 +235,18 @@ class ShardedModule(nn.Module):
                 slot = group.slots[index]
                 out[key] = values[group][slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return out
+
+    def overlap_report(self) -> OverlapReport:
+        """How much communication ran under compute, per step and per unit, measured so far."""
+        return self.overlap_monitor.report()
+
+    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None,
+                      step_fn: Optional[Callable[[], object]] = None, *,
+                      activations: Optional[ActivationShape] = None,
+                      checkpointing: bool = False) -> MemoryReport:
+        """Memory per category measured over one training step (`step_fn`: one forward,
+        backward and optimizer step) next to the estimate for this model."""
+        return memory_report(self, optimizer, step_fn, activations=activations, checkpointing=checkpointing)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load full tensors (as `full_state_dict` returns them); every rank passes the same."""

@@ -1,0 +1,185 @@
+"""Fixed prefetch depths x bucket sizes against the planner's automatic choice, per emulated link.
+
+Each link is a network namespace whose loopback is throttled (benchmarks/netns.py). Inside
+it, 2 gloo ranks train the default GPT (`GPTConfig()`, one unit per Block, batch 4 x 128,
+AdamW) with every configuration built side by side and taking turns step by step, so that
+load from other work on a shared machine falls on all of them alike; a configuration's time
+is its median step after warm-up. The automatic run passes no depth and no bucket size: the probe, the latency rule and the re-plan after the
+first measured step decide, exactly as in a default run.
+
+    python benchmarks/planner_grid.py --links fast=10gbit slow=2gbit --json planner_grid.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from netns import throttled_namespace  # noqa: E402
+
+DEPTHS = (0, 1, 2, 3)
+BUCKETS = (None, 25.0, 50.0)        # None: no merging
+# A bucket smaller than any unit merges nothing: how "no merging" is asked of ShardedModule.
+NO_MERGE_MB = 1e-3
+
+
+def _label(bucket: Optional[float]) -> str:
+    return "none" if bucket is None else f"{bucket:g}"
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from overlap import ShardedModule
+    from overlap.models.gpt import GPT, Block, GPTConfig
+    from overlap.planner import FIRST_DECISION_STEP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = GPTConfig()
+    generator = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, config.vocab_size, (args.batch, config.block_size), generator=generator)
+    targets = torch.randint(0, config.vocab_size, (args.batch, config.block_size), generator=generator)
+
+    buckets = [None if b == "none" else float(b) for b in args.buckets]
+    runs = [(d, b) for d in args.depths for b in buckets] + [("auto", "auto")]
+    models = {}
+    for depth, bucket in runs:
+        torch.manual_seed(0)
+        auto = depth == "auto"
+        model = ShardedModule(GPT(config), unit_types=(Block,),
+                              prefetch_depth=None if auto else depth,
+                              bucket_mb=None if auto else (NO_MERGE_MB if bucket is None else bucket))
+        key = "auto" if auto else f"{depth}/{_label(bucket)}"
+        models[key] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), depth, bucket)
+
+    # Configurations take turns step by step, so that a slow phase of a shared machine
+    # falls on all of them alike. Warm-up lasts until the planner's first decision.
+    warmup = max(args.warmup, FIRST_DECISION_STEP)
+    times: dict[str, list[float]] = {key: [] for key in models}
+    for step in range(warmup + args.steps):
+        order = list(models) if step % 2 == 0 else list(models)[::-1]
+        for key in order:
+            model, optimizer, _, _ = models[key]
+            dist.barrier()
+            start = time.perf_counter()
+            loss = model(idx, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+            if step >= warmup:
+                times[key].append(time.perf_counter() - start)
+    if rank == 0:
+        results = {}
+        for key, (model, _, depth, bucket) in models.items():
+            results[key] = {"depth": depth, "bucket_mb": bucket, "steps_s": times[key],
+                            "step_s": statistics.median(times[key])}
+            if key == "auto":
+                results[key].update(chosen_depth=model.scheduler.prefetch_depth,
+                                    chosen_bucket_mb=model.config.bucket_mb, units=len(model.scheduler.units))
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_link(name: str, rate: str, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "grid.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-port", str(_free_port()), os.path.abspath(__file__), "--worker", "--out", out,
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--batch", str(args.batch), "--depths", *map(str, args.depths), "--buckets", *args.buckets]
+        env = dict(os.environ, OMP_NUM_THREADS="1", OVERLAP_LOG="INFO")
+        started = time.perf_counter()
+        with throttled_namespace(rate, f"overlap-grid-{name}") as prefix:
+            proc = subprocess.run(prefix + command, env=env, capture_output=True, text=True,
+                                  timeout=args.timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"link {name} ({rate}) failed:\n{proc.stderr[-4000:]}")
+        with open(out) as f:
+            results = json.load(f)
+    plans = [line for line in proc.stderr.splitlines() if "plan at step" in line]
+    return {"rate": rate, "results": results, "plan_log": plans, "wall_s": time.perf_counter() - started}
+
+
+def _report(name: str, link: dict, depths: Sequence[int], buckets: Sequence[Optional[float]]) -> dict:
+    results = link["results"]
+    grid = {k: v for k, v in results.items() if k != "auto"}
+    best_key = min(grid, key=lambda k: grid[k]["step_s"])
+    auto = results["auto"]
+    ratio = auto["step_s"] / grid[best_key]["step_s"]
+    print(f"\n{name} link ({link['rate']}), median step seconds; rows: depth, columns: bucket MB")
+    print("depth " + "".join(f"{_label(b):>9}" for b in buckets))
+    for depth in depths:
+        cells = []
+        for bucket in buckets:
+            key = f"{depth}/{_label(bucket)}"
+            mark = "*" if key == best_key else " "
+            cells.append(f"{grid[key]['step_s']:>8.3f}{mark}")
+        print(f"{depth:>5} " + "".join(cells))
+    print(f"auto: depth {auto['chosen_depth']}, bucket {auto['chosen_bucket_mb']:.2f} MB "
+          f"({auto['units']} units) -> {auto['step_s']:.3f} s; best fixed {best_key} "
+          f"{grid[best_key]['step_s']:.3f} s; ratio {ratio:.3f} ({'within' if ratio <= 1.05 else 'NOT within'} 5%)")
+    for line in link["plan_log"][-2:]:
+        print(f"  {line.strip()}")
+    return {"best": best_key, "ratio": ratio}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--links", nargs="+", default=["fast=10gbit", "slow=2gbit"], help="name=rate pairs")
+    parser.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
+    parser.add_argument("--buckets", nargs="+", default=[_label(b) for b in BUCKETS], help="MB, or none")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least until the planner decides)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per link")
+    parser.add_argument("--json", default=None, help="write all results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    if args.warmup < 0 or args.steps < 1:
+        parser.error("--warmup must be >= 0 and --steps >= 1")
+    print(f"planner grid: default GPT, 2 gloo ranks, OMP_NUM_THREADS=1, {args.warmup} warm-up + "
+          f"{args.steps} timed steps, configurations interleaved step by step; the machine's cores may be shared")
+    summary = {}
+    for spec in args.links:
+        name, _, rate = spec.partition("=")
+        if not rate:
+            parser.error(f"--links entry {spec!r} is invalid; expected name=rate, e.g. slow=2gbit")
+        link = _run_link(name, rate, args)
+        buckets = [None if b == "none" else float(b) for b in args.buckets]
+        summary[name] = {**link, **_report(name, link, args.depths, buckets)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

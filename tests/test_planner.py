@@ -1,0 +1,292 @@
+"""The planner's arithmetic on synthetic profiles, the probe's fit, the simulator, and that
+every rank applies the same plan (at start-up and after a re-plan)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+
+import pytest
+
+from overlap.config import config_from_env
+from overlap.planner import (LATENCY_SHARE, Profile, UnitCost, choose_bucket_bytes, choose_depths, drifted,
+                             latency_bucket_bytes, merge_costs, predict_step, wire_bytes)
+from overlap.probe import fit_alpha_beta
+from overlap.simulator import main as simulate
+from overlap.topology import LinkModel
+from tests.distributed import run_distributed
+
+MB = 2**20
+FAST = LinkModel("nvlink", 10e-6, 300e9)
+SLOW = LinkModel("ethernet", 100e-6, 1e9)
+
+
+def _alternating_profile(units: int = 8, unit_mb: float = 16.0) -> Profile:
+    """Heavy and light units in turn, the same size: compute hides all communication on
+    average, but behind a light unit only a gather issued two units ahead arrives in time."""
+    costs = []
+    for i in range(units):
+        heavy = i % 2 == 0
+        costs.append(UnitCost(f"u{i}", int(unit_mb * MB), int(unit_mb * MB), int(unit_mb * MB),
+                              forward_s=0.040 if heavy else 0.001, backward_s=0.080 if heavy else 0.002))
+    return Profile(tuple(costs), world_size=2)
+
+
+# ---- cost model ------------------------------------------------------------------------------
+
+def test_replay_limits_are_exact():
+    profile = _alternating_profile()
+    free_link = LinkModel("nvlink", 0.0, 1e30)
+    assert predict_step(profile, free_link, 1, 1).step_s == pytest.approx(profile.compute_s)
+    idle = Profile(tuple(UnitCost(u.name, u.nbytes, u.gather_bytes, u.reduce_bytes) for u in profile.units), 2)
+    prediction = predict_step(idle, SLOW, 2, 2)
+    expected = sum(SLOW.time(wire_bytes(u.gather_bytes, 2)) * 2 + SLOW.time(wire_bytes(u.reduce_bytes, 2))
+                   for u in idle.units)
+    assert prediction.step_s == pytest.approx(expected)      # no compute: comm end to end
+    assert prediction.comm_s == pytest.approx(expected)
+
+
+def test_deeper_prefetch_never_predicted_slower_without_budget():
+    profile = _alternating_profile()
+    steps = [predict_step(profile, SLOW, d, d).step_s for d in range(5)]
+    assert all(b <= a + 1e-12 for a, b in zip(steps, steps[1:]))
+    assert steps[0] > steps[1]
+
+
+def test_slow_link_gets_deeper_prefetch():
+    profile = _alternating_profile()
+    fast_depth, _, _ = choose_depths(profile, FAST, None)
+    slow_depth, _, slow = choose_depths(profile, SLOW, None)
+    assert fast_depth <= 1
+    assert slow_depth >= 2
+    assert slow.step_s < predict_step(profile, SLOW, 1, 1).step_s * 0.95
+
+
+def test_tight_budget_caps_depth():
+    profile = _alternating_profile()
+    budget = int(2.5 * 16 * MB)          # the computing unit and one more
+    depth, _, prediction = choose_depths(profile, SLOW, budget)
+    assert depth <= 1
+    assert prediction.peak_gathered_bytes <= budget
+    unbounded = predict_step(profile, SLOW, 3, 3)
+    assert unbounded.peak_gathered_bytes > budget            # the cap is what changed the choice
+
+
+def test_forward_and_backward_depths_may_differ():
+    profile = _alternating_profile()
+    forward_depth, backward_depth, prediction = choose_depths(profile, SLOW, None, shared=False)
+    _, _, shared = choose_depths(profile, SLOW, None, shared=True)
+    assert prediction.step_s <= shared.step_s + 1e-12
+    assert min(forward_depth, backward_depth) >= 1
+
+
+def test_latency_share_rule():
+    for link, world in ((FAST, 8), (SLOW, 2), (LinkModel("infiniband", 45e-6, 46e9), 64)):
+        threshold = latency_bucket_bytes(link, world)
+        share = link.alpha / link.time(wire_bytes(threshold, world))
+        assert share == pytest.approx(LATENCY_SHARE, rel=1e-3)
+
+
+def test_tiny_units_are_merged_until_latency_is_a_small_share():
+    link = LinkModel("loopback", 1e-3, 1e9)
+    tiny = [UnitCost(f"t{i}", 256 * 1024, 256 * 1024, 256 * 1024) for i in range(200)]
+    big = [UnitCost("big", 200 * MB, 200 * MB, 200 * MB)]
+    units = tiny[:100] + big + tiny[100:]
+    bucket = choose_bucket_bytes(units, link, world_size=2)
+    merged = merge_costs(units, bucket)
+    assert len(merged) < len(units) / 10
+    assert any(b.name == "big" for b in merged)              # large units are never merged further
+    for b in merged[:-1]:
+        if b.name != "big":
+            assert link.alpha / link.time(wire_bytes(b.gather_bytes, 2)) <= LATENCY_SHARE + 1e-9
+    assert merge_costs(big * 3, bucket) == big * 3
+
+
+def test_bucket_respects_the_memory_budget():
+    tiny = [UnitCost(f"t{i}", MB, MB, MB) for i in range(64)]
+    link = LinkModel("ethernet", 5e-3, 1e9)
+    assert choose_bucket_bytes(tiny, link, 2, memory_budget_bytes=8 * MB) <= 4 * MB
+
+
+def test_drift_needs_a_material_change():
+    profile = _alternating_profile()
+    slower = Profile(tuple(UnitCost(u.name, u.nbytes, u.gather_bytes, u.reduce_bytes, u.forward_s * 1.5,
+                                    u.backward_s * 1.5) for u in profile.units), 2)
+    noisy = Profile(tuple(UnitCost(u.name, u.nbytes, u.gather_bytes, u.reduce_bytes, u.forward_s * 1.05,
+                                   u.backward_s * 1.05) for u in profile.units), 2)
+    assert drifted(profile, slower)
+    assert not drifted(profile, noisy)
+
+
+# ---- probe fit and settings --------------------------------------------------------------------
+
+def test_probe_fit_recovers_alpha_beta():
+    alpha, beta = 250e-6, 0.4e9
+    sizes = [32e3, 1e6, 8e6]
+    noise = [1.02, 0.99, 1.01, 0.98, 1.0, 1.01]
+    samples = [(x, (alpha + x / beta) * noise[i * 2 + j]) for i, x in enumerate(sizes) for j in range(2)]
+    fitted_alpha, fitted_beta = fit_alpha_beta(samples, SLOW)
+    assert fitted_beta == pytest.approx(beta, rel=0.05)
+    assert fitted_alpha == pytest.approx(alpha, rel=0.5, abs=50e-6)
+
+
+def test_probe_fit_falls_back_on_a_useless_slope():
+    alpha, beta = fit_alpha_beta([(1e6, 0.010), (8e6, 0.009)], SLOW)
+    assert beta == SLOW.beta and alpha > 0
+    with pytest.raises(ValueError, match="no samples"):
+        fit_alpha_beta([], SLOW)
+
+
+def test_env_settings_are_validated():
+    config = config_from_env({"OVERLAP_LINK": "infiniband", "OVERLAP_MEMORY_BUDGET_MB": "512",
+                              "OVERLAP_PROBE": "0", "OVERLAP_PROBE_CACHE": "probe.json"})
+    assert (config.link, config.memory_budget_mb, config.probe, config.probe_cache) == \
+        ("infiniband", 512.0, False, "probe.json")
+    with pytest.raises(ValueError, match="OVERLAP_LINK"):
+        config_from_env({"OVERLAP_LINK": "carrier-pigeon"})
+    with pytest.raises(ValueError, match="OVERLAP_MEMORY_BUDGET_MB"):
+        config_from_env({"OVERLAP_MEMORY_BUDGET_MB": "-1"})
+    with pytest.raises(ValueError, match="OVERLAP_PROBE_CACHE"):
+        config_from_env({"OVERLAP_PROBE_CACHE": " "})
+
+
+# ---- simulator ---------------------------------------------------------------------------------
+
+ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d,]+)(\s+<- planner)?$")
+
+
+def _simulate(*argv: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert simulate(list(argv)) == 0
+    return out.getvalue()
+
+
+def test_simulator_output_is_self_consistent():
+    text = _simulate("--model", "llama3-8b", "--cluster", "8xH100-nvlink", "--mfu", "0.4")
+    rows = [ROW.match(line) for line in text.splitlines()]
+    rows = [r for r in rows if r]
+    assert len(rows) >= 10
+    computes = set()
+    for r in rows:
+        step, exposed = float(r.group(3)), float(r.group(4))
+        computes.add(round(step - exposed, 1))
+        assert float(r.group(7).replace(",", "")) == pytest.approx(8192 / (step / 1e3), rel=0.01)
+    assert max(computes) - min(computes) <= 0.2               # exposed = step - the same compute
+    picked = [r for r in rows if r.group(8)]
+    assert len(picked) == 1
+    best = min(float(r.group(3)) for r in rows)
+    assert float(picked[0].group(3)) <= best * 1.01
+    # 8B on 8 H100 at MFU 0.4 is compute-bound: throughput near 989e12·0.4 / FLOPs per token.
+    tokens = float(picked[0].group(7).replace(",", ""))
+    assert 5000 < tokens < 7000
+    assert "compute |" in text and "comm    |" in text
+
+
+def test_simulator_slow_cluster_exposes_more():
+    fast = _simulate("--model", "gpt2-xl", "--cluster", "8xH100-nvlink", "--depth", "1", "--bucket-mb", "0")
+    slow = _simulate("--model", "gpt2-xl", "--cluster", "4x8xH100-eth-100g", "--depth", "1", "--bucket-mb", "0")
+    exposed = [float(ROW.match(next(l for l in t.splitlines() if ROW.match(l))).group(4)) for t in (fast, slow)]
+    assert exposed[1] > 10 * exposed[0]
+
+
+def test_simulator_rejects_bad_arguments():
+    with pytest.raises(SystemExit):
+        simulate(["--model", "llama3-8b", "--cluster", "8xH100-nvlink", "--mfu", "1.5"])
+    with pytest.raises(SystemExit):
+        simulate(["--model", "no-such-model", "--cluster", "8xH100-nvlink"])
+
+
+# ---- on real ranks -----------------------------------------------------------------------------
+
+def _overrides_and_probe(rank: int, world: int, cache: str):
+    import torch
+
+    from overlap import ShardedModule
+    from overlap.planner import Replanner
+    from overlap.probe import probe_link
+    from overlap.topology import LINK_DEFAULTS
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    fixed = ShardedModule(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]))
+    x = torch.randn(8, 64)
+    for _ in range(3):
+        fixed(x).sum().backward()
+    fixed_state = (fixed.config.prefetch_depth, fixed.config.bucket_mb, fixed.scheduler.prefetch_depth,
+                   any(isinstance(c, Replanner) for c in fixed.scheduler.step_end_callbacks))
+    argument_wins = ShardedModule(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+                                  prefetch_depth=1).config.prefetch_depth
+    group = dist.group.WORLD
+    probed = probe_link(group, torch.device("cpu"), LINK_DEFAULTS["loopback"], cache)
+    cached = probe_link(group, torch.device("cpu"), LINK_DEFAULTS["loopback"], cache)
+    return fixed_state, argument_wins, probed, cached
+
+
+def test_env_overrides_and_probe_cache(tmp_path):
+    cache = str(tmp_path / "probe.json")
+    results = run_distributed(_overrides_and_probe, 2, cache, timeout=90,
+                              env={"OVERLAP_PREFETCH_DEPTH": "3", "OVERLAP_BUCKET_MB": "30", "OVERLAP_PROBE": "0"})
+    for fixed_state, argument_wins, probed, cached in results:
+        assert fixed_state == (3, 30.0, 3, False)           # env beats the planner: no re-planning
+        assert argument_wins == 1                            # argument beats env
+        assert probed.source == "probe" and cached.source == "cache"
+        assert (cached.alpha, cached.beta) == (probed.alpha, probed.beta)
+        assert probed.alpha > 0 and probed.beta > 0
+    assert results[0][2] == results[1][2]
+    assert os.path.exists(cache)
+
+
+def _replan(rank: int, world: int):
+    import time
+
+    import torch
+    from torch import nn
+
+    from overlap import ShardedModule
+    from overlap.planner import Replanner
+
+    delay = {"s": 0.0}
+
+    class SlowBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(256, 256)
+
+        def forward(self, x):
+            time.sleep(delay["s"])
+            return torch.relu(self.fc(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(SlowBlock() for _ in range(4))
+            self.head = nn.Linear(256, 1)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x).sum()
+
+    torch.manual_seed(0)
+    model = ShardedModule(Net())
+    replanner = next(c for c in model.scheduler.step_end_callbacks if isinstance(c, Replanner))
+    replanner.every = 3
+    x = torch.randn(16, 256)
+    depths = []
+    for step in range(1, 12):
+        # Ranks see different timings; rank 0's slow down from step 4 on (drift).
+        delay["s"] = (0.030 if step >= 4 else 0.0) if rank == 0 else 0.004
+        model(x).backward()
+        depths.append(model.scheduler.prefetch_depth)
+    return [(d.step, d.forward_depth, d.backward_depth, d.reason) for d in replanner.history], depths
+
+
+def test_every_rank_applies_rank0_plan_including_replans():
+    results = run_distributed(_replan, 2, timeout=120,
+                              env={"OVERLAP_LINK": "ethernet", "OVERLAP_PROBE": "0", "OVERLAP_BUCKET_MB": "0.1"})
+    (history0, depths0), (history1, depths1) = results
+    assert history0 == history1 and depths0 == depths1
+    assert history0[0][0] == 2 and history0[0][3].startswith("measured")
+    assert any("drift" in reason for _, _, _, reason in history0[1:])
