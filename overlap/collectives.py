@@ -173,18 +173,43 @@ class Collectives:
                 return Pending(record, event=event, keep_alive=(grad_full, source, out, shard_grad))
             source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
             if self.reduce_with_all_to_all:
-                out = torch.empty_like(source)
-                work = dist.all_to_all_single(out, source, group=self.group, async_op=True)
-                chunks = world
-            else:
-                out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
-                work = reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group,
-                                                  async_op=True)
-                chunks = 1
+                return self._reduce_by_all_to_all(record, source, shard_grad)
+            out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
+            work = reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             pending = Pending(record, work=work, keep_alive=(source, out),
-                              on_complete=lambda: self.kernels.accumulate(shard_grad, out, 1.0, chunks))
+                              on_complete=lambda: self.kernels.accumulate(shard_grad, out))
             self._mark_completion(pending)
             return pending
+
+    def _reduce_by_all_to_all(self, record: CommRecord, source: torch.Tensor, shard_grad: torch.Tensor) -> Pending:
+        """Each rank sends every other rank that rank's chunk of `source` and sums what it
+        receives with its own chunk.
+
+        The all-to-all sends contiguous runs of `source`, so the first and the last rank can
+        leave their own chunk out of it (they read it in place) and receive (N-1)/N of the
+        gradient; ranks in between send their own chunk to themselves.
+        """
+        world, rank, shard = self.world_size, self.rank, shard_grad.numel()
+        keeps_own = rank in (0, world - 1)
+        own = source.narrow(0, rank * shard, shard)
+        sizes = [0 if r == rank and keeps_own else shard for r in range(world)]
+        received = torch.empty(sum(sizes), dtype=source.dtype, device=source.device)
+        send = source.narrow(0, shard if rank == 0 else 0, sum(sizes)) if keeps_own else source
+
+        def finish() -> None:
+            if keeps_own:
+                self.kernels.accumulate(shard_grad, own)
+            if received.numel():
+                self.kernels.accumulate(shard_grad, received, 1.0, received.numel() // shard)
+
+        work = None
+        if world > 1:
+            work = dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
+                                          group=self.group, async_op=True)
+        pending = Pending(record, work=work, keep_alive=(source, received), on_complete=finish)
+        if work is not None:
+            self._mark_completion(pending)
+        return pending
 
     def _cast(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if shard.dtype == dtype:

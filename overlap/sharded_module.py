@@ -5,7 +5,7 @@ import contextlib
 import logging
 import math
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,6 @@ from overlap.collectives import Collectives
 from overlap.config import Config, config_from_env, validate_bucket_mb, validate_prefetch_depth
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
-from overlap.memory_model import ActivationShape, MemoryReport, memory_report
 from overlap.mixed_precision import MixedPrecision
 from overlap.planner import plan_at_startup, replanner_for
 from overlap.profiling import enable_nvtx
@@ -25,6 +24,9 @@ from overlap.scheduler import Scheduler
 from overlap.topology import detect_link
 from overlap.unit import Unit
 from overlap.units import UnitSpec, discover_units, merge_into_buckets
+
+if TYPE_CHECKING:
+    from overlap.memory_model import ActivationShape, MemoryReport
 
 logger = logging.getLogger("overlap")
 
@@ -242,10 +244,14 @@ class ShardedModule(nn.Module):
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None,
                       step_fn: Optional[Callable[[], object]] = None, *,
-                      activations: Optional[ActivationShape] = None,
-                      checkpointing: bool = False) -> MemoryReport:
+                      activations: Optional["ActivationShape"] = None,
+                      checkpointing: bool = False) -> "MemoryReport":
         """Memory per category measured over one training step (`step_fn`: one forward,
         backward and optimizer step) next to the estimate for this model."""
+        # Imported here: torch's memory tracker loads Triton, ~145 MB of resident memory
+        # that training does not otherwise need.
+        from overlap.memory_model import memory_report
+
         return memory_report(self, optimizer, step_fn, activations=activations, checkpointing=checkpointing)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -119,7 +119,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"overlap train: error: {exc}", file=sys.stderr)
         return 2
     if dist.is_torchelastic_launched():
-        return run_rank(args)
+        code = run_rank(args)
+        # gloo's threads and the process group's destructor can deadlock or abort during
+        # interpreter shutdown; everything is written and flushed, so leave directly.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return _launch(args)
 
 

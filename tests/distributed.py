@@ -40,6 +40,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, en
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    # gloo's worker threads and the process group's destructor can deadlock or abort during
+    # interpreter shutdown (seen with plain DDP too); the result is written, so leave now.
+    os._exit(0)
 
 
 class RankError(RuntimeError):

@@ -1,0 +1,202 @@
+"""Gloo's ways to reduce-scatter a gradient, and its all-gather, timed on 2 ranks.
+
+A size S is the full (unsharded) fp32 tensor: a reduce-scatter turns S bytes on each rank
+into this rank's summed S/N chunk; an all-gather turns an S/N shard into the S-byte whole.
+Every way below ends with the same result in a separate output buffer:
+
+- reduce_scatter: `reduce_scatter_tensor`.
+- all_to_all+sum: `all_to_all_single` (rank r receives chunk r from every rank), then a
+  local sum of the N chunks (what ShardedModule does on gloo; see overlap/collectives.py).
+- all_reduce+slice: `all_reduce` in place, then a copy of this rank's chunk.
+- all_gather: `all_gather_into_tensor` (for reference: the other ZeRO-3 collective).
+
+Each timing starts after a barrier and ends when the op and its local work are done; a
+repetition counts as the slower rank's time, and the median over repetitions is reported.
+
+    python benchmarks/collectives.py --sizes-mb 1,8,32 --links loopback,2gbit
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, on_link, parse_choices, parse_links, parse_sizes,
+                    read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
+
+WORLD_SIZE = 2
+REDUCE_SCATTER_WAYS = ("reduce_scatter", "all_to_all+sum", "all_reduce+slice")
+OPS = (*REDUCE_SCATTER_WAYS, "all_gather")
+MIB = 2**20
+
+
+# ---- worker -------------------------------------------------------------------------------
+
+def _rank_input(numel: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s full tensor: seeded so that every rank can compute every rank's input."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+
+
+def _op(name: str, full: torch.Tensor, rank: int, world: int) -> tuple[Callable[[], None], torch.Tensor]:
+    """One repetition of `name` as a closure over buffers allocated here, and the tensor its
+    result lands in (this rank's summed chunk, or the gathered whole)."""
+    import torch.distributed as dist
+
+    chunk = torch.empty(full.numel() // world)
+    if name == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(chunk, full), chunk
+    if name == "all_to_all+sum":
+        received = torch.empty_like(full)
+
+        def all_to_all_sum() -> None:
+            dist.all_to_all_single(received, full)
+            torch.sum(received.view(world, -1), dim=0, out=chunk)
+
+        return all_to_all_sum, chunk
+    if name == "all_reduce+slice":
+        reduced = full.clone()  # reduced in place, as the runtime may do with its own gradient buffer
+
+        def all_reduce_slice() -> None:
+            dist.all_reduce(reduced)
+            chunk.copy_(reduced.view(world, -1)[rank])
+
+        return all_reduce_slice, chunk
+    shard = full.view(world, -1)[rank].clone()
+    gathered = torch.empty_like(full)
+    return lambda: dist.all_gather_into_tensor(gathered, shard), gathered
+
+
+def _expected(name: str, numel: int, rank: int, world: int) -> torch.Tensor:
+    inputs = [_rank_input(numel, r).view(world, -1) for r in range(world)]
+    if name == "all_gather":
+        return torch.cat([inputs[r][r] for r in range(world)])
+    return sum(inputs)[rank]
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times: dict[str, dict[str, list[float]]] = {}
+    for size_mb in args.sizes_mb:
+        numel = max(world, int(size_mb * MIB / 4) // world * world)
+        for name in args.ops:
+            run, output = _op(name, _rank_input(numel, rank), rank, world)
+            # The first call, untimed, is checked against the sum computed locally.
+            run()
+            if not torch.allclose(output, _expected(name, numel, rank, world), rtol=1e-5, atol=1e-5):
+                raise RuntimeError(f"{name} at {size_mb:g} MB gave a wrong result on rank {rank}")
+            samples = []
+            for repetition in range(args.warmup + args.iters):
+                dist.barrier()
+                start = time.perf_counter()
+                run()
+                if repetition >= args.warmup:
+                    samples.append(time.perf_counter() - start)
+            times.setdefault(f"{size_mb:g}", {})[name] = samples
+    ranks: list[Optional[dict]] = [None] * world
+    dist.all_gather_object(ranks, times)
+    if rank == 0:
+        write_json(args.result, dict(world_size=world, ranks=ranks))
+
+
+# ---- driver -------------------------------------------------------------------------------
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, dict]]]:
+    """link -> size (MB) -> op -> {ms, gbps}: median over repetitions of the slower rank."""
+    from tqdm import tqdm
+
+    script = os.path.abspath(__file__)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for link in tqdm(args.links, unit="link"):
+            result = os.path.join(scratch, f"{link}.json")
+            worker = ["--worker", "--result", result, "--sizes-mb", ",".join(f"{s:g}" for s in args.sizes_mb),
+                      "--ops", ",".join(args.ops), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+            with on_link(link) as prefix:
+                run_with_deadline(prefix + torchrun(script, WORLD_SIZE, worker), args.timeout,
+                                  env=single_thread_env())
+            ranks = read_json(result)["ranks"]
+            for size, by_op in ranks[0].items():
+                for name in by_op:
+                    slowest = [max(samples) for samples in zip(*(r[size][name] for r in ranks))]
+                    seconds = median(slowest)
+                    results.setdefault(link, {}).setdefault(size, {})[name] = dict(
+                        ms=seconds * 1e3, gbps=float(size) * MIB / seconds / 1e9, samples_s=slowest)
+    return results
+
+
+def fastest_reduce_scatter(by_op: dict[str, dict]) -> Optional[str]:
+    ways = [name for name in REDUCE_SCATTER_WAYS if name in by_op]
+    return min(ways, key=lambda name: by_op[name]["ms"]) if ways else None
+
+
+def table(results: dict) -> str:
+    links = list(results)
+    sizes = list(next(iter(results.values())))
+    rows = []
+    for size in sizes:
+        for name in OPS:
+            if name not in results[links[0]][size]:
+                continue
+            cells = []
+            for link in links:
+                entry = results[link][size][name]
+                best = fastest_reduce_scatter(results[link][size]) == name
+                cells.append(f"{entry['ms']:.1f}{' *' if best else ''}")
+                cells.append(f"{entry['gbps']:.2f}")
+            rows.append([size, name, *cells])
+    headers = ["size MB", "op"] + [h for link in links for h in (f"{link} ms", f"{link} GB/s")]
+    note = "* fastest way to reduce-scatter at that size and link; GB/s = size / time."
+    return markdown_table(headers, rows) + "\n\n" + note
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", default="1,8,32", help="full tensor sizes in MiB, comma-separated")
+    parser.add_argument("--links", default="loopback,2gbit", help="loopback and/or tc rates, e.g. loopback,2gbit")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
+    parser.add_argument("--iters", type=int, default=7, help="timed repetitions per op and size")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions after the checked first call")
+    parser.add_argument("--out", default="bench_out", help="directory for collectives.json/.md")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one link's launch may take")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        args.sizes_mb = parse_sizes(args.sizes_mb, "--sizes-mb")
+        args.ops = parse_choices(args.ops, OPS, "--ops")
+        if not args.worker:
+            args.links = parse_links(args.links)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.iters < 1 or args.warmup < 0:
+        parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    args.argv = list(argv)
+    return args
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    results = measure(args)
+    command = "python benchmarks/collectives.py " + " ".join(args.argv)
+    markdown = f"Command: `{command.strip()}` (gloo, {WORLD_SIZE} ranks, fp32)\n\n{table(results)}"
+    write_json(os.path.join(args.out, "collectives.json"),
+               dict(command=command.strip(), world_size=WORLD_SIZE, torch=torch.__version__, results=results))
+    write_text(os.path.join(args.out, "collectives.md"), markdown + "\n")
+    print(markdown)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

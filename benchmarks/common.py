@@ -1,0 +1,181 @@
+"""Pieces the benchmark scripts share: links by name, launching rank programs with a
+deadline, statistics, and markdown tables.
+
+The benchmark scripts run as `python benchmarks/<name>.py`, so this directory is on
+`sys.path` and they import this file as `common` (and the link runner as `netns`).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from netns import throttled_namespace
+
+LOOPBACK = "loopback"
+_RATE = re.compile(r"^\d+(\.\d+)?[kmg]bit$")
+# Gloo's default is 30 minutes; a rank stuck that long would outlive every deadline below.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def parse_links(text: str) -> list[str]:
+    """'loopback,10gbit,2gbit' -> ['loopback', '10gbit', '2gbit'], each validated."""
+    links = [part.strip().lower() for part in text.split(",") if part.strip()]
+    if not links:
+        raise ValueError(f"--links {text!r} names no link")
+    for link in links:
+        if link != LOOPBACK and not _RATE.match(link):
+            raise ValueError(f"--links: {link!r} is neither 'loopback' nor a tc rate such as '2gbit' or '400mbit'")
+    return links
+
+
+def parse_choices(text: str, choices: Sequence[str], option: str) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `choices`."""
+    picked = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in picked if name not in choices]
+    if unknown or not picked:
+        raise ValueError(f"{option} {text!r}: unknown {unknown}; choose from {', '.join(choices)}")
+    return picked
+
+
+def parse_sizes(text: str, option: str) -> list[float]:
+    """'1,8,32' -> [1.0, 8.0, 32.0]; every value must be a number > 0."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{option} {text!r} is not a comma-separated list of numbers") from None
+    if not values or any(not v > 0 for v in values):
+        raise ValueError(f"{option} {text!r}: every value must be a number > 0")
+    return values
+
+
+@contextlib.contextmanager
+def on_link(link: str) -> Iterator[list[str]]:
+    """The command prefix that runs a program on `link`: nothing for plain loopback, a
+    throttled network namespace (kept for the whole block) for a rate."""
+    if link == LOOPBACK:
+        yield []
+    else:
+        with throttled_namespace(link) as prefix:
+            yield prefix
+
+
+def torchrun(script: str, nproc: int, args: Sequence[str]) -> list[str]:
+    """The command that launches `script` on `nproc` local ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            script, *args]
+
+
+def run_with_deadline(command: Sequence[str], timeout_s: float, env: Optional[dict] = None) -> str:
+    """Run `command` in its own process group and return its output. On a timeout, or when
+    this process is interrupted, the whole group (a launcher and its ranks) is killed. A
+    failure raises with the output's tail."""
+    proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        output, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(command)} did not finish within {timeout_s:.0f} s; "
+                           f"last output:\n{output[-3000:]}") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited with {proc.returncode}; last output:\n{output[-3000:]}")
+    return output
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's group and, as torchrun starts each rank in a session of its own,
+    every process below the launcher too."""
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(child), signal.SIGKILL)
+    proc.wait()
+
+
+def script_main(argv: Optional[Sequence[str]], parse_args: Callable[[Sequence[str]], Any],
+                run_worker: Callable[[Any], None], run_driver: Callable[[Any], int]) -> int:
+    """Entry of a benchmark script, which is both the driver and, with --worker, the
+    program each launched rank runs."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        run_worker(args)
+        _exit_worker()
+    _exit_cleanly_on_sigterm()
+    return run_driver(args)
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM (from `timeout`, a test runner) into SystemExit, so that launched ranks
+    are killed and network namespaces deleted on the way out."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def _exit_worker() -> None:
+    """End a rank program at once, skipping interpreter teardown.
+
+    At teardown, gloo's worker threads can still hold the last reference to a Python
+    object and wait for the GIL while the main thread, holding it, joins them from the
+    process group's destructor: a hang (or an abort from a joinable thread) after all the
+    work is done. So the process group is not destroyed either; the results are written
+    before this is called.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def single_thread_env() -> dict[str, str]:
+    """Each rank (or the single process) computes on one thread, as the 2-core host allows."""
+    return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of no values")
+    return statistics.median(values)
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """(25th, 75th) percentile; both equal the value itself for fewer than two values."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str, data: Any) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+def write_text(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)

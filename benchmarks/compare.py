@@ -1,0 +1,521 @@
+"""ShardedModule against FSDP2, DDP and a single process without communication.
+
+Every implementation trains the same GPT (`overlap.models.GPT`) from the same seed on the
+same synthetic batches with AdamW. Each run is one launch (torchrun, 2 gloo ranks, one
+thread each; the single-process baseline `local` runs rank 0's batches alone: the compute
+floor). Implementations alternate A B C D A B C D ... over rounds so that load from other
+programs on the host falls on all of them alike. Per (link, implementation): the median
+step time over all timed steps of all rounds (a step's time is the slower rank's), peak
+memory per rank by category (MemTracker, in one extra step outside the timed ones) and
+peak RSS, and bytes sent per rank per step.
+
+    python benchmarks/compare.py --links loopback,10gbit,2gbit --rounds 3
+    python benchmarks/compare.py --quick            # tiny model, one round: a smoke run
+
+Writes <out>/compare.json, <out>/compare.md and <out>/compare.png, and prints the tables.
+Emulated links (a rate such as 2gbit) need root: see netns.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+
+from common import (LOOPBACK, PROCESS_GROUP_TIMEOUT, markdown_table, median, on_link, parse_choices, parse_links,
+                    quartiles, read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json,
+                    write_text)
+
+if TYPE_CHECKING:
+    from overlap.models import GPTConfig
+
+IMPLEMENTATIONS = ("overlap", "fsdp2", "ddp", "local")
+WORLD_SIZE = 2
+# GPTConfig's fields that the options set; their defaults are GPTConfig's (the benchmark model).
+MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")
+QUICK_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
+MIB = 2**20
+# Targets for ShardedModule, per link: step time at most this share of FSDP2's.
+TIME_TARGET_VS_FSDP2 = {LOOPBACK: 0.85, "2gbit": 0.65}
+
+
+# ---- worker: one launch of one implementation -------------------------------------------
+# overlap and the torch.distributed parts are imported where they are used: the driver,
+# which only launches runs and summarises them, does without them (and without the start-up
+# time and memory they cost).
+
+def _model_config(args: argparse.Namespace) -> "GPTConfig":
+    from overlap.models import GPTConfig
+
+    return GPTConfig(**{key: getattr(args, key) for key in MODEL_FIELDS})
+
+
+def _batches(config, args: argparse.Namespace, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random tokens, different per rank and step, identical for every implementation."""
+    batches = []
+    for step in range(count):
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
+        tokens = torch.randint(config.vocab_size, (args.batch, config.block_size + 1), generator=generator)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def _algorithm_bytes(impl: str, params: int, root_params: int, world: int) -> Optional[int]:
+    """Bytes each rank sends per step by the algorithm of FSDP2 or DDP, ring-equivalent: an
+    all-gather or reduce-scatter of S bytes sends S(N-1)/N, an all-reduce twice that.
+
+    FSDP2 gathers each block in forward and again in backward and the root (embeddings,
+    final norm, tied head) once, as it keeps the root gathered from forward into backward,
+    then reduce-scatters every gradient once. DDP all-reduces every gradient. ShardedModule
+    records what it sends, so it needs no formula.
+    """
+    share = (world - 1) / world
+    if impl == "ddp":
+        return int(2 * params * 4 * share)
+    if impl == "fsdp2":
+        return int((2 * (params - root_params) + root_params + params) * 4 * share)
+    return None
+
+
+def _wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    import torch.distributed as dist
+
+    if impl == "local":
+        return model
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    from overlap import ShardedModule
+    from overlap.models import Block
+
+    return ShardedModule(model, unit_types=(Block,), prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb)
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> tuple[float, list[float]]:
+    """One step; returns the loss and the seconds spent in each of PHASES."""
+    idx, targets = batch
+    start = time.perf_counter()
+    loss = model(idx, targets)
+    forward_end = time.perf_counter()
+    loss.backward()
+    backward_end = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    end = time.perf_counter()
+    return loss.item(), [forward_end - start, backward_end - forward_end, end - backward_end]
+
+
+def _overlap_step_comm(model) -> dict[str, Any]:
+    """This step's collectives (ShardedModule's own records) and prefetch outcome."""
+    records = model.collectives.records
+    kinds = sorted({r.kind for r in records})
+    events = [name for name, _, _ in model.scheduler.events]
+    return {
+        "bytes": sum(r.nbytes for r in records),
+        "bytes_by_kind": {k: sum(r.nbytes for r in records if r.kind == k) for k in kinds},
+        "exposed_s_by_kind": {k: sum(r.exposed for r in records if r.kind == k) for k in kinds},
+        "duration_s_by_kind": {k: sum(r.duration for r in records if r.kind == k) for k in kinds},
+        "prefetch_hits": events.count("hit"),
+        "prefetch_misses": events.count("miss"),
+    }
+
+
+def _overlap_trace(model, step_start: float) -> dict[str, list]:
+    """One step's scheduler events and collectives, times in ms from the step's start."""
+    def ms(t: Optional[float]) -> Optional[float]:
+        return None if t is None else round((t - step_start) * 1e3, 2)
+
+    return {
+        "events": [(name, unit, ms(t)) for name, unit, t in model.scheduler.events],
+        "collectives": [dict(kind=r.kind, unit=r.unit, nbytes=r.nbytes, issued=ms(r.issued),
+                             completed=ms(r.completed), wait_start=ms(r.wait_start), wait_end=ms(r.wait_end))
+                        for r in model.collectives.records],
+    }
+
+
+def _memory_step(impl: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> dict[str, dict]:
+    """One training step under MemTracker: the bytes of each category at the step's peak,
+    and the peak total within forward and within backward (the optimizer step's is the
+    overall peak when it exceeds both).
+
+    ShardedModule's gathered parameters live in flat buffers that are not nn.Parameters;
+    they are registered with the tracker and show as 'Other'. FSDP2's unsharded parameters
+    are nn.Parameters while gathered and show as 'Parameter'.
+    """
+    # _ModState (private) names the per-module snapshots that hold forward and backward peaks.
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    if impl == "overlap":
+        tracker.track_external(*[group.full for unit in model.scheduler.all_units for group in unit.groups])
+    with tracker:
+        _train_step(model, optimizer, batch)
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    snapshots = tracker.memory_tracking[model].snapshots
+    phases = {phase: max(next(iter(snap.values()))["Total"] for snap in snapshots[state])
+              for phase, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW))}
+    return dict(peak={str(getattr(key, "value", key)): int(value) for key, value in peak.items()}, phases=phases)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from overlap.models import GPT
+
+    impl = args.worker
+    torch.set_num_threads(1)
+    distributed = impl != "local"
+    if distributed:
+        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+
+    config = _model_config(args)
+    torch.manual_seed(args.seed)
+    plain = GPT(config)
+    params = sum(p.numel() for p in plain.parameters())
+    root_params = params - sum(p.numel() for p in plain.blocks.parameters())
+    model = _wrap(impl, plain, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    total_steps = args.warmup + args.steps
+    batches = _batches(config, args, rank, total_steps + 1)
+
+    step_s, phase_s, losses, comm, trace = [], [], [], [], None
+    for step in range(total_steps):
+        start = time.perf_counter()
+        loss, phases = _train_step(model, optimizer, batches[step])
+        elapsed = time.perf_counter() - start
+        losses.append(loss)
+        if step < args.warmup:
+            continue
+        step_s.append(elapsed)
+        phase_s.append(phases)
+        if impl == "overlap":
+            comm.append(_overlap_step_comm(model))
+            trace = _overlap_trace(model, start)
+    memory = _memory_step(impl, model, optimizer, batches[total_steps]) if args.memory else None
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    mine = dict(step_s=step_s, phase_s=phase_s, loss=losses, memory=memory, peak_rss=peak_rss, comm=comm,
+                trace=trace)
+    ranks = [mine]
+    if distributed:
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        settings = {}
+        if impl == "overlap":
+            settings = dict(prefetch_depth=model.config.prefetch_depth, bucket_mb=model.config.bucket_mb,
+                            units=len(model.scheduler.units))
+        write_json(args.result, dict(impl=impl, world_size=world, params=params, root_params=root_params,
+                                     settings=settings, ranks=ranks))
+
+
+# ---- driver: the runs, the summary, the outputs -----------------------------------------
+
+def _worker_args(args: argparse.Namespace, impl: str, result: str, memory: bool) -> list[str]:
+    out = ["--worker", impl, "--result", result]
+    for key in ("seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb"):
+        if getattr(args, key) is not None:
+            out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return out + (["--memory"] if memory else [])
+
+
+def _launch(args: argparse.Namespace, impl: str, prefix: list[str], result: str, memory: bool) -> dict:
+    script = os.path.abspath(__file__)
+    worker = _worker_args(args, impl, result, memory)
+    command = [sys.executable, script, *worker] if impl == "local" else torchrun(script, WORLD_SIZE, worker)
+    run_with_deadline(prefix + command, args.run_timeout, env=single_thread_env())
+    return read_json(result)
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
+    """Every (link, round, implementation) launch, implementations alternating within a round."""
+    from tqdm import tqdm
+
+    runs = []
+    progress = tqdm(total=len(args.links) * args.rounds * len(args.impls), unit="run")
+    with tempfile.TemporaryDirectory() as scratch:
+        for link in args.links:
+            with on_link(link) as prefix:
+                for round_index in range(args.rounds):
+                    for impl in args.impls:
+                        progress.set_description(f"{link} round {round_index + 1} {impl}")
+                        result = os.path.join(scratch, f"{link}-{round_index}-{impl}.json")
+                        # Memory does not depend on the link: measured once, in the first round of the first link.
+                        memory = round_index == 0 and link == args.links[0]
+                        run = _launch(args, impl, prefix, result, memory)
+                        runs.append(dict(link=link, round=round_index, **run))
+                        progress.update()
+    progress.close()
+    return runs
+
+
+def _median_ms_by_kind(steps: list[dict], key: str) -> dict[str, float]:
+    return {kind: median([step[key][kind] for step in steps]) * 1e3 for kind in steps[0][key]}
+
+
+def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
+    """link -> implementation -> step time statistics, memory, bytes per step."""
+    summary: dict[str, dict[str, dict]] = {}
+    for run in runs:
+        entry = summary.setdefault(run["link"], {}).setdefault(
+            run["impl"], dict(steps_s=[], phases_s=[], ranks_memory=None))
+        ranks = run["ranks"]
+        entry["steps_s"] += [max(times) for times in zip(*(r["step_s"] for r in ranks))]
+        entry["phases_s"] += ranks[0]["phase_s"]
+        if ranks[0]["memory"] is not None:
+            entry["ranks_memory"] = [r["memory"] for r in ranks]
+            entry["peak_rss"] = [r["peak_rss"] for r in ranks]
+        entry["params"], entry["root_params"] = run["params"], run["root_params"]
+        entry["sent_bytes"] = _algorithm_bytes(run["impl"], run["params"], run["root_params"], WORLD_SIZE)
+        entry["sent_source"] = "algorithm" if entry["sent_bytes"] is not None else None
+        entry["final_loss"] = ranks[0]["loss"][-1]
+        if run["impl"] == "overlap":
+            entry.setdefault("comm", []).extend(step for r in ranks[:1] for step in r["comm"])
+            entry["trace"] = ranks[0]["trace"]
+            entry["settings"] = run["settings"]
+    for by_impl in summary.values():
+        for impl, entry in by_impl.items():
+            entry["step_ms"] = median(entry["steps_s"]) * 1e3
+            entry["step_ms_quartiles"] = [q * 1e3 for q in quartiles(entry["steps_s"])]
+            phases = entry.pop("phases_s")
+            entry["phase_ms"] = {phase: median([p[i] for p in phases]) * 1e3 for i, phase in enumerate(PHASES)}
+            entry["peak_tracked"] = [m["peak"].get("Total", 0) for m in entry["ranks_memory"] or []]
+            if impl == "overlap":
+                comm = entry["comm"]
+                entry["sent_bytes"] = int(median([c["bytes"] for c in comm]))
+                entry["sent_source"] = "measured"
+                entry["exposed_ms_by_kind"] = _median_ms_by_kind(comm, "exposed_s_by_kind")
+                entry["comm_ms_by_kind"] = _median_ms_by_kind(comm, "duration_s_by_kind")
+                entry["prefetch_misses"] = median([c["prefetch_misses"] for c in comm])
+    return summary
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or not b else a / b
+
+
+def _fmt(value: Optional[float], digits: int = 0, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _step(summary: dict, link: str, impl: str) -> Optional[float]:
+    return summary[link].get(impl, {}).get("step_ms")
+
+
+def _peak(summary: dict, link: str, impl: str) -> Optional[float]:
+    peaks = summary[link].get(impl, {}).get("peak_tracked")
+    return max(peaks) if peaks else None
+
+
+def check_targets(summary: dict) -> list[dict]:
+    """Each target that applies to the links measured, with its measured ratio."""
+    targets = []
+    for link in summary:
+        overlap, fsdp2, ddp = (_step(summary, link, impl) for impl in ("overlap", "fsdp2", "ddp"))
+        if link in TIME_TARGET_VS_FSDP2:
+            targets.append(dict(link=link, what="step time / FSDP2", limit=TIME_TARGET_VS_FSDP2[link],
+                                ratio=_ratio(overlap, fsdp2)))
+        if link == LOOPBACK:
+            targets.append(dict(link=link, what="step time / DDP", limit=1.0, ratio=_ratio(overlap, ddp)))
+        memory_ratio = _ratio(_peak(summary, link, "overlap"), _peak(summary, link, "fsdp2"))
+        if memory_ratio is not None:
+            targets.append(dict(link=link, what="peak memory / FSDP2", limit=1.0, ratio=memory_ratio))
+    for target in targets:
+        target["met"] = None if target["ratio"] is None else target["ratio"] <= target["limit"]
+    return targets
+
+
+def time_table(summary: dict) -> str:
+    rows = []
+    for link, by_impl in summary.items():
+        for impl, entry in by_impl.items():
+            sent = entry["sent_bytes"]
+            exposed = entry.get("exposed_ms_by_kind")
+            q1, q3 = entry["step_ms_quartiles"]
+            rows.append([link, impl, _fmt(entry["step_ms"]), f"{q1:.0f}–{q3:.0f}", len(entry["steps_s"]),
+                         " / ".join(f"{entry['phase_ms'][p]:.0f}" for p in PHASES),
+                         _fmt(_ratio(entry["step_ms"], _step(summary, link, "local")), 2),
+                         "–" if sent is None else f"{sent / MIB:.1f} ({entry['sent_source']})",
+                         "–" if exposed is None else " / ".join(f"{exposed.get(k, 0):.0f}"
+                                                                for k in ("all_gather", "reduce_scatter")),
+                         _fmt(_ratio(_step(summary, link, "overlap"), entry["step_ms"]), 2)])
+    return markdown_table(["link", "impl", "step ms (median)", "IQR ms", "steps", "fwd / bwd / opt ms", "× local",
+                           "MiB sent/rank/step", "exposed ms AG / RS", "overlap ÷ this"], rows)
+
+
+def ratio_table(summary: dict) -> str:
+    rows = []
+    for link in summary:
+        overlap, fsdp2, ddp, local = (_step(summary, link, impl) for impl in IMPLEMENTATIONS)
+        rows.append([link, _fmt(overlap), _fmt(fsdp2), _fmt(ddp), _fmt(local), _fmt(_ratio(overlap, fsdp2), 2),
+                     _fmt(_ratio(overlap, ddp), 2),
+                     _fmt(_ratio(_peak(summary, link, "overlap"), _peak(summary, link, "fsdp2")), 2)])
+    return markdown_table(["link", "overlap ms", "fsdp2 ms", "ddp ms", "local ms", "overlap / fsdp2",
+                           "overlap / ddp", "peak mem overlap / fsdp2"], rows)
+
+
+MEMORY_CATEGORIES = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Other", "Total")
+
+
+def memory_table(summary: dict) -> str:
+    link = next(iter(summary))
+    rows = []
+    for impl, entry in summary[link].items():
+        for rank, memory in enumerate(entry["ranks_memory"] or []):
+            rows.append([impl, rank, *(_fmt(memory["peak"].get(c, 0) / MIB, 1) for c in MEMORY_CATEGORIES),
+                         " / ".join(_fmt(memory["phases"][p] / MIB) for p in ("forward", "backward")),
+                         _fmt(entry["peak_rss"][rank] / MIB)])
+    return markdown_table(["impl", "rank", *(f"{c} MiB" for c in MEMORY_CATEGORIES),
+                           "peak in fwd / bwd MiB", "peak RSS MiB"], rows)
+
+
+def target_lines(targets: list[dict]) -> str:
+    lines = []
+    for t in targets:
+        state = "not measured" if t["met"] is None else ("met" if t["met"] else "MISSED")
+        lines.append(f"- {t['link']}: {t['what']} = {_fmt(t['ratio'], 2)} (target ≤ {t['limit']:.2f}): {state}")
+    return "\n".join(lines)
+
+
+def _rank0_peak(entry: dict) -> dict[str, int]:
+    return entry["ranks_memory"][0]["peak"] if entry["ranks_memory"] else {}
+
+
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(summary)
+    impls = [impl for impl in IMPLEMENTATIONS if any(impl in summary[link] for link in links)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(impls)
+    tallest = 0.0
+    for i, impl in enumerate(impls):
+        values = [_step(summary, link, impl) or 0 for link in links]
+        tallest = max(tallest, *values)
+        left.bar([x + i * width for x in range(len(links))], values, width, label=impl)
+    left.set_xticks([x + 0.4 - width / 2 for x in range(len(links))], links)
+    left.set_ylim(top=tallest * 1.15)  # room for the legend above the bars
+    left.set_ylabel("median step time (ms)")
+    left.set_title("step time per link")
+    left.legend(ncol=len(impls), fontsize=8, loc="upper left")
+
+    memory_link = links[0]
+    bottoms = [0.0] * len(impls)
+    for category in MEMORY_CATEGORIES[:-1]:
+        values = [_rank0_peak(summary[memory_link][impl]).get(category, 0) / MIB for impl in impls]
+        right.bar(impls, values, bottom=bottoms, label=category)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    right.set_ylabel("MiB (rank 0, MemTracker peak)")
+    right.set_title(f"peak memory by category ({memory_link})")
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, targets: list[dict]) -> str:
+    """compare.json, compare.md and compare.png under args.out; returns the markdown."""
+    command = "python benchmarks/compare.py " + " ".join(args.argv)
+    markdown = "\n\n".join([
+        f"Command: `{command.strip()}`",
+        f"Model: {args.n_layer} layers, d={args.n_embd}, vocab {args.vocab_size}, batch {args.batch}×{args.block_size}"
+        f" per rank, {WORLD_SIZE} ranks (gloo); {args.rounds} round(s) × {args.steps} timed steps"
+        f" after {args.warmup} warm-up.",
+        ratio_table(summary), time_table(summary),
+        f"Peak memory per rank (link {next(iter(summary))}):", memory_table(summary),
+        "Targets:\n" + target_lines(targets)])
+    for entry in (e for by_impl in summary.values() for e in by_impl.values()):
+        entry.pop("steps_s")
+    meta = dict(command=command.strip(), argv=args.argv, model={key: getattr(args, key) for key in MODEL_FIELDS},
+                batch=args.batch, world_size=WORLD_SIZE, torch=torch.__version__, python=platform.python_version(),
+                cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    write_json(os.path.join(args.out, "compare.json"),
+               dict(meta=meta, results=summary, targets=targets, runs=runs))
+    write_text(os.path.join(args.out, "compare.md"), markdown + "\n")
+    plot(summary, os.path.join(args.out, "compare.png"))
+    return markdown
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma-separated, alternated in this order")
+    parser.add_argument("--links", default=LOOPBACK, help="loopback and/or tc rates, e.g. loopback,10gbit,2gbit")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--n-embd", type=int, default=512)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefetch-depth", type=int, default=None, help="ShardedModule's (default: its planner)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="ShardedModule's (default: its planner)")
+    parser.add_argument("--out", default="bench_out", help="directory for compare.json/.md/.png")
+    parser.add_argument("--run-timeout", type=float, default=600, help="seconds one launch may take")
+    parser.add_argument("--quick", action="store_true", help="tiny model, one round, two timed steps")
+    parser.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    if args.worker:
+        return args
+    if args.quick:
+        for key, value in QUICK_MODEL.items():
+            setattr(args, key, value)
+        args.batch, args.rounds, args.warmup, args.steps = 2, 1, 1, 2
+    try:
+        args.links = parse_links(args.links)
+        args.impls = parse_choices(args.impls, IMPLEMENTATIONS, "--impls")
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name in ("rounds", "steps", "batch", *MODEL_FIELDS):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.n_embd % args.n_head:
+        parser.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
+    return args
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    runs = run_all(args)
+    summary = summarize(runs)
+    targets = check_targets(summary)
+    print(write_outputs(args, runs, summary, targets))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
