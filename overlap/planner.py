@@ -447,7 +447,8 @@ class Decision:
 
 @dataclass
 class Replanner:
-    """Step-end callback that sets `scheduler.prefetch_depth` from measured steps.
+    """Step-end callback that sets the scheduler's forward and backward prefetch depths
+    from measured steps.
 
     Rank 0 decides; the decision is broadcast at fixed steps (FIRST_DECISION_STEP, then every
     REPLAN_EVERY), so every rank makes the same collective calls at the same points whether
@@ -460,7 +461,7 @@ class Replanner:
     memory_budget_bytes: Optional[int]
     group: dist.ProcessGroup
     device: torch.device
-    shared_depth: bool = True
+    shared_depth: bool = False
     first_step: int = FIRST_DECISION_STEP
     every: int = REPLAN_EVERY
     history: list[Decision] = field(default_factory=list)
@@ -477,7 +478,7 @@ class Replanner:
                 self._measured.append(measured)
         if not self.is_decision_step(scheduler.step):
             return
-        current = (scheduler.prefetch_depth, scheduler.prefetch_depth)
+        current = (scheduler.prefetch_depth, scheduler.backward_depth)
         proposal = self.decide(current) if dist.get_rank(self.group) == 0 else None
         message = [proposal]
         dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
@@ -485,8 +486,8 @@ class Replanner:
         if message[0] is None:
             return
         forward_depth, backward_depth, reason = message[0]
-        # The scheduler has one depth for both passes; with shared_depth the two are equal.
         scheduler.prefetch_depth = forward_depth
+        scheduler.backward_prefetch_depth = backward_depth
         self.history.append(Decision(scheduler.step, forward_depth, backward_depth, reason))
         logger.info("plan at step %d: %s", scheduler.step, reason)
 

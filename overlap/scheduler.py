@@ -54,6 +54,9 @@ class Scheduler:
         self.units = units
         self.collectives = collectives
         self.prefetch_depth = prefetch_depth
+        # Backward may prefetch deeper or shallower than forward (the planner's choice);
+        # None follows `prefetch_depth`.
+        self.backward_prefetch_depth: Optional[int] = None
         self.memory_budget_bytes = memory_budget_bytes
         self.reshard_after_forward = reshard_after_forward
         self.sync_grads = True
@@ -96,9 +99,13 @@ class Scheduler:
         self._log(event, unit)
         self.max_gathered_units = max(self.max_gathered_units, len(self._gathered_units()))
 
-    def _prefetch_after(self, order: list[Unit], position: int, current: Optional[Unit]) -> None:
-        """Start the gathers of the `prefetch_depth` units that follow `current` in `order`."""
-        if self.prefetch_depth == 0 or not order:
+    @property
+    def backward_depth(self) -> int:
+        return self.prefetch_depth if self.backward_prefetch_depth is None else self.backward_prefetch_depth
+
+    def _prefetch_after(self, order: list[Unit], position: int, current: Optional[Unit], depth: int) -> None:
+        """Start the gathers of the `depth` units that follow `current` in `order`."""
+        if depth == 0 or not order:
             return
         if current is None:
             index = -1
@@ -110,7 +117,7 @@ class Scheduler:
             index = order.index(current)
         else:
             return
-        for unit in _distinct_after(order, index, current, self.prefetch_depth):
+        for unit in _distinct_after(order, index, current, depth):
             if unit.gather_state is not GatherState.FREE:
                 continue
             if self.memory_budget_bytes is not None:
@@ -119,14 +126,14 @@ class Scheduler:
                     break
             self._start_gather(unit, "prefetch")
 
-    def _gather_for_compute(self, unit: Unit, order: list[Unit], position: int) -> None:
+    def _gather_for_compute(self, unit: Unit, order: list[Unit], position: int, depth: int) -> None:
         """Make `unit` ready to compute, prefetching what follows it before blocking on it."""
         if unit.gather_state is GatherState.FREE:
             self._start_gather(unit, "gather")
             self._log("miss", unit)
         elif unit.gather_state is GatherState.GATHERING:
             self._log("hit", unit)
-        self._prefetch_after(order, position, unit)
+        self._prefetch_after(order, position, unit, depth)
         unit.finish_gather()
 
     # ---- forward --------------------------------------------------------------------------
@@ -144,7 +151,7 @@ class Scheduler:
         if self.root is not None:
             self.root.start_gather()
             self._log("gather", self.root)
-        self._prefetch_after(self.forward_order, -1, None)
+        self._prefetch_after(self.forward_order, -1, None, self.prefetch_depth)
         if self.root is not None:
             self._log("pre_forward", self.root)
             self.root.finish_gather()
@@ -171,7 +178,7 @@ class Scheduler:
         with phase(f"overlap::pre_forward::{unit.name}"):
             position = len(self._this_forward)
             self._this_forward.append(unit)
-            self._gather_for_compute(unit, self.forward_order, position)
+            self._gather_for_compute(unit, self.forward_order, position, self.prefetch_depth)
             unit.install_views()
             unit.state = TrainingState.FORWARD
             unit.members_run.add(id(module))
@@ -209,7 +216,7 @@ class Scheduler:
         if torch.is_grad_enabled() and self._hook_outputs(output, self._root_pre_backward):
             # Backward starts with the root's own layers (head, loss): gather the first units
             # of backward under them.
-            self._prefetch_after(self.backward_order, -1, None)
+            self._prefetch_after(self.backward_order, -1, None, self.backward_depth)
         else:
             self._free_all()
 
@@ -251,7 +258,7 @@ class Scheduler:
         with phase(f"overlap::pre_backward::{unit.name}"):
             position = len(self._this_backward)
             self._this_backward.append(unit)
-            self._gather_for_compute(unit, self.backward_order, position)
+            self._gather_for_compute(unit, self.backward_order, position, self.backward_depth)
             unit.state = TrainingState.PRE_BACKWARD
             self._log("pre_backward", unit)
             unit.open_span("backward")
