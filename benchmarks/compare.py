@@ -223,7 +223,7 @@ def run_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         settings = {}
         if impl == "overlap":
-            settings = dict(prefetch_depth=model.config.prefetch_depth, bucket_mb=model.config.bucket_mb,
+            settings = dict(prefetch_depth=model.overlap_config.prefetch_depth, bucket_mb=model.overlap_config.bucket_mb,
                             units=len(model.scheduler.units))
         write_json(args.result, dict(impl=impl, world_size=world, params=params, root_params=root_params,
                                      settings=settings, ranks=ranks))

@@ -92,7 +92,7 @@ def _worker(args: argparse.Namespace) -> None:
                             "step_s": statistics.median(times[key])}
             if key == "auto":
                 results[key].update(chosen_depth=model.scheduler.prefetch_depth,
-                                    chosen_bucket_mb=model.config.bucket_mb, units=len(model.scheduler.units))
+                                    chosen_bucket_mb=model.overlap_config.bucket_mb, units=len(model.scheduler.units))
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     dist.destroy_process_group()

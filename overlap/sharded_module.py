@@ -105,18 +105,21 @@ class ShardedModule(nn.Module):
             kernels = get_backend(config.kernels, device)
         except (ValueError, BackendUnavailable) as exc:
             error = str(exc)
+        if any(isinstance(m, ShardedModule) for m in module.modules()):
+            error = ("the module already contains a ShardedModule; wrap the model once, at its root, "
+                     "and choose units with unit_types")
         root_spec, unit_specs = discover_units(module, unit_types)
         _agree(group, error, _signature(root_spec, unit_specs), config)
 
         enable_nvtx(config.nvtx)
         self.link = detect_link(group, config.link)
         startup = plan_at_startup(group, device, self.link, config, unit_specs, mp)
-        self.config = config.with_overrides(
+        self.overlap_config = config.with_overrides(
             prefetch_depth=startup.plan.forward_depth if config.prefetch_depth is None else None,
             bucket_mb=startup.plan.bucket_mb if config.bucket_mb is None else None,
             memory_budget_mb=startup.memory_budget_bytes / 2**20 if config.memory_budget_mb is None else None)
-        logger.info("plan: %s; using depth %d, bucket %.3g MB", startup.plan.reason, self.config.prefetch_depth,
-                    self.config.bucket_mb)
+        logger.info("plan: %s; using depth %d, bucket %.3g MB", startup.plan.reason, self.overlap_config.prefetch_depth,
+                    self.overlap_config.bucket_mb)
 
         for sub in module.modules():
             for name, buf in sub._buffers.items():
@@ -130,16 +133,16 @@ class ShardedModule(nn.Module):
         self.module = module
         self.flat_params = nn.ParameterDict()
         self._slot_of: dict[int, tuple[FlatGroup, int]] = {}
-        buckets = merge_into_buckets(unit_specs, int(self.config.bucket_mb * 2**20))
+        buckets = merge_into_buckets(unit_specs, int(self.overlap_config.bucket_mb * 2**20))
         root = self._build_unit(root_spec, "root", is_root=True) if root_spec.params else None
         units = [self._build_unit(spec, f"unit{i}", is_root=False) for i, spec in enumerate(buckets)]
-        budget = None if self.config.memory_budget_mb is None else int(self.config.memory_budget_mb * 2**20)
-        self.scheduler = Scheduler(root, units, self.collectives, self.config.prefetch_depth, budget,
+        budget = None if self.overlap_config.memory_budget_mb is None else int(self.overlap_config.memory_budget_mb * 2**20)
+        self.scheduler = Scheduler(root, units, self.collectives, self.overlap_config.prefetch_depth, budget,
                                    reshard_after_forward)
         if config.prefetch_depth is None:
             # Depth follows measured steps; see overlap.planner.Replanner.
             self.scheduler.step_end_callbacks.append(
-                replanner_for(self.scheduler, startup, int(self.config.bucket_mb * 2**20), group, device))
+                replanner_for(self.scheduler, startup, int(self.overlap_config.bucket_mb * 2**20), group, device))
         # Per-step timings of compute and communication for `overlap_report()`.
         self.overlap_monitor = OverlapMonitor()
         self.scheduler.step_end_callbacks.append(self.overlap_monitor.on_step_end)

@@ -239,7 +239,7 @@ def run_rank(args: argparse.Namespace) -> int:
                   f"seq {args.seq} ({config.num_params / 1e6:.2f}M params, {args.mixed_precision}) on {world} "
                   f"{'GPUs (nccl)' if use_cuda else 'CPU ranks (gloo)'}; {name}, {len(text) / 1e3:.1f} kB; "
                   f"batch {args.batch}/rank; {len(model.scheduler.units)} units, prefetch depth "
-                  f"{model.config.prefetch_depth}, bucket {model.config.bucket_mb:.3g} MB", flush=True)
+                  f"{model.overlap_config.prefetch_depth}, bucket {model.overlap_config.bucket_mb:.3g} MB", flush=True)
 
         bar = tqdm(range(args.steps), disable=rank != 0, dynamic_ncols=True, desc="train")
         window: list[float] = []

@@ -214,10 +214,10 @@ def _overrides_and_probe(rank: int, world: int, cache: str):
     x = torch.randn(8, 64)
     for _ in range(3):
         fixed(x).sum().backward()
-    fixed_state = (fixed.config.prefetch_depth, fixed.config.bucket_mb, fixed.scheduler.prefetch_depth,
+    fixed_state = (fixed.overlap_config.prefetch_depth, fixed.overlap_config.bucket_mb, fixed.scheduler.prefetch_depth,
                    any(isinstance(c, Replanner) for c in fixed.scheduler.step_end_callbacks))
     argument_wins = ShardedModule(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
-                                  prefetch_depth=1).config.prefetch_depth
+                                  prefetch_depth=1).overlap_config.prefetch_depth
     group = dist.group.WORLD
     probed = probe_link(group, torch.device("cpu"), LINK_DEFAULTS["loopback"], cache)
     cached = probe_link(group, torch.device("cpu"), LINK_DEFAULTS["loopback"], cache)
