@@ -44,7 +44,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from overlap import ShardedModule
     from overlap.models.gpt import GPT, Block, GPTConfig
-    from overlap.planner import FIRST_DECISION_STEP
+    from overlap.replanner import FIRST_DECISION_STEP
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -17,7 +17,8 @@ from overlap.config import Config, config_from_env, validate_bucket_mb, validate
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
 from overlap.mixed_precision import MixedPrecision
-from overlap.planner import plan_at_startup, replanner_for
+from overlap.planner import plan_at_startup
+from overlap.replanner import replanner_for
 from overlap.profiling import enable_nvtx
 from overlap.report import OverlapMonitor, OverlapReport
 from overlap.scheduler import Scheduler
@@ -140,7 +141,7 @@ class ShardedModule(nn.Module):
         self.scheduler = Scheduler(root, units, self.collectives, self.overlap_config.prefetch_depth, budget,
                                    reshard_after_forward)
         if config.prefetch_depth is None:
-            # Depth follows measured steps; see overlap.planner.Replanner.
+            # Depth follows measured steps; see overlap.replanner.Replanner.
             self.scheduler.step_end_callbacks.append(
                 replanner_for(self.scheduler, startup, int(self.overlap_config.bucket_mb * 2**20), group, device))
         # Per-step timings of compute and communication for `overlap_report()`.

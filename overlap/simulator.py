@@ -14,8 +14,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from overlap.planner import (BUDGET_FRACTION, MAX_DEPTH, Prediction, Profile, UnitCost, choose_bucket_bytes,
-                             choose_depths, merge_costs, predict_step)
+from overlap.cost_model import Prediction, Profile, UnitCost, predict_step
+from overlap.planner import BUDGET_FRACTION, MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
 from overlap.topology import LinkModel
 
 GATHER_BYTES = 2       # bf16 parameters

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from typing import Optional
-import torch
+
 from torch import nn
 
 from overlap.collectives import Pending

@@ -59,13 +59,12 @@ def discover_units(root: nn.Module, unit_types: Optional[Sequence[type]]) -> tup
         unit_modules = [m for m in root.modules() if isinstance(m, types) and m is not root and _has_params(m)]
     unit_ids = {id(m) for m in unit_modules}
 
-    # Owning unit of each module: the innermost unit module above it (or itself).
-    owner_of: dict[int, int] = {}
     root_spec = UnitSpec("", [root])
     specs: dict[int, UnitSpec] = {}
     occurrences: dict[int, list[tuple[str, nn.Module, str, int]]] = defaultdict(list)
     params: dict[int, nn.Parameter] = {}
 
+    # `owner` is the id of the innermost unit module above (or at) each module; 0 is the root.
     def walk(module: nn.Module, prefix: str, owner: int) -> None:
         if id(module) in unit_ids:
             owner = id(module)

@@ -10,8 +10,9 @@ import re
 import pytest
 
 from overlap.config import config_from_env
-from overlap.planner import (LATENCY_SHARE, Profile, UnitCost, choose_bucket_bytes, choose_depths, drifted,
-                             latency_bucket_bytes, merge_costs, predict_step, wire_bytes)
+from overlap.cost_model import Profile, UnitCost, predict_step, wire_bytes
+from overlap.planner import LATENCY_SHARE, choose_bucket_bytes, choose_depths, latency_bucket_bytes, merge_costs
+from overlap.replanner import drifted
 from overlap.probe import fit_alpha_beta
 from overlap.simulator import main as simulate
 from overlap.topology import LinkModel
@@ -204,7 +205,7 @@ def _overrides_and_probe(rank: int, world: int, cache: str):
     import torch
 
     from overlap import ShardedModule
-    from overlap.planner import Replanner
+    from overlap.replanner import Replanner
     from overlap.probe import probe_link
     from overlap.topology import LINK_DEFAULTS
     import torch.distributed as dist
@@ -245,7 +246,7 @@ def _replan(rank: int, world: int):
     from torch import nn
 
     from overlap import ShardedModule
-    from overlap.planner import Replanner
+    from overlap.replanner import Replanner
 
     delay = {"s": 0.0}
 
