@@ -158,7 +158,7 @@ class Collectives:
         `reduce_dtype`, so low-precision reductions do not overflow.
         """
         world = self.world_size
-        nbytes = grad_full.numel() * torch.empty((), dtype=reduce_dtype).element_size() * (world - 1) // world
+        nbytes = grad_full.numel() * reduce_dtype.itemsize * (world - 1) // world
         record = self._record("reduce_scatter", unit, nbytes)
         with phase(f"overlap::reduce_scatter::{unit}"):
             if self.use_streams:

@@ -160,22 +160,18 @@ def default_memory_budget(device: torch.device) -> int:
 
 # ---- wiring into the runtime -------------------------------------------------------------------
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def cost_of_spec(spec: UnitSpec, mp: MixedPrecision) -> UnitCost:
     """Sizes of a unit before it is built (padding ignored)."""
-    gather = sum(p.numel() * _element_size(mp.gather_dtype(p.dtype)) for _, p, _ in spec.params)
-    reduce = sum(p.numel() * _element_size(mp.grad_reduce_dtype(p.dtype)) for _, p, _ in spec.params
+    gather = sum(p.numel() * mp.gather_dtype(p.dtype).itemsize for _, p, _ in spec.params)
+    reduce = sum(p.numel() * mp.grad_reduce_dtype(p.dtype).itemsize for _, p, _ in spec.params
                  if p.requires_grad)
     return UnitCost(spec.name, spec.nbytes, gather, reduce)
 
 
 def cost_of_unit(unit: Unit) -> UnitCost:
     """Sizes of a built unit (or bucket), padding included."""
-    nbytes = sum(g.padded_numel * _element_size(g.master_dtype) for g in unit.groups)
-    reduce = sum(g.padded_numel * _element_size(g.reduce_dtype) for g in unit.trainable_groups)
+    nbytes = sum(g.padded_numel * g.master_dtype.itemsize for g in unit.groups)
+    reduce = sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable_groups)
     return UnitCost(unit.name, nbytes, unit.gathered_nbytes, reduce)
 
 
