@@ -32,6 +32,8 @@ MAX_DEPTH = 4
 # A deeper prefetch must beat the shallower one by this share of the step to be chosen:
 # within it the model cannot tell them apart and the shallower holds less memory.
 DEPTH_TOLERANCE = 0.01
+# Bucketing never leaves fewer buckets than this (when there are that many units).
+MIN_BUCKETS = 4
 # Without a budget: this share of device memory (CUDA) or of available RAM (CPU).
 BUDGET_FRACTION = 0.10
 
@@ -84,13 +86,17 @@ def choose_bucket_bytes(units: Sequence[UnitCost], link: LinkModel, world_size: 
     Merging stops when the next unit would overflow the bucket, so a cap of twice the
     threshold T guarantees that a closed bucket below T is followed by a unit of at least T
     (two parts both under T fit under 2T): small units always reach T together. Capped so
-    that two buckets (one computing, one arriving) fit the memory budget.
+    that two buckets (one computing, one arriving) fit the memory budget, and so that the
+    units form at least MIN_BUCKETS buckets: a model merged into one bucket has nothing to
+    compute while its gather runs, and latency saved there costs all of the overlap.
     """
     total = sum(u.nbytes for u in units)
     ratio = sum(u.gather_bytes for u in units) / total if total else 1.0
     bucket = 2 * latency_bucket_bytes(link, world_size, ratio)
     if memory_budget_bytes is not None:
         bucket = min(bucket, int(memory_budget_bytes / 2 / ratio))
+    if len(units) >= MIN_BUCKETS:
+        bucket = min(bucket, total // MIN_BUCKETS)
     return max(bucket, 1)
 
 

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from overlap.collectives import all_gather_flat, reduce_scatter_flat
 from overlap.topology import LinkModel
 
 logger = logging.getLogger("overlap")
@@ -107,12 +108,12 @@ class _Timer:
         """Seconds for one all-gather and one reduction of an `nbytes` gathered buffer."""
         shard = torch.ones(max(nbytes // 4 // self.world, 1), dtype=torch.float32, device=self.device)
         full = torch.empty(shard.numel() * self.world, dtype=torch.float32, device=self.device)
-        gather = self._timed(lambda: dist.all_gather_into_tensor(full, shard, group=self.group))
+        gather = self._timed(lambda: all_gather_flat(full, shard, group=self.group))
         if self.use_all_to_all:
             out = torch.empty_like(full)
             reduce = self._timed(lambda: dist.all_to_all_single(out, full, group=self.group))
         else:
-            reduce = self._timed(lambda: dist.reduce_scatter_tensor(shard, full, group=self.group))
+            reduce = self._timed(lambda: reduce_scatter_flat(shard, full, group=self.group))
         return gather, reduce
 
 

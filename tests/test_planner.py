@@ -11,7 +11,7 @@ import pytest
 
 from overlap.config import config_from_env
 from overlap.cost_model import Profile, UnitCost, predict_step, wire_bytes
-from overlap.planner import LATENCY_SHARE, choose_bucket_bytes, choose_depths, latency_bucket_bytes, merge_costs
+from overlap.planner import LATENCY_SHARE, MIN_BUCKETS, choose_bucket_bytes, choose_depths, latency_bucket_bytes, merge_costs
 from overlap.replanner import drifted
 from overlap.probe import fit_alpha_beta
 from overlap.simulator import main as simulate
@@ -102,6 +102,15 @@ def test_tiny_units_are_merged_until_latency_is_a_small_share():
         if b.name != "big":
             assert link.alpha / link.time(wire_bytes(b.gather_bytes, 2)) <= LATENCY_SHARE + 1e-9
     assert merge_costs(big * 3, bucket) == big * 3
+
+
+def test_small_model_is_not_merged_into_one_bucket():
+    """Even where latency would want one collective for everything, at least MIN_BUCKETS
+    remain, so that gathers have neighbours' compute to hide under."""
+    link = LinkModel("loopback", 5e-3, 1e9)                 # 45 MB latency threshold
+    units = [UnitCost(f"b{i}", MB, MB, MB) for i in range(8)]
+    merged = merge_costs(units, choose_bucket_bytes(units, link, world_size=2))
+    assert len(merged) >= MIN_BUCKETS and len(merged) < len(units)
 
 
 def test_bucket_respects_the_memory_budget():
