@@ -8,9 +8,13 @@ from torch import nn
 from distributed import RankError, run_distributed
 
 
-def _wrap(rank: int, world: int, widths: list[int]) -> str:
+def _wrap(rank: int, world: int, widths: list[int], rank1_env: dict | None = None) -> str:
+    import os
+
     from overlap import ShardedModule
 
+    if rank == 1 and rank1_env:
+        os.environ.update(rank1_env)
     width = widths[rank % len(widths)]
     ShardedModule(nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2)))
     return "built"
@@ -40,8 +44,10 @@ def test_invalid_environment_value_fails_on_every_rank(variable: str, value: str
 def test_one_rank_with_a_bad_value_stops_all_ranks() -> None:
     """Only rank 1's setting is invalid: rank 0 must not wait for it forever."""
 
-    errors = _errors_by_rank(2, [3], env={"OVERLAP_PREFETCH_DEPTH": "x"})
+    errors = _errors_by_rank(2, [3], {"OVERLAP_PREFETCH_DEPTH": "x"})
     assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert "rank 1" in message and "OVERLAP_PREFETCH_DEPTH" in message
 
 
 @pytest.mark.timeout(150)
