@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap.collectives import Collectives, Pending, all_gather_flat
-from overlap.kernels import KernelBackend
 
 
 @dataclass
@@ -39,12 +38,10 @@ class ParamSlot:
 
 
 class FlatGroup:
-    def __init__(self, label: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-                 collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 kernels: KernelBackend) -> None:
-        self.label = label
+    def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+                 collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         self.collectives = collectives
-        self.kernels = kernels
+        self.kernels = collectives.kernels
         world, rank = collectives.world_size, collectives.rank
         device = collectives.device
         self.master_dtype = params[0][1].dtype
@@ -64,7 +61,7 @@ class FlatGroup:
 
         # Rank 0's initial values are the truth on every rank, as with DDP.
         flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=device)
-        kernels.pack([p.detach().to(device) for _, p, _ in params], flat, [s.offset for s in self.slots])
+        self.kernels.pack([p.detach().to(device) for _, p, _ in params], flat, [s.offset for s in self.slots])
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
         start = rank * self.shard_numel

@@ -23,9 +23,9 @@ from overlap.profiling import phase
 from overlap.unit import GatherState, TrainingState, Unit
 
 # Reduce-scatters in flight at once before the oldest is waited for: each holds a unit's
-# full-size gradient, so an unbounded queue would hold the whole model's gradients. One is
-# enough to hide it: it has the next unit's whole backward to finish in, and a second one in
-# flight raised peak memory by 14 MiB (5%) on the benchmark model without saving time.
+# full-size gradient, so an unbounded queue would hold the whole model's gradients. One has
+# the next unit's whole backward to finish in; a second one in flight raised peak memory by
+# 14 MiB (4%) on the benchmark model.
 MAX_REDUCES_IN_FLIGHT = 1
 
 
@@ -161,11 +161,8 @@ class Scheduler:
     def _recover(self) -> None:
         """Bring every unit back to free after a step that did not finish (an exception in
         forward, or a forward with no backward)."""
-        for pending in self._pending_reduces:
-            pending.wait()
-        self._pending_reduces = []
-        for unit in self.all_units:
-            unit.free()
+        self._wait_reduces()
+        self._free_all()
         self.in_backward = False
 
     def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any) -> None:
@@ -285,6 +282,12 @@ class Scheduler:
             with phase(f"overlap::wait_reduce_scatter::{self._pending_reduces[0].record.unit}"):
                 self._pending_reduces.pop(0).wait()
 
+    def _wait_reduces(self) -> None:
+        with phase("overlap::wait_reduce_scatter::all"):
+            for pending in self._pending_reduces:
+                pending.wait()
+        self._pending_reduces = []
+
     def _end_backward(self) -> None:
         """Runs once when the backward pass finishes: every gradient is reduced and every
         gathered buffer freed before `backward()` returns."""
@@ -295,10 +298,7 @@ class Scheduler:
                     for group in unit.trainable_groups:
                         if group.unsynced_grad is not None:
                             self._reduce(unit, group, group.take_grad_for_reduce(None))
-            with phase("overlap::wait_reduce_scatter::all"):
-                for pending in self._pending_reduces:
-                    pending.wait()
-            self._pending_reduces = []
+            self._wait_reduces()
             self._free_all()
             if self._this_backward:
                 self.backward_order = _dedupe(self._this_backward)

@@ -135,8 +135,8 @@ class ShardedModule(nn.Module):
         self.flat_params = nn.ParameterDict()
         self._slot_of: dict[int, tuple[FlatGroup, int]] = {}
         buckets = merge_into_buckets(unit_specs, int(self.overlap_config.bucket_mb * 2**20))
-        root = self._build_unit(root_spec, "root", is_root=True) if root_spec.params else None
-        units = [self._build_unit(spec, f"unit{i}", is_root=False) for i, spec in enumerate(buckets)]
+        root = self._build_unit(root_spec, "root", modules=[]) if root_spec.params else None
+        units = [self._build_unit(spec, f"unit{i}", spec.modules) for i, spec in enumerate(buckets)]
         budget = None if self.overlap_config.memory_budget_mb is None else int(self.overlap_config.memory_budget_mb * 2**20)
         self.scheduler = Scheduler(root, units, self.collectives, self.overlap_config.prefetch_depth, budget,
                                    reshard_after_forward)
@@ -152,20 +152,20 @@ class ShardedModule(nn.Module):
         # key -> (group, slot index) for parameters, None for buffers and extra state.
         self._state_dict_layout = [(key, self._slot_of.get(ident)) for key, ident in keys]
 
-    def _build_unit(self, spec: UnitSpec, key: str, is_root: bool) -> Unit:
+    def _build_unit(self, spec: UnitSpec, key: str, modules: list[nn.Module]) -> Unit:
         by_kind: dict[tuple[torch.dtype, bool], list] = defaultdict(list)
         for entry in spec.params:
             by_kind[(entry[1].dtype, entry[1].requires_grad)].append(entry)
         groups = []
         for (dtype, requires_grad), entries in by_kind.items():
             label = f"{key}_{str(dtype).removeprefix('torch.')}{'' if requires_grad else '_frozen'}"
-            group = FlatGroup(label, entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
-                              self.mixed_precision.grad_reduce_dtype(dtype), self.collectives.kernels)
+            group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
+                              self.mixed_precision.grad_reduce_dtype(dtype))
             self.flat_params[label] = group.shard
             for index, (_, param, _) in enumerate(entries):
                 self._slot_of[id(param)] = (group, index)
             groups.append(group)
-        return Unit(spec.name or "<root>", [] if is_root else spec.modules, groups, is_root)
+        return Unit(spec.name or "<root>", modules, groups)
 
     # ---- public API -----------------------------------------------------------------------
 

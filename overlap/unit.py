@@ -25,11 +25,10 @@ class GatherState(enum.Enum):
 
 
 class Unit:
-    def __init__(self, name: str, modules: list[nn.Module], groups: list[FlatGroup], is_root: bool) -> None:
+    def __init__(self, name: str, modules: list[nn.Module], groups: list[FlatGroup]) -> None:
         self.name = name
-        self.modules = modules
+        self.modules = modules                   # the root unit has none: the root hooks drive it
         self.groups = groups
-        self.is_root = is_root
         self.state = TrainingState.IDLE
         self.gather_state = GatherState.FREE
         self._pending: list[Pending] = []
@@ -40,10 +39,6 @@ class Unit:
     @property
     def gathered_nbytes(self) -> int:
         return sum(g.gathered_nbytes for g in self.groups)
-
-    @property
-    def numel(self) -> int:
-        return sum(g.padded_numel for g in self.groups)
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
