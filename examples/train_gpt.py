@@ -56,8 +56,10 @@ model = ShardedModule(
     unit_types=(Block,),
     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if args.bf16 else None,
 )
-# model.parameters() are this rank's flat fp32 shards: the optimizer state is sharded too.
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+# model.named_parameters() are the GPT's own parameters, each holding this rank's part, so the
+# usual two groups (decay on weights, none on norms and biases) are made by name, and the
+# optimizer state is sharded too.
+optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), 0.1), lr=args.lr)
 if rank == 0:
     print(f"{config.num_params / 1e6:.2f}M parameters, {world} ranks, {len(model.scheduler.units)} units, "
           f"loss starts near ln({args.vocab}) = {math.log(args.vocab):.2f}")
@@ -69,7 +71,7 @@ for step in range(1, args.steps + 1):
     loss = model(inputs, targets)      # all-gathers run ahead of each block (prefetch)
     loss.backward()                    # gradients are reduce-scattered while backward goes on
     model.clip_grad_norm_(1.0)
-    optimizer.step()                   # plain AdamW on the shards
+    optimizer.step()                   # plain AdamW on this rank's parts
     optimizer.zero_grad(set_to_none=True)
 
     mean_loss = loss.detach().clone()

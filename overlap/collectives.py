@@ -211,6 +211,20 @@ class Collectives:
             self._mark_completion(pending)
         return pending
 
+    def any_rank(self, flags: list[bool]) -> Callable[[], list[bool]]:
+        """Start an element-wise OR of `flags` over the ranks; the returned function waits
+        for it and gives the result. A few bytes, so it is not recorded as traffic."""
+        if self.world_size == 1 or not flags:
+            return lambda: list(flags)
+        tensor = torch.tensor(flags, dtype=torch.int32).to(self.device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+        def result() -> list[bool]:
+            work.wait()
+            return [bool(v) for v in tensor.tolist()]
+
+        return result
+
     def _cast(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if shard.dtype == dtype:
             return shard.detach()

@@ -2,11 +2,23 @@
 
 Layout: the group's parameters are flattened in a fixed order into one buffer of
 `padded_numel = world_size * shard_numel` elements (zero padding at the end); rank r keeps
-elements [r * shard_numel, (r + 1) * shard_numel) as an fp32 (master dtype) `nn.Parameter`.
-To compute, the shards are all-gathered into `full`, a leaf tensor in the gather dtype whose
-views stand in for the original parameters on their modules. Autograd accumulates the
-gradients of all those views into `full.grad`, which is already in the flat layout the
-reduce-scatter wants: no copy-in or copy-out is needed on the way in or out.
+elements [r * shard_numel, (r + 1) * shard_numel) as its master shard, a plain tensor in the
+parameters' own dtype. The user's parameters are 1-D views into that shard (see [Note:
+original parameters are views of the flat shard]). To compute, the shards are all-gathered
+into `full`, a leaf tensor in the gather dtype whose views stand in for the original
+parameters on their modules. Autograd accumulates the gradients of all those views into
+`full.grad`, which is already in the flat layout the reduce-scatter wants: no copy-in or
+copy-out is needed on the way in or out.
+
+[Note: original parameters are views of the flat shard]
+Each original parameter is registered on its modules (under its own names, a tied one once)
+as an `nn.Parameter` holding this rank's part of it: the 1-D slice of the flat shard that
+falls inside the parameter's element range, empty on ranks whose slice misses it. Optimizer
+updates write the shard in place, so the next all-gather sends it as it is; gradients are
+views of one flat shard gradient that the reduce-scatter accumulates into. Per-parameter
+DTensors (FSDP2's way) would instead copy every shard into a send buffer before each
+all-gather and out of the received one after it; docs/parameters.md has the measurement
+that decided for views.
 
 [Note: freeing `full` by resizing its storage]
 Tensors autograd saved in forward (a weight for a matmul's input gradient) are views of
@@ -35,6 +47,14 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     numel: int
+
+    def part_on(self, rank: int, shard_numel: int) -> tuple[int, int]:
+        """The element range [start, end) of the flattened parameter that `rank` keeps
+        (empty, start == end, when the rank's shard misses the parameter)."""
+        shard_start = rank * shard_numel
+        start = min(max(shard_start - self.offset, 0), self.numel)
+        end = max(min(shard_start + shard_numel - self.offset, self.numel), start)
+        return start, end
 
 
 class FlatGroup:
@@ -65,8 +85,20 @@ class FlatGroup:
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
         start = rank * self.shard_numel
-        self.shard = nn.Parameter(flat[start:start + self.shard_numel].clone(), requires_grad=self.requires_grad)
+        self.shard = flat[start:start + self.shard_numel].clone()
         del flat
+        # This rank's part of each original parameter, as a view of the shard. See [Note:
+        # original parameters are views of the flat shard].
+        self.parts = [slot.part_on(rank, self.shard_numel) for slot in self.slots]
+        self.params = [nn.Parameter(self._shard_view(self.shard, slot, part), requires_grad=self.requires_grad)
+                       for slot, part in zip(self.slots, self.parts)]
+        # Sum of the reduced gradients; each parameter's `.grad` is a view of it.
+        self.grad_shard: Optional[torch.Tensor] = None
+        self._grad_views: list[torch.Tensor] = []
+        # Which parameters received a gradient in this rank's backward passes since the last
+        # published gradients; only those (on any rank) get a `.grad`.
+        self.got_grad = [False] * len(self.slots)
+        self.reduced = False
 
         # The gathered parameters: a leaf so autograd accumulates all views' gradients here.
         self.full = torch.empty(self.padded_numel, dtype=gather_dtype, device=device)
@@ -76,9 +108,13 @@ class FlatGroup:
         # Gradients summed locally while reduction is paused (no_sync), in the reduce dtype.
         self.unsynced_grad: Optional[torch.Tensor] = None
 
-        for _, _, owners in params:
-            for module, attr in owners:
-                module._parameters.pop(attr, None)
+        for slot, param in zip(self.slots, self.params):
+            for module, attr in slot.owners:
+                module._parameters[attr] = param
+
+    def _shard_view(self, flat_shard: torch.Tensor, slot: ParamSlot, part: tuple[int, int]) -> torch.Tensor:
+        start = slot.offset + part[0] - self.collectives.rank * self.shard_numel
+        return flat_shard.narrow(0, min(max(start, 0), self.shard_numel), part[1] - part[0])
 
     @property
     def gathered_nbytes(self) -> int:
@@ -104,13 +140,22 @@ class FlatGroup:
 
         One `split` makes all views: its backward writes every gradient into one flat tensor
         in a single pass, where a `narrow` per parameter would materialise a zero-filled
-        full-size gradient per parameter and sum them.
+        full-size gradient per parameter and sum them. A hook on each view records which
+        parameters a backward pass reached: the split fills the others' gradient with zeros.
         """
         pieces = torch.split(self.full, self._split_sizes)
-        for slot, piece in zip(self.slots, pieces):
+        track = self.requires_grad and torch.is_grad_enabled()
+        for index, (slot, piece) in enumerate(zip(self.slots, pieces)):
             view = piece.view(slot.shape)
+            if track:
+                view.register_hook(self._grad_marker(index))
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
+
+    def _grad_marker(self, index: int) -> Callable[[torch.Tensor], None]:
+        def mark(grad: torch.Tensor) -> None:
+            self.got_grad[index] = True
+        return mark
 
     def register_grad_hook(self, hook: Callable[["FlatGroup", torch.Tensor], None]) -> None:
         """Call `hook(group, grad)` once the gradient of `full` is complete in a backward pass."""
@@ -137,15 +182,37 @@ class FlatGroup:
             held.add_(grad)
         return held
 
-    def ensure_shard_grad(self) -> torch.Tensor:
-        if self.shard.grad is None:
-            self.shard.grad = torch.zeros_like(self.shard)
-        return self.shard.grad
+    def grad_for_reduce(self) -> torch.Tensor:
+        """The flat shard gradient a reduction adds into, holding what the parameters' `.grad`
+        hold now: zero where `.grad` is None (cleared by `zero_grad()`), so that reduced
+        gradients accumulate across backward passes exactly as `.grad` does."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.shard)
+            self._grad_views = [self._shard_view(self.grad_shard, slot, part)
+                                for slot, part in zip(self.slots, self.parts)]
+        elif not self.reduced:
+            for param, view in zip(self.params, self._grad_views):
+                if param.grad is None:
+                    view.zero_()
+                elif param.grad.data_ptr() != view.data_ptr() or param.grad.shape != view.shape:
+                    view.copy_(param.grad)        # a gradient the user assigned
+        self.reduced = True
+        return self.grad_shard
+
+    def publish_grads(self, got_grad: list[bool]) -> None:
+        """After this group's reductions completed: give `.grad` to every parameter that got a
+        gradient on some rank; the others keep theirs (None after `zero_grad()`)."""
+        if self.reduced:
+            for param, view, used in zip(self.params, self._grad_views, got_grad):
+                if used or param.grad is not None:
+                    param.grad = view
+        self.reduced = False
+        self.got_grad = [False] * len(self.slots)
 
     def full_values(self) -> torch.Tensor:
         """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""
         out = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
-        all_gather_flat(out, self.shard.detach(), group=self.collectives.group)
+        all_gather_flat(out, self.shard, group=self.collectives.group)
         return out
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:
@@ -153,5 +220,4 @@ class FlatGroup:
         flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
         self.kernels.pack([t.detach().to(flat.device) for t in tensors], flat, [s.offset for s in self.slots])
         start = self.collectives.rank * self.shard_numel
-        with torch.no_grad():
-            self.shard.copy_(flat[start:start + self.shard_numel])
+        self.shard.copy_(flat[start:start + self.shard_numel])

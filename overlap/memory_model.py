@@ -15,7 +15,8 @@ SGD 0). Over N ranks each ZeRO stage shards one more category:
 
 [Note: how overlap's own layout maps onto these categories]
 `ShardedModule` keeps each rank's shard in the parameters' own dtype (fp32 as a rule): the
-shard *is* the master copy, `shard.grad` is fp32, and the optimizer holds only its moments.
+shard *is* the master copy (the parameters are views of it), the gradients are fp32, and the
+optimizer holds only its moments.
 Mixed-precision Adam therefore splits as 4Ψ/N weights + 4Ψ/N gradients + 8Ψ/N optimizer
 state: the same 16Ψ/N as ZeRO-3, with the master weights counted as weights. The 16-bit
 weights exist only in the gathered buffers (`FlatGroup.full`) of the units in flight.
@@ -248,7 +249,10 @@ def estimate_sharded(model: "ShardedModule", optimizer: Optional[torch.optim.Opt
     for unit in scheduler.all_units:
         for group in unit.groups:
             element = group.master_dtype.itemsize
-            per_param = StateBytes(element, element, states_of.get(id(group.shard), 0) * element)
+            # States per element, averaged over the group's parameters (their optimizer
+            # groups may differ, e.g. SGD with momentum on some only).
+            states = sum(states_of.get(id(param), 0) * slot.numel for param, slot in zip(group.params, group.slots))
+            per_param = StateBytes(element, element, states / max(group.numel, 1) * element)
             trainable = group.numel if group.requires_grad else 0
             for category, value in model_state_bytes(group.numel, world, "zero3", per_param, trainable).items():
                 totals[category] += value
@@ -322,8 +326,9 @@ def measure(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] =
     held_grads: list[int] = []
 
     def after_backward(_scheduler: object) -> None:
-        # `shard.grad` is created by the runtime rather than by autograd, so the tracker first
-        # files it as a temporary; re-registering the module files it as a gradient.
+        # The parameters' `.grad` views are made by the runtime rather than by autograd, so the
+        # tracker first files their buffer as a temporary; re-registering the module files it
+        # as a gradient.
         tracker.track_external(model)
         held_grads.append(_category_bytes(tracker, "Gradient"))
 

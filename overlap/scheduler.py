@@ -163,6 +163,9 @@ class Scheduler:
         forward, or a forward with no backward)."""
         self._wait_reduces()
         self._free_all()
+        for unit in self.all_units:
+            for group in unit.trainable_groups:
+                group.reduced = False        # an unfinished backward's reductions are not published
         self.in_backward = False
 
     def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any) -> None:
@@ -274,7 +277,7 @@ class Scheduler:
                 self._log("free", unit)
 
     def _reduce(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
-        shard_grad = group.ensure_shard_grad()
+        shard_grad = group.grad_for_reduce()
         self._log("reduce", unit)
         self._pending_reduces.append(
             self.collectives.reduce_scatter(grad, shard_grad, group.reduce_dtype, unit.name))
@@ -288,6 +291,20 @@ class Scheduler:
                 pending.wait()
         self._pending_reduces = []
 
+    def _publish_grads(self) -> None:
+        """Wait for every reduction, then give `.grad` to the parameters that got a gradient
+        on any rank. Which ones did is a small all-reduce of flags, issued before the wait so
+        that it queues behind the reductions instead of adding its latency to theirs."""
+        groups = [group for unit in self.all_units for group in unit.trainable_groups]
+        flags = [used for group in groups for used in group.got_grad]
+        pending = self.collectives.any_rank(flags)
+        self._wait_reduces()
+        flags = pending()
+        start = 0
+        for group in groups:
+            group.publish_grads(flags[start:start + len(group.slots)])
+            start += len(group.slots)
+
     def _end_backward(self) -> None:
         """Runs once when the backward pass finishes: every gradient is reduced and every
         gathered buffer freed before `backward()` returns."""
@@ -298,7 +315,10 @@ class Scheduler:
                     for group in unit.trainable_groups:
                         if group.unsynced_grad is not None:
                             self._reduce(unit, group, group.take_grad_for_reduce(None))
-            self._wait_reduces()
+            if self.sync_grads:
+                self._publish_grads()
+            else:
+                self._wait_reduces()
             self._free_all()
             if self._this_backward:
                 self.backward_order = _dedupe(self._this_backward)

@@ -132,7 +132,6 @@ class ShardedModule(nn.Module):
         self.collectives = Collectives(group, device, kernels)
         self.mixed_precision = mp
         self.module = module
-        self.flat_params = nn.ParameterDict()
         self._slot_of: dict[int, tuple[FlatGroup, int]] = {}
         buckets = merge_into_buckets(unit_specs, int(self.overlap_config.bucket_mb * 2**20))
         root = self._build_unit(root_spec, "root", modules=[]) if root_spec.params else None
@@ -158,10 +157,8 @@ class ShardedModule(nn.Module):
             by_kind[(entry[1].dtype, entry[1].requires_grad)].append(entry)
         groups = []
         for (dtype, requires_grad), entries in by_kind.items():
-            label = f"{key}_{str(dtype).removeprefix('torch.')}{'' if requires_grad else '_frozen'}"
             group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
                               self.mixed_precision.grad_reduce_dtype(dtype))
-            self.flat_params[label] = group.shard
             for index, (_, param, _) in enumerate(entries):
                 self._slot_of[id(param)] = (group, index)
             groups.append(group)
@@ -174,6 +171,16 @@ class ShardedModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["module"], name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's own parameters under its own names, each holding this rank's
+        part as a 1-D tensor (see [Note: original parameters are views of the flat shard])."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The root hooks on the wrapped module do the work, so that calls that reach it
@@ -207,39 +214,50 @@ class ShardedModule(nn.Module):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of all shards together; returns the total norm (same on every rank)."""
+        """Clip the gradients of all parameters together; returns the total norm, the same on
+        every rank (`torch.nn.utils.clip_grad_norm_` would see only this rank's parts)."""
         norm_type = float(norm_type)
-        grads = [p.grad for p in self.flat_params.values() if p.grad is not None]
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
         device = self.collectives.device
         group = self.collectives.group
+        norms = torch._foreach_norm(grads, norm_type) if grads else []
         if norm_type == math.inf:
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
-            total = local.to(torch.float32).clone()
+            total = torch.stack(norms).max().float() if grads else torch.zeros((), device=device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         else:
-            local = sum((g.to(torch.float32).abs().pow(norm_type).sum() for g in grads),
-                        torch.zeros((), device=device))
+            local = torch.stack(norms).float().pow(norm_type).sum() if grads else torch.zeros((), device=device)
             dist.all_reduce(local, group=group)
             total = local.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return total
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The wrapped module's state dict with full (unsharded) CPU tensors, on every rank."""
-        values = {group: group.full_values().cpu()
-                  for unit in self.scheduler.all_units for group in unit.groups}
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The wrapped module's state dict with full (unsharded) CPU tensors, on every rank,
+        or with `rank0_only` on rank 0 alone (the others return {}). Gathers one flat group
+        at a time, so a rank holds at most one unit's parameters beyond its shards (plus the
+        result on the ranks that keep it)."""
+        keep = not rank0_only or self.collectives.rank == 0
+        parts: dict[tuple[FlatGroup, int], torch.Tensor] = {}
+        for unit in self.scheduler.all_units:
+            for group in unit.groups:
+                flat = group.full_values()
+                if keep:
+                    flat = flat.cpu()
+                    for index, slot in enumerate(group.slots):
+                        parts[(group, index)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+                del flat
+        if not keep:
+            return {}
         others = self.module.state_dict()
         out: dict[str, torch.Tensor] = {}
         for key, where in self._state_dict_layout:
-            if where is None:
+            if where is not None:
+                out[key] = parts[where]
+            else:
                 value = others[key]
                 out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-            else:
-                group, index = where
-                slot = group.slots[index]
-                out[key] = values[group][slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return out
 
     def overlap_report(self) -> OverlapReport:

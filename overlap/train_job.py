@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
     train.add_argument("--eval-every", type=_positive_int, default=50,
                        help="steps between train/val loss lines (default 50)")
+    train.add_argument("--weight-decay", type=float, default=0.1,
+                       help="AdamW weight decay on embedding and linear weights; none on norms and biases (default 0.1)")
     train.add_argument("--seed", type=int, default=0, help="seed for the model, the batches and sampling")
     train.add_argument("--data", default=None,
                        help=f"a text file to train on (default: the shipped {DEFAULT_TEXT})")
@@ -230,7 +232,8 @@ def run_rank(args: argparse.Namespace) -> int:
         if args.trace is not None:
             tracer = TraceRecorder(args.trace, capture_step=min(2, args.steps - 1), device=device)
             model.scheduler.step_end_callbacks.append(tracer.on_step_end)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), args.weight_decay),
+                                      lr=args.lr, betas=(0.9, 0.95))
         name, text = _read_text(args.data)
         batches = ByteBatches(text, args.seq, device, seed=args.seed * 1000 + rank)
 

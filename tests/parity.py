@@ -19,7 +19,7 @@ class Case:
     build: Callable[[], nn.Module]
     loss: Callable[[nn.Module, tuple], torch.Tensor]
     batches: Callable[[], list[tuple]]
-    optimizer: str = "sgd"                   # sgd (momentum, tight check) or adamw (loose)
+    optimizer: str = "sgd"                   # see _optimizer: SGD variants (tight check), AdamW (loose)
     wrap: dict = field(default_factory=dict)
     micro_batches: int = 1                   # >1: all but the last under no_sync
     clip: Optional[float] = None
@@ -38,11 +38,24 @@ def token_batches(vocab: int, seq: int, steps: int, seed: int = 1) -> Callable[[
     return make
 
 
-def _optimizer(kind: str, params) -> torch.optim.Optimizer:
+def _no_decay(name: str) -> bool:
+    """The usual LLM recipe's split, by name: no weight decay on biases, norms and embeddings."""
+    return name.endswith("bias") or "norm" in name or "ln_" in name or "embed" in name or "wte" in name
+
+
+def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind == "sgd_decay":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    if kind == "adamw_groups":
+        named = list(model.named_parameters())
+        return torch.optim.AdamW([
+            {"params": [p for n, p in named if not _no_decay(n)], "weight_decay": 0.1},
+            {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0, "lr": 3e-3},
+        ], lr=1e-3)
     raise ValueError(kind)
 
 
@@ -58,7 +71,7 @@ def train(case: Case, rank: int = 0, world: int = 1, sharded: bool = False) -> d
     torch.manual_seed(0)
     inner = case.build()
     model = ShardedModule(inner, **case.wrap) if sharded else inner
-    opt = _optimizer(case.optimizer, model.parameters())
+    opt = _optimizer(case.optimizer, model)
     losses, norms, eval_losses = [], [], []
     for step, batch in enumerate(case.batches()):
         if case.before_step is not None:

@@ -14,6 +14,7 @@ def _surface(rank: int, world: int) -> dict:
 
     inner = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
+    reference = GPT2LMHeadModel(inner.config)
     model = ShardedModule(inner)
     names = [name for name, _ in model.named_parameters()]
     shards = list(model.parameters())
@@ -23,11 +24,12 @@ def _surface(rank: int, world: int) -> dict:
     return {
         "module_is_inner": model.module is inner,
         "config_vocab": model.config.vocab_size,
-        "inner_params": len(list(inner.parameters())),
+        "same_objects": [id(p) for p in inner.parameters()] == [id(p) for p in shards],
         "names": names,
-        "all_flat_1d": all(isinstance(p, nn.Parameter) and p.dim() == 1 for p in shards),
-        "shard_elements": sum(p.numel() for p in shards),
-        "full_elements": sum(p.numel() for p in GPT2LMHeadModel(inner.config).parameters()),
+        "reference_names": [name for name, _ in reference.named_parameters()],
+        "all_1d": all(isinstance(p, nn.Parameter) and p.dim() == 1 for p in shards),
+        "part_sizes": [p.numel() for p in shards],
+        "full_sizes": [p.numel() for p in reference.parameters()],
         "eval_modes": eval_modes,
         "train_modes": {m.training for m in inner.modules()},
     }
@@ -35,14 +37,17 @@ def _surface(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(240)
 def test_wrapper_surface() -> None:
-    result = run_distributed(_surface, 2)[0]
-    assert result["module_is_inner"] and result["config_vocab"] == 61
-    assert result["inner_params"] == 0                  # the module's parameters now live in the shards
-    assert result["names"] and all(name.startswith("flat_params.") for name in result["names"])
-    assert result["all_flat_1d"]
-    # Each rank keeps about half of every unit's padded flat layout.
-    assert result["full_elements"] / 2 <= result["shard_elements"] <= result["full_elements"] / 2 + 64
-    assert result["eval_modes"] == {False} and result["train_modes"] == {True}
+    results = run_distributed(_surface, 2)
+    for result in results:
+        assert result["module_is_inner"] and result["config_vocab"] == 61
+        # The module's own parameters under their own names (the tied embedding once), each
+        # holding this rank's part as a 1-D tensor.
+        assert result["same_objects"]
+        assert result["names"] == result["reference_names"] and len(result["names"]) == len(set(result["names"]))
+        assert result["all_1d"]
+        assert result["eval_modes"] == {False} and result["train_modes"] == {True}
+    # The ranks' parts of each parameter add up to it exactly (no padding shows).
+    assert [a + b for a, b in zip(results[0]["part_sizes"], results[1]["part_sizes"])] == results[0]["full_sizes"]
 
 
 def _nested(rank: int, world: int) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -94,6 +95,18 @@ class GPT(nn.Module):
         if targets_BT is None:
             return logits_BTV
         return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+
+    def optimizer_groups(self, named_parameters: Iterable[tuple[str, nn.Parameter]],
+                         weight_decay: float) -> list[dict]:
+        """nanoGPT's two optimizer groups: weight decay on the embedding and linear weights,
+        none on norms and biases. Chosen by name, not by `p.dim()`: a sharded model's
+        parameters hold 1-D parts."""
+        decay, no_decay = [], []
+        for name, param in named_parameters:
+            if param.requires_grad:
+                is_norm = name.startswith("ln_") or ".ln_" in name
+                (decay if name.endswith("weight") and not is_norm else no_decay).append(param)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     @torch.no_grad()
     def generate(self, idx_BT: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
