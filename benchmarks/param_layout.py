@@ -1,0 +1,464 @@
+"""Two ways to expose a sharded unit's original parameters, timed per step on 2 gloo ranks.
+
+Every unit (each GPT block, and the root's embeddings and final norm) keeps its parameters
+concatenated in one flat buffer padded to a multiple of the world size N; rank r owns
+elements [r*S, (r+1)*S). The layouts compared:
+
+- (A) views: each original parameter is a 1-D `nn.Parameter` viewing its part of this rank's
+  flat shard (empty where the rank owns none of it); its `.grad` views a flat shard-gradient
+  buffer. The all-gather sends the flat shard and receives into one flat full buffer whose
+  `split` views are the parameters; the flat full gradient goes to the reduce-scatter as is.
+- (B) DTensor Shard(0), as FSDP2 keeps them: each parameter is a DTensor sharded on dim 0
+  (ceil(dim0/N) rows per rank, zero padded) over its own padded storage. Forward packs the
+  shards into the all-gather input (`_foreach_copy_`, FSDP2's all_gather_copy_in) and splits
+  the rank-major output into per-parameter full tensors (`split_with_sizes_copy`); backward
+  packs the per-parameter full gradients rank-major (`_chunk_cat`) and views the
+  reduce-scatter output as DTensor gradients.
+- (C) flat shards: one `nn.Parameter` per unit (the optimizer reference only).
+
+Timed, for the whole model per step: the forward parameter path (everything before compute
+can use the parameters), the gradient path (reduce-scatter and any copies around it),
+and `torch.optim.AdamW` with foreach=True and with foreach=None (the per-tensor loop on CPU).
+Persistent buffers are allocated once (as a caching allocator would hand them back), so the
+times hold copies, collectives and dispatch, not allocation. Items alternate A, B, C at each
+repetition, after a barrier; a sample is the slower rank's time; median and IQR are over
+rounds x repetitions, and B − A is taken per repetition (A and B ran back to back) before
+its median. Memory is the bytes of parameters, gradients and optimizer state per
+rank, padding included.
+
+    python benchmarks/param_layout.py --rounds 5 --reps 10 --out docs/results/param_layout.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, quartiles, read_json, run_with_deadline,
+                    script_main, single_thread_env, torchrun, write_json)
+
+WORLD_SIZE = 2
+LAYOUTS = {"A": "views", "B": "DTensor Shard(0)", "C": "flat shards"}
+OPTIMIZERS = {"adamw_foreach": True, "adamw_default": None}
+MIB = 2**20
+
+Timings = dict[str, float]  # part -> seconds of one repetition; "total" is the whole
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
+
+
+def _flat_grad(rank: int, unit_index: int, numel: int) -> torch.Tensor:
+    """Rank `rank`'s full gradient of a unit, flat: seeded so every rank can compute every rank's."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + unit_index))
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under `tensors` (DTensors count their local tensor)."""
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+class Unit:
+    """One unit's original parameters and their place in the flat layout."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+        self.index = index
+        self.shapes = [p.shape for p in params]
+        self.values = [p.detach() for p in params]
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+
+
+class ViewsUnit:
+    """(A): parameters and gradients are 1-D views of the flat shard and its gradient."""
+
+    def __init__(self, unit: Unit, rank: int, world: int) -> None:
+        self.unit, self.rank, self.world = unit, rank, world
+        self.shard_numel = -(-unit.numel // world)
+        padded = self.shard_numel * world
+        self.split_sizes = unit.numels + [padded - unit.numel]
+        flat = torch.cat([v.flatten() for v in unit.values] + [torch.zeros(padded - unit.numel)])
+        start, end = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.shard = flat[start:end].clone()
+        self.shard_grad = torch.zeros(self.shard_numel)
+        self.full = torch.empty(padded)
+        self.full_grad = torch.cat([_flat_grad(rank, unit.index, unit.numel), torch.zeros(padded - unit.numel)])
+        # This rank's part of parameter i: flat [lo, hi) clamped to [start, end), shard-relative.
+        self.parts = [(min(max(off, start), end) - start, min(max(off + n, start), end) - start)
+                      for off, n in zip(unit.offsets, unit.numels)]
+        self.params = [nn.Parameter(self.shard[lo:hi]) for lo, hi in self.parts]
+        for param, (lo, hi) in zip(self.params, self.parts):
+            param.grad = self.shard_grad[lo:hi]
+
+    def forward(self, parts: Timings) -> list[torch.Tensor]:
+        dist.all_gather_into_tensor(self.full, self.shard, async_op=True).wait()
+        pieces = torch.split(self.full, self.split_sizes)
+        return [piece.view(shape) for piece, shape in zip(pieces, self.unit.shapes)]
+
+    def reduce_grad(self, parts: Timings) -> None:
+        dist.reduce_scatter_tensor(self.shard_grad, self.full_grad)
+
+    def check(self) -> None:
+        full = self.forward({})
+        _require(all(torch.equal(f, v) for f, v in zip(full, self.unit.values)), "(A) gathered views differ")
+        self.reduce_grad({})
+        expected = sum(_flat_grad(r, self.unit.index, self.unit.numel) for r in range(self.world))
+        start = self.rank * self.shard_numel
+        for param, (lo, hi) in zip(self.params, self.parts):
+            _require(param.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr(),
+                     "(A) a parameter does not alias the flat shard")
+            torch.testing.assert_close(param.grad, expected[start + lo:start + hi])
+
+    def nbytes(self) -> dict[str, int]:
+        return dict(params=_storage_bytes([self.shard]), grads=_storage_bytes([self.shard_grad]),
+                    gathered=_storage_bytes([self.full]))
+
+
+class DTensorUnit:
+    """(B): each parameter a DTensor sharded on dim 0 over its own padded storage, as FSDP2."""
+
+    def __init__(self, unit: Unit, rank: int, world: int, mesh) -> None:
+        self.unit, self.rank, self.world, self.mesh = unit, rank, world, mesh
+        self.placements = [Shard(0)]
+        self.storages: list[torch.Tensor] = []       # padded local shard, the all-gather input
+        self.params: list[nn.Parameter] = []
+        self.local_shapes: list[torch.Size] = []
+        self.local_strides: list[tuple[int, ...]] = []
+        self.padded_numels: list[int] = []            # ceil(dim0/N) rows
+        for value in unit.values:
+            rows_per_rank = -(-value.shape[0] // world)
+            row_numel = value[0].numel()
+            rows = min(max(value.shape[0] - rank * rows_per_rank, 0), rows_per_rank)
+            storage = torch.zeros(rows_per_rank * row_numel)
+            local = storage[:rows * row_numel].view(rows, *value.shape[1:])
+            local.copy_(value[rank * rows_per_rank:rank * rows_per_rank + rows])
+            reference = distribute_tensor(value, mesh, self.placements).to_local()
+            _require(torch.equal(local, reference), "(B) local shard differs from distribute_tensor's")
+            dtensor = DTensor.from_local(local, mesh, self.placements, run_check=False, shape=value.shape,
+                                         stride=value.stride())
+            self.storages.append(storage)
+            self.params.append(nn.Parameter(dtensor))
+            self.local_shapes.append(local.shape)
+            self.local_strides.append(local.stride())
+            self.padded_numels.append(rows_per_rank * row_numel)
+        send_numel = sum(self.padded_numels)
+        # All-gather in place, as FSDP2: this rank's input is its slice of the output.
+        self.gather_output = torch.empty(world * send_numel)
+        self.send = self.gather_output.narrow(0, rank * send_numel, send_numel)
+        self.send_splits = list(torch.split(self.send, self.padded_numels))
+        self.unsharded = [torch.empty(world * n) for n in self.padded_numels]  # padded full parameters
+        self.unsharded_out = [t.view(world, -1) for t in self.unsharded]
+        self.reduce_input = torch.empty(world * send_numel)
+        self.reduce_output = torch.empty(send_numel)
+        flat = _flat_grad(rank, unit.index, unit.numel)
+        self.unsharded_grads = [g.view(shape).clone() for g, shape in zip(flat.split(unit.numels), unit.shapes)]
+        self.land_grads()
+
+    def forward(self, parts: Timings) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        torch._foreach_copy_(self.send_splits, self.storages)
+        t1 = time.perf_counter()
+        dist.all_gather_into_tensor(self.gather_output, self.send, async_op=True).wait()
+        t2 = time.perf_counter()
+        torch.split_with_sizes_copy(self.gather_output.view(self.world, -1), self.padded_numels, dim=1,
+                                    out=self.unsharded_out)
+        full = [torch.as_strided(t, shape, value.stride(), 0)
+                for t, shape, value in zip(self.unsharded, self.unit.shapes, self.unit.values)]
+        t3 = time.perf_counter()
+        parts["copy_in"] = parts.get("copy_in", 0.0) + t1 - t0
+        parts["copy_out"] = parts.get("copy_out", 0.0) + t3 - t2
+        return full
+
+    def reduce_grad(self, parts: Timings) -> None:
+        t0 = time.perf_counter()
+        torch._chunk_cat(self.unsharded_grads, 0, self.world, out=self.reduce_input.view(self.world, -1))
+        t1 = time.perf_counter()
+        dist.reduce_scatter_tensor(self.reduce_output, self.reduce_input)
+        t2 = time.perf_counter()
+        self.land_grads()
+        t3 = time.perf_counter()
+        parts["copy_in"] = parts.get("copy_in", 0.0) + t1 - t0
+        parts["land"] = parts.get("land", 0.0) + t3 - t2
+
+    def land_grads(self) -> None:
+        """View the reduce-scatter output as each parameter's DTensor gradient (no copy)."""
+        offset = 0
+        for param, shape, stride, padded, value in zip(self.params, self.local_shapes, self.local_strides,
+                                                       self.padded_numels, self.unit.values):
+            local = torch.as_strided(self.reduce_output, shape, stride, offset)
+            param.grad = DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=value.shape,
+                                            stride=value.stride())
+            offset += padded
+
+    def check(self) -> None:
+        full = self.forward({})
+        _require(all(torch.equal(f, v) for f, v in zip(full, self.unit.values)), "(B) gathered parameters differ")
+        self.reduce_grad({})
+        expected = sum(_flat_grad(r, self.unit.index, self.unit.numel) for r in range(self.world))
+        for param, flat_expected, shape in zip(self.params, expected.split(self.unit.numels), self.unit.shapes):
+            rows = -(-shape[0] // self.world)
+            torch.testing.assert_close(param.grad.to_local(),
+                                       flat_expected.view(shape)[self.rank * rows:(self.rank + 1) * rows])
+
+    def nbytes(self) -> dict[str, int]:
+        return dict(params=_storage_bytes(self.storages), grads=_storage_bytes([self.reduce_output]),
+                    gathered=_storage_bytes([self.gather_output, *self.unsharded]))
+
+
+class Model:
+    """The benchmark GPT's units in both layouts, and the flat shards as (C)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        from overlap.models import GPT, GPTConfig
+        from overlap.units import discover_units
+
+        torch.manual_seed(0)
+        self.config = GPTConfig()
+        model = GPT(self.config)
+        root, blocks = discover_units(model, None)
+        self.units = [Unit(i, [p for _, p, _ in spec.params]) for i, spec in enumerate([root, *blocks])]
+        self.unit_names = [spec.name or "<root>" for spec in [root, *blocks]]
+        self.num_params = sum(p.numel() for p in model.parameters())
+        mesh = init_device_mesh("cpu", (world,))
+        self.views = [ViewsUnit(u, rank, world) for u in self.units]
+        self.dtensors = [DTensorUnit(u, rank, world, mesh) for u in self.units]
+        flat = []
+        for u in self.views:
+            param = nn.Parameter(u.shard)
+            param.grad = u.shard_grad
+            flat.append(param)
+        self.params = {"A": [p for u in self.views for p in u.params],
+                       "B": [p for u in self.dtensors for p in u.params],
+                       "C": flat}
+        self.optimizers = {(layout, name): torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=foreach)
+                           for layout, params in self.params.items() for name, foreach in OPTIMIZERS.items()}
+
+    def layout_units(self, layout: str) -> list:
+        return self.views if layout == "A" else self.dtensors
+
+    def forward(self, layout: str) -> Timings:
+        parts: Timings = {}
+        for unit in self.layout_units(layout):
+            unit.forward(parts)
+        return parts
+
+    def reduce_grads(self, layout: str) -> Timings:
+        parts: Timings = {}
+        for unit in self.layout_units(layout):
+            unit.reduce_grad(parts)
+        return parts
+
+    def step(self, layout: str, optimizer: str) -> Timings:
+        self.optimizers[layout, optimizer].step()
+        return {}
+
+    def check(self) -> None:
+        """Both layouts gather and reduce correctly; each optimizer updates what it should."""
+        for a, b in zip(self.views, self.dtensors):
+            a.check()
+            b.check()
+        for name in OPTIMIZERS:
+            before = [u.shard.clone() for u in self.views]
+            self.step("A", name)
+            for u, old in zip(self.views, before):
+                _require(not torch.equal(u.shard, old), "(A) the step did not change the flat shard")
+                padding = u.shard[u.parts[-1][1]:]
+                _require(not padding.any(), "(A) the step wrote the flat shard's padding")
+            before = [s.clone() for u in self.dtensors for s in u.storages]
+            self.step("B", name)
+            after = [s for u in self.dtensors for s in u.storages]
+            _require(any(not torch.equal(s, old) for s, old in zip(after, before)), "(B) the step changed nothing")
+            state = _optimizer_state(self.optimizers["B", name])
+            _require(all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in self.params["B"]),
+                     "(B) a parameter or gradient is not a DTensor")
+            _require(any(isinstance(v, DTensor) for v in state), "(B) the optimizer state is not DTensor")
+            self.step("C", name)
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Layout -> bytes of params/grads/optimizer state (one AdamW's) on this rank, and the largest unit's
+        gathered working set (for A the flat full buffer; for B the all-gather output plus the
+        per-parameter full tensors)."""
+        out = {}
+        for layout, units in (("A", self.views), ("B", self.dtensors), ("C", self.views)):
+            per_unit = [u.nbytes() for u in units]
+            state = _storage_bytes(_optimizer_state(self.optimizers[layout, "adamw_foreach"]))
+            out[layout] = dict(params=sum(m["params"] for m in per_unit), grads=sum(m["grads"] for m in per_unit),
+                               optimizer_state=state)
+            out[layout]["total"] = sum(out[layout].values())
+            if layout != "C":
+                out[layout]["gathered_largest_unit"] = max(m["gathered"] for m in per_unit)
+        return out
+
+
+# ---- worker -------------------------------------------------------------------------------
+
+ITEMS: dict[str, tuple[tuple[str, ...], Callable[[Model, str], Timings]]] = {
+    "forward": (("A", "B"), Model.forward),
+    "gradient": (("A", "B"), Model.reduce_grads),
+    **{name: (("A", "B", "C"), lambda model, layout, name=name: model.step(layout, name)) for name in OPTIMIZERS},
+}
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Model(rank, world)
+    model.check()
+
+    def once(item: str, layout: str) -> Timings:
+        dist.barrier()
+        start = time.perf_counter()
+        parts = ITEMS[item][1](model, layout)
+        return {**parts, "total": time.perf_counter() - start}
+
+    for item, (layouts, _) in ITEMS.items():  # warm-up, untimed
+        for layout in layouts:
+            once(item, layout)
+    samples: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for item, (layouts, _) in ITEMS.items():
+            for _ in range(args.reps):
+                for layout in layouts:
+                    for part, seconds in once(item, layout).items():
+                        samples.setdefault(f"{item}/{layout}/{part}", []).append(seconds)
+    info = dict(samples=samples, memory=model.memory(),
+                tensors={layout: dict(count=len(params), empty=sum(p.numel() == 0 for p in params))
+                         for layout, params in model.params.items()})
+    ranks: list[Optional[dict]] = [None] * world
+    dist.all_gather_object(ranks, info)
+    if rank == 0:
+        config = model.config
+        write_json(args.result, dict(
+            ranks=ranks, num_params=model.num_params,
+            model=dict(n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
+                       vocab_size=config.vocab_size, block_size=config.block_size),
+            units={name: u.numel for name, u in zip(model.unit_names, model.units)}))
+
+
+# ---- driver -------------------------------------------------------------------------------
+
+def _stats(samples_ms: list[float]) -> dict:
+    q1, q3 = quartiles(samples_ms)
+    return dict(median_ms=median(samples_ms), q1_ms=q1, q3_ms=q3, samples_ms=samples_ms)
+
+
+def summarize(ranks: list[dict]) -> dict[str, dict]:
+    """item/layout/part -> median and quartiles (ms) of the slower rank's samples."""
+    stats = {key: _stats([max(values) * 1e3 for values in zip(*(r["samples"][key] for r in ranks))])
+             for key in ranks[0]["samples"]}
+    # The copies of (B), summed within each repetition before the slower rank is taken.
+    for item, parts in (("forward", ("copy_in", "copy_out")), ("gradient", ("copy_in", "land"))):
+        per_rank = [[sum(values) for values in zip(*(r["samples"][f"{item}/B/{p}"] for p in parts))] for r in ranks]
+        stats[f"{item}/B/copies"] = _stats([max(values) * 1e3 for values in zip(*per_rank)])
+    # B − A per repetition: the two ran back to back, so slow drifts of a shared host cancel.
+    for item in ITEMS:
+        a, b = stats[f"{item}/A/total"], stats[f"{item}/B/total"]
+        stats[f"{item}/B-A/total"] = _stats([y - x for x, y in zip(a["samples_ms"], b["samples_ms"])])
+    return stats
+
+
+def _cell(stats: dict, key: str) -> str:
+    if key not in stats:
+        return "—"
+    s = stats[key]
+    return f"{s['median_ms']:.2f} [{s['q1_ms']:.2f}–{s['q3_ms']:.2f}]"
+
+
+def table(stats: dict, memory: dict) -> str:
+    rows = []
+    labels = {"forward/{}/total": "forward: all-gather to per-parameter tensors, all units",
+              "forward/{}/copy_in": "  (B) copy-in (`_foreach_copy_`)",
+              "forward/{}/copy_out": "  (B) copy-out (`split_with_sizes_copy`)",
+              "forward/{}/copies": "  (B) copy-in + copy-out",
+              "gradient/{}/total": "gradient: reduce-scatter path, all units",
+              "gradient/{}/copy_in": "  (B) copy-in (`_chunk_cat`)",
+              "gradient/{}/land": "  (B) DTensor gradients from the output",
+              "gradient/{}/copies": "  (B) extra over (A)",
+              "adamw_foreach/{}/total": "AdamW foreach=True",
+              "adamw_default/{}/total": "AdamW foreach=None (per-tensor loop on CPU)"}
+    for pattern, label in labels.items():
+        cells = [_cell(stats, pattern.format(layout)) for layout in LAYOUTS]
+        paired = stats.get(pattern.format("B-A"))
+        diff = f"{paired['median_ms']:+.2f} [{paired['q1_ms']:+.2f}–{paired['q3_ms']:+.2f}]" if paired else "—"
+        rows.append([label, *cells, diff])
+    for part in ("params", "grads", "optimizer_state", "total", "gathered_largest_unit"):
+        per_layout = [max(m[layout][part] for m in memory) if part in memory[0][layout] else None
+                      for layout in LAYOUTS]
+        cells = [f"{v / MIB:.2f} MiB" if v is not None else "—" for v in per_layout]
+        diff = f"{(per_layout[1] - per_layout[0]) / MIB:+.2f}" if None not in per_layout[:2] else "—"
+        rows.append([f"memory per rank: {part.replace('_', ' ')}", *cells, diff])
+    headers = ["item (ms per step: median [IQR])", *(f"({k}) {v}" for k, v in LAYOUTS.items()), "B − A (paired per repetition)"]
+    return markdown_table(headers, rows)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each runs every item --reps times")
+    parser.add_argument("--reps", type=int, default=10, help="repetitions of each item per round (A, B, C alternate)")
+    parser.add_argument("--out", default="docs/results/param_layout.json", help="JSON result file")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds the launch may take")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.reps < 1:
+        parser.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
+    args.argv = list(argv)
+    return args
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as scratch:
+        result = os.path.join(scratch, "ranks.json")
+        worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--reps", str(args.reps)]
+        run_with_deadline(torchrun(os.path.abspath(__file__), WORLD_SIZE, worker), args.timeout,
+                          env=single_thread_env())
+        raw = read_json(result)
+    load_after = os.getloadavg()
+    stats = summarize(raw["ranks"])
+    memory = [r["memory"] for r in raw["ranks"]]
+    command = ("python benchmarks/param_layout.py " + " ".join(args.argv)).strip()
+    host = (f"{os.cpu_count()} cores, 1 thread per rank; 1-min load average {load_before[0]:.2f} before, "
+            f"{load_after[0]:.2f} after (a shared host: other jobs may have run)")
+    tensors = raw["ranks"][0]["tensors"]
+    counts = ", ".join(f"({k}) {v['count']} ({', '.join(str(r['tensors'][k]['empty']) for r in raw['ranks'])} "
+                       f"empty on ranks 0, 1)" for k, v in tensors.items())
+    markdown = (f"Command: `{command}`\n\nGPT {raw['num_params'] / 1e6:.1f}M parameters, {len(raw['units'])} units, "
+                f"gloo, {WORLD_SIZE} ranks, fp32; {args.rounds} rounds × {args.reps} repetitions; {host}.\n"
+                f"Tensors the optimizer steps: {counts}.\n\n{table(stats, memory)}")
+    write_json(args.out, dict(command=command, world_size=WORLD_SIZE, torch=torch.__version__,
+                              rounds=args.rounds, reps=args.reps, host=host, load_average_before=load_before,
+                              load_average_after=load_after, num_params=raw["num_params"], model=raw["model"],
+                              units=raw["units"], optimizer_tensors=[r["tensors"] for r in raw["ranks"]],
+                              memory_bytes=memory, timings=stats))
+    print(markdown)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
