@@ -34,7 +34,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from overlap.checkpoint.sharded_tensors import as_sharded_tensor
 from overlap.collectives import Collectives, Pending, all_gather_flat
 
 
@@ -208,6 +210,13 @@ class FlatGroup:
                     param.grad = view
         self.reduced = False
         self.got_grad = [False] * len(self.slots)
+
+    def sharded_tensor(self, part: torch.Tensor, index: int) -> ShardedTensor:
+        """`part` (shaped like this rank's part of parameter `index`: the parameter itself, or
+        optimizer state of the same shape) as a ShardedTensor of the parameter's full shape."""
+        slot = self.slots[index]
+        parts = [slot.part_on(rank, self.shard_numel) for rank in range(self.collectives.world_size)]
+        return as_sharded_tensor(part, slot.shape, parts, self.collectives.group)
 
     def full_values(self) -> torch.Tensor:
         """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""

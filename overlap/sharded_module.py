@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils._pytree import tree_map
 
 from overlap.collectives import Collectives
@@ -275,6 +276,49 @@ class ShardedModule(nn.Module):
         from overlap.memory_model import memory_report
 
         return memory_report(self, optimizer, step_fn, activations=activations, checkpointing=checkpointing)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped module's state dict, sharded: each parameter a `ShardedTensor` of its
+        full shape whose local shards are views of this rank's part (FSDP2 gives DTensors
+        here), buffers as they are. `torch.distributed.checkpoint` saves it without gathering
+        and loads into it in place, at any world size; `overlap.checkpoint` does both, with
+        the optimizer."""
+        others = self.module.state_dict()
+        out: dict[str, Any] = {}
+        for key, where in self._state_dict_layout:
+            if where is None:
+                out[key] = others[key]
+            else:
+                group, index = where
+                out[key] = group.sharded_tensor(group.params[index], index)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load a state dict from `state_dict()` (sharded, this world size and layout) or
+        from `full_state_dict()` (full tensors, any layout)."""
+        if assign:
+            raise ValueError("ShardedModule.load_state_dict: assign=True would replace the views of the flat shards")
+        sharded = {key: value for key, value in state_dict.items() if isinstance(value, ShardedTensor)}
+        if not sharded:
+            return self.load_full_state_dict(state_dict)
+        mine = self.state_dict()
+        missing = [key for key in mine if key not in state_dict]
+        unexpected = [key for key in state_dict if key not in mine]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                target = mine.get(key)
+                if isinstance(target, ShardedTensor):
+                    if not isinstance(value, ShardedTensor) or value.metadata() != target.metadata():
+                        raise ValueError(f"load_state_dict: {key} is not sharded like this model's parameter; "
+                                         "load full tensors, or load a checkpoint with overlap.checkpoint.load")
+                    for ours, theirs in zip(target.local_shards(), value.local_shards()):
+                        ours.tensor.copy_(theirs.tensor)
+        others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), ShardedTensor)}
+        if others:
+            self.module.load_state_dict(others, strict=False)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load full tensors (as `full_state_dict` returns them); every rank passes the same."""

@@ -1,0 +1,193 @@
+"""Sharded checkpoints of a `ShardedModule` and its optimizer through
+`torch.distributed.checkpoint` (DCP): each rank writes only its own parts, and a checkpoint
+loads at any world size, bucket size or prefetch depth.
+
+A save writes into `<path>.partial` and rank 0 renames it to `<path>` once DCP has written
+every rank's files and the metadata, so `<path>` exists only complete: a save that dies
+midway leaves the previous checkpoint as it was and nothing that looks loadable.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, read_metadata
+from overlap.checkpoint.state import (EXTRA, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
+                                      model_items, optimizer_items, optimizer_targets)
+
+if TYPE_CHECKING:
+    from overlap.sharded_module import ShardedModule
+
+__all__ = ["CheckpointMismatch", "IncompleteCheckpoint", "PendingSave", "UnsafeCheckpoint", "async_save",
+           "latest_checkpoint", "load", "save"]
+
+PARTIAL_SUFFIX = ".partial"
+
+
+class IncompleteCheckpoint(FileNotFoundError):
+    """No complete checkpoint at the path (its save did not finish, or there is none)."""
+
+
+# One gloo group per training group, for DCP's own collectives: an asynchronous save runs
+# them on a background thread, and sharing the training group would interleave them with
+# the training's all-gathers and reductions.
+_CHECKPOINT_GROUPS: dict[Any, dist.ProcessGroup] = {}
+
+
+def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
+    group = model.collectives.group
+    if group not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return _CHECKPOINT_GROUPS[group]
+
+
+class PendingSave:
+    """An asynchronous save whose files are still being written; `wait()` returns once the
+    checkpoint is complete (on rank 0: renamed into place)."""
+
+    def __init__(self, future: Future, path: str) -> None:
+        self.future = future
+        self.path = path
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+_in_flight: dict[Any, PendingSave] = {}
+
+
+def _items(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer],
+           extra: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    items = model_items(model)
+    if optimizer is not None:
+        items.update(optimizer_items(model, optimizer))
+    for key, value in (extra or {}).items():
+        items[EXTRA + key] = value
+    return items
+
+
+def _prepare(path: str, model: "ShardedModule") -> tuple[dist.ProcessGroup, str]:
+    """Wait for this model's previous asynchronous save, clear a stale partial directory."""
+    group = _checkpoint_group(model)
+    previous = _in_flight.pop(group, None)
+    if previous is not None:
+        previous.wait()
+    partial = os.fspath(path) + PARTIAL_SUFFIX
+    if dist.get_rank(group) == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    # Nobody writes into the partial directory before rank 0 has cleared it.
+    dist.barrier(group)
+    return group, partial
+
+
+def _publish(partial: str, path: str) -> None:
+    """Rank 0, once DCP finished: replace any old checkpoint at `path` by the new one."""
+    if os.path.exists(path):
+        old = path + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        os.rename(partial, path)
+        shutil.rmtree(old)
+    else:
+        os.rename(partial, path)
+
+
+def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
+         extra: Optional[Mapping[str, Any]] = None) -> None:
+    """Write the model's (and optimizer's) state to the directory `path`, every rank its own
+    parts, no gather. `extra`: tensors and plain values (numbers, strings, lists, dicts),
+    the same on every rank, returned by `load`. Called on every rank."""
+    path = os.fspath(path)
+    group, partial = _prepare(path, model)
+    dcp.save(_items(model, optimizer, extra), storage_writer=FileSystemWriter(partial), process_group=group,
+             planner=DefaultSavePlanner(flatten_state_dict=False))
+    if dist.get_rank(group) == 0:
+        _publish(partial, path)
+    dist.barrier(group)
+
+
+def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
+               extra: Optional[Mapping[str, Any]] = None) -> PendingSave:
+    """Like `save`, but returns once the state is copied (staged) to host memory; the files
+    are written by a background thread while training goes on. The next save, or `wait()`,
+    waits for it. Holds a copy of this rank's state until written."""
+    path = os.fspath(path)
+    group, partial = _prepare(path, model)
+    response = dcp.async_save(_items(model, optimizer, extra), storage_writer=FileSystemWriter(partial),
+                              process_group=group, planner=DefaultSavePlanner(flatten_state_dict=False))
+    upload: Future = getattr(response, "upload_completion", response)
+    finished: Future = Future()
+    is_coordinator = dist.get_rank(group) == 0
+
+    def on_upload(done: Future) -> None:
+        try:
+            done.result()
+            if is_coordinator:
+                _publish(partial, path)
+            finished.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            finished.set_exception(exc)
+
+    upload.add_done_callback(on_upload)
+    pending = PendingSave(finished, path)
+    _in_flight[group] = pending
+    return pending
+
+
+def _complete_metadata(path: str):
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        if os.path.isdir(path + PARTIAL_SUFFIX):
+            raise IncompleteCheckpoint(f"checkpoint {path} is incomplete: its save did not finish "
+                                       f"({path + PARTIAL_SUFFIX} holds what was written)")
+        raise IncompleteCheckpoint(f"no complete checkpoint at {path}: {METADATA_FILE} is missing")
+    return read_metadata(path)
+
+
+def load(path: str | os.PathLike, model: "ShardedModule",
+         optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    """Load a checkpoint written by `save` (at any world size or layout) into `model` and
+    `optimizer` in place; returns the `extra` values saved with it. Called on every rank.
+
+    The checkpoint is checked against the model before anything is read: a missing, extra
+    or differently shaped key raises CheckpointMismatch naming it, on every rank."""
+    path = os.fspath(path)
+    metadata = _complete_metadata(path)
+    check_model(path, metadata, model)
+    group = _checkpoint_group(model)
+    items = model_items(model)
+    parts: dict[str, torch.Tensor] = {}
+    if optimizer is not None:
+        targets, parts = optimizer_targets(path, metadata, model)
+        if PARAM_GROUPS not in metadata.state_dict_metadata:
+            raise CheckpointMismatch(f"checkpoint {path} holds no optimizer state")
+        items.update(targets)
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith(EXTRA):
+            size = getattr(entry, "size", None)
+            items[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
+    dcp.load(items, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), process_group=group)
+    model.load_state_dict({key[len("model/"):]: value for key, value in items.items() if key.startswith("model/")})
+    if optimizer is not None:
+        load_optimizer(path, items, parts, model, optimizer)
+    return {key[len(EXTRA):]: value for key, value in items.items() if key.startswith(EXTRA)}
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Optional[str]:
+    """The complete checkpoint under `directory` whose name sorts last (the train job names
+    them step-00000100 and so on), or None."""
+    if not os.path.isdir(directory):
+        return None
+    complete = [name for name in sorted(os.listdir(directory))
+                if not name.endswith((PARTIAL_SUFFIX, ".old"))
+                and os.path.isfile(os.path.join(directory, name, METADATA_FILE))]
+    return os.path.join(os.fspath(directory), complete[-1]) if complete else None

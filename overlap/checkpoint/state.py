@@ -1,0 +1,144 @@
+"""The flat key space of an overlap checkpoint, and the state dicts that fill it.
+
+    model/<state-dict key>            each parameter a ShardedTensor of its full shape, buffers plain
+    optim/state/<parameter>/<name>    element-wise state sharded like its parameter, scalars plain
+    optim/param_groups                the optimizer's groups, parameters named by their keys
+    extra/<name>                      the caller's values (the same on every rank)
+
+Keys are flattened here rather than by DCP, because parameter names contain dots and DCP's
+own flattening needs its mapping table to undo them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+if TYPE_CHECKING:
+    from overlap.flat_group import FlatGroup
+    from overlap.sharded_module import ShardedModule
+
+MODEL = "model/"
+OPTIM_STATE = "optim/state/"
+PARAM_GROUPS = "optim/param_groups"
+EXTRA = "extra/"
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint was written for another model or another optimizer setup."""
+
+
+def _shape(value: Any) -> Optional[tuple[int, ...]]:
+    if isinstance(value, TensorStorageMetadata):
+        return tuple(value.size)
+    if isinstance(value, ShardedTensor):
+        return tuple(value.metadata().size)
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    return None
+
+
+def _param_places(model: "ShardedModule") -> dict[int, tuple[str, "FlatGroup", int]]:
+    """id(parameter) -> (its name, its flat group, its slot index)."""
+    groups = {id(param): (group, index) for unit in model.scheduler.all_units for group in unit.groups
+              for index, param in enumerate(group.params)}
+    return {id(param): (name, *groups[id(param)]) for name, param in model.named_parameters()}
+
+
+def model_items(model: "ShardedModule") -> dict[str, Any]:
+    return {MODEL + key: value for key, value in model.state_dict().items()}
+
+
+def optimizer_items(model: "ShardedModule", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    places = _param_places(model)
+    items: dict[str, Any] = {}
+    groups = []
+    for param_group in optimizer.param_groups:
+        names = []
+        for param in param_group["params"]:
+            if id(param) not in places:
+                raise ValueError("the optimizer holds a tensor that is not a parameter of the model; "
+                                 "build it from model.parameters() or model.named_parameters()")
+            name, group, index = places[id(param)]
+            names.append(name)
+            for state_name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == param.shape:
+                    value = group.sharded_tensor(value, index)      # element-wise: sharded like the parameter
+                items[f"{OPTIM_STATE}{name}/{state_name}"] = value
+        groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": names})
+    items[PARAM_GROUPS] = groups
+    return items
+
+
+def check_model(path: str, metadata: Metadata, model: "ShardedModule") -> None:
+    """Raise CheckpointMismatch naming the first key whose presence or shape differs."""
+    saved = {key[len(MODEL):]: value for key, value in metadata.state_dict_metadata.items() if key.startswith(MODEL)}
+    expected = model.state_dict()
+    for key, value in expected.items():
+        if key not in saved:
+            raise CheckpointMismatch(f"checkpoint {path} has no {key!r} (shape {_shape(value)} in the model)")
+        if _shape(saved[key]) != _shape(value):
+            raise CheckpointMismatch(f"checkpoint {path} does not fit the model: {key!r} has shape "
+                                     f"{_shape(saved[key])} in the checkpoint and {_shape(value)} in the model")
+    unexpected = [key for key in saved if key not in expected]
+    if unexpected:
+        raise CheckpointMismatch(f"checkpoint {path} holds {unexpected[0]!r} (shape {_shape(saved[unexpected[0]])}), "
+                                 f"which the model does not have ({len(unexpected)} such keys)")
+
+
+def optimizer_targets(path: str, metadata: Metadata, model: "ShardedModule") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Tensors for DCP to load the saved optimizer state into, made from the metadata: parts
+    shaped like this rank's parameter parts for sharded state (returned also as the plain
+    parts, by key), whole tensors for the rest."""
+    places = _param_places(model)
+    params = dict(model.named_parameters())
+    targets: dict[str, Any] = {}
+    parts: dict[str, torch.Tensor] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(OPTIM_STATE):
+            continue
+        name = key[len(OPTIM_STATE):].rsplit("/", 1)[0]
+        if name not in params:
+            raise CheckpointMismatch(f"checkpoint {path} holds optimizer state for {name!r}, "
+                                     "which the model does not have")
+        param = params[name]
+        _, group, index = places[id(param)]
+        if isinstance(entry, BytesStorageMetadata):
+            targets[key] = None
+        elif list(entry.size) == (list(group.slots[index].shape) or [1]) and entry.size != torch.Size([]):
+            parts[key] = torch.zeros(param.shape, dtype=entry.properties.dtype, device=param.device)
+            targets[key] = group.sharded_tensor(parts[key], index)
+        else:
+            targets[key] = torch.zeros(entry.size, dtype=entry.properties.dtype, device="cpu")
+    targets[PARAM_GROUPS] = None
+    return targets, parts
+
+
+def load_optimizer(path: str, loaded: Mapping[str, Any], parts: Mapping[str, torch.Tensor],
+                   model: "ShardedModule", optimizer: torch.optim.Optimizer) -> None:
+    """Hand the loaded items to `optimizer.load_state_dict` in its own index-keyed format."""
+    params = dict(model.named_parameters())
+    saved_groups = loaded[PARAM_GROUPS]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointMismatch(f"checkpoint {path} has {len(saved_groups)} optimizer parameter groups, "
+                                 f"the optimizer has {len(optimizer.param_groups)}")
+    names = {id(param): name for name, param in params.items()}
+    index_of: dict[str, int] = {}
+    groups = []
+    for number, (saved, current) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        current_names = [names[id(p)] for p in current["params"]]
+        if saved["params"] != current_names:
+            differ = next((a, b) for a, b in zip(saved["params"] + [None], current_names + [None]) if a != b)
+            raise CheckpointMismatch(f"checkpoint {path}: optimizer group {number} differs: {differ[0]!r} in the "
+                                     f"checkpoint where the optimizer has {differ[1]!r}")
+        groups.append({**saved, "params": [index_of.setdefault(n, len(index_of)) for n in current_names]})
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in loaded.items():
+        if key.startswith(OPTIM_STATE):
+            name, state_name = key[len(OPTIM_STATE):].rsplit("/", 1)
+            value = parts.get(key, value)
+            state.setdefault(index_of[name], {})[state_name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
