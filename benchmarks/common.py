@@ -67,9 +67,9 @@ def on_link(link: str) -> Iterator[list[str]]:
             yield prefix
 
 
-def torchrun(script: str, nproc: int, args: Sequence[str]) -> list[str]:
-    """The command that launches `script` on `nproc` local ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+def torchrun(script: str, nproc: int, args: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The command that launches `script` on `nproc` local ranks (with the interpreter `python`)."""
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             script, *args]
 
 

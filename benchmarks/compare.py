@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from overlap.models import GPTConfig
 
 IMPLEMENTATIONS = ("overlap", "fsdp2", "ddp", "local")
+# ShardedModule of another checkout, run by that checkout's interpreter (--baseline-python):
+# before/after comparisons of a change, alternated with the rest in one run.
+BASELINE = "overlap-base"
 WORLD_SIZE = 2
 # GPTConfig's fields that the options set; their defaults are GPTConfig's (the benchmark model).
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")
@@ -241,10 +244,11 @@ def _worker_args(args: argparse.Namespace, impl: str, result: str, memory: bool)
 
 def _launch(args: argparse.Namespace, impl: str, prefix: list[str], result: str, memory: bool) -> dict:
     script = os.path.abspath(__file__)
-    worker = _worker_args(args, impl, result, memory)
-    command = [sys.executable, script, *worker] if impl == "local" else torchrun(script, WORLD_SIZE, worker)
+    python = args.baseline_python if impl == BASELINE else sys.executable
+    worker = _worker_args(args, "overlap" if impl == BASELINE else impl, result, memory)
+    command = [python, script, *worker] if impl == "local" else torchrun(script, WORLD_SIZE, worker, python)
     run_with_deadline(prefix + command, args.run_timeout, env=single_thread_env())
-    return read_json(result)
+    return {**read_json(result), "impl": impl}
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
@@ -263,7 +267,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                         # Memory does not depend on the link: measured once, in the first round of the first link.
                         memory = round_index == 0 and link == args.links[0]
                         run = _launch(args, impl, prefix, result, memory)
-                        runs.append(dict(link=link, round=round_index, **run))
+                        runs.append({**run, "link": link, "round": round_index})
                         progress.update()
     progress.close()
     return runs
@@ -289,7 +293,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
         entry["sent_bytes"] = _algorithm_bytes(run["impl"], run["params"], run["root_params"], WORLD_SIZE)
         entry["sent_source"] = "algorithm" if entry["sent_bytes"] is not None else None
         entry["final_loss"] = ranks[0]["loss"][-1]
-        if run["impl"] == "overlap":
+        if run["impl"] in ("overlap", BASELINE):
             entry.setdefault("comm", []).extend(step for r in ranks[:1] for step in r["comm"])
             entry["trace"] = ranks[0]["trace"]
             entry["settings"] = run["settings"]
@@ -300,7 +304,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
             phases = entry.pop("phases_s")
             entry["phase_ms"] = {phase: median([p[i] for p in phases]) * 1e3 for i, phase in enumerate(PHASES)}
             entry["peak_tracked"] = [m["peak"].get("Total", 0) for m in entry["ranks_memory"] or []]
-            if impl == "overlap":
+            if impl in ("overlap", BASELINE):
                 comm = entry["comm"]
                 entry["sent_bytes"] = int(median([c["bytes"] for c in comm]))
                 entry["sent_source"] = "measured"
@@ -408,7 +412,7 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     links = list(summary)
-    impls = [impl for impl in IMPLEMENTATIONS if any(impl in summary[link] for link in links)]
+    impls = [impl for impl in (*IMPLEMENTATIONS, BASELINE) if any(impl in summary[link] for link in links)]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(impls)
     tallest = 0.0
@@ -476,6 +480,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefetch-depth", type=int, default=None, help="ShardedModule's (default: its planner)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="ShardedModule's (default: its planner)")
+    parser.add_argument("--baseline-python", help=f"interpreter of another checkout's environment: adds {BASELINE!r}, "
+                        "that checkout's ShardedModule, to the implementations")
     parser.add_argument("--out", default="bench_out", help="directory for compare.json/.md/.png")
     parser.add_argument("--run-timeout", type=float, default=600, help="seconds one launch may take")
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, two timed steps")
@@ -492,7 +498,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.batch, args.rounds, args.warmup, args.steps = 2, 1, 1, 2
     try:
         args.links = parse_links(args.links)
-        args.impls = parse_choices(args.impls, IMPLEMENTATIONS, "--impls")
+        args.impls = parse_choices(args.impls, (*IMPLEMENTATIONS, BASELINE), "--impls")
+        if args.baseline_python and BASELINE not in args.impls:
+            args.impls.append(BASELINE)
+        if BASELINE in args.impls and not args.baseline_python:
+            raise ValueError(f"--impls {BASELINE} needs --baseline-python")
     except ValueError as exc:
         parser.error(str(exc))
     for name in ("rounds", "steps", "batch", *MODEL_FIELDS):

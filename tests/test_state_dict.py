@@ -66,3 +66,40 @@ def test_full_state_dict_round_trip(world: int) -> None:
             assert torch.equal(saved[key], results[0]["saved"][key]), key      # same on every rank
         assert "head.weight" in result["errors"][0]
         assert "blocks.0.up.weight" in result["errors"][1] and "(3, 3)" in result["errors"][1]
+
+
+def _export_hf(rank: int, world: int, directory: str) -> dict:
+    from parity_cases import _hf_gpt2
+    from transformers import GPT2LMHeadModel
+
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(_hf_gpt2())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 61, (2 * world, 12), generator=torch.Generator().manual_seed(3))
+    model(input_ids=tokens[2 * rank:2 * rank + 2], labels=tokens[2 * rank:2 * rank + 2]).loss.backward()
+    optimizer.step()
+    full = model.full_state_dict(rank0_only=True)
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits
+    if rank == 0:
+        plain = GPT2LMHeadModel(model.config)
+        plain.load_state_dict(full)
+        plain.save_pretrained(directory)
+    return {"keys": list(full), "logits": logits}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank0_export_saves_with_save_pretrained(world: int, tmp_path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    results = run_distributed(_export_hf, world, str(tmp_path))
+    assert results[0]["keys"] and all(result["keys"] == [] for result in results[1:])
+    plain = GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    tokens = torch.randint(0, 61, (2 * world, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = plain(input_ids=tokens).logits
+    for result in results:
+        torch.testing.assert_close(result["logits"], expected, rtol=1e-5, atol=1e-5)
