@@ -1,16 +1,32 @@
 """Build script: the pure-Python package plus the optional `overlap._C` extension.
 
-The extension (csrc/) is built when torch is importable at build time and a C++ compiler
-works; its CUDA half is added when torch has CUDA and nvcc is found. Any failure to build
-it is reported once as a warning and the install goes on without it: the torch and Triton
-kernel backends need no compiled code.
+Packages are found, not listed: `overlap/` and every directory below it (packages, and
+package data such as overlap/data), and `kernels/` installed as `overlap.kernels`.
+
+The extension (csrc/) is built against the torch importable at build time (so build with
+`--no-build-isolation` next to the torch you will run) when a C++ compiler works; its CUDA
+half is added when torch has CUDA and nvcc is found. Without torch, without a compiler, or
+when the build fails, one warning says so and the install goes on without the extension:
+the torch and Triton kernel backends need no compiled code.
 """
 import glob
 import os
+import shutil
 import warnings
 
-from setuptools import setup
+from setuptools import Extension, find_namespace_packages, setup
+from setuptools.command.build_ext import build_ext
 
+
+def _packages(directory, name):
+    """`name` for `directory`, and a subpackage for every directory below it."""
+    found = find_namespace_packages(directory, exclude=["__pycache__", "*.__pycache__"])
+    return [name] + [f"{name}.{sub}" for sub in found]
+
+
+def _skip_extension(reason):
+    warnings.warn(f"overlap: installing without the overlap._C extension: {reason}. The torch and Triton "
+                  "kernel backends remain available; the `ext` backend needs a reinstall that builds it.")
 
 
 def _extension_modules():
@@ -18,11 +34,15 @@ def _extension_modules():
     if not cpp_sources:
         return [], {}
     try:
-        import torch
-        from torch.utils import cpp_extension
+        with warnings.catch_warnings():
+            # torch warns on import when NumPy is missing; building the extension does not use NumPy.
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+            import torch
+            from torch.utils import cpp_extension
     except ImportError:
-        warnings.warn("overlap: torch is not importable at build time; skipping the overlap._C extension")
-        return [], {}
+        # Declared all the same, so that only building it (not an sdist) reports the skip.
+        reason = "torch is not importable at build time (install torch first, build with --no-build-isolation)"
+        return [Extension("overlap._C", cpp_sources)], {"build_ext": _optional(build_ext, unavailable=reason)}
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     define_macros = [("OVERLAP_WITH_CUDA", "1")] if use_cuda else []
@@ -44,16 +64,24 @@ def _extension_modules():
     return [ext], {"build_ext": _optional(cpp_extension.BuildExtension)}
 
 
-def _optional(build_ext_class):
-    """Wrap torch's BuildExtension so that a failed compile warns instead of failing the install."""
+def _optional(build_ext_class, unavailable=None):
+    """Wrap a build_ext so that a missing prerequisite or a failed build warns instead of failing."""
 
     class OptionalBuildExtension(build_ext_class):
-        def build_extension(self, ext):
-            try:
-                super().build_extension(ext)
-            except Exception as exc:  # noqa: BLE001 - any build failure must not fail the install
-                warnings.warn(f"overlap: building {ext.name} failed ({exc}); "
-                              "the torch and Triton kernel backends remain available")
+        def build_extensions(self):
+            compiler = (getattr(self.compiler, "compiler_cxx", None) or [os.environ.get("CXX", "c++")])[0]
+            if unavailable is not None:
+                reason = unavailable
+            elif shutil.which(compiler) is None:
+                reason = f"no C++ compiler found ({compiler!r}; set CXX to use another)"
+            else:
+                try:
+                    return super().build_extensions()
+                except Exception as exc:  # noqa: BLE001 - any build failure must not fail the install
+                    reason = f"building it failed ({exc}; `pip install -v` shows the compiler's output)"
+            _skip_extension(reason)
+            # Later steps (an editable install's copy into the tree) must not look for it.
+            self.extensions = []
 
     return OptionalBuildExtension
 
@@ -61,9 +89,9 @@ def _optional(build_ext_class):
 ext_modules, cmdclass = _extension_modules()
 
 setup(
-    packages=["overlap", "overlap.kernels"],
+    packages=_packages("overlap", "overlap") + _packages("kernels", "overlap.kernels"),
     package_dir={"overlap": "overlap", "overlap.kernels": "kernels"},
-    package_data={"overlap": ["data/*.txt"], "overlap.kernels": ["*.cu", "*.cuh"]},
+    package_data={"overlap.data": ["*"], "overlap.kernels": ["*.cu"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
