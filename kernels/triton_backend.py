@@ -95,15 +95,21 @@ def _copy_many_kernel(table, count, flat, scale, OTHER_DTYPE: tl.constexpr, BLOC
 
 @triton.jit
 def _accumulate_block(dst, src, n, chunks, offs, mask, scale, APPLY_SCALE: tl.constexpr, MASKED: tl.constexpr):
-    """dst[offs] += cast(scale * sum_c src[c * n + offs]); the mask is used only for the last block."""
+    """dst[offs] += cast(scale * sum_c src[c * n + offs]); the mask is used only for the last block.
+
+    The pointers move `n` elements per chunk instead of adding `c * n`: with `n` below 2**31
+    both are 32-bit and their product wraps once chunks * n reaches 2**31."""
+    chunk = src + offs
     if MASKED:
-        total = tl.load(src + offs, mask=mask).to(tl.float32)
-        for c in range(1, chunks):
-            total += tl.load(src + c * n + offs, mask=mask).to(tl.float32)
+        total = tl.load(chunk, mask=mask).to(tl.float32)
+        for _ in range(1, chunks):
+            chunk += n
+            total += tl.load(chunk, mask=mask).to(tl.float32)
     else:
-        total = tl.load(src + offs).to(tl.float32)
-        for c in range(1, chunks):
-            total += tl.load(src + c * n + offs).to(tl.float32)
+        total = tl.load(chunk).to(tl.float32)
+        for _ in range(1, chunks):
+            chunk += n
+            total += tl.load(chunk).to(tl.float32)
     if APPLY_SCALE:
         total = total * scale
     dtype = dst.dtype.element_ty

@@ -56,6 +56,10 @@ sources = {
     "accumulate": ASTSource(k._accumulate_kernel, constexprs=common, signature={
         "dst": "*fp32", "src": "*bf16", "n": "i64", "chunks": "i32", "scale": "fp32", "BLOCK": "constexpr",
         "APPLY_SCALE": "constexpr"}),
+    # n below 2**31 arrives as i32: chunk offsets past 2**31 must still be reached.
+    "accumulate_i32": ASTSource(k._accumulate_kernel, constexprs=common, signature={
+        "dst": "*fp32", "src": "*bf16", "n": "i32", "chunks": "i32", "scale": "fp32", "BLOCK": "constexpr",
+        "APPLY_SCALE": "constexpr"}),
 }
 for name, source in sources.items():
     ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False}).asm["ptx"]
@@ -72,4 +76,5 @@ def test_triton_kernels_compile_for_cuda(arch):
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(arch)], capture_output=True, text=True,
                             timeout=240, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split() == ["copy_one", "ok", "copy_many", "ok", "accumulate", "ok"]
+    assert result.stdout.split() == ["copy_one", "ok", "copy_many", "ok", "accumulate", "ok",
+                                    "accumulate_i32", "ok"]

@@ -7,8 +7,11 @@ Triton's own knob before its kernels are first built.
 """
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -254,3 +257,32 @@ def test_extension_was_built_and_auto_prefers_it_on_cpu():
 @pytest.mark.skipif(triton is None or torch.cuda.is_available(), reason="Triton's interpreter is a CPU-only check")
 def test_triton_runs_on_cpu_through_its_interpreter():
     assert "triton" in available_backends(torch.device("cpu"))
+
+
+# One program of the accumulate kernel over 2049 chunks of 2**20 elements: the last chunk
+# starts at element 2**31, where a 32-bit `c * n` wraps. The 4 GiB source is allocated but
+# only each chunk's first block is touched. A wrapped offset reads unmapped memory and kills
+# the process, hence a process of its own.
+LARGE_INDEX_SCRIPT = """
+import torch
+import triton
+triton.knobs.runtime.interpret = True
+from overlap.kernels import triton_backend as k
+
+n, chunks = 2**20, 2**11 + 1
+dst = torch.zeros(n, dtype=torch.bfloat16)
+src = torch.empty(chunks * n, dtype=torch.bfloat16)
+for c in range(chunks):
+    src[c * n:c * n + k.BLOCK] = {0: 1.0, chunks - 1: 2.0}.get(c, 0.0)
+k._accumulate_kernel[(1,)](dst, src, n, chunks, 1.0, BLOCK=k.BLOCK, APPLY_SCALE=False)
+print(dst[:k.BLOCK].unique().tolist(), dst[k.BLOCK:].abs().max().item())
+"""
+
+
+@pytest.mark.skipif(triton is None, reason="Triton is not installed")
+def test_triton_accumulate_indexes_past_2_31_elements():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", LARGE_INDEX_SCRIPT], capture_output=True, text=True,
+                            timeout=240, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["[3.0]", "0.0"]
