@@ -81,19 +81,29 @@ class FlatGroup:
         self.padded_numel = self.shard_numel * world
         self._split_sizes = [s.numel for s in self.slots] + [self.padded_numel - self.numel]
 
-        # Rank 0's initial values are the truth on every rank, as with DDP.
-        flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=device)
-        self.kernels.pack([p.detach().to(device) for _, p, _ in params], flat, [s.offset for s in self.slots])
-        if world > 1:
-            dist.broadcast(flat, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
-        start = rank * self.shard_numel
-        self.shard = flat[start:start + self.shard_numel].clone()
-        del flat
+        on_meta = any(p.is_meta for _, p, _ in params)
+        if on_meta:
+            # Parameters built on the meta device get their values later, one module at a time
+            # (overlap.materialize): nothing to pack or broadcast now.
+            self.shard = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=device)
+        else:
+            # Rank 0's initial values are the truth on every rank, as with DDP.
+            flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=device)
+            self.kernels.pack([p.detach().to(device) for _, p, _ in params], flat, [s.offset for s in self.slots])
+            if world > 1:
+                dist.broadcast(flat, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
+            start = rank * self.shard_numel
+            self.shard = flat[start:start + self.shard_numel].clone()
+            del flat
         # This rank's part of each original parameter, as a view of the shard. See [Note:
         # original parameters are views of the flat shard].
         self.parts = [slot.part_on(rank, self.shard_numel) for slot in self.slots]
         self.params = [nn.Parameter(self._shard_view(self.shard, slot, part), requires_grad=self.requires_grad)
                        for slot, part in zip(self.slots, self.parts)]
+        if on_meta:
+            for index, (_, param, _) in enumerate(params):
+                if not param.is_meta:
+                    self.write_part(index, param.detach())
         # Sum of the reduced gradients; each parameter's `.grad` is a view of it.
         self.grad_shard: Optional[torch.Tensor] = None
         self._grad_views: list[torch.Tensor] = []
@@ -217,6 +227,12 @@ class FlatGroup:
         slot = self.slots[index]
         parts = [slot.part_on(rank, self.shard_numel) for rank in range(self.collectives.world_size)]
         return as_sharded_tensor(part, slot.shape, parts, self.collectives.group)
+
+    def write_part(self, index: int, value: torch.Tensor) -> None:
+        """Set this rank's part of parameter `index` from its full value (any device)."""
+        start, end = self.parts[index]
+        with torch.no_grad():
+            self.params[index].copy_(value.detach().reshape(-1)[start:end])
 
     def full_values(self) -> torch.Tensor:
         """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""

@@ -17,6 +17,7 @@ from overlap.collectives import Collectives
 from overlap.config import Config, config_from_env, validate_bucket_mb, validate_prefetch_depth
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
+from overlap.materialize import check_same_values, materialize, meta_places
 from overlap.mixed_precision import MixedPrecision
 from overlap.planner import plan_at_startup
 from overlap.replanner import replanner_for
@@ -84,12 +85,16 @@ class ShardedModule(nn.Module):
         bucket_mb: consecutive units are merged into buckets up to this size (argument > OVERLAP_BUCKET_MB > planner).
         reshard_after_forward: free each unit after its forward and gather it again for
             backward (3 passes of communication per step); False keeps it until its backward (2).
+        param_init_fn: for a module built on the meta device, called on each module that holds
+            meta parameters or buffers once they exist in full (default: the module's own
+            `reset_parameters()`); see `overlap.materialize`.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
                  process_group: Optional[dist.ProcessGroup] = None,
                  mixed_precision: Optional[MixedPrecision] = None, prefetch_depth: Optional[int] = None,
-                 bucket_mb: Optional[float] = None, reshard_after_forward: bool = True) -> None:
+                 bucket_mb: Optional[float] = None, reshard_after_forward: bool = True,
+                 param_init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ShardedModule needs torch.distributed to be initialised "
@@ -125,8 +130,9 @@ class ShardedModule(nn.Module):
 
         for sub in module.modules():
             for name, buf in sub._buffers.items():
-                if buf is not None:
+                if buf is not None and not buf.is_meta:
                     sub._buffers[name] = buf.to(device)
+        on_meta = meta_places(module)
         # State-dict keys in the module's own order, read before parameters leave their modules.
         keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
 
@@ -137,6 +143,8 @@ class ShardedModule(nn.Module):
         buckets = merge_into_buckets(unit_specs, int(self.overlap_config.bucket_mb * 2**20))
         root = self._build_unit(root_spec, "root", modules=[]) if root_spec.params else None
         units = [self._build_unit(spec, f"unit{i}", spec.modules) for i, spec in enumerate(buckets)]
+        if on_meta or any(b.is_meta for b in module.buffers()):
+            check_same_values(materialize(module, on_meta, self._slot_of, device, param_init_fn), group)
         budget = None if self.overlap_config.memory_budget_mb is None else int(self.overlap_config.memory_budget_mb * 2**20)
         self.scheduler = Scheduler(root, units, self.collectives, self.overlap_config.prefetch_depth, budget,
                                    reshard_after_forward)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
+from overlap.checkpoint.pretrained import load_pretrained
 from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, read_metadata
 from overlap.checkpoint.state import (EXTRA, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
                                       model_items, optimizer_items, optimizer_targets)
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule
 
 __all__ = ["CheckpointMismatch", "IncompleteCheckpoint", "PendingSave", "UnsafeCheckpoint", "async_save",
-           "latest_checkpoint", "load", "save"]
+           "latest_checkpoint", "load", "load_pretrained", "save"]
 
 PARTIAL_SUFFIX = ".partial"
 

@@ -27,12 +27,40 @@ class GPTConfig:
         return v * d + t * d + n * per_block + 2 * d
 
 
+class Linear(nn.Linear):
+    """A linear layer initialised as GPT-2's: weight normal(0, std), bias zero. The
+    initialisation is its `reset_parameters`, run at construction, so the whole model
+    initialises in construction order, and one built on the meta device gets the same values
+    from `ShardedModule` (which calls `reset_parameters` module by module)."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = True, std: float = 0.02) -> None:
+        self.std = std
+        super().__init__(d_in, d_out, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """An embedding initialised as GPT-2's, normal(0, 0.02), at construction (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+def _residual_std(config: GPTConfig) -> float:
+    """GPT-2 scales the projections that write into the residual stream by 1/√(2·layers)."""
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.qkv = Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = Linear(config.n_embd, config.n_embd, std=_residual_std(config))
         self.dropout = config.dropout
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -50,8 +78,8 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.out = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.fc = Linear(config.n_embd, 4 * config.n_embd)
+        self.out = Linear(4 * config.n_embd, config.n_embd, std=_residual_std(config))
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
@@ -62,25 +90,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wte = Embedding(config.vocab_size, config.n_embd)
+        self.wpe = Embedding(config.block_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("out.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight      # tied: the embedding's values are kept
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None):
         """Logits (B, T, vocab); with targets, the mean cross-entropy loss instead."""

@@ -1,0 +1,126 @@
+"""Loading pretrained weights from safetensors files straight into the shards: each rank
+reads only the elements it keeps, one rectangular block at a time (safetensors slices a
+tensor lazily, from the file's memory map), so loading needs no full copy of the model on
+any rank, nor of any unit: the extra memory is one block of one parameter.
+
+Accepted: a `.safetensors` file, or a Hugging Face checkpoint directory (`save_pretrained`)
+holding `model.safetensors` or a sharded set with `model.safetensors.index.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from overlap.checkpoint.sharded_tensors import contiguous_blocks
+
+if TYPE_CHECKING:
+    from overlap.sharded_module import ShardedModule
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _files_by_key(path: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file that holds it."""
+    from safetensors import safe_open
+
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isfile(os.path.join(path, INDEX_FILE)):
+        with open(os.path.join(path, INDEX_FILE)) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {key: os.path.join(path, name) for key, name in weight_map.items()}
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        files = [os.path.join(path, SINGLE_FILE)]
+    else:
+        raise FileNotFoundError(f"load_pretrained: {path} is neither a .safetensors file nor a directory with "
+                                f"{SINGLE_FILE} or {INDEX_FILE}")
+    by_key = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            by_key.update(dict.fromkeys(f.keys(), file))
+    return by_key
+
+
+def load_pretrained(model: "ShardedModule", path: str | os.PathLike) -> None:
+    """Load the weights at `path` into `model` (every rank calls it; each reads its own parts).
+
+    Every parameter and persistent buffer of the model must be in the files (a tied parameter
+    under any one of its names, as `save_pretrained` writes it) with its shape, and the files
+    must hold nothing else: otherwise a ValueError names the first key that differs, on every
+    rank alike (each rank reads the same names and shapes)."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    files = _files_by_key(path)
+    layout: list[tuple[str, Any]] = model._state_dict_layout
+    params: dict[Any, list[str]] = {}          # (group, index) -> the parameter's keys
+    buffers: list[str] = []
+    for key, where in layout:
+        if where is None:
+            buffers.append(key)
+        else:
+            params.setdefault((id(where[0]), where[1]), []).append(key)
+    place = {(id(group), index): (group, index) for _, where in layout if where is not None
+             for group, index in [where]}
+    chosen: dict[Any, str] = {}
+    for ident, keys in params.items():
+        present = [key for key in keys if key in files]
+        if not present:
+            raise ValueError(f"load_pretrained: {path} has no {keys[0]!r}")
+        chosen[ident] = present[0]
+    for key in buffers:
+        if key not in files:
+            raise ValueError(f"load_pretrained: {path} has no {key!r}")
+    known = {key for key, _ in layout}
+    extra = sorted(key for key in files if key not in known)
+    if extra:
+        raise ValueError(f"load_pretrained: {path} holds {extra[0]!r}, which the model does not have "
+                         f"({len(extra)} such keys)")
+
+    handles: dict[str, Any] = {}
+    try:
+        def open_file(key: str):
+            file = files[key]
+            if file not in handles:
+                handles[file] = safe_open(file, framework="pt")
+            return handles[file]
+
+        for ident, key in chosen.items():
+            group, index = place[ident]
+            shape = tuple(group.slots[index].shape)
+            stored = open_file(key).get_slice(key)
+            if tuple(stored.get_shape()) != shape:
+                raise ValueError(f"load_pretrained: {key!r} has shape {tuple(stored.get_shape())} in {path} "
+                                 f"and {shape} in the model")
+            _read_part(stored, shape, group, index)
+        others = model.module.state_dict()
+        with torch.no_grad():
+            for key in buffers:
+                value = open_file(key).get_tensor(key)
+                if tuple(value.shape) != tuple(others[key].shape):
+                    raise ValueError(f"load_pretrained: {key!r} has shape {tuple(value.shape)} in {path} "
+                                     f"and {tuple(others[key].shape)} in the model")
+                others[key].copy_(value)
+    finally:
+        handles.clear()
+
+
+def _read_part(stored: Any, shape: tuple[int, ...], group: Any, index: int) -> None:
+    """Copy this rank's elements of one parameter from the file, block by block."""
+    start, end = group.parts[index]
+    part = group.params[index]
+    position = 0
+    with torch.no_grad():
+        if not shape:                                   # a 0-dim parameter
+            if end > start:
+                part.copy_(stored[...].reshape(-1))
+            return
+        for offsets, sizes in contiguous_blocks(shape, start, end):
+            block = stored[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+            count = block.numel()
+            part[position:position + count].copy_(block.reshape(-1))
+            position += count

@@ -1,0 +1,111 @@
+"""Models built on the meta device: materialised module by module, the same at every world
+size and the same as eager construction; clear errors when something stays uninitialised."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import RankError, run_distributed
+from models import Block, Tiny
+from parity_cases import SMALL_GPT
+
+
+def _meta_gpt_state(rank: int, world: int) -> dict:
+    from overlap import ShardedModule
+    from overlap.models import GPT
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(SMALL_GPT)
+    return ShardedModule(model).full_state_dict()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_meta_gpt_equals_eager_construction_at_any_world_size(world: int) -> None:
+    from overlap.models import GPT
+
+    torch.manual_seed(0)
+    eager = GPT(SMALL_GPT).state_dict()
+    for state in run_distributed(_meta_gpt_state, world):
+        assert list(state) == list(eager)
+        for key, value in eager.items():
+            assert torch.equal(state[key], value), key
+    torch.manual_seed(1)
+    assert not torch.equal(GPT(SMALL_GPT).state_dict()["blocks.0.fc.weight"], eager["blocks.0.fc.weight"])
+
+
+class _WithRawParameter(nn.Module):
+    """A unit holding a raw nn.Parameter (no reset_parameters) and a float buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(6, 8)
+        self.tiny = Tiny(6)
+        self.register_buffer("scale", torch.full((6,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tiny(self.block(x)) * self.scale
+
+
+def _init_tiny_and_scale(module: nn.Module) -> None:
+    if isinstance(module, Tiny):
+        nn.init.ones_(module.gain)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, _WithRawParameter):
+        module.scale.fill_(2.0)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def _wrap_meta(rank: int, world: int, init: str, seed_by_rank: bool) -> dict:
+    from overlap import ShardedModule
+
+    torch.manual_seed(rank if seed_by_rank else 0)
+    with torch.device("meta"):
+        model = _WithRawParameter()
+    init_fn = {"none": None, "full": _init_tiny_and_scale, "partial": lambda m: None}[init]
+    wrapped = ShardedModule(model, unit_types=(Block, Tiny), param_init_fn=init_fn)
+    torch.manual_seed(0)
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        return {"out": wrapped(x), "state": wrapped.full_state_dict()}
+
+
+def _eager_reference() -> dict:
+    torch.manual_seed(0)
+    model = _WithRawParameter()
+    torch.manual_seed(0)
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        return {"out": model(x), "state": model.state_dict()}
+
+
+@pytest.mark.timeout(300)
+def test_param_init_fn_initialises_what_reset_parameters_cannot() -> None:
+    reference = _eager_reference()
+    for result in run_distributed(_wrap_meta, 2, "full", False):
+        torch.testing.assert_close(result["out"], reference["out"])
+        for key, value in reference["state"].items():
+            assert torch.equal(result["state"][key], value), key
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("init,expected", [
+    ("none", "<root> (_WithRawParameter) has parameters or buffers on the meta device and no reset_parameters()"),
+    ("partial", "is still uninitialised after param_init_fn ran on"),
+])
+def test_uninitialised_parameters_are_an_error_on_every_rank(init: str, expected: str) -> None:
+    with pytest.raises(RankError) as info:
+        run_distributed(_wrap_meta, 2, init, False)
+    assert set(info.value.errors) == {0, 1}
+    assert all(expected in error for error in info.value.errors.values())
+
+
+@pytest.mark.timeout(300)
+def test_ranks_seeded_differently_are_an_error_on_every_rank() -> None:
+    with pytest.raises(RankError) as info:
+        run_distributed(_wrap_meta, 2, "full", True)
+    assert set(info.value.errors) == {0, 1}
+    assert all("initialised" in e and "differently" in e and "manual_seed" in e for e in info.value.errors.values())
