@@ -24,6 +24,13 @@ def _packages(directory, name):
     return [name] + [f"{name}.{sub}" for sub in found]
 
 
+# Machine code for the GPUs the CUDA kernels are written for (A100, H100/H200: sm_80 and
+# sm_90), and PTX for compute_90, which the driver compiles on first use on any newer GPU;
+# without it a later GPU finds "no kernel image is available" at the first launch.
+CUDA_ARCH_FLAGS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                   "-gencode=arch=compute_90,code=compute_90"]
+
+
 def _skip_extension(reason):
     warnings.warn(f"overlap: installing without the overlap._C extension: {reason}. The torch and Triton "
                   "kernel backends remain available; the `ext` backend needs a reinstall that builds it.")
@@ -51,7 +58,7 @@ def _extension_modules():
     # csrc/flat_launch.cu includes the kernels the CuPy backend also compiles at run time.
     include_dirs = [os.path.abspath("csrc"), os.path.abspath("kernels")]
     if use_cuda:
-        extra["nvcc"] = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+        extra["nvcc"] = ["-O3", *CUDA_ARCH_FLAGS]
         ext = cpp_extension.CUDAExtension(
             "overlap._C", cpp_sources + cuda_sources, define_macros=define_macros, include_dirs=include_dirs,
             extra_compile_args=extra, extra_link_args=["-fopenmp"],

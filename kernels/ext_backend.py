@@ -18,6 +18,10 @@ def _load_ops() -> None:
     import overlap._C  # noqa: F401
 
 
+# What the ops raise for a call they refuse (see csrc/flat_ops.h).
+_REFUSED = (ValueError, TypeError)
+
+
 def _has_kernel(device_type: str) -> bool:
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("overlap::pack", key)
@@ -35,26 +39,28 @@ class ExtKernels(CompiledKernels):
 
     # The ops check every argument before writing anything, in C++, which costs far less than
     # CompiledKernels' checks in Python for hundreds of tensors. A call they refuse (bad
-    # arguments, or a dtype the kernels do not cover) takes the checked path instead, which
-    # raises a ValueError naming the problem or hands uncovered dtypes to the reference.
+    # arguments: ValueError; a dtype the kernels do not cover: TypeError) takes the checked
+    # path instead, which raises a ValueError naming the problem or hands uncovered dtypes to
+    # the reference. Anything else (a CUDA fault, no kernel image for this GPU) is raised as it
+    # is: launching again would only hide it.
 
     def pack(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int],
              scale: float = 1.0) -> None:
         try:
             self._ops.pack(srcs, dst, offsets, float(scale))
-        except RuntimeError:
+        except _REFUSED:
             super().pack(srcs, dst, offsets, scale)
 
     def unpack(self, src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
         try:
             self._ops.unpack(src, dsts, offsets)
-        except RuntimeError:
+        except _REFUSED:
             super().unpack(src, dsts, offsets)
 
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, num_chunks: int = 1) -> None:
         try:
             self._ops.accumulate(dst, src, float(scale), num_chunks)
-        except RuntimeError:
+        except _REFUSED:
             super().accumulate(dst, src, scale, num_chunks)
 
     def _pack(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int], scale: float) -> None:

@@ -1,11 +1,13 @@
 """The GPU code compiles for the architectures CI targets, on machines without a GPU.
 
-Every `.cu` file is compiled by nvcc on its own for sm_80 and sm_90; the Triton kernels are
+Every `.cu` file is compiled by nvcc on its own for sm_80 and sm_90, and with setup.py's own
+architecture flags (which must carry PTX for GPUs newer than the last one); the Triton kernels are
 compiled ahead of time for the same targets (Triton needs no GPU for that). Compiled
 kernels must not fuse `a + b * s` into an FMA, which would round differently from torch.
 """
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import shutil
@@ -30,6 +32,28 @@ def test_nvcc_compiles(source, arch, tmp_path):
     command = ["nvcc", "-c", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(ROOT / "kernels"),
                "-I", str(ROOT / "csrc"), str(source), "-o", str(tmp_path / "out.o")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr}"
+
+
+def _setup_arch_flags() -> list[str]:
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    (value,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "CUDA_ARCH_FLAGS" for t in node.targets)]
+    return ast.literal_eval(value)
+
+
+def test_build_embeds_ptx_for_newer_gpus():
+    flags = _setup_arch_flags()
+    sass = sorted(int(f.split("code=sm_")[1]) for f in flags if "code=sm_" in f)
+    assert sass[:2] == list(ARCHS)
+    assert f"-gencode=arch=compute_{sass[-1]},code=compute_{sass[-1]}" in flags
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_nvcc_compiles_with_the_build_flags(tmp_path):
+    command = ["nvcc", "-c", "-O3", *_setup_arch_flags(), "-I", str(ROOT / "kernels"), "-I", str(ROOT / "csrc"),
+               str(ROOT / "csrc" / "flat_launch.cu"), "-o", str(tmp_path / "out.o")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr}"
 
 

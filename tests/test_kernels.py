@@ -286,3 +286,32 @@ def test_triton_accumulate_indexes_past_2_31_elements():
                             timeout=240, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["[3.0]", "0.0"]
+
+
+@pytest.mark.skipif("ext" not in available_backends(torch.device("cpu")), reason="overlap._C was not built")
+def test_ext_relaunches_refused_calls_only():
+    """A call the C++ checks refuse takes the checked path; any other error (a CUDA fault)
+    is raised as it is, not launched a second time."""
+    backend = get_backend("ext", torch.device("cpu"))
+    calls = []
+
+    class Faulting:
+        def __getattr__(self, op):
+            def run(*args):
+                calls.append(op)
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return run
+
+    original = backend._ops
+    backend._ops = Faulting()
+    try:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            backend.accumulate(torch.zeros(4), torch.ones(8), 1.0, 2)
+    finally:
+        backend._ops = original
+    assert calls == ["accumulate"]
+    dst = torch.zeros(4)
+    backend.pack([torch.ones(2, dtype=torch.float64)], dst, [1])       # refused dtype: the reference
+    assert dst.tolist() == [0.0, 1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="does not fit"):
+        backend.pack([torch.ones(3)], torch.zeros(2), [0])
