@@ -3,14 +3,20 @@ package and report how much of the communication was hidden.
 
 Run on its own it starts its ranks itself through torchrun's launcher API (2 gloo ranks on
 CPU, one nccl rank per local GPU); launched by torchrun it runs as one of torchrun's ranks.
+
+With --checkpoint-dir it saves sharded checkpoints there in the background and, started
+again (by hand or by `torchrun --max-restarts`), resumes from the newest complete one with
+the same batches, learning rates and losses as a run that was never interrupted.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 import uuid
@@ -23,6 +29,7 @@ import torch.distributed as dist
 DEFAULT_TEXT = "coriolanus.txt"
 VOCAB_SIZE = 256          # byte-level tokens: any text works, nothing to download
 VAL_FRACTION = 0.1
+VAL_BATCHES = 4           # the same validation batches at every evaluation
 
 
 def _int_at_least(minimum: int):
@@ -62,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seq", type=_positive_int, default=64, help="context length in bytes (default 64)")
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
+    train.add_argument("--schedule-steps", type=_positive_int, default=None, metavar="N",
+                       help="steps the learning-rate schedule spans (default: --steps); a run stopped early "
+                            "this way continues exactly when started again with --steps N")
     train.add_argument("--batch", type=_positive_int, default=16, help="sequences per rank per step (default 16)")
     train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
     train.add_argument("--eval-every", type=_positive_int, default=50,
@@ -80,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="units gathered ahead (default: the planner's choice)")
     runtime.add_argument("--bucket-mb", type=_positive_float, default=None,
                          help="merge consecutive units up to this size (default: the planner's choice)")
+    checkpoints = parser.add_argument_group("checkpoints")
+    checkpoints.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                             help="resume from the newest complete checkpoint in DIR, if any, and save "
+                                  "into DIR/step-<8 digits> at the last step")
+    checkpoints.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                             help="also save every N steps, in the background (needs --checkpoint-dir)")
     output = parser.add_argument_group("output")
     output.add_argument("--trace", metavar="DIR", default=None,
                         help="write a Chrome trace per rank and timeline.png of one step into DIR")
@@ -108,6 +124,14 @@ def _check(args: argparse.Namespace) -> None:
     if shortest < args.seq + 1:
         raise ValueError(f"--seq {args.seq} is too long for {name} ({len(text)} bytes; the validation split "
                          f"has {shortest}); use a shorter --seq or a longer text")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir")
+    if args.checkpoint_dir is not None:
+        try:
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} cannot be made: "
+                             f"{exc.strerror or exc}") from None
     launching = not dist.is_torchelastic_launched()
     if launching and args.world_size and torch.cuda.is_available() and args.world_size > torch.cuda.device_count():
         raise ValueError(f"--world-size {args.world_size} exceeds the {torch.cuda.device_count()} local GPUs")
@@ -153,28 +177,41 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
+def _schedule_steps(args: argparse.Namespace) -> int:
+    return args.schedule_steps if args.schedule_steps is not None else args.steps
+
+
 def _learning_rate(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up over the first 10% of steps, then cosine decay to a tenth of the peak."""
-    warmup = max(1, args.steps // 10)
+    """Linear warm-up over the first 10% of the schedule, then cosine decay to a tenth of the
+    peak, which it keeps past the schedule's end."""
+    steps = _schedule_steps(args)
+    warmup = max(1, steps // 10)
     if step < warmup:
         return args.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, args.steps - warmup)
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
 class ByteBatches:
-    """Random windows of a byte string, split into train and validation parts."""
+    """Random windows of a byte string, split into train and validation parts.
 
-    def __init__(self, text: bytes, seq: int, device: torch.device, seed: int) -> None:
+    The windows of a draw depend only on (seed, rank, split, draw). Training step s takes
+    draw s, so a resumed run needs nothing but the step count to go on with the same batches."""
+
+    def __init__(self, text: bytes, seq: int, device: torch.device, seed: int, rank: int = 0) -> None:
         data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         cut = int(len(data) * (1 - VAL_FRACTION))
         self.splits = {"train": data[:cut], "val": data[cut:]}
         self.seq = seq
         self.device = device
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.rank = rank
+        self.generator = torch.Generator()
 
-    def get(self, split: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, split: str, batch: int, draw: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         data = self.splits[split]
+        key = hashlib.blake2b(f"{self.seed}/{self.rank}/{split}/{draw}".encode(), digest_size=8).digest()
+        self.generator.manual_seed(int.from_bytes(key, "little"))
         starts = torch.randint(len(data) - self.seq - 1, (batch,), generator=self.generator)
         window = torch.stack([data[s:s + self.seq + 1] for s in starts.tolist()])
         return window[:, :-1].to(self.device), window[:, 1:].to(self.device)
@@ -189,9 +226,27 @@ def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
 @torch.no_grad()
 def _val_loss(model: torch.nn.Module, batches: ByteBatches, batch: int, device: torch.device) -> float:
     model.eval()
-    losses = [model(*batches.get("val", batch)).item() for _ in range(4)]
+    losses = [model(*batches.get("val", batch, draw)).item() for draw in range(VAL_BATCHES)]
     model.train()
     return _mean_over_ranks([sum(losses) / len(losses)], device)[0]
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """`init_process_group` from torchrun's environment, safe across `--max-restarts`.
+
+    torchrun's c10d rendezvous serves one store to every attempt of the worker group, and what
+    a process group writes there at start-up (each rank's address, NCCL's id) outlives it: a
+    restarted group would read its predecessor's entries and connect to ranks that are gone.
+    Every attempt therefore gets keys of its own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"overlap/attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -199,6 +254,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from overlap import MixedPrecision, ShardedModule
+    from overlap.checkpoint import CheckpointMismatch
     from overlap.models import GPT, Block, GPTConfig
     from overlap.profiling import phase
     from overlap.report import format_seconds
@@ -210,7 +266,7 @@ def run_rank(args: argparse.Namespace) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+    _init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=120))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if args.world_size is not None and args.world_size != world:
@@ -228,14 +284,10 @@ def run_rank(args: argparse.Namespace) -> int:
         precision = MixedPrecision(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16" else None
         model = ShardedModule(GPT(config), unit_types=(Block,), mixed_precision=precision,
                               prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb)
-        tracer = None
-        if args.trace is not None:
-            tracer = TraceRecorder(args.trace, capture_step=min(2, args.steps - 1), device=device)
-            model.scheduler.step_end_callbacks.append(tracer.on_step_end)
         optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), args.weight_decay),
                                       lr=args.lr, betas=(0.9, 0.95))
         name, text = _read_text(args.data)
-        batches = ByteBatches(text, args.seq, device, seed=args.seed * 1000 + rank)
+        batches = ByteBatches(text, args.seq, device, seed=args.seed, rank=rank)
 
         if rank == 0:
             print(f"overlap train: GPT {args.layers} layers, d={args.hidden}, {args.heads} heads, "
@@ -244,13 +296,40 @@ def run_rank(args: argparse.Namespace) -> int:
                   f"batch {args.batch}/rank; {len(model.scheduler.units)} units, prefetch depth "
                   f"{model.overlap_config.prefetch_depth}, bucket {model.overlap_config.bucket_mb:.3g} MB", flush=True)
 
-        bar = tqdm(range(args.steps), disable=rank != 0, dynamic_ncols=True, desc="train")
-        window: list[float] = []
+        # The train-loss window of the next `step N:` line (the steps since the last multiple
+        # of --eval-every) travels with the checkpoint, so that a resumed run prints the same
+        # lines as an uninterrupted one.
+        first_step, window = 0, []
+        if args.checkpoint_dir is not None:
+            try:
+                first_step, window = _resume(args, model, optimizer, rank, name)
+            except CheckpointMismatch as exc:
+                if rank == 0:
+                    print(f"overlap train: error: --checkpoint-dir {args.checkpoint_dir}: {exc}", file=sys.stderr)
+                return 2
+            if first_step > args.steps:
+                if rank == 0:
+                    print(f"overlap train: error: the newest checkpoint in --checkpoint-dir {args.checkpoint_dir} "
+                          f"is at step {first_step}, past --steps {args.steps}", file=sys.stderr)
+                return 2
+            if first_step == args.steps:
+                if rank == 0:
+                    print(f"overlap train: all --steps {args.steps} are done; nothing to train")
+                return 0
+
+        tracer = None
+        if args.trace is not None:
+            tracer = TraceRecorder(args.trace, capture_step=min(2, args.steps - first_step - 1), device=device)
+            model.scheduler.step_end_callbacks.append(tracer.on_step_end)
+        saver = _Saver(args, model, optimizer, name) if args.checkpoint_dir is not None else None
+
+        bar = tqdm(range(first_step, args.steps), initial=first_step, total=args.steps, disable=rank != 0,
+                   dynamic_ncols=True, desc="train")
         for step in bar:
             started = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = _learning_rate(step, args)
-            inputs, targets = batches.get("train", args.batch)
+            inputs, targets = batches.get("train", args.batch, step)
             with phase("overlap::forward"):
                 loss = model(inputs, targets)
             with phase("overlap::backward"):
@@ -267,16 +346,26 @@ def run_rank(args: argparse.Namespace) -> int:
             hidden = 100 * model.overlap_monitor.last.hidden_fraction if model.overlap_monitor.last is not None else 0.0
             bar.set_postfix_str(f"loss {mean_loss:.3f}, step {format_seconds(elapsed)}, {hidden:.0f}% comm hidden, "
                                 f"mem {peak_memory / 2**20:.0f} MB/rank", refresh=False)
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            done = step + 1
+            if done % args.eval_every == 0 or done == args.steps:
                 val = _val_loss(model, batches, args.batch, device)
                 if rank == 0:   # tqdm.write prints even where the bar is disabled
-                    bar.write(f"step {step + 1}: train loss {sum(window) / len(window):.3f}, val loss {val:.3f}")
-                window = []
+                    bar.write(f"step {done}: train loss {sum(window) / len(window):.3f}, val loss {val:.3f}")
+                if done % args.eval_every == 0:     # a last step between multiples keeps its window
+                    window = []
+            if saver is not None and (done == args.steps or done % (args.checkpoint_every or args.steps) == 0):
+                saver.save(done, window)
         bar.close()
+        if saver is not None:
+            saver.wait()
 
         trace_png = tracer.finish() if tracer is not None else None
         if rank == 0:
+            print(f"final step {args.steps}: loss {mean_loss:.8f} (the last step's, mean over ranks), "
+                  f"val loss {val:.8f}")
             print(model.overlap_report().to_text())
+            if saver is not None:
+                print(saver.summary())
             if trace_png is not None:
                 print(f"trace: {args.trace}/trace_rank<r>.json (one per rank), timeline {trace_png}")
         if args.sample:
@@ -284,6 +373,77 @@ def run_rank(args: argparse.Namespace) -> int:
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def _settings(args: argparse.Namespace, text_name: str) -> dict:
+    """The options that shape the run beyond the model's size (load checks that), saved with
+    each checkpoint so that a resume with other values is pointed out."""
+    return {"--seed": args.seed, "--batch": args.batch, "--lr": args.lr, "--weight-decay": args.weight_decay,
+            "--schedule-steps (default: --steps)": _schedule_steps(args), "--mixed-precision": args.mixed_precision,
+            "--data": text_name}
+
+
+def _resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+            text_name: str) -> tuple[int, list[float]]:
+    """Load the newest complete checkpoint in --checkpoint-dir (rank 0 chooses, every rank
+    loads the same one); returns the completed steps and the open train-loss window."""
+    from overlap import checkpoint
+    from overlap.checkpoint import CheckpointMismatch
+
+    choice = [checkpoint.latest_checkpoint(args.checkpoint_dir) if rank == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    path = choice[0]
+    if path is None:
+        return 0, []
+    extra = checkpoint.load(path, model, optimizer)
+    if "step" not in extra or "window" not in extra:
+        raise CheckpointMismatch(f"checkpoint {path} holds no step count: it was not saved by overlap train")
+    step = int(extra["step"])
+    if rank == 0:
+        print(f"resumed from {path} at step {step}", flush=True)
+        saved = extra.get("settings", {})
+        for option, value in _settings(args, text_name).items():
+            if option in saved and saved[option] != value:
+                print(f"overlap train: note: {option} is {value}, it was {saved[option]} when {path} was saved")
+    return step, [float(x) for x in extra["window"]]
+
+
+class _Saver:
+    """Asynchronous saves into --checkpoint-dir, and how long each held training up."""
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 text_name: str) -> None:
+        self.directory = args.checkpoint_dir
+        self.model = model
+        self.optimizer = optimizer
+        self.settings = _settings(args, text_name)
+        self.pending = None
+        self.blocking: list[float] = []
+        self.last_wait = 0.0
+
+    def save(self, step: int, window: list[float]) -> None:
+        from overlap import checkpoint
+
+        started = time.perf_counter()
+        # Returns once the state is staged in host memory (after the previous save finished).
+        self.pending = checkpoint.async_save(os.path.join(self.directory, f"step-{step:08d}"), self.model,
+                                             self.optimizer,
+                                             extra={"step": step, "window": list(window), "settings": self.settings})
+        self.blocking.append(time.perf_counter() - started)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            started = time.perf_counter()
+            self.pending.wait()
+            self.last_wait = time.perf_counter() - started
+
+    def summary(self) -> str:
+        from overlap.report import format_seconds
+
+        saves = f"{len(self.blocking)} save{'s' if len(self.blocking) > 1 else ''}"
+        return (f"checkpoints: {saves}, {format_seconds(statistics.median(self.blocking))} blocking each "
+                f"(median; longest {format_seconds(max(self.blocking))}), {format_seconds(self.last_wait)} "
+                f"waiting for the last one at the end; newest {self.pending.path}")
 
 
 def _print_samples(model: torch.nn.Module, args: argparse.Namespace, device: torch.device, rank: int) -> None:
