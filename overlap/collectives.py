@@ -61,6 +61,9 @@ class Pending:
     record: CommRecord
     work: Optional[dist.Work] = None
     event: Optional[torch.cuda.Event] = None
+    # The device whose compute stream (its current stream) waits on `event`: the collective's
+    # own, whichever device is current when the wait runs.
+    device: Optional[torch.device] = None
     keep_alive: tuple = ()
     on_complete: Optional[Callable[[], None]] = None
     # Output whose autograd version counter must not move (see flat_group.py's note), with
@@ -79,7 +82,7 @@ class Pending:
                 tensor, version = self.preserve_version_of
                 torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            torch.cuda.current_stream(self.device).wait_event(self.event)
         if self.on_complete is not None:
             self.on_complete()
         self.record.wait_end = time.perf_counter()
@@ -142,7 +145,7 @@ class Collectives:
                     all_gather_flat(out, source, group=self.group)
                     event = torch.cuda.Event()
                     event.record(self.all_gather_stream)
-                return Pending(record, event=event, keep_alive=(source, shard, out))
+                return Pending(record, event=event, device=self.device, keep_alive=(source, shard, out))
             source = self._cast(shard, out.dtype)
             version = out._version
             work = all_gather_flat(out, source, group=self.group, async_op=True)
@@ -170,7 +173,8 @@ class Collectives:
                     self.kernels.accumulate(shard_grad, out)
                     event = torch.cuda.Event()
                     event.record(self.reduce_scatter_stream)
-                return Pending(record, event=event, keep_alive=(grad_full, source, out, shard_grad))
+                return Pending(record, event=event, device=self.device,
+                               keep_alive=(grad_full, source, out, shard_grad))
             source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
             if self.reduce_with_all_to_all:
                 return self._reduce_by_all_to_all(record, source, shard_grad)

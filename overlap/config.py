@@ -1,4 +1,5 @@
-"""Runtime settings: the one place that reads `OVERLAP_*` environment variables.
+"""Runtime settings: the one place that reads `OVERLAP_*` environment variables (and the
+launcher's LOCAL_RANK).
 
 Precedence for every setting: explicit argument > environment variable > automatic choice
 (`None` here means "let the planner decide"). Invalid values raise `ValueError` naming the
@@ -82,6 +83,21 @@ def validate_bucket_mb(value: float, source: str = "bucket_mb") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{source}={value!r} is invalid; expected a number > 0")
     return float(value)
+
+
+def local_rank_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The launcher's LOCAL_RANK (torchrun sets it), or None when it is not set."""
+    env = os.environ if environ is None else environ
+    raw = env.get("LOCAL_RANK")
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"LOCAL_RANK={raw!r} is invalid; expected an integer >= 0")
+    return value
 
 
 def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:

@@ -14,7 +14,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils._pytree import tree_map
 
 from overlap.collectives import Collectives
-from overlap.config import Config, config_from_env, validate_bucket_mb, validate_prefetch_depth
+from overlap.config import (Config, config_from_env, local_rank_from_env, validate_bucket_mb,
+                            validate_prefetch_depth)
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
 from overlap.materialize import check_same_values, materialize, meta_places
@@ -35,9 +36,26 @@ logger = logging.getLogger("overlap")
 
 
 def _device_for(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where shards and gathered buffers live: CUDA when the group runs CUDA tensors on NCCL
+    (`init_process_group()` on a GPU machine, "nccl", "cpu:gloo,cuda:nccl"), else the CPU.
+
+    The CUDA device is the one the group is bound to (`init_process_group(device_id=...)`),
+    else the current one, which must be LOCAL_RANK's when the launcher set it: a missing
+    `torch.cuda.set_device(local_rank)` would otherwise put every rank on GPU 0.
+    """
+    backends = dict(pair.split(":", 1) for pair in dist.get_backend_config(group).split(","))
+    if backends.get("cuda") != "nccl" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    bound = group.bound_device_id
+    if bound is not None:
+        return torch.device("cuda", torch.cuda.current_device() if bound.index is None else bound.index)
+    index = torch.cuda.current_device()
+    local_rank = local_rank_from_env()
+    if local_rank is not None and local_rank < torch.cuda.device_count() and local_rank != index:
+        raise ValueError(f"ShardedModule: rank {dist.get_rank()}: the current CUDA device is cuda:{index} but "
+                         f"LOCAL_RANK is {local_rank}; call torch.cuda.set_device({local_rank}) before wrapping, "
+                         "or pass device_id to init_process_group")
+    return torch.device("cuda", index)
 
 
 def _signature(root: UnitSpec, units: list[UnitSpec]) -> list[tuple]:

@@ -1,0 +1,88 @@
+"""Which device a process group puts the shards on, for every way of initialising it.
+
+A CUDA machine's process groups cannot exist here, so the pieces are stood in for: torch's
+own BackendConfig turns each `init_process_group` form into the backend string a GPU machine
+gets (with the accelerator reported as CUDA), and torch.cuda answers as a machine with 8 GPUs.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from overlap.collectives import CommRecord, Pending
+from overlap.sharded_module import _device_for
+
+FORMS = {"init_process_group()": "undefined", "nccl": "nccl", "cpu:gloo,cuda:nccl": "cpu:gloo,cuda:nccl",
+         "gloo": "gloo"}
+
+
+def _gpu_machine(monkeypatch, form: str, current: int = 2, local_rank: str | None = "2") -> None:
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
+    config = str(c10d.BackendConfig(c10d.Backend(FORMS[form])))
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+
+
+UNBOUND = SimpleNamespace(bound_device_id=None)
+
+
+@pytest.mark.parametrize("form", ["init_process_group()", "nccl", "cpu:gloo,cuda:nccl"])
+def test_nccl_for_cuda_puts_shards_on_the_current_gpu(monkeypatch, form):
+    _gpu_machine(monkeypatch, form)
+    assert _device_for(UNBOUND) == torch.device("cuda", 2)
+
+
+def test_gloo_keeps_shards_on_the_cpu(monkeypatch):
+    _gpu_machine(monkeypatch, "gloo")
+    assert _device_for(UNBOUND) == torch.device("cpu")
+
+
+def test_bound_device_wins(monkeypatch):
+    _gpu_machine(monkeypatch, "init_process_group()", current=0, local_rank="5")
+    assert _device_for(SimpleNamespace(bound_device_id=torch.device("cuda", 5))) == torch.device("cuda", 5)
+
+
+def test_current_device_must_be_local_ranks(monkeypatch):
+    _gpu_machine(monkeypatch, "nccl", current=0, local_rank="3")
+    with pytest.raises(ValueError, match=r"cuda:0 but LOCAL_RANK is 3; call torch.cuda.set_device\(3\)"):
+        _device_for(UNBOUND)
+    # One GPU visible per process (CUDA_VISIBLE_DEVICES set per rank): cuda:0 is right.
+    _gpu_machine(monkeypatch, "nccl", current=0, local_rank="3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _device_for(UNBOUND) == torch.device("cuda", 0)
+    _gpu_machine(monkeypatch, "nccl", current=4, local_rank=None)
+    assert _device_for(UNBOUND) == torch.device("cuda", 4)
+
+
+def test_cpu_machine_uses_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cpu"))
+    config = str(c10d.BackendConfig(c10d.Backend("undefined")))          # init_process_group() without a GPU
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    assert config == "cpu:gloo" and _device_for(UNBOUND) == torch.device("cpu")
+
+
+def test_wait_orders_the_collectives_own_device(monkeypatch):
+    """The compute stream that waits is the collective's device's, not the current device's."""
+    waited = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def wait_event(self, event):
+            waited.append((self.device, event))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+    Pending(CommRecord("all_gather", "u", 0, 0.0), event="done", device=torch.device("cuda", 3)).wait()
+    assert waited == [(torch.device("cuda", 3), "done")]
