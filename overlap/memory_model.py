@@ -47,10 +47,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     from overlap.sharded_module import ShardedModule
 
 logger = logging.getLogger("overlap")
@@ -293,7 +294,7 @@ class _CategoryPeaks(TorchDispatchMode):
     """Reads the tracker's running totals after every operator and keeps each category's
     maximum (the tracker itself only keeps the breakdown at the moment of the total peak)."""
 
-    def __init__(self, tracker: MemTracker) -> None:
+    def __init__(self, tracker: "MemTracker") -> None:
         super().__init__()
         self.tracker = tracker
         self.peaks: dict[str, int] = {}
@@ -309,7 +310,7 @@ class _CategoryPeaks(TorchDispatchMode):
         return out
 
 
-def _category_bytes(tracker: MemTracker, category: str) -> int:
+def _category_bytes(tracker: "MemTracker", category: str) -> int:
     return sum(snapshot.get(category, 0) for snapshot in tracker.get_tracker_snapshot("current").values())
 
 
@@ -318,6 +319,10 @@ def measure(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] =
     """Measure this rank's memory with torch's MemTracker while `step_fn` runs one training
     step (one forward, backward and optimizer step); without `step_fn`, only the model states
     held now. On CUDA the allocator's own peak for the step is recorded as well."""
+    # Imported here: the tracker loads Triton (~145 MB resident), which the formulas above
+    # (and `overlap simulate`, `overlap estimate`) do not need.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     tracker = MemTracker()
     # Gathered buffers are registered up front so the tracker files them under "Other"
     # whatever operator writes into them; their storage resizes are followed from there.

@@ -11,18 +11,19 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from overlap.config import Config
-from overlap.cost_model import Prediction, Profile, UnitCost, predict_step, wire_bytes
+from overlap.cost_model import Prediction, Profile, UnitCost, bucket_name, bucket_runs, predict_step, wire_bytes
 from overlap.mixed_precision import MixedPrecision
-from overlap.probe import probe_link
 from overlap.topology import LINK_DEFAULTS, LinkModel
-from overlap.unit import Unit
-from overlap.units import UnitSpec
+
+if TYPE_CHECKING:           # the choices above need no runtime; only the wiring below sees it
+    from overlap.unit import Unit
+    from overlap.units import UnitSpec
 
 logger = logging.getLogger("overlap")
 
@@ -66,16 +67,14 @@ def latency_bucket_bytes(link: LinkModel, world_size: int, wire_per_byte: float 
 
 
 def merge_costs(units: Sequence[UnitCost], bucket_bytes: int) -> list[UnitCost]:
-    """Consecutive units merged as `overlap.units.merge_into_buckets` merges them."""
-    merged: list[UnitCost] = []
-    for unit in units:
-        last = merged[-1] if merged else None
-        if bucket_bytes and last is not None and last.nbytes + unit.nbytes <= bucket_bytes:
-            merged[-1] = UnitCost(f"{last.name.split('..')[0]}..{unit.name}", last.nbytes + unit.nbytes,
-                                  last.gather_bytes + unit.gather_bytes, last.reduce_bytes + unit.reduce_bytes,
-                                  last.forward_s + unit.forward_s, last.backward_s + unit.backward_s)
-        else:
-            merged.append(unit)
+    """Consecutive units merged by the merge rule (`overlap.cost_model.bucket_runs`)."""
+    merged = []
+    for run in bucket_runs([u.nbytes for u in units], bucket_bytes):
+        members = [units[i] for i in run]
+        merged.append(members[0] if len(members) == 1 else UnitCost(
+            bucket_name([u.name for u in members]), sum(u.nbytes for u in members),
+            sum(u.gather_bytes for u in members), sum(u.reduce_bytes for u in members),
+            sum(u.forward_s for u in members), sum(u.backward_s for u in members)))
     return merged
 
 
@@ -166,7 +165,7 @@ def default_memory_budget(device: torch.device) -> int:
 
 # ---- wiring into the runtime -------------------------------------------------------------------
 
-def cost_of_spec(spec: UnitSpec, mp: MixedPrecision) -> UnitCost:
+def cost_of_spec(spec: "UnitSpec", mp: MixedPrecision) -> UnitCost:
     """Sizes of a unit before it is built (padding ignored)."""
     gather = sum(p.numel() * mp.gather_dtype(p.dtype).itemsize for _, p, _ in spec.params)
     reduce = sum(p.numel() * mp.grad_reduce_dtype(p.dtype).itemsize for _, p, _ in spec.params
@@ -174,7 +173,7 @@ def cost_of_spec(spec: UnitSpec, mp: MixedPrecision) -> UnitCost:
     return UnitCost(spec.name, spec.nbytes, gather, reduce)
 
 
-def cost_of_unit(unit: Unit) -> UnitCost:
+def cost_of_unit(unit: "Unit") -> UnitCost:
     """Sizes of a built unit (or bucket), padding included."""
     nbytes = sum(g.padded_numel * g.master_dtype.itemsize for g in unit.groups)
     reduce = sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable_groups)
@@ -189,9 +188,11 @@ class StartupPlan:
 
 
 def plan_at_startup(group: dist.ProcessGroup, device: torch.device, link: str, config: Config,
-                    unit_specs: Sequence[UnitSpec], mp: MixedPrecision) -> StartupPlan:
+                    unit_specs: Sequence["UnitSpec"], mp: MixedPrecision) -> StartupPlan:
     """Link model (probed unless OVERLAP_PROBE=0 or both knobs are fixed), memory budget
     (rank 0's, so that every rank plans alike) and the initial plan."""
+    from overlap.probe import probe_link      # runs collectives: the runtime's floor, not the planner's
+
     model = LINK_DEFAULTS[link]
     if config.probe and (config.prefetch_depth is None or config.bucket_mb is None):
         model = probe_link(group, device, model, config.probe_cache)

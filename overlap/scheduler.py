@@ -18,16 +18,10 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from overlap.collectives import Collectives, Pending
+from overlap.cost_model import MAX_REDUCES_IN_FLIGHT
 from overlap.flat_group import FlatGroup
 from overlap.profiling import phase
 from overlap.unit import GatherState, TrainingState, Unit
-
-# Reduce-scatters in flight at once before the oldest is waited for: each holds a unit's
-# full-size gradient, so an unbounded queue would hold the whole model's gradients. One has
-# the next unit's whole backward to finish in; a second one in flight raised peak memory by
-# 14 MiB (4%) on the benchmark model.
-MAX_REDUCES_IN_FLIGHT = 1
-
 
 def _distinct_after(order: list[Unit], index: int, skip: Unit, count: int) -> list[Unit]:
     found: list[Unit] = []

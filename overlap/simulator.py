@@ -5,8 +5,9 @@ model; the replay, the bucket rule and the depth choice are the planner's own
 (`overlap.planner`), so the pick printed here is the one the runtime would make given the
 same timings. Assumptions (see docs/planner.md): one unit per transformer layer; bf16
 gathers and fp32 gradient reduction (the usual FSDP policy); fp32 master weights, gradients
-and two Adam moments sharded over all ranks (16 bytes per parameter / N); the optimizer step
-and data loading are not in the step time.
+and two Adam moments sharded over all ranks (16 bytes per parameter / N); activations by
+`overlap estimate`'s formula (`overlap.memory_model`) in bf16 with fused attention; the
+optimizer step and data loading are not in the step time.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from overlap.cost_model import Prediction, Profile, UnitCost, predict_step
+from overlap.memory_model import ActivationShape, activation_bytes
 from overlap.planner import BUDGET_FRACTION, MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
 from overlap.topology import LinkModel
 
@@ -117,14 +119,11 @@ def build_profile(model: ModelPreset, cluster: ClusterPreset, batch: int, mfu: f
     return Profile(tuple(unit), cluster.ranks, root, head_flops / rate)
 
 
-def activation_bytes(model: ModelPreset, batch: int, checkpointing: bool) -> float:
-    """≈ 34·hidden bytes per token per layer in bf16 with flash attention (no seq² term,
-    Korthikanti et al.); with full checkpointing each layer keeps its input (2·hidden) and
-    one layer's activations are live in its backward."""
-    per_layer = 34 * model.hidden * batch * model.seq
-    if checkpointing:
-        return model.layers * 2 * model.hidden * batch * model.seq + per_layer
-    return model.layers * per_layer
+def activations(model: ModelPreset, batch: int, checkpointing: bool) -> float:
+    """Activation bytes per rank by `overlap estimate`'s formula, bf16, fused attention, with
+    the head's and the loss's."""
+    shape = ActivationShape(batch, model.seq, model.hidden, model.layers, model.heads, model.vocab)
+    return activation_bytes(shape, GATHER_BYTES, checkpointing)
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ def evaluate(profile: Profile, link: LinkModel, model: ModelPreset, batch: int, 
     prediction = predict_step(merged, link, depth, depth, budget)
     largest_reduce = max(u.reduce_bytes for u in merged.units)
     memory = (STATE_BYTES * model.params / profile.world_size + prediction.peak_gathered_bytes
-              + largest_reduce + activation_bytes(model, batch, checkpointing))
+              + largest_reduce + activations(model, batch, checkpointing))
     return Point(depth, bucket_bytes, prediction, memory, batch * model.seq / prediction.step_s)
 
 

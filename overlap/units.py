@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 
 from torch import nn
 
+from overlap.cost_model import bucket_name, bucket_runs
+
 # (qualified name, parameter, every (module, attribute) that holds it)
 ParamEntry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
 
@@ -88,18 +90,11 @@ def discover_units(root: nn.Module, unit_types: Optional[Sequence[type]]) -> tup
 
 
 def merge_into_buckets(units: list[UnitSpec], bucket_bytes: Optional[int]) -> list[UnitSpec]:
-    """Merge consecutive units while the bucket stays within `bucket_bytes` (None: no merging).
-
-    A unit larger than the bucket size stays alone; units are never split.
-    """
-    if not bucket_bytes:
-        return list(units)
-    buckets: list[UnitSpec] = []
-    for unit in units:
-        last = buckets[-1] if buckets else None
-        if last is not None and last.nbytes + unit.nbytes <= bucket_bytes:
-            buckets[-1] = UnitSpec(f"{last.name.split('..')[0]}..{unit.name}", last.modules + unit.modules,
-                                   last.params + unit.params)
-        else:
-            buckets.append(unit)
+    """Consecutive units merged by the merge rule (`overlap.cost_model.bucket_runs`)."""
+    buckets = []
+    for run in bucket_runs([u.nbytes for u in units], bucket_bytes):
+        members = [units[i] for i in run]
+        buckets.append(members[0] if len(members) == 1 else UnitSpec(
+            bucket_name([u.name for u in members]), [m for u in members for m in u.modules],
+            [p for u in members for p in u.params]))
     return buckets

@@ -2,9 +2,11 @@
 every rank applies the same plan (at start-up and after a re-plan)."""
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import os
+import pathlib
 import re
 
 import pytest
@@ -199,6 +201,56 @@ def test_simulator_slow_cluster_exposes_more():
     slow = _simulate("--model", "gpt2-xl", "--cluster", "4x8xH100-eth-100g", "--depth", "1", "--bucket-mb", "0")
     exposed = [float(ROW.match(next(l for l in t.splitlines() if ROW.match(l))).group(4)) for t in (fast, slow)]
     assert exposed[1] > 10 * exposed[0]
+
+
+# Modules that run collectives, hold shards or hook the model; the arithmetic floor below
+# them (cost model, planner's choices, simulator, estimate) must reach none of them.
+RUNTIME = {"overlap.sharded_module", "overlap.scheduler", "overlap.unit", "overlap.flat_group",
+           "overlap.collectives", "overlap.probe", "overlap.replanner", "overlap.report", "overlap.units"}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _module_imports(name: str) -> set[str]:
+    """The overlap modules `name` imports when it is loaded (not those imported inside
+    functions or only for type checking)."""
+    tree = ast.parse((ROOT / (name.replace(".", "/") + ".py")).read_text())
+    found: set[str] = set()
+
+    def visit(body) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.If, ast.Try)):
+                visit(node.body + getattr(node, "orelse", []))
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("overlap."):
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("overlap."))
+
+    visit(tree.body)
+    return found
+
+
+def test_arithmetic_imports_no_runtime_module():
+    for start in ("overlap.cost_model", "overlap.simulator", "overlap.estimate"):
+        seen, todo = set(), [start]
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo += _module_imports(module)
+        assert not seen & RUNTIME, (start, sorted(seen & RUNTIME))
+
+
+def test_simulate_and_estimate_count_activations_alike():
+    from overlap.memory_model import ActivationShape, estimate
+    from overlap.simulator import MODELS, activations
+
+    model = MODELS["llama3-8b"]
+    for checkpointing in (False, True):
+        shape = ActivationShape(2, model.seq, model.hidden, model.layers, model.heads, model.vocab)
+        expected = estimate(model.params, 8, precision="bf16", activations=shape, checkpointing=checkpointing)
+        assert activations(model, 2, checkpointing) == expected.activations
 
 
 def test_simulator_rejects_bad_arguments():
