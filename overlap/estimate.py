@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from overlap.memory_model import (MASTER_BYTES, MODEL_STATE_CATEGORIES, OPTIMIZERS, PRECISIONS, STAGES,
                                   ActivationShape, MemoryEstimate, estimate, format_amount, format_table,
-                                  formula, state_bytes)
+                                  formula, state_bytes, wrap_peak_bytes)
 
 GB = 1e9
 _SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -132,6 +132,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("activations: give --seq, --batch, --layers and --hidden to estimate them")
     if results["zero3"].gathered_buffers is None:
         print("gathered buffers: give --layers (with the shape) or --largest-unit to estimate them")
+    largest = args.largest_unit or (args.params / args.layers if args.layers else None)
+    if largest is None:
+        print("wrapping: give --layers or --largest-unit to estimate its peak")
+    else:
+        eager, meta = (wrap_peak_bytes(args.params, args.world, largest, on_meta) for on_meta in (False, True))
+        print(f"wrapping (fp32 build), peak per rank: {format_amount(eager, GB)} GB built eagerly "
+              f"(4Ψ + 4Ψ/N + unit), {format_amount(meta, GB)} GB built on the meta device (4Ψ/N + unit)")
     print("\nevery stage, GB per rank")
     print(_comparison_table(results))
     if args.precision != "fp32":

@@ -148,6 +148,17 @@ def gathered_buffer_bytes(largest_unit_bytes: float, prefetch_depth: int, num_un
     return min(prefetch_depth + 1, num_units) * largest_unit_bytes + root_bytes
 
 
+def wrap_peak_bytes(params: float, world: int, largest_unit_params: float, on_meta: bool,
+                    element: float = MASTER_BYTES) -> float:
+    """Peak bytes per rank while `ShardedModule` wraps a model built in `element`-byte
+    parameters. Eager: the whole model on every rank, plus its shard and one unit's flat
+    buffer for the broadcast of rank 0's values. On meta (overlap.materialize): the shard
+    plus at most one unit in full (one module at a time, in fact)."""
+    shard = element * params / world
+    unit = element * largest_unit_params
+    return shard + unit if on_meta else element * params + shard + unit
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per rank by category; None where the inputs did not allow an estimate."""

@@ -11,6 +11,7 @@ the same batches, learning rates and losses as a run that was never interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import math
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="ranks to start (default: 2 on CPU, every local GPU)")
     runtime.add_argument("--mixed-precision", choices=("fp32", "bf16"), default="fp32",
                          help="bf16 gathers parameters and reduces gradients in bfloat16 (default fp32)")
+    runtime.add_argument("--eager-init", action="store_true",
+                         help="build the whole model on every rank before sharding it (default: build on the "
+                              "meta device and materialise only each rank's parts; same values)")
     runtime.add_argument("--prefetch-depth", type=_non_negative_int, default=None,
                          help="units gathered ahead (default: the planner's choice)")
     runtime.add_argument("--bucket-mb", type=_positive_float, default=None,
@@ -282,7 +286,11 @@ def run_rank(args: argparse.Namespace) -> int:
         config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                            n_embd=args.hidden)
         precision = MixedPrecision(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16" else None
-        model = ShardedModule(GPT(config), unit_types=(Block,), mixed_precision=precision,
+        # On the meta device no rank ever holds the whole model; the values are the same as an
+        # eager build's (the GPT initialises in construction order).
+        with contextlib.nullcontext() if args.eager_init else torch.device("meta"):
+            gpt = GPT(config)
+        model = ShardedModule(gpt, unit_types=(Block,), mixed_precision=precision,
                               prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb)
         optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), args.weight_decay),
                                       lr=args.lr, betas=(0.9, 0.95))

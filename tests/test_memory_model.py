@@ -177,3 +177,12 @@ def test_measured_model_states_match_estimate_on_two_ranks():
             for category in MODEL_STATE_CATEGORIES:
                 assert getattr(held, category) == getattr(measured, category), category
             assert held.peak is None and held.activations is None
+
+
+def test_wrap_peak_eager_holds_the_whole_model_meta_only_the_shard_and_a_unit(capsys):
+    from overlap.memory_model import wrap_peak_bytes
+
+    assert wrap_peak_bytes(1e9, 8, 5e7, on_meta=False) == pytest.approx(4e9 + 5e8 + 2e8)
+    assert wrap_peak_bytes(1e9, 8, 5e7, on_meta=True) == pytest.approx(5e8 + 2e8)
+    assert estimate_cli.main(["--params", "1e9", "--world", "8", "--largest-unit", "5e7"]) == 0
+    assert "4.70 GB built eagerly" in capsys.readouterr().out
