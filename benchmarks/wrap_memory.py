@@ -1,0 +1,146 @@
+"""Peak memory and time of wrapping a large GPT with ShardedModule, built eagerly (every rank
+builds the whole model, rank 0's values are broadcast) against built on the meta device
+(each rank materialises module by module and keeps only its parts); optionally one training
+step after it (AdamW).
+
+Each configuration is one launch of 2 gloo ranks, alternated round by round; per rank the
+peak resident memory of the process (ru_maxrss) after imports, after wrapping and after the
+training step, and the wrap's wall time.
+
+    python benchmarks/wrap_memory.py --layers 20 --hidden 2048 --rounds 2 --train-step \
+        --out docs/results/wrap_memory.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, read_json, run_with_deadline, script_main,
+                    single_thread_env, torchrun, write_json)
+
+WORLD_SIZE = 2
+GIB = 2**30
+MODES = ("eager", "meta")
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from overlap import ShardedModule
+    from overlap.models import GPT, GPTConfig
+    from overlap.models.gpt import Block
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank = dist.get_rank()
+    config = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
+                       block_size=args.seq)
+    before = _peak_rss()
+    dist.barrier()
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    if args.mode == "meta":
+        with torch.device("meta"):
+            model = GPT(config)
+    else:
+        model = GPT(config)
+    sharded = ShardedModule(model, unit_types=(Block,), prefetch_depth=1, bucket_mb=1.0)
+    dist.barrier()
+    wrap_s = time.perf_counter() - start
+    after_wrap = _peak_rss()
+    shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
+    largest_unit = max(sum(g.padded_numel * g.master_dtype.itemsize for g in unit.groups)
+                       for unit in sharded.scheduler.all_units)
+    after_step = None
+    if args.train_step:
+        optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+        tokens = torch.randint(0, args.vocab, (1, args.seq + 1))
+        sharded(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        after_step = _peak_rss()
+    mine = dict(before=before, after_wrap=after_wrap, after_step=after_step, wrap_s=wrap_s,
+                shard_bytes=shard_bytes, largest_unit_bytes=largest_unit)
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        write_json(args.result, dict(mode=args.mode, params=config.num_params, ranks=ranks))
+    dist.barrier()
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    script = os.path.abspath(__file__)
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            for mode in MODES:
+                result = os.path.join(scratch, f"{mode}-{round_index}.json")
+                worker = ["--worker", "--mode", mode, "--result", result, "--layers", str(args.layers),
+                          "--hidden", str(args.hidden), "--heads", str(args.heads), "--vocab", str(args.vocab),
+                          "--seq", str(args.seq)] + (["--train-step"] if args.train_step else [])
+                run_with_deadline(torchrun(script, WORLD_SIZE, worker), args.timeout, env=single_thread_env())
+                runs.append(read_json(result))
+                print(f"round {round_index + 1} {mode}: done", flush=True)
+    rows, summary = [], {}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+
+        def worst(key: str) -> Optional[float]:
+            values = [max(rank[key] for rank in run["ranks"]) for run in mine if run["ranks"][0][key] is not None]
+            return median(values) if values else None
+
+        first = mine[0]["ranks"][0]
+        summary[mode] = dict(params=mine[0]["params"], wrap_s=worst("wrap_s"), rss_before=worst("before"),
+                             rss_after_wrap=worst("after_wrap"), rss_after_step=worst("after_step"),
+                             shard_bytes=first["shard_bytes"], largest_unit_bytes=first["largest_unit_bytes"])
+        s = summary[mode]
+        bound = s["rss_before"] + s["shard_bytes"] + s["largest_unit_bytes"]
+        rows.append([mode, f"{s['params'] / 1e9:.2f}B", f"{s['wrap_s']:.1f}", f"{s['rss_before'] / GIB:.2f}",
+                     f"{s['rss_after_wrap'] / GIB:.2f}", f"{bound / GIB:.2f}",
+                     "–" if s["rss_after_step"] is None else f"{s['rss_after_step'] / GIB:.2f}"])
+    table = markdown_table(["build", "params", "wrap s", "RSS after imports GiB", "peak RSS after wrap GiB",
+                            "imports + shard + largest unit GiB", "peak RSS after a step GiB"], rows)
+    text = (f"GPT, {args.layers} layers, d={args.hidden}, vocab {args.vocab}, fp32, {WORLD_SIZE} gloo ranks "
+            f"(per rank, the larger of the two; median of {args.rounds} rounds)\n\n{table}")
+    print(text)
+    if args.out:
+        write_json(args.out, dict(command="python benchmarks/wrap_memory.py " + " ".join(args.argv), runs=runs,
+                                  summary=summary, table=text))
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--train-step", action="store_true", help="also one AdamW training step after wrapping")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds one launch may take")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
