@@ -1,0 +1,192 @@
+"""Time to save and load a sharded checkpoint of the benchmark model and its AdamW state,
+synchronous against asynchronous save, alternated round by round.
+
+One launch of 2 gloo ranks (one thread each) trains the 23.2M-parameter GPT for a step, then
+per round: a synchronous `overlap.checkpoint.save` (blocking time = its whole time), an
+`async_save` (blocking time = until it returns, the state staged in host memory) followed
+by training steps while the files are written, the same number of steps with no save in
+flight, and a `load` of the checkpoint. Times are the slower rank's. Also the growth of
+resident memory during a synchronous save, against this rank's parts of weights and
+optimizer state.
+
+    python benchmarks/checkpoint.py --rounds 5 --out docs/results/checkpoint.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, quartiles, read_json, run_with_deadline,
+                    script_main, single_thread_env, torchrun, write_json)
+
+WORLD_SIZE = 2
+MIB = 2**20
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+    """Samples this process's resident memory every millisecond while active."""
+
+    def __enter__(self) -> "_PeakRss":
+        self.start = self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from overlap import ShardedModule, checkpoint
+    from overlap.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = GPTConfig()
+    model = ShardedModule(GPT(config))
+    optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), 0.1), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+
+    def step() -> None:
+        tokens = torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def slowest(seconds: float) -> float:
+        value = torch.tensor(seconds)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        return slowest(time.perf_counter() - start)
+
+    step()
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    rounds = []
+    for index in range(args.rounds):
+        path = os.path.join(args.dir, f"round{index}")
+        with _PeakRss() as rss:
+            sync_s = timed(lambda: checkpoint.save(path + "-sync", model, optimizer))
+        pending: list = []
+        async_s = timed(lambda: pending.append(checkpoint.async_save(path + "-async", model, optimizer)))
+        steps_during = timed(lambda: [step() for _ in range(args.steps)])
+        wait_s = timed(pending[0].wait)
+        steps_alone = timed(lambda: [step() for _ in range(args.steps)])
+        load_s = timed(lambda: checkpoint.load(path + "-sync", model, optimizer))
+        bytes_on_disk = sum(os.path.getsize(os.path.join(path + "-sync", f)) for f in os.listdir(path + "-sync"))
+        rounds.append(dict(sync_s=sync_s, async_blocking_s=async_s, async_wait_after_steps_s=wait_s,
+                           steps_during_write_s=steps_during, steps_alone_s=steps_alone, load_s=load_s,
+                           sync_rss_growth=slowest(rss.growth), bytes_on_disk=bytes_on_disk))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path + "-sync")
+            shutil.rmtree(path + "-async")
+    if rank == 0:
+        write_json(args.result, dict(params=config.num_params, held_bytes_per_rank=held, steps=args.steps,
+                                     batch=args.batch, rounds=rounds))
+    dist.barrier()
+
+
+ROWS = [("synchronous save: blocking", "sync_s"), ("async save: blocking (staging)", "async_blocking_s"),
+        ("async save: still writing after the steps", "async_wait_after_steps_s"),
+        ("steps with an async save writing", "steps_during_write_s"), ("the same steps alone", "steps_alone_s"),
+        ("load (same world size)", "load_s")]
+
+
+def summarize(result: dict) -> dict:
+    rounds = result["rounds"]
+    stats = {}
+    for _, key in ROWS:
+        values = [r[key] * 1e3 for r in rounds]
+        stats[key] = dict(median_ms=median(values), iqr_ms=list(quartiles(values)))
+    stats["sync_rss_growth_mib"] = median([r["sync_rss_growth"] for r in rounds]) / MIB
+    stats["held_mib_per_rank"] = result["held_bytes_per_rank"] / MIB
+    stats["checkpoint_mib"] = median([r["bytes_on_disk"] for r in rounds]) / MIB
+    return stats
+
+
+def report(result: dict, stats: dict) -> str:
+    rows = [[label, f"{stats[key]['median_ms']:.0f}", "–".join(f"{v:.0f}" for v in stats[key]["iqr_ms"])]
+            for label, key in ROWS]
+    table = markdown_table(["ms (slower rank)", "median", "IQR"], rows)
+    return (f"{result['params'] / 1e6:.1f}M-parameter GPT + AdamW on {WORLD_SIZE} gloo ranks, "
+            f"{len(result['rounds'])} rounds, {result['steps']} steps of batch {result['batch']} around each save\n\n"
+            f"{table}\n\nper rank: parameters + optimizer state {stats['held_mib_per_rank']:.0f} MiB; "
+            f"resident memory grew {stats['sync_rss_growth_mib']:.0f} MiB during a synchronous save; "
+            f"checkpoint {stats['checkpoint_mib']:.0f} MiB on disk")
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    script = os.path.abspath(__file__)
+    with tempfile.TemporaryDirectory() as scratch:
+        result_path = os.path.join(scratch, "result.json")
+        worker = ["--worker", "--result", result_path, "--dir", args.dir or scratch, "--rounds", str(args.rounds),
+                  "--steps", str(args.steps), "--batch", str(args.batch)]
+        run_with_deadline(torchrun(script, WORLD_SIZE, worker), args.timeout, env=single_thread_env())
+        result = read_json(result_path)
+    stats = summarize(result)
+    text = report(result, stats)
+    print(text)
+    if args.out:
+        write_json(args.out, dict(command="python benchmarks/checkpoint.py " + " ".join(args.argv), **result,
+                                  summary=stats, table=text))
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="training steps after each async save")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds the launch may take")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    for name in ("rounds", "steps", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
