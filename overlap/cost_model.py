@@ -164,7 +164,9 @@ def predict_step(profile: Profile, link: LinkModel, forward_depth: int, backward
         _prefetch(replay, units, forward, position, forward_depth)
         replay.wait(replay.ready[index])
         replay.compute(f"forward {units[index].name}", units[index].forward_s)
-        if profile.reshard_after_forward:
+        # The unit that ends forward stays gathered: backward needs it first (the scheduler
+        # keeps it, as FSDP2 users do with reshard_after_forward=False on the last block).
+        if profile.reshard_after_forward and position < len(forward) - 1:
             replay.free(index)
     backward = forward[::-1]
     _prefetch(replay, units, backward, -1, backward_depth)

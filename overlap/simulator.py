@@ -98,25 +98,35 @@ CLUSTERS: dict[str, ClusterPreset] = {
     "8xA100-nvlink": ClusterPreset(1, 8, **A100, bus_bandwidth=230e9, step_latency_intra=1e-6, step_latency_inter=0.0),
     "2x8xH100-ib-ndr": ClusterPreset(2, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "4x8xH100-ib-ndr": ClusterPreset(4, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
+    "16x8xH100-ib-ndr": ClusterPreset(16, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "32x8xH100-ib-ndr": ClusterPreset(32, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "4x8xH100-eth-100g": ClusterPreset(4, 8, **H100, bus_bandwidth=11e9, step_latency_intra=1e-6, step_latency_inter=12e-6),
 }
 
 
-def build_profile(model: ModelPreset, cluster: ClusterPreset, batch: int, mfu: float) -> Profile:
+def _unit(name: str, params: int, flops: float = 0.0, rate: float = 1.0) -> UnitCost:
+    """A unit of `params` parameters whose forward + backward cost `flops` (backward twice forward)."""
+    return UnitCost(name, params * MASTER_BYTES, params * GATHER_BYTES, params * REDUCE_BYTES,
+                    flops / 3 / rate, 2 * flops / 3 / rate)
+
+
+def build_profile(model: ModelPreset, cluster: ClusterPreset, batch: int, mfu: float,
+                  head_unit: bool = False) -> Profile:
     """One unit per layer. FLOPs per token: 6 per parameter for forward + backward plus
     12·hidden·seq per layer for attention scores (the convention MFU figures use); backward
-    is twice forward."""
+    is twice forward. The embeddings, final norm and head form the root; with `head_unit`
+    (untied embeddings only) the final norm and head are a unit of their own after the
+    layers, as torchtitan wraps Llama, and the root holds the input embedding alone."""
     tokens = batch * model.seq
     rate = cluster.peak_flops * mfu
     layer_flops = tokens * (6 * model.layer_params + 12 * model.hidden * model.seq)
     head_flops = tokens * 6 * model.vocab * model.hidden
-    unit = [UnitCost(f"layers.{i}", model.layer_params * MASTER_BYTES, model.layer_params * GATHER_BYTES,
-                     model.layer_params * REDUCE_BYTES, layer_flops / 3 / rate, 2 * layer_flops / 3 / rate)
-            for i in range(model.layers)]
-    root = UnitCost("root", model.embedding_params * MASTER_BYTES, model.embedding_params * GATHER_BYTES,
-                    model.embedding_params * REDUCE_BYTES)
-    return Profile(tuple(unit), cluster.ranks, root, head_flops / rate)
+    units = [_unit(f"layers.{i}", model.layer_params, layer_flops, rate) for i in range(model.layers)]
+    if head_unit and not model.tied_embeddings:
+        head_params = model.vocab * model.hidden + model.hidden
+        units.append(_unit("output", head_params, head_flops, rate))
+        return Profile(tuple(units), cluster.ranks, _unit("root", model.embedding_params - head_params))
+    return Profile(tuple(units), cluster.ranks, _unit("root", model.embedding_params), head_flops / rate)
 
 
 def activations(model: ModelPreset, batch: int, checkpointing: bool) -> float:
@@ -144,6 +154,18 @@ def evaluate(profile: Profile, link: LinkModel, model: ModelPreset, batch: int, 
     memory = (STATE_BYTES * model.params / profile.world_size + prediction.peak_gathered_bytes
               + largest_reduce + activations(model, batch, checkpointing))
     return Point(depth, bucket_bytes, prediction, memory, batch * model.seq / prediction.step_s)
+
+
+def planned(profile: Profile, cluster: ClusterPreset, model: ModelPreset, batch: int,
+            checkpointing: bool = False) -> Point:
+    """The configuration the planner picks for this profile and cluster, evaluated."""
+    link = cluster.link()
+    budget = int(BUDGET_FRACTION * cluster.memory_bytes)
+    bucket = choose_bucket_bytes(profile.units, link, cluster.ranks, budget)
+    depth, _, _ = choose_depths(
+        Profile(tuple(merge_costs(profile.units, bucket)), profile.world_size, profile.root, profile.other_s), link,
+        budget)
+    return evaluate(profile, link, model, batch, depth, bucket, checkpointing, budget)
 
 
 def render_timeline(prediction: Prediction, width: int = TIMELINE_WIDTH) -> list[str]:
@@ -190,10 +212,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     profile = build_profile(model, cluster, args.batch, args.mfu)
     budget = int(BUDGET_FRACTION * cluster.memory_bytes)
 
-    bucket_pick = choose_bucket_bytes(profile.units, link, cluster.ranks, budget)
-    depth_pick, _, _ = choose_depths(
-        Profile(tuple(merge_costs(profile.units, bucket_pick)), profile.world_size, profile.root, profile.other_s),
-        link, budget)
+    pick = planned(profile, cluster, model, args.batch, args.checkpointing)
+    bucket_pick, depth_pick = pick.bucket_bytes, pick.depth
     layer_bytes = model.layer_params * MASTER_BYTES
     depths = [args.depth] if args.depth is not None else list(range(MAX_DEPTH + 1))
     buckets = ([int(args.bucket_mb * 2**20)] if args.bucket_mb is not None
@@ -218,7 +238,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{p.depth:>5} {_mb(p.bucket_bytes):>9} {p.prediction.step_s * 1e3:>9.1f} "
               f"{p.prediction.exposed_s * 1e3:>10.1f} {p.prediction.comm_s * 1e3:>9.1f} "
               f"{p.memory_bytes / 1e9:>11.1f} {p.tokens_per_s:>12,.0f}{mark}")
-    pick = evaluate(profile, link, model, args.batch, depth_pick, bucket_pick, args.checkpointing, budget)
     best = min(points, key=lambda p: p.prediction.step_s)
     print()
     print(f"planner pick: depth {depth_pick}, bucket {_mb(bucket_pick)} MB -> step "
