@@ -1,0 +1,121 @@
+"""An emulated two-node cluster on one machine: two network namespaces, each a "node" whose
+ranks talk over its own unthrottled loopback, joined by a veth pair throttled with `tc tbf`
+on both ends (the inter-node link). Each node runs its own torchrun; they meet through c10d
+rendezvous on node 0's veth address. Needs root (`ip netns`).
+
+    python benchmarks/cluster.py --rate 1gbit --nproc-per-node 2 -- script.py args...
+
+gloo is told to use the veth (GLOO_SOCKET_IFNAME), so every rank is reached at its node's
+veth address: between ranks of one node the kernel delivers that locally (the throttle is
+not on that path), between nodes the packets cross the pair.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+NODES = 2
+# Addresses exist only inside the namespaces made here, and go with them.
+SUBNET = "10.213.77"
+RDZV_PORT = 29431
+
+
+def _run(*args: str) -> None:
+    subprocess.run(list(args), check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Cluster:
+    namespaces: list[str]
+    addresses: list[str]
+    interfaces: list[str]
+
+    def prefix(self, node: int) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[node]]
+
+    def torchrun(self, node: int, nproc_per_node: int, script_and_args: Sequence[str],
+                 python: str = sys.executable, run_id: Optional[str] = None) -> list[str]:
+        """The command that starts node `node`'s ranks (run both nodes' commands at once)."""
+        rdzv = [f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}"]
+        return [*self.prefix(node), "env", f"GLOO_SOCKET_IFNAME={self.interfaces[node]}",
+                python, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={nproc_per_node}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addresses[0]}:{RDZV_PORT}",
+                f"--rdzv-id={run_id or 'overlap'}", f"--local-addr={self.addresses[node]}", *rdzv,
+                *script_and_args]
+
+
+@contextlib.contextmanager
+def two_node_cluster(rate: Optional[str]) -> Iterator[Cluster]:
+    """Create the two namespaces and the veth pair (throttled to `rate`, e.g. '1gbit'; None:
+    unthrottled); everything is deleted on exit."""
+    if os.geteuid() != 0:
+        raise PermissionError("the emulated cluster needs root for `ip netns` and `tc`")
+    tag = uuid.uuid4().hex[:6]
+    namespaces = [f"ovl{tag}n{i}" for i in range(NODES)]
+    interfaces = [f"ovl{tag}v{i}" for i in range(NODES)]
+    addresses = [f"{SUBNET}.{i + 1}" for i in range(NODES)]
+    try:
+        for ns in namespaces:
+            _run("ip", "netns", "add", ns)
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        _run("ip", "link", "add", interfaces[0], "type", "veth", "peer", "name", interfaces[1])
+        for ns, dev, address in zip(namespaces, interfaces, addresses):
+            _run("ip", "link", "set", dev, "netns", ns)
+            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/24", "dev", dev)
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
+            if rate is not None:
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                     "burst", "256kb", "latency", "400ms")
+        yield Cluster(namespaces, addresses, interfaces)
+    finally:
+        for ns in namespaces:                      # deleting a namespace deletes its veth end
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def run_on_cluster(rate: Optional[str], nproc_per_node: int, script_and_args: Sequence[str], timeout_s: float,
+                   env: Optional[dict] = None) -> list[subprocess.CompletedProcess]:
+    """Run a torchrun job across the two emulated nodes; returns each node's completed
+    process (output captured). Both launchers are killed at the deadline."""
+    with two_node_cluster(rate) as cluster:
+        run_id = uuid.uuid4().hex
+        procs = [subprocess.Popen(cluster.torchrun(node, nproc_per_node, script_and_args, run_id=run_id),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, **(env or {})}, start_new_session=True)
+                 for node in range(NODES)]
+        results = []
+        try:
+            for proc in procs:
+                out, _ = proc.communicate(timeout=timeout_s)
+                results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, None))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, 9)
+                    proc.communicate()
+        return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", default=None, help="inter-node rate for tc tbf, e.g. 1gbit (default: unthrottled)")
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="script and its arguments (after --)")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no script given")
+    results = run_on_cluster(args.rate, args.nproc_per_node, command, args.timeout)
+    for node, result in enumerate(results):
+        print(f"--- node {node} (exit {result.returncode}) ---\n{result.stdout}")
+    return max(result.returncode for result in results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
