@@ -11,6 +11,17 @@ collective buffers:
   chunks of src`` (reduce-scatter output, or the chunks an all-to-all returns, into the fp32
   sharded gradient).
 
+Four more carry block-quantised communication (layout, rounding and the inf/NaN rule:
+:mod:`overlap.kernels.quantized`):
+
+- ``quantize_int8(src, out_q, out_scales, block, error=None)`` and ``quantize_int4(...)``:
+  per-block absmax scales and int8 (or packed int4) values, with error feedback fused in
+  when ``error`` is given (the send side of a quantised reduce-scatter or all-gather).
+- ``dequantize_accumulate(dst, q, scales, block, bits, chunks=1)``: ``dst += sum of chunks
+  dequantised chunks`` in fp32 (the receive side of a quantised reduce-scatter).
+- ``dequantize_into(dst, q, scales, block, bits)``: dequantised values cast into ``dst``
+  (a gathered parameter buffer of any float dtype).
+
 Backends: ``torch`` (reference), ``ext`` (the ``overlap._C`` C++/CUDA extension),
 ``triton`` and ``cupy`` (NVRTC); the compiled ones share ``kernels/flat_kernels.cu`` or its
 semantics and are tested element for element against the reference. The choice is made by
@@ -18,10 +29,11 @@ name through :func:`get_backend`; ``auto`` picks the fastest backend available f
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
+from .quantized import DEFAULT_BLOCK, empty_quantized, num_blocks, quantized_bytes  # noqa: F401
 from .reference import TorchKernels
 
 BACKEND_NAMES = ("auto", "torch", "triton", "ext", "cupy")
@@ -39,6 +51,18 @@ class KernelBackend(Protocol):
 
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0,
                    num_chunks: int = 1) -> None: ...
+
+    def quantize_int8(self, src: torch.Tensor, out_q: torch.Tensor, out_scales: torch.Tensor, block: int,
+                      error: Optional[torch.Tensor] = None) -> None: ...
+
+    def quantize_int4(self, src: torch.Tensor, out_q: torch.Tensor, out_scales: torch.Tensor, block: int,
+                      error: Optional[torch.Tensor] = None) -> None: ...
+
+    def dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                              bits: int, chunks: int = 1) -> None: ...
+
+    def dequantize_into(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                        bits: int) -> None: ...
 
 
 class BackendUnavailable(RuntimeError):

@@ -2,17 +2,19 @@
 
 `CompiledKernels` checks every call's arguments (a compiled kernel given a bad offset writes
 out of bounds instead of raising), hands the tensors whose dtype the kernels cover to the
-backend's `_pack`/`_unpack`/`_accumulate`, and leaves the rest (float64, integers) to the
-torch reference, whose semantics the kernels reproduce. Helpers below build the per-dtype
+backend's `_pack`/`_unpack`/`_accumulate` (and `_quantize_kernel`,
+`_dequantize_accumulate_kernel`, `_dequantize_into_kernel`), and leaves the rest (float64,
+integers) to the torch reference, whose semantics the kernels reproduce. Helpers below build the per-dtype
 groups and the device tables (address, numel, offset) that multi-tensor launches read.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from .quantized import QuantizedOps
 from .reference import TorchKernels
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -61,7 +63,7 @@ def device_table(tensors: Sequence[torch.Tensor], offsets: Sequence[int], device
     return host.pin_memory().to(device, non_blocking=True)
 
 
-class CompiledKernels:
+class CompiledKernels(QuantizedOps):
     """Argument checks and dtype routing around a backend's kernels; see the module docstring.
 
     Subclasses implement `supports` and the underscored methods, which only ever see
@@ -117,6 +119,26 @@ class CompiledKernels:
         if dst.numel() > 0:
             self._accumulate(dst, src, float(scale), num_chunks)
 
+    # Quantised ops: QuantizedOps has checked the arguments; float64 goes to the reference.
+
+    def _quantize(self, src: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, error: Optional[torch.Tensor],
+                  block: int, bits: int) -> None:
+        if src.dtype in KERNEL_DTYPES:
+            self._quantize_kernel(src, q, scales, error, block, bits)
+        else:
+            _reference._quantize(src, q, scales, error, block, bits)
+
+    def _dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                               bits: int, chunks: int) -> None:
+        self._dequantize_accumulate_kernel(dst, q, scales, block, bits, chunks)
+
+    def _dequantize_into(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                         bits: int) -> None:
+        if dst.dtype in KERNEL_DTYPES:
+            self._dequantize_into_kernel(dst, q, scales, block, bits)
+        else:
+            _reference._dequantize_into(dst, q, scales, block, bits)
+
     # ---- implemented by each backend -------------------------------------------------------
 
     def _pack(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int], scale: float) -> None:
@@ -126,4 +148,16 @@ class CompiledKernels:
         raise NotImplementedError
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float, num_chunks: int) -> None:
+        raise NotImplementedError
+
+    def _quantize_kernel(self, src: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                         error: Optional[torch.Tensor], block: int, bits: int) -> None:
+        raise NotImplementedError
+
+    def _dequantize_accumulate_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                                      bits: int, chunks: int) -> None:
+        raise NotImplementedError
+
+    def _dequantize_into_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                                bits: int) -> None:
         raise NotImplementedError
