@@ -1,5 +1,6 @@
-// Schemas of the `torch.ops.overlap` flat-buffer ops, and the Python module `overlap._C`
-// whose import loads them. Implementations: flat_ops_cpu.cpp, flat_ops_cuda.cpp.
+// Schemas of the `torch.ops.overlap` flat-buffer and quantised ops, and the Python module
+// `overlap._C` whose import loads them. Implementations: flat_ops_cpu.cpp, flat_ops_cuda.cpp,
+// quant_ops_cpu.cpp, quant_ops_cuda.cpp (semantics of the quantised ops: kernels/quantized.py).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -7,6 +8,9 @@ TORCH_LIBRARY(overlap, m) {
   m.def("pack(Tensor[] srcs, Tensor(a!) dst, int[] offsets, float scale) -> ()");
   m.def("unpack(Tensor src, Tensor(a!)[] dsts, int[] offsets) -> ()");
   m.def("accumulate(Tensor(a!) dst, Tensor src, float scale, int num_chunks) -> ()");
+  m.def("quantize(Tensor src, Tensor(a!) q, Tensor(b!) scales, Tensor(c!)? error, int block, int bits) -> ()");
+  m.def("dequantize_accumulate(Tensor(a!) dst, Tensor q, Tensor scales, int block, int bits, int chunks) -> ()");
+  m.def("dequantize_into(Tensor(a!) dst, Tensor q, Tensor scales, int block, int bits) -> ()");
 }
 
 // The module has no Python functions of its own: importing it registers the ops above.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from importlib import resources
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -23,6 +23,8 @@ ELEMENTS_PER_BLOCK = THREADS * 4
 MAX_BLOCKS = 1 << 16
 # gridDim.y, which indexes the tensors of one launch, stops at 65535.
 MAX_TENSORS_PER_LAUNCH = 65535
+# The quantize kernels run one warp per quantisation block.
+WARPS_PER_BLOCK = THREADS // 32
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -44,6 +46,10 @@ def _module(device_index: int):
 
 def _blocks(numel: int, tensors: int) -> int:
     return max(1, min(-(-numel // ELEMENTS_PER_BLOCK), MAX_BLOCKS // max(tensors, 1)))
+
+
+def _blocks_for_pairs(numel: int) -> int:
+    return max(1, min(-(-((numel + 1) // 2) // THREADS), MAX_BLOCKS))
 
 
 class CupyKernels(CompiledKernels):
@@ -105,3 +111,29 @@ class CupyKernels(CompiledKernels):
         self._launch(dst.device, name, (_blocks(dst.numel(), 1),),
                      (np.uint64(dst.data_ptr()), np.uint64(src.data_ptr()), np.int64(dst.numel()),
                       np.int32(num_chunks), np.float32(scale), np.int32(scale != 1.0)))
+
+    # Quantised ops: launch shapes as in csrc/flat_launch.cu (quantize: one warp per
+    # quantisation block; dequantize: one thread per element pair).
+
+    def _quantize_kernel(self, src: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                         error: Optional[torch.Tensor], block: int, bits: int) -> None:
+        n = src.numel()
+        grid = (max(1, min(-(-scales.numel() // WARPS_PER_BLOCK), MAX_BLOCKS)),)
+        self._launch(src.device, f"quantize_{_DTYPE_NAMES[src.dtype]}_b{bits}", grid,
+                     (np.uint64(src.data_ptr()), np.uint64(0 if error is None else error.data_ptr()),
+                      np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()), np.int64(n), np.int32(block)))
+
+    def _dequantize_accumulate_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                                      bits: int, chunks: int) -> None:
+        n = dst.numel()
+        self._launch(dst.device, f"dequantize_accumulate_b{bits}", (_blocks_for_pairs(n),),
+                     (np.uint64(dst.data_ptr()), np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()), np.int64(n),
+                      np.int32(block), np.int32(chunks)))
+
+    def _dequantize_into_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                                bits: int) -> None:
+        n = dst.numel()
+        self._launch(dst.device, f"dequantize_into_{_DTYPE_NAMES[dst.dtype]}_b{bits}", (_blocks_for_pairs(n),),
+                     (np.uint64(dst.data_ptr()), np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()), np.int64(n),
+                      np.int32(block)))
+

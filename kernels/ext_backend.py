@@ -6,7 +6,7 @@ CUDA kernels are kernels/flat_kernels.cu, the same source the `cupy` backend com
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -20,6 +20,10 @@ def _load_ops() -> None:
 
 # What the ops raise for a call they refuse (see csrc/flat_ops.h).
 _REFUSED = (ValueError, TypeError)
+
+
+def _ints(*values) -> bool:
+    return all(type(v) is int for v in values)
 
 
 def _has_kernel(device_type: str) -> bool:
@@ -63,6 +67,38 @@ class ExtKernels(CompiledKernels):
         except _REFUSED:
             super().accumulate(dst, src, scale, num_chunks)
 
+    def quantize_int8(self, src: torch.Tensor, out_q: torch.Tensor, out_scales: torch.Tensor, block: int,
+                      error: Optional[torch.Tensor] = None) -> None:
+        if not self._run("quantize", (src, out_q, out_scales, error, block, 8), (block,)):
+            super().quantize_int8(src, out_q, out_scales, block, error)
+
+    def quantize_int4(self, src: torch.Tensor, out_q: torch.Tensor, out_scales: torch.Tensor, block: int,
+                      error: Optional[torch.Tensor] = None) -> None:
+        if not self._run("quantize", (src, out_q, out_scales, error, block, 4), (block,)):
+            super().quantize_int4(src, out_q, out_scales, block, error)
+
+    def dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                              bits: int, chunks: int = 1) -> None:
+        if not self._run("dequantize_accumulate", (dst, q, scales, block, bits, chunks), (block, bits, chunks)):
+            super().dequantize_accumulate(dst, q, scales, block, bits, chunks)
+
+    def dequantize_into(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                        bits: int) -> None:
+        if not self._run("dequantize_into", (dst, q, scales, block, bits), (block, bits)):
+            super().dequantize_into(dst, q, scales, block, bits)
+
+    def _run(self, op: str, args: tuple, ints: tuple) -> bool:
+        """torch.ops.overlap.<op>(*args); False, having written nothing, when the op refuses the
+        call or `ints` holds something other than a plain int (which the op would not refuse
+        but fail on with a RuntimeError)."""
+        if not _ints(*ints):
+            return False
+        try:
+            getattr(self._ops, op)(*args)
+        except _REFUSED:
+            return False
+        return True
+
     def _pack(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int], scale: float) -> None:
         self._ops.pack(srcs, dst, offsets, scale)
 
@@ -71,3 +107,15 @@ class ExtKernels(CompiledKernels):
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float, num_chunks: int) -> None:
         self._ops.accumulate(dst, src, scale, num_chunks)
+
+    def _quantize_kernel(self, src: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                         error: Optional[torch.Tensor], block: int, bits: int) -> None:
+        self._ops.quantize(src, q, scales, error, block, bits)
+
+    def _dequantize_accumulate_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                                      bits: int, chunks: int) -> None:
+        self._ops.dequantize_accumulate(dst, q, scales, block, bits, chunks)
+
+    def _dequantize_into_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                                bits: int) -> None:
+        self._ops.dequantize_into(dst, q, scales, block, bits)
