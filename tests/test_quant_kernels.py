@@ -306,6 +306,24 @@ def test_int4_packs_two_values_per_byte_low_nibble_first(name, device):
 
 @EVERY_BACKEND_AND_REFERENCE
 @BITS
+def test_subnormal_scales_clamp_to_the_range(name, device, bits):
+    """absmax / qmax rounded to a subnormal can be far below absmax / qmax, so x / scale
+    exceeds qmax: q is clamped, and a scale that underflows to 0 gives q = 0."""
+    backend = get_backend(name, device)
+    qmax = 127 if bits == 8 else 7
+    tiny = torch.finfo(torch.float32).smallest_normal * 2.0**-23  # the smallest subnormal
+    units = torch.tensor([190.0, -190.0, 95.0, 1.0] + [3.0] * 4)  # block 0: scale rounds to 1 or 2 units
+    src = torch.cat([units, torch.tensor([1.0, -1.0] + [0.0] * 6)]).mul(tiny).to(device)  # block 1: scale 0
+    q, scales = _quantize(backend, bits, src, 8)
+    q_ref, scales_ref = _quantize(REFERENCE, bits, src, 8)
+    assert scales[0].item() > 0 and scales[1].item() == 0.0
+    assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref)
+    values = _dequantized(q, scales, 16, 8, bits) / scales[0]
+    assert values[:2].tolist() == [qmax, -qmax] and (values[8:] == 0).all()
+
+
+@EVERY_BACKEND_AND_REFERENCE
+@BITS
 def test_rounds_half_to_even(name, device, bits):
     backend = get_backend(name, device)
     qmax = 127 if bits == 8 else 7
