@@ -8,6 +8,9 @@ Shapes (GB/s counts bytes read + bytes written):
   bucket_1b_x64   a 1B-parameter bucket split into 64 tensors
   runtime_shard   the per-step calls on one rank's shard of the 23.2M-parameter benchmark
                   GPT over 2 ranks: cast to bf16, in-place pre-division, 2-chunk accumulate
+  quant_shard     the quantised-communication kernels on that shard size, against plain torch
+                  on preallocated buffers; --quant-only runs just these (with IQR), and
+                  --quant-blocks 64,128,... compares block sizes (error, bytes, time)
 On CPU the two big shapes are scaled down (each Llama dimension / 4, the bucket / 64) so a
 run fits in memory and minutes; the table says which shapes were used.
 """
@@ -15,14 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from overlap.kernels import available_backends, get_backend
+from overlap.kernels import DEFAULT_BLOCK, available_backends, get_backend
 
 LLAMA_BLOCK = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008), (4096,), (4096,)]
 
@@ -167,12 +171,253 @@ def print_summary(summary: list[dict]) -> None:
         print(f"{s['case']:<26} {s['op']:<22} {s['backend']:<8} {s['GB/s']:>8.2f} {of_copy:>10} {vs_torch:>13}")
 
 
+# ---- Block-quantised communication kernels (kernels/quantized.py) ------------------------------
+# Each kernel against the plain torch expression of the same computation on the runtime_shard
+# size, with median and interquartile range; and a sweep of block sizes (error vs speed).
+
+# The runtime_shard size rounded down to a multiple of 4096, so every block size tried divides it.
+QUANT_NUMEL = 11_599_872
+
+
+class Spread(NamedTuple):
+    median_s: float
+    iqr_s: float
+    # Median CPU time of the calling thread (CPU only; None on CUDA). With one thread it is the
+    # work itself: unlike wall time, it does not grow while other jobs on a shared host hold
+    # the core.
+    cpu_median_s: Optional[float]
+
+
+def timed_samples(candidates: dict, device: torch.device, repeats: int) -> dict:
+    """A Spread per candidate, the candidates taking turns in every repeat as `timed` does."""
+    for fn in candidates.values():
+        fn()
+    wall: dict = {label: [] for label in candidates}
+    cpu: dict = {label: [] for label in candidates}
+    for _ in range(repeats):
+        for label, fn in candidates.items():
+            start = time.thread_time()
+            wall[label].append(_once(fn, device))
+            cpu[label].append(time.thread_time() - start)
+    spread = {}
+    for label, t in wall.items():
+        quartiles = statistics.quantiles(t, n=4)
+        spread[label] = Spread(statistics.median(t), quartiles[2] - quartiles[0],
+                               statistics.median(cpu[label]) if device.type == "cpu" else None)
+    return spread
+
+
+class PlainTorchQuant:
+    """The best plain torch expressions of the quantised kernels' computations, on buffers
+    allocated once: fresh temporaries of this size cost torch on CPU 3-4x the time (new pages
+    on every call). Without the kernels' zero-block and inf/NaN handling, which would cost more."""
+
+    def __init__(self, numel: int, block: int, device: torch.device) -> None:
+        self.block = block
+        self.x_BK = torch.empty(numel // block, block, device=device)
+        self.work_BK = torch.empty_like(self.x_BK)
+        self.scale_B1 = torch.empty(numel // block, 1, device=device)
+        self.q_BK = torch.empty(numel // block, block, dtype=torch.int8, device=device)
+        self.nibble_BH = torch.empty(numel // block, block // 2, dtype=torch.int8, device=device)
+
+    def quantize(self, x_BK: torch.Tensor, qmax: int) -> torch.Tensor:
+        """scale_B1 = absmax / qmax; work_BK = round(clamp(x / scale)) (as floats); returns work_BK."""
+        torch.amax(torch.abs(x_BK, out=self.work_BK), 1, keepdim=True, out=self.scale_B1).div_(qmax)
+        return torch.div(x_BK, self.scale_B1, out=self.work_BK).round_().clamp_(-qmax, qmax)
+
+    def quantize_int8(self, src: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+        x_BK = src.view(-1, self.block)
+        if src.dtype != torch.float32:
+            x_BK = self.x_BK.copy_(x_BK)
+        q.view(-1, self.block).copy_(self.quantize(x_BK, 127))
+        scales.copy_(self.scale_B1.view(-1))
+
+    def quantize_int4_feedback(self, src: torch.Tensor, error: torch.Tensor, q: torch.Tensor,
+                               scales: torch.Tensor) -> None:
+        x_BK = torch.add(src.view(-1, self.block), error.view(-1, self.block), out=self.x_BK)
+        self.q_BK.copy_(self.quantize(x_BK, 7))
+        torch.sub(x_BK, self.work_BK.mul_(self.scale_B1), out=error.view(-1, self.block))
+        low = torch.bitwise_and(self.q_BK[:, 0::2], 0xF, out=self.nibble_BH)
+        torch.bitwise_or(low, self.q_BK[:, 1::2] << 4, out=q.view(torch.int8).view(-1, self.block // 2))
+        scales.copy_(self.scale_B1.view(-1))
+
+    def dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
+                              chunks: int) -> None:
+        """dst += chunk c's q * scale, one chunk after the other: q converted by copy_, then
+        addcmul_ (4x faster than torch.mul of int8 by fp32 into a buffer, then add_)."""
+        values_BK = self.work_BK.view(-1)[:dst.numel()].view(-1, self.block)
+        for c in range(chunks):
+            if bits == 8:
+                values_BK.copy_(q.view(chunks, -1, self.block)[c])
+            else:
+                bytes_BH = q.view(torch.int8).view(chunks, -1, self.block // 2)[c]
+                nibble_BH = self.nibble_BH[:len(bytes_BH)]
+                pairs_BH2 = values_BK.view(-1, self.block // 2, 2)
+                pairs_BH2[:, :, 0].copy_(torch.bitwise_left_shift(bytes_BH, 4, out=nibble_BH).bitwise_right_shift_(4))
+                pairs_BH2[:, :, 1].copy_(torch.bitwise_right_shift(bytes_BH, 4, out=nibble_BH))
+            dst.view(-1, self.block).addcmul_(values_BK, scales.view(chunks, -1, 1)[c])
+
+    def dequantize_into(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+        dst.view(-1, self.block).copy_(self.work_BK.copy_(q.view(-1, self.block)).mul_(scales[:, None]))
+
+
+def quantized_cases(device: torch.device, block: int) -> dict[str, tuple[Callable, dict[str, Callable], int]]:
+    """op -> (call(backend), plain torch candidates, bytes read + written), on QUANT_NUMEL elements."""
+    n, nb = QUANT_NUMEL, QUANT_NUMEL // block
+    plain = PlainTorchQuant(n, block, device)
+    src = torch.randn(n, device=device)
+    src_bf16 = src.to(torch.bfloat16)
+    error = torch.randn(n, device=device) * 1e-3
+    q8, q4 = torch.empty(n, dtype=torch.int8, device=device), torch.empty(n // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(nb, device=device)
+    dst = torch.zeros(n, device=device)
+    gathered = torch.empty(n, dtype=torch.bfloat16, device=device)
+    # What an all-to-all delivers: 2 chunks of n (2 ranks), or 8 chunks of n / 4 (8 ranks).
+    q8_x2, scales_x2 = torch.randint(-127, 128, (2 * n,), dtype=torch.int8, device=device), \
+        torch.rand(2 * nb, device=device)
+    n8 = n // 4
+    q4_x8, scales_x8 = torch.randint(0, 256, (8 * n8 // 2,), dtype=torch.uint8, device=device), \
+        torch.rand(8 * n8 // block, device=device)
+    dst8 = torch.zeros(n8, device=device)
+    torch_ops = "torch (preallocated)"
+    return {
+        "quantize_int8 fp32": (lambda b: b.quantize_int8(src, q8, scales, block),
+                               {torch_ops: lambda: plain.quantize_int8(src, q8, scales)}, n * 5 + nb * 4),
+        "quantize_int8 bf16": (lambda b: b.quantize_int8(src_bf16, q8, scales, block),
+                               {torch_ops: lambda: plain.quantize_int8(src_bf16, q8, scales)}, n * 3 + nb * 4),
+        "quantize_int4 +feedback": (lambda b: b.quantize_int4(src, q4, scales, block, error),
+                                    {torch_ops: lambda: plain.quantize_int4_feedback(src, error, q4, scales)},
+                                    n * 12 + n // 2 + nb * 4),
+        "dequant_acc int8 x2": (lambda b: b.dequantize_accumulate(dst, q8_x2, scales_x2, block, 8, 2),
+                                {torch_ops: lambda: plain.dequantize_accumulate(dst, q8_x2, scales_x2, 8, 2)},
+                                2 * n + 2 * nb * 4 + 8 * n),
+        "dequant_acc int4 x8": (lambda b: b.dequantize_accumulate(dst8, q4_x8, scales_x8, block, 4, 8),
+                                {torch_ops: lambda: plain.dequantize_accumulate(dst8, q4_x8, scales_x8, 4, 8)},
+                                8 * n8 // 2 + 8 * (n8 // block) * 4 + 8 * n8),
+        "dequant_into int8->bf16": (lambda b: b.dequantize_into(gathered, q8, scales, block, 8),
+                                    {torch_ops: lambda: plain.dequantize_into(gathered, q8, scales)},
+                                    n + nb * 4 + 2 * n),
+    }
+
+
+def measure_quantized(device: torch.device, backends: list[str], repeats: int, block: int) -> list[dict]:
+    """Rows in the table's format (plus iqr_ms) for every quantised kernel at `block`."""
+    rows = []
+    for op, (call, plain, nbytes) in quantized_cases(device, block).items():
+        candidates = dict(plain)
+        candidates.update({f"overlap {name}": (lambda b=get_backend(name, device): call(b)) for name in backends})
+        rows += [{"case": f"quant_shard(block {block})", "op": op, "impl": label, "tensors": 1,
+                  "elements": QUANT_NUMEL, "ms": t.median_s * 1e3, "iqr_ms": t.iqr_s * 1e3,
+                  "cpu_ms": None if t.cpu_median_s is None else t.cpu_median_s * 1e3,
+                  "GB/s": nbytes / t.median_s / 1e9}
+                 for label, t in timed_samples(candidates, device, repeats).items()]
+    return rows
+
+
+def print_quant_table(rows: list[dict]) -> None:
+    """Wall-time median and IQR, CPU-time median (CPU only), and each backend against the best
+    plain torch candidate (the reference backend included), by wall and by CPU time."""
+    header = f"{'op':<24} {'impl':<22} {'ms':>8} {'IQR ms':>7} {'CPU ms':>8} {'GB/s':>6} {'x best torch':>12} " \
+             f"{'x (CPU)':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        group = [g for g in rows if g["op"] == r["op"] and g["case"] == r["case"]
+                 and (not g["impl"].startswith("overlap ") or g["impl"] == "overlap torch")]
+        cpu_ms = "-" if r["cpu_ms"] is None else f"{r['cpu_ms']:.3f}"
+        speedup = cpu_speedup = ""
+        if r["impl"].startswith("overlap ") and r["impl"] != "overlap torch":
+            speedup = f"{min(g['ms'] for g in group) / r['ms']:.2f}"
+            if r["cpu_ms"] is not None:
+                cpu_speedup = f"{min(g['cpu_ms'] for g in group) / r['cpu_ms']:.2f}"
+        print(f"{r['op']:<24} {r['impl']:<22} {r['ms']:>8.3f} {r['iqr_ms']:>7.3f} {cpu_ms:>8} {r['GB/s']:>6.2f} "
+              f"{speedup:>12} {cpu_speedup:>8}")
+
+
+def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) -> list[dict]:
+    """Per block size: relative RMS error of an int8 and an int4 round trip on normal and on
+    heavy-tailed (Student-t, 3 degrees of freedom) values, the bytes sent per element, and the
+    median and IQR time of the fastest backend's quantize_int8 and 2-chunk int8
+    dequantize_accumulate; all block sizes take turns in every repeat."""
+    from overlap.kernels import empty_quantized
+
+    gen = torch.Generator().manual_seed(0)
+    chi2_3 = torch.randn(3, QUANT_NUMEL, generator=gen).square_().sum(0)
+    data = {"normal": torch.randn(QUANT_NUMEL, generator=gen).to(device),
+            "student_t3": (torch.randn(QUANT_NUMEL, generator=gen) / (chi2_3 / 3).sqrt_()).to(device)}
+    backend = get_backend("auto", device)
+    rows, candidates = [], {}
+    x, dst = data["normal"], torch.zeros(QUANT_NUMEL // 2, device=device)
+    for block in blocks:
+        row = {"block": block, "bytes_int8": 1 + 4 / block, "bytes_int4": 0.5 + 4 / block}
+        for bits in (8, 4):
+            q, scales = empty_quantized(QUANT_NUMEL, block, bits, device)
+            quantize = backend.quantize_int8 if bits == 8 else backend.quantize_int4
+            for name, values in data.items():
+                out = torch.empty_like(values)
+                quantize(values, q, scales, block)
+                backend.dequantize_into(out, q, scales, block, bits)
+                row[f"rel_rms_int{bits}_{name}"] = ((out - values).norm() / values.norm()).item()
+        rows.append(row)
+        # Timed on the same number of elements: quantize n, and accumulate 2 chunks of n / 2.
+        q, scales = empty_quantized(QUANT_NUMEL, block, 8, device)
+        candidates[(block, "quantize")] = lambda q=q, s=scales, b=block: backend.quantize_int8(x, q, s, b)
+        candidates[(block, "accumulate")] = lambda q=q, s=scales, b=block: backend.dequantize_accumulate(
+            dst, q, s, b, 8, 2)
+    times = timed_samples(candidates, device, repeats)
+    for row in rows:
+        for op in ("quantize", "accumulate"):
+            t = times[(row["block"], op)]
+            row.update({f"{op}_ms": t.median_s * 1e3, f"{op}_iqr_ms": t.iqr_s * 1e3,
+                        f"{op}_cpu_ms": None if t.cpu_median_s is None else t.cpu_median_s * 1e3})
+    # One more bit per element halves the error: a block's cost in bits per element is its
+    # scales' 32 / block plus log2(error). `excess_bits`: the most, over int8/int4 and both
+    # distributions, by which a block's cost exceeds the best block's.
+    errors = [key for key in rows[0] if key.startswith("rel_rms_")]
+    best = {key: min(32 / r["block"] + math.log2(r[key]) for r in rows) for key in errors}
+    for row in rows:
+        row["excess_bits"] = max(32 / row["block"] + math.log2(row[key]) - best[key] for key in errors)
+    print(f"{backend.name} backend, {QUANT_NUMEL} elements; errors: relative RMS of a round trip; "
+          "times in ms: wall median (IQR) and CPU-time median")
+    print(f"{'block':>6} {'B/elem int8':>11} {'B/elem int4':>11} {'int8 err N':>10} {'int8 err t3':>11} "
+          f"{'int4 err N':>10} {'int4 err t3':>11} {'excess bits':>11} {'quantize8 ms':>21} {'accumulate8x2 ms':>21}")
+    for r in rows:
+        quantize_ms, accumulate_ms = (f"{r[f'{op}_ms']:.2f} ({r[f'{op}_iqr_ms']:.2f})"
+                                      + ("" if r[f"{op}_cpu_ms"] is None else f" {r[f'{op}_cpu_ms']:.2f}")
+                                      for op in ("quantize", "accumulate"))
+        print(f"{r['block']:>6} {r['bytes_int8']:>11.4f} {r['bytes_int4']:>11.4f} {r['rel_rms_int8_normal']:>10.5f} "
+              f"{r['rel_rms_int8_student_t3']:>11.5f} {r['rel_rms_int4_normal']:>10.4f} "
+              f"{r['rel_rms_int4_student_t3']:>11.4f} {r['excess_bits']:>11.3f} {quantize_ms:>21} {accumulate_ms:>21}")
+    return rows
+
+
+def run_quantized(args: argparse.Namespace, device: torch.device, backends: list[str], repeats: int) -> None:
+    """--quant-only / --quant-blocks: the quantised kernels alone, to their own JSON file."""
+    meta = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "repeats": repeats}
+    result: dict = {"meta": meta}
+    if args.quant_blocks:
+        result["block_sweep"] = sweep_quant_blocks(device, [int(b) for b in args.quant_blocks.split(",")], repeats)
+    else:
+        rows = measure_quantized(device, backends, repeats, DEFAULT_BLOCK)
+        print_quant_table(rows)
+        result["rows"] = rows
+    out = pathlib.Path(args.out or f"bench_out/quant_kernels_{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=None, help="JSON file (default bench_out/kernels_<device>.json)")
+    parser.add_argument("--quant-only", action="store_true",
+                        help="only the quantised kernels, with IQR (default out bench_out/quant_kernels_<device>.json)")
+    parser.add_argument("--quant-blocks", default=None,
+                        help="comma-separated block sizes: error and speed of each, instead of the tables")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.threads is not None:
@@ -180,11 +425,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     repeats = args.repeats or (20 if device.type == "cuda" else 11)
     backends = [b for b in available_backends(device) if not (device.type == "cpu" and b == "triton")]
     print(f"device {device}, threads {torch.get_num_threads()}, backends {backends}, median of {repeats}")
+    if args.quant_only or args.quant_blocks:
+        run_quantized(args, device, backends, repeats)
+        return
     rows = []
     for name, sizes in shapes(device).items():
         for src_dtype, dst_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16)):
             rows += measure_case(name, sizes, src_dtype, dst_dtype, device, backends, repeats)
     rows += measure_runtime_calls(device, backends, repeats)
+    rows += measure_quantized(device, backends, repeats, DEFAULT_BLOCK)
     print_table(rows)
     summary = summarise(rows)
     print_summary(summary)
