@@ -1,15 +1,17 @@
-"""ShardedModule against FSDP2, DDP and a single process without communication.
+"""ShardedModule against FSDP2 and DDP (defaults and tuned), DeepSpeed ZeRO-3 and a single
+process without communication.
 
-Every implementation trains the same GPT (`overlap.models.GPT`) from the same seed on the
-same synthetic batches with AdamW. Each run is one launch (torchrun, 2 gloo ranks, one
-thread each; the single-process baseline `local` runs rank 0's batches alone: the compute
-floor). Implementations alternate A B C D A B C D ... over rounds so that load from other
-programs on the host falls on all of them alike. Per (link, implementation): the median
+Every implementation (`peers.py` builds them) trains the same GPT (`overlap.models.GPT`)
+from the same seed on the same synthetic batches with the same AdamW implementation. Each
+run is one launch (torchrun, 2 gloo ranks, one thread each; the single-process baseline
+`local` runs rank 0's batches alone: the compute floor). Implementations alternate
+A B C D A B C D ... over rounds so that load from other programs on the host falls on all
+of them alike. Per (link, implementation): the median
 step time over all timed steps of all rounds (a step's time is the slower rank's), peak
 memory per rank by category (MemTracker, in one extra step outside the timed ones) and
 peak RSS, and bytes sent per rank per step.
 
-    python benchmarks/compare.py --links loopback,10gbit,2gbit --rounds 3
+    python benchmarks/compare.py --links loopback,10gbit,2gbit --rounds 3 --steps 20
     python benchmarks/compare.py --quick            # tiny model, one round: a smoke run
 
 Writes <out>/compare.json, <out>/compare.md and <out>/compare.png, and prints the tables.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+import peers
 from common import (LOOPBACK, PROCESS_GROUP_TIMEOUT, markdown_table, median, on_link, parse_choices, parse_links,
                     quartiles, read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json,
                     write_text)
@@ -35,7 +38,7 @@ from common import (LOOPBACK, PROCESS_GROUP_TIMEOUT, markdown_table, median, on_
 if TYPE_CHECKING:
     from overlap.models import GPTConfig
 
-IMPLEMENTATIONS = ("overlap", "fsdp2", "ddp", "local")
+IMPLEMENTATIONS = peers.IMPLEMENTATIONS
 # ShardedModule of another checkout, run by that checkout's interpreter (--baseline-python):
 # before/after comparisons of a change, alternated with the rest in one run.
 BASELINE = "overlap-base"
@@ -44,8 +47,10 @@ WORLD_SIZE = 2
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")
 QUICK_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
 MIB = 2**20
-# Targets for ShardedModule, per link: step time at most this share of FSDP2's.
-TIME_TARGET_VS_FSDP2 = {LOOPBACK: 0.85, "2gbit": 0.65}
+# Targets for ShardedModule on every link: step time at most this share of tuned FSDP2's and
+# of the faster DDP's, peak memory at most tuned FSDP2's (ZeRO-3 memory).
+TIME_TARGET_VS_FSDP2_TUNED = 0.9
+TIME_TARGET_VS_DDP = 1.0
 
 
 # ---- worker: one launch of one implementation -------------------------------------------
@@ -69,61 +74,27 @@ def _batches(config, args: argparse.Namespace, rank: int, count: int) -> list[tu
     return batches
 
 
-def _algorithm_bytes(impl: str, params: int, root_params: int, world: int) -> Optional[int]:
+def _algorithm_bytes(impl: str, params: int, root_params: int, block_params: int, world: int) -> Optional[int]:
     """Bytes each rank sends per step by the algorithm of FSDP2 or DDP, ring-equivalent: an
     all-gather or reduce-scatter of S bytes sends S(N-1)/N, an all-reduce twice that.
 
     FSDP2 gathers each block in forward and again in backward and the root (embeddings,
     final norm, tied head) once, as it keeps the root gathered from forward into backward,
-    then reduce-scatters every gradient once. DDP all-reduces every gradient. ShardedModule
-    records what it sends, so it needs no formula.
+    then reduce-scatters every gradient once; tuned, it keeps the last block gathered too.
+    DDP all-reduces every gradient. ShardedModule records what it sends, so it needs no
+    formula; DeepSpeed's traffic depends on its persistence threshold and is not counted.
     """
     share = (world - 1) / world
-    if impl == "ddp":
+    if impl in (peers.DDP, peers.DDP_TUNED):
         return int(2 * params * 4 * share)
-    if impl == "fsdp2":
+    if impl == peers.FSDP2:
         return int((2 * (params - root_params) + root_params + params) * 4 * share)
+    if impl == peers.FSDP2_TUNED:  # the last block stays gathered from forward into backward
+        return int((2 * (params - root_params) - block_params + root_params + params) * 4 * share)
     return None
 
 
-def _wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
-    import torch.distributed as dist
-
-    if impl == "local":
-        return model
-    if impl == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model)
-    if impl == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    from overlap import ShardedModule
-    from overlap.models import Block
-
-    return ShardedModule(model, unit_types=(Block,), prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb)
-
-
 PHASES = ("forward", "backward", "optimizer")
-
-
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> tuple[float, list[float]]:
-    """One step; returns the loss and the seconds spent in each of PHASES."""
-    idx, targets = batch
-    start = time.perf_counter()
-    loss = model(idx, targets)
-    forward_end = time.perf_counter()
-    loss.backward()
-    backward_end = time.perf_counter()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    end = time.perf_counter()
-    return loss.item(), [forward_end - start, backward_end - forward_end, end - backward_end]
 
 
 def _overlap_step_comm(model) -> dict[str, Any]:
@@ -154,7 +125,7 @@ def _overlap_trace(model, step_start: float) -> dict[str, list]:
     }
 
 
-def _memory_step(impl: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> dict[str, dict]:
+def _memory_step(impl: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step, batch) -> dict[str, dict]:
     """One training step under MemTracker: the bytes of each category at the step's peak,
     and the peak total within forward and within backward (the optimizer step's is the
     overall peak when it exceeds both).
@@ -167,11 +138,12 @@ def _memory_step(impl: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
     tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    if impl == "overlap":
+    # DeepSpeed's ZeRO optimizer is a wrapper; the torch optimizer inside holds the state.
+    tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
+    if impl == peers.OVERLAP:
         tracker.track_external(*[group.full for unit in model.scheduler.all_units for group in unit.groups])
     with tracker:
-        _train_step(model, optimizer, batch)
+        step(batch)
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     snapshots = tracker.memory_tracking[model].snapshots
     phases = {phase: max(next(iter(snap.values()))["Total"] for snap in snapshots[state])
@@ -185,7 +157,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     impl = args.worker
     torch.set_num_threads(1)
-    distributed = impl != "local"
+    distributed = impl != peers.LOCAL
     if distributed:
         dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     rank = dist.get_rank() if distributed else 0
@@ -196,25 +168,25 @@ def run_worker(args: argparse.Namespace) -> None:
     plain = GPT(config)
     params = sum(p.numel() for p in plain.parameters())
     root_params = params - sum(p.numel() for p in plain.blocks.parameters())
-    model = _wrap(impl, plain, args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    block_params = sum(p.numel() for p in plain.blocks[-1].parameters())
+    model, optimizer, train_step = peers.wrap(impl, plain, args)
     total_steps = args.warmup + args.steps
     batches = _batches(config, args, rank, total_steps + 1)
 
     step_s, phase_s, losses, comm, trace = [], [], [], [], None
     for step in range(total_steps):
         start = time.perf_counter()
-        loss, phases = _train_step(model, optimizer, batches[step])
+        loss, phases = train_step(batches[step])
         elapsed = time.perf_counter() - start
         losses.append(loss)
         if step < args.warmup:
             continue
         step_s.append(elapsed)
         phase_s.append(phases)
-        if impl == "overlap":
+        if impl == peers.OVERLAP:
             comm.append(_overlap_step_comm(model))
             trace = _overlap_trace(model, start)
-    memory = _memory_step(impl, model, optimizer, batches[total_steps]) if args.memory else None
+    memory = _memory_step(impl, model, optimizer, train_step, batches[total_steps]) if args.memory else None
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     mine = dict(step_s=step_s, phase_s=phase_s, loss=losses, memory=memory, peak_rss=peak_rss, comm=comm,
@@ -225,18 +197,20 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(ranks, mine)
     if rank == 0:
         settings = {}
-        if impl == "overlap":
+        if impl == peers.OVERLAP:
             settings = dict(prefetch_depth=model.overlap_config.prefetch_depth, bucket_mb=model.overlap_config.bucket_mb,
                             units=len(model.scheduler.units))
         write_json(args.result, dict(impl=impl, world_size=world, params=params, root_params=root_params,
-                                     settings=settings, ranks=ranks))
+                                     block_params=block_params, settings=settings, ranks=ranks,
+                                     optimizer=peers.optimizer_kwargs()))
 
 
 # ---- driver: the runs, the summary, the outputs -----------------------------------------
 
 def _worker_args(args: argparse.Namespace, impl: str, result: str, memory: bool) -> list[str]:
     out = ["--worker", impl, "--result", result]
-    for key in ("seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb"):
+    for key in ("seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb",
+                "ddp_bucket_mb", "fsdp2_prefetch"):
         if getattr(args, key) is not None:
             out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return out + (["--memory"] if memory else [])
@@ -245,8 +219,8 @@ def _worker_args(args: argparse.Namespace, impl: str, result: str, memory: bool)
 def _launch(args: argparse.Namespace, impl: str, prefix: list[str], result: str, memory: bool) -> dict:
     script = os.path.abspath(__file__)
     python = args.baseline_python if impl == BASELINE else sys.executable
-    worker = _worker_args(args, "overlap" if impl == BASELINE else impl, result, memory)
-    command = [python, script, *worker] if impl == "local" else torchrun(script, WORLD_SIZE, worker, python)
+    worker = _worker_args(args, peers.OVERLAP if impl == BASELINE else impl, result, memory)
+    command = [python, script, *worker] if impl == peers.LOCAL else torchrun(script, WORLD_SIZE, worker, python)
     run_with_deadline(prefix + command, args.run_timeout, env=single_thread_env())
     return {**read_json(result), "impl": impl}
 
@@ -290,10 +264,11 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
             entry["ranks_memory"] = [r["memory"] for r in ranks]
             entry["peak_rss"] = [r["peak_rss"] for r in ranks]
         entry["params"], entry["root_params"] = run["params"], run["root_params"]
-        entry["sent_bytes"] = _algorithm_bytes(run["impl"], run["params"], run["root_params"], WORLD_SIZE)
+        entry["sent_bytes"] = _algorithm_bytes(run["impl"], run["params"], run["root_params"], run["block_params"],
+                                               WORLD_SIZE)
         entry["sent_source"] = "algorithm" if entry["sent_bytes"] is not None else None
         entry["final_loss"] = ranks[0]["loss"][-1]
-        if run["impl"] in ("overlap", BASELINE):
+        if run["impl"] in (peers.OVERLAP, BASELINE):
             entry.setdefault("comm", []).extend(step for r in ranks[:1] for step in r["comm"])
             entry["trace"] = ranks[0]["trace"]
             entry["settings"] = run["settings"]
@@ -304,7 +279,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
             phases = entry.pop("phases_s")
             entry["phase_ms"] = {phase: median([p[i] for p in phases]) * 1e3 for i, phase in enumerate(PHASES)}
             entry["peak_tracked"] = [m["peak"].get("Total", 0) for m in entry["ranks_memory"] or []]
-            if impl in ("overlap", BASELINE):
+            if impl in (peers.OVERLAP, BASELINE):
                 comm = entry["comm"]
                 entry["sent_bytes"] = int(median([c["bytes"] for c in comm]))
                 entry["sent_source"] = "measured"
@@ -331,19 +306,24 @@ def _peak(summary: dict, link: str, impl: str) -> Optional[float]:
     return max(peaks) if peaks else None
 
 
+def _fastest_ddp(summary: dict, link: str) -> Optional[float]:
+    times = [t for t in (_step(summary, link, impl) for impl in (peers.DDP, peers.DDP_TUNED)) if t is not None]
+    return min(times) if times else None
+
+
 def check_targets(summary: dict) -> list[dict]:
-    """Each target that applies to the links measured, with its measured ratio."""
+    """ShardedModule's targets on each link measured, with the measured ratios: step time
+    against tuned FSDP2 and the faster DDP, peak memory against tuned FSDP2 (ZeRO-3 memory)."""
     targets = []
     for link in summary:
-        overlap, fsdp2, ddp = (_step(summary, link, impl) for impl in ("overlap", "fsdp2", "ddp"))
-        if link in TIME_TARGET_VS_FSDP2:
-            targets.append(dict(link=link, what="step time / FSDP2", limit=TIME_TARGET_VS_FSDP2[link],
-                                ratio=_ratio(overlap, fsdp2)))
-        if link == LOOPBACK:
-            targets.append(dict(link=link, what="step time / DDP", limit=1.0, ratio=_ratio(overlap, ddp)))
-        memory_ratio = _ratio(_peak(summary, link, "overlap"), _peak(summary, link, "fsdp2"))
+        overlap = _step(summary, link, peers.OVERLAP)
+        targets.append(dict(link=link, what="step time / FSDP2 tuned", limit=TIME_TARGET_VS_FSDP2_TUNED,
+                            ratio=_ratio(overlap, _step(summary, link, peers.FSDP2_TUNED))))
+        targets.append(dict(link=link, what="step time / faster DDP", limit=TIME_TARGET_VS_DDP,
+                            ratio=_ratio(overlap, _fastest_ddp(summary, link))))
+        memory_ratio = _ratio(_peak(summary, link, peers.OVERLAP), _peak(summary, link, peers.FSDP2_TUNED))
         if memory_ratio is not None:
-            targets.append(dict(link=link, what="peak memory / FSDP2", limit=1.0, ratio=memory_ratio))
+            targets.append(dict(link=link, what="peak memory / FSDP2 tuned", limit=1.0, ratio=memory_ratio))
     for target in targets:
         target["met"] = None if target["ratio"] is None else target["ratio"] <= target["limit"]
     return targets
@@ -358,24 +338,28 @@ def time_table(summary: dict) -> str:
             q1, q3 = entry["step_ms_quartiles"]
             rows.append([link, impl, _fmt(entry["step_ms"]), f"{q1:.0f}–{q3:.0f}", len(entry["steps_s"]),
                          " / ".join(f"{entry['phase_ms'][p]:.0f}" for p in PHASES),
-                         _fmt(_ratio(entry["step_ms"], _step(summary, link, "local")), 2),
+                         _fmt(_ratio(entry["step_ms"], _step(summary, link, peers.LOCAL)), 2),
                          "–" if sent is None else f"{sent / MIB:.1f} ({entry['sent_source']})",
                          "–" if exposed is None else " / ".join(f"{exposed.get(k, 0):.0f}"
                                                                 for k in ("all_gather", "reduce_scatter")),
-                         _fmt(_ratio(_step(summary, link, "overlap"), entry["step_ms"]), 2)])
+                         _fmt(_ratio(_step(summary, link, peers.OVERLAP), entry["step_ms"]), 2)])
     return markdown_table(["link", "impl", "step ms (median)", "IQR ms", "steps", "fwd / bwd / opt ms", "× local",
                            "MiB sent/rank/step", "exposed ms AG / RS", "overlap ÷ this"], rows)
 
 
 def ratio_table(summary: dict) -> str:
+    """Per link: every implementation's median step time, then ShardedModule's ratios to the
+    tuned peers."""
+    impls = [impl for impl in (*IMPLEMENTATIONS, BASELINE) if any(impl in by_impl for by_impl in summary.values())]
     rows = []
     for link in summary:
-        overlap, fsdp2, ddp, local = (_step(summary, link, impl) for impl in IMPLEMENTATIONS)
-        rows.append([link, _fmt(overlap), _fmt(fsdp2), _fmt(ddp), _fmt(local), _fmt(_ratio(overlap, fsdp2), 2),
-                     _fmt(_ratio(overlap, ddp), 2),
-                     _fmt(_ratio(_peak(summary, link, "overlap"), _peak(summary, link, "fsdp2")), 2)])
-    return markdown_table(["link", "overlap ms", "fsdp2 ms", "ddp ms", "local ms", "overlap / fsdp2",
-                           "overlap / ddp", "peak mem overlap / fsdp2"], rows)
+        overlap = _step(summary, link, peers.OVERLAP)
+        rows.append([link, *(_fmt(_step(summary, link, impl)) for impl in impls),
+                     _fmt(_ratio(overlap, _step(summary, link, peers.FSDP2_TUNED)), 2),
+                     _fmt(_ratio(overlap, _fastest_ddp(summary, link)), 2),
+                     _fmt(_ratio(_peak(summary, link, peers.OVERLAP), _peak(summary, link, peers.FSDP2_TUNED)), 2)])
+    return markdown_table(["link", *(f"{impl} ms" for impl in impls), "overlap / fsdp2-tuned",
+                           "overlap / faster ddp", "peak mem overlap / fsdp2-tuned"], rows)
 
 
 MEMORY_CATEGORIES = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Other", "Total")
@@ -448,12 +432,14 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, tar
         f"Model: {args.n_layer} layers, d={args.n_embd}, vocab {args.vocab_size}, batch {args.batch}×{args.block_size}"
         f" per rank, {WORLD_SIZE} ranks (gloo); {args.rounds} round(s) × {args.steps} timed steps"
         f" after {args.warmup} warm-up.",
+        *(f"{impl}: skipped ({reason})." for impl, reason in args.skipped.items()),
         ratio_table(summary), time_table(summary),
         f"Peak memory per rank (link {next(iter(summary))}):", memory_table(summary),
         "Targets:\n" + target_lines(targets)])
     for entry in (e for by_impl in summary.values() for e in by_impl.values()):
         entry.pop("steps_s")
-    meta = dict(command=command.strip(), argv=args.argv, model={key: getattr(args, key) for key in MODEL_FIELDS},
+    meta = dict(command=command.strip(), argv=args.argv, skipped=args.skipped,
+                model={key: getattr(args, key) for key in MODEL_FIELDS},
                 batch=args.batch, world_size=WORLD_SIZE, torch=torch.__version__, python=platform.python_version(),
                 cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
     write_json(os.path.join(args.out, "compare.json"),
@@ -465,11 +451,12 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, tar
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma-separated, alternated in this order")
+    parser.add_argument("--impls", default=None, help="comma-separated, alternated in this order "
+                        f"(default: {','.join(IMPLEMENTATIONS)}, less those not installed)")
     parser.add_argument("--links", default=LOOPBACK, help="loopback and/or tc rates, e.g. loopback,10gbit,2gbit")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--n-embd", type=int, default=512)
@@ -480,6 +467,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefetch-depth", type=int, default=None, help="ShardedModule's (default: its planner)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="ShardedModule's (default: its planner)")
+    parser.add_argument("--ddp-bucket-mb", type=float, default=10.0, help=f"{peers.DDP_TUNED}'s bucket_cap_mb")
+    parser.add_argument("--fsdp2-prefetch", type=int, default=2,
+                        help=f"{peers.FSDP2_TUNED}: blocks in each explicit forward/backward prefetch list")
     parser.add_argument("--baseline-python", help=f"interpreter of another checkout's environment: adds {BASELINE!r}, "
                         "that checkout's ShardedModule, to the implementations")
     parser.add_argument("--out", default="bench_out", help="directory for compare.json/.md/.png")
@@ -498,7 +488,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.batch, args.rounds, args.warmup, args.steps = 2, 1, 1, 2
     try:
         args.links = parse_links(args.links)
-        args.impls = parse_choices(args.impls, (*IMPLEMENTATIONS, BASELINE), "--impls")
+        args.skipped = {} if args.impls else peers.unavailable()
+        args.impls = parse_choices(args.impls or ",".join(i for i in IMPLEMENTATIONS if i not in args.skipped),
+                                   (*IMPLEMENTATIONS, BASELINE), "--impls")
         if args.baseline_python and BASELINE not in args.impls:
             args.impls.append(BASELINE)
         if BASELINE in args.impls and not args.baseline_python:

@@ -53,14 +53,20 @@ def _once(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def timed(candidates: dict[str, Callable[[], None]], device: torch.device, repeats: int) -> dict[str, float]:
+def timed(candidates: dict[str, Callable[[], None]], device: torch.device, repeats: int,
+          reset: Optional[Callable[[], None]] = None) -> dict[str, float]:
     """Median seconds of each candidate. Candidates take turns within every repeat, so a
-    change in machine load (this host is shared) moves all of them alike."""
+    change in machine load (this host is shared) moves all of them alike. `reset`, untimed,
+    runs before every call: in-place ops start from the same values each time (halving a
+    gradient over and over would reach subnormal floats, which are many times slower)."""
+    reset = reset or (lambda: None)
     for fn in candidates.values():
+        reset()
         fn()
     times: dict[str, list[float]] = {label: [] for label in candidates}
     for _ in range(repeats):
         for label, fn in candidates.items():
+            reset()
             times[label].append(_once(fn, device))
     return {label: statistics.median(t) for label, t in times.items()}
 
@@ -78,11 +84,17 @@ def torch_ops_for_pack(srcs: list[torch.Tensor], flat: torch.Tensor) -> dict[str
     offsets, _ = _flatten_offsets(srcs)
     views = [flat.narrow(0, o, s.numel()) for o, s in zip(offsets, srcs)]
     flat_srcs = [s.view(-1) for s in srcs]
-    ops: dict[str, Callable[[], None]] = {"torch._foreach_copy_": lambda: torch._foreach_copy_(views, flat_srcs)}
-    if all(s.dtype == flat.dtype for s in srcs):
-        ops["torch.cat"] = lambda: torch.cat(flat_srcs, out=flat)
-        if hasattr(torch, "_chunk_cat"):
-            ops["torch._chunk_cat"] = lambda: torch._chunk_cat(srcs, 0, 1, out=flat.view(1, -1))
+    # cat and _chunk_cat cast to `flat`'s dtype where this torch allows a different out dtype.
+    ops: dict[str, Callable[[], None]] = {"torch._foreach_copy_": lambda: torch._foreach_copy_(views, flat_srcs),
+                                          "torch.cat": lambda: torch.cat(flat_srcs, out=flat)}
+    if hasattr(torch, "_chunk_cat"):
+        ops["torch._chunk_cat"] = lambda: torch._chunk_cat(srcs, 0, 1, out=flat.view(1, -1))
+    return _working(ops)
+
+
+def _working(ops: dict[str, Callable[[], None]]) -> dict[str, Callable[[], None]]:
+    """The ops that run here: each is tried once, and one this torch lacks for these
+    devices or dtypes is left out with a line saying why."""
     working = {}
     for label, op in ops.items():
         try:
@@ -119,20 +131,35 @@ def measure_runtime_calls(device: torch.device, backends: list[str], repeats: in
     numel = 23_200_000 // 2
     shard = torch.randn(numel, device=device)
     gathered = torch.empty(numel, dtype=torch.bfloat16, device=device)
-    grad = torch.randn(numel, device=device)
+    grad_start = torch.randn(numel, device=device)
+    grad = grad_start.clone()
     chunks = torch.randn(2 * numel, device=device)
     shard_grad = torch.zeros(numel, device=device)
+    first, second = chunks.narrow(0, 0, numel), chunks.narrow(0, numel, numel)
+    resets = {"grad /= N in place": lambda: grad.copy_(grad_start), "accumulate 2 chunks": shard_grad.zero_}
     calls = {
         "cast fp32->bf16": (lambda b: b.pack([shard], gathered, [0]), numel * 6),
         "grad /= N in place": (lambda b: b.pack([grad], grad, [0], 0.5), numel * 8),
         "accumulate 2 chunks": (lambda b: b.accumulate(shard_grad, chunks, 1.0, 2), numel * 16),
     }
+    # The best plain torch expressions of the same computations, in place where torch has it.
+    plain = {
+        "cast fp32->bf16": {"torch copy_": lambda: gathered.copy_(shard)},
+        "grad /= N in place": {"torch mul_": lambda: grad.mul_(0.5), "torch div_": lambda: grad.div_(2.0)},
+        "accumulate 2 chunks": {
+            "torch add_ x2": lambda: shard_grad.add_(first).add_(second),
+            "torch _foreach_add_": lambda: torch._foreach_add_([shard_grad], [first]) or
+            torch._foreach_add_([shard_grad], [second]),
+            "torch add_(sum(dim=0))": lambda: shard_grad.add_(chunks.view(2, numel).sum(0)),
+        },
+    }
     rows = []
     for op, (call, nbytes) in calls.items():
-        candidates = {f"overlap {name}": (lambda b=get_backend(name, device): call(b)) for name in backends}
+        candidates = _working(dict(plain[op]))
+        candidates.update({f"overlap {name}": (lambda b=get_backend(name, device): call(b)) for name in backends})
         rows += [{"case": "runtime_shard", "op": op, "impl": label, "tensors": 1, "elements": numel,
                   "ms": seconds * 1e3, "GB/s": nbytes / seconds / 1e9}
-                 for label, seconds in timed(candidates, device, repeats).items()]
+                 for label, seconds in timed(candidates, device, repeats, resets.get(op)).items()]
     return rows
 
 
@@ -146,14 +173,15 @@ def print_table(rows: list[dict]) -> None:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per case and op, each overlap backend against the plain copy and against torch's best op."""
+    """Per case and op, each overlap backend against the plain copy and against the best plain
+    torch expression of the same computation (torch's ops and the reference backend)."""
     summary = []
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["case"], r["op"]), []).append(r)
     for (case, op), group in groups.items():
         copy = next((r["GB/s"] for r in group if r["impl"].startswith("copy")), None)
-        torch_ops = [r["GB/s"] for r in group if r["impl"].startswith("torch.") or r["impl"] == "overlap torch"]
+        torch_ops = [r["GB/s"] for r in group if r["impl"].startswith("torch") or r["impl"] == "overlap torch"]
         best_torch = max(torch_ops) if torch_ops else None
         for r in group:
             if r["impl"].startswith("overlap ") and r["impl"] != "overlap torch":
@@ -402,7 +430,9 @@ def run_quantized(args: argparse.Namespace, device: torch.device, backends: list
         rows = measure_quantized(device, backends, repeats, DEFAULT_BLOCK)
         print_quant_table(rows)
         result["rows"] = rows
-    out = pathlib.Path(args.out or f"bench_out/quant_kernels_{device.type}.json")
+    default = f"bench_out/quant_blocks_{device.type}.json" if args.quant_blocks else \
+        f"bench_out/quant_kernels_{device.type}.json"
+    out = pathlib.Path(args.out or default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
@@ -417,7 +447,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--quant-only", action="store_true",
                         help="only the quantised kernels, with IQR (default out bench_out/quant_kernels_<device>.json)")
     parser.add_argument("--quant-blocks", default=None,
-                        help="comma-separated block sizes: error and speed of each, instead of the tables")
+                        help="comma-separated block sizes: error and speed of each, instead of the tables "
+                             "(default out bench_out/quant_blocks_<device>.json)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.threads is not None:

@@ -1,0 +1,207 @@
+"""How compare.py builds and steps each implementation: ShardedModule, FSDP2 and DDP as
+their defaults give them and as tuned for a 2-rank gloo job on CPU, DeepSpeed ZeRO-3, and
+the single process without communication.
+
+Every implementation gets the same optimizer implementation (`make_optimizer`), so that
+step-time differences come from sharding and communication, not from a per-tensor loop
+in one and a fused kernel in another.
+
+torch and torch.distributed are imported where they are used: the driver, which only
+launches runs, never imports this file's heavy parts.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+import torch
+
+OVERLAP = "overlap"
+FSDP2 = "fsdp2"
+FSDP2_TUNED = "fsdp2-tuned"
+DDP = "ddp"
+DDP_TUNED = "ddp-tuned"
+DEEPSPEED = "deepspeed"
+LOCAL = "local"
+IMPLEMENTATIONS = (OVERLAP, FSDP2, FSDP2_TUNED, DDP, DDP_TUNED, DEEPSPEED, LOCAL)
+# Keep the whole training state on every rank (their memory is not ZeRO-3's).
+REPLICATED = (DDP, DDP_TUNED, LOCAL)
+
+
+def unavailable() -> dict[str, str]:
+    """Implementations that cannot run here, with the reason (DeepSpeed is not a dependency)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return {DEEPSPEED: "DeepSpeed is not installed; `pip install deepspeed` adds it"}
+    return {}
+
+
+def optimizer_kwargs() -> dict[str, Any]:
+    """AdamW's fused kernel where this torch build has it for CPU tensors (torch ≥ 2.4),
+    else the multi-tensor (foreach) implementation; the same for every implementation."""
+    probe = torch.nn.Parameter(torch.zeros(1))
+    probe.grad = torch.zeros(1)
+    try:
+        torch.optim.AdamW([probe], fused=True).step()
+        return dict(fused=True)
+    except (RuntimeError, TypeError):
+        return dict(foreach=True)
+
+
+def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, **optimizer_kwargs())
+
+
+# ---- FSDP2, tuned ------------------------------------------------------------------------
+# torch 2.13's FSDPModule knobs that bear on a CPU (gloo) job, and what the tuned row does:
+# - `_set_unshard_async_op(True)`: issue the all-gathers with async_op=True. On CPU, FSDP2's
+#   side streams are no-ops, so without it every all-gather blocks the caller: used.
+# - `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`: explicit lists
+#   (the next `depth` blocks); with async unshard they are what makes gathers run ahead: used.
+# - `set_custom_reduce_scatter(ReduceScatter)`: replaces `reduce_scatter_single`, which gloo
+#   emulates slowly, by an all-to-all and a local sum (`AllToAllReduceScatter`): used. FSDP2
+#   calls it without async_op and reads the output right after, so it is synchronous.
+# - `set_reshard_after_forward(False)` / `reshard_after_forward=False` on the last block:
+#   backward needs that block first (as torchtitan does): used.
+# - `set_reduce_scatter_max_input_buffers`, `set_separate_reduce_scatter_group`,
+#   `set_allocate_memory_from_process_group_for_comm`, `set_symm_mem_for_comm`: about
+#   stream memory and NCCL buffers; nothing to gain on CPU streams, which do nothing: unused.
+
+
+class AllToAllReduceScatter:
+    """FSDP2's ReduceScatter interface over gloo's all-to-all plus a local sum.
+
+    The first and last rank leave their own chunk out of the exchange and read it in
+    place, so every rank receives (N-1)/N of the input, as in a ring reduce-scatter.
+    """
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        import torch.distributed as dist
+
+        world, rank = group.size(), group.rank()
+        shard = output_tensor.numel()
+        keeps_own = rank in (0, world - 1)
+        sizes = [0 if r == rank and keeps_own else shard for r in range(world)]
+        received = torch.empty(sum(sizes), dtype=input_tensor.dtype, device=input_tensor.device)
+        send = input_tensor.narrow(0, shard if rank == 0 else 0, sum(sizes)) if keeps_own else input_tensor
+        dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes, group=group)
+        chunks = received.view(-1, shard)
+        if keeps_own:
+            output_tensor.copy_(input_tensor.narrow(0, rank * shard, shard))
+        else:
+            output_tensor.zero_()
+        for chunk in chunks:
+            output_tensor.add_(chunk)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(world)
+        elif op != dist.ReduceOp.SUM:
+            raise ValueError(f"AllToAllReduceScatter supports SUM and AVG, not {op}")
+        return None
+
+
+def _fsdp2(model: torch.nn.Module, tuned: bool, depth: int) -> torch.nn.Module:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, reshard_after_forward=not (tuned and i == len(blocks) - 1))
+    root = fully_shard(model, mesh=mesh)
+    if not tuned:
+        return root
+    root._set_unshard_async_op(True)
+    comm = type("AllToAllReduceScatterComm", (AllToAllReduceScatter, ReduceScatter), {})()
+    for module in (root, *blocks):
+        module.set_custom_reduce_scatter(comm)
+    root.set_modules_to_forward_prefetch(blocks[:depth])
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
+    return root
+
+
+def _deepspeed_config(args: argparse.Namespace) -> dict:
+    """ZeRO-3 settings for 2 CPU ranks: gradients reduced while backward goes on, buckets and
+    prefetch sized in elements (DeepSpeed's unit) to a block of the model."""
+    block_params = 12 * args.n_embd * args.n_embd
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": block_params,
+            "stage3_prefetch_bucket_size": block_params,
+            "stage3_param_persistence_threshold": args.n_embd * 4,
+        },
+    }
+
+
+def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
+    """(model to call, optimizer, step function) for `impl`."""
+    if impl == DEEPSPEED:
+        import deepspeed
+
+        optimizer = make_optimizer(model.parameters(), args.lr)
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                       config=_deepspeed_config(args))
+        return engine, optimizer, _deepspeed_step(engine)
+    if impl == LOCAL:
+        wrapped = model
+    elif impl in (DDP, DDP_TUNED):
+        from torch.nn.parallel import DistributedDataParallel
+
+        tuned = dict(gradient_as_bucket_view=True, bucket_cap_mb=args.ddp_bucket_mb) if impl == DDP_TUNED else {}
+        wrapped = DistributedDataParallel(model, **tuned)
+    elif impl in (FSDP2, FSDP2_TUNED):
+        wrapped = _fsdp2(model, impl == FSDP2_TUNED, args.fsdp2_prefetch)
+    else:
+        from overlap import ShardedModule
+        from overlap.models import Block
+
+        wrapped = ShardedModule(model, unit_types=(Block,), prefetch_depth=args.prefetch_depth,
+                                bucket_mb=args.bucket_mb)
+    optimizer = make_optimizer(wrapped.parameters(), args.lr)
+    return wrapped, optimizer, _plain_step(wrapped, optimizer)
+
+
+StepFn = Callable[[Any], tuple[float, list[float]]]
+
+
+def _timed(forward, backward, update) -> StepFn:
+    import time
+
+    def step(batch) -> tuple[float, list[float]]:
+        """One step; returns the loss and the seconds in forward, backward and the optimizer."""
+        idx, targets = batch
+        start = time.perf_counter()
+        loss = forward(idx, targets)
+        forward_end = time.perf_counter()
+        backward(loss)
+        backward_end = time.perf_counter()
+        update()
+        end = time.perf_counter()
+        return loss.item(), [forward_end - start, backward_end - forward_end, end - backward_end]
+
+    return step
+
+
+def _plain_step(model, optimizer) -> StepFn:
+    def update():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _timed(model, lambda loss: loss.backward(), update)
+
+
+def _deepspeed_step(engine) -> StepFn:
+    return _timed(engine, engine.backward, engine.step)
