@@ -49,6 +49,14 @@ class CommRecord:
         return 0.0 if end is None else max(end - self.issued, 0.0)
 
 
+def device_backend(group: dist.ProcessGroup, device_type: str) -> Optional[str]:
+    """The backend that runs `device_type` tensors in `group` ("gloo", "nccl"), None if none
+    does. `dist.get_backend` cannot say: a group from `init_process_group()` without a
+    backend is "undefined" there, one from "cpu:gloo,cuda:nccl" is that string."""
+    pairs = dict(pair.split(":", 1) for pair in dist.get_backend_config(group).split(","))
+    return pairs.get(device_type)
+
+
 @dataclass
 class Pending:
     """An issued collective: its completion signal and the tensors it must keep alive.
@@ -99,7 +107,7 @@ class Collectives:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.backend = dist.get_backend(group)
+        self.backend = device_backend(group, device.type)
         self.device = device
         self.kernels = kernels
         self.records: list[CommRecord] = []

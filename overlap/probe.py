@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap.collectives import all_gather_flat, reduce_scatter_flat
+from overlap.collectives import all_gather_flat, device_backend, reduce_scatter_flat
 from overlap.topology import LinkModel
 
 logger = logging.getLogger("overlap")
@@ -53,8 +53,8 @@ def fit_alpha_beta(samples: Sequence[tuple[float, float]], fallback: LinkModel) 
     return max(alpha, MIN_ALPHA_S), beta
 
 
-def _cache_key(link: str, group: dist.ProcessGroup) -> str:
-    return f"{link}/{dist.get_backend(group)}/world{dist.get_world_size(group)}"
+def _cache_key(link: str, group: dist.ProcessGroup, device: torch.device) -> str:
+    return f"{link}/{device_backend(group, device.type)}/world{dist.get_world_size(group)}"
 
 
 def _read_cache(path: Optional[str], key: str) -> Optional[tuple[float, float]]:
@@ -91,7 +91,7 @@ class _Timer:
         self.group = group
         self.device = device
         self.world = dist.get_world_size(group)
-        self.use_all_to_all = dist.get_backend(group) == "gloo"  # as overlap.collectives does
+        self.use_all_to_all = device_backend(group, device.type) == "gloo"  # as overlap.collectives does
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -147,7 +147,7 @@ def probe_link(group: dist.ProcessGroup, device: torch.device, default: LinkMode
     """Fit α and β on `group` (or reuse a cached fit); every rank gets rank 0's answer."""
     if dist.get_world_size(group) == 1:
         return default
-    key = _cache_key(default.link, group)
+    key = _cache_key(default.link, group, device)
     src = dist.get_global_rank(group, 0)
     is_rank0 = dist.get_rank(group) == 0
     cached = _read_cache(cache_path, key) if is_rank0 else None

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils._pytree import tree_map
 
-from overlap.collectives import Collectives
+from overlap.collectives import Collectives, device_backend
 from overlap.config import (Config, config_from_env, local_rank_from_env, validate_bucket_mb,
                             validate_prefetch_depth)
 from overlap.flat_group import FlatGroup
@@ -43,8 +43,7 @@ def _device_for(group: dist.ProcessGroup) -> torch.device:
     else the current one, which must be LOCAL_RANK's when the launcher set it: a missing
     `torch.cuda.set_device(local_rank)` would otherwise put every rank on GPU 0.
     """
-    backends = dict(pair.split(":", 1) for pair in dist.get_backend_config(group).split(","))
-    if backends.get("cuda") != "nccl" or not torch.cuda.is_available():
+    if device_backend(group, "cuda") != "nccl" or not torch.cuda.is_available():
         return torch.device("cpu")
     bound = group.bound_device_id
     if bound is not None:

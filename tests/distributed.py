@@ -20,7 +20,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, env: dict, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, env: dict, args: tuple,
+           backend: str | None = "gloo") -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -30,8 +31,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, en
     torch.set_num_threads(1)
     result: Any
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=60))
+        # backend None: `init_process_group()` as the README writes it (the machine's default).
+        dist.init_process_group(**({} if backend is None else {"backend": backend}), rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
         try:
             result = ("ok", fn(rank, world_size, *args))
         finally:
@@ -52,7 +54,7 @@ class RankError(RuntimeError):
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, env: dict | None = None,
-                    timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+                    timeout: float = DEFAULT_TIMEOUT_S, backend: str | None = "gloo") -> list[Any]:
     """`fn(rank, world_size, *args)` on every rank; returns the per-rank results.
 
     Raises RankError with every failing rank's traceback; a rank still running after
@@ -60,7 +62,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, env: dict | None 
     """
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, port, out_dir, env or {}, args),
+        ctx = mp.start_processes(_entry, args=(fn, world_size, port, out_dir, env or {}, args, backend),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         while not ctx.join(timeout=1):

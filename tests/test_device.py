@@ -86,3 +86,23 @@ def test_wait_orders_the_collectives_own_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
     Pending(CommRecord("all_gather", "u", 0, 0.0), event="done", device=torch.device("cuda", 3)).wait()
     assert waited == [(torch.device("cuda", 3), "done")]
+
+
+def _train_step(rank: int, world: int) -> tuple[str, str, float]:
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), bucket_mb=1e-6)
+    model(torch.randn(4, 8)).sum().backward()
+    return dist.get_backend(), str(model.collectives.device), float(sum(p.grad.sum() for p in model.parameters()))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2])
+def test_init_process_group_without_a_backend_trains_on_this_machine(world):
+    """`init_process_group()` names no backend ("undefined"): collectives still pick the CPU's
+    (gloo's all-to-all reduction, not its reduce-scatter, whose work has no future)."""
+    from distributed import run_distributed
+
+    for backend, device, _ in run_distributed(_train_step, world, backend=None, timeout=100):
+        assert backend == "undefined" and device == "cpu"
