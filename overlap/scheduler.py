@@ -6,6 +6,17 @@ forward; in backward the order backward reached them, which before the first bac
 the reverse of forward). When the order changes, the unit that runs is gathered on demand,
 prefetch continues from its position in the known order, and the new order replaces the
 old one at the end of the step: prefetch is never switched off.
+
+[Note: when a unit is freed in backward]
+A unit's gathered parameters are read by the backward nodes of its forward: frozen ones
+too, to compute the gradient of the unit's input. The gradient hook of its trainable groups
+says when their gradients are complete, but not when the last node reading a frozen weight
+has run: autograd may run those after it (another device's queue, a reentrant backward).
+So each forward call passes the unit's inputs that require a gradient through an identity
+function whose backward runs once their gradients are complete, i.e. after every node of
+the unit that leads to them (FSDP2 does the same). A unit is freed in backward once both its
+trainable gradients and its input gradients are complete; a unit that never gets both is
+freed when the backward pass ends.
 """
 from __future__ import annotations
 
@@ -15,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from overlap.collectives import Collectives, Pending
 from overlap.cost_model import MAX_REDUCES_IN_FLIGHT
@@ -39,6 +50,21 @@ def _dedupe(units: Iterable[Unit]) -> list[Unit]:
         if unit not in seen:
             seen.append(unit)
     return seen
+
+
+class _AfterInputGrads(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward calls `callback` once their gradients are
+    complete. See [Note: when a unit is freed in backward]."""
+
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        ctx.callback()
+        return (None, *grads)
 
 
 class Scheduler:
@@ -70,7 +96,7 @@ class Scheduler:
 
         for unit in units:
             for module in unit.modules:
-                module.register_forward_pre_hook(partial(self._pre_forward, unit))
+                module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
                 module.register_forward_hook(partial(self._post_forward, unit))
         for unit in self.all_units:
             for group in unit.trainable_groups:
@@ -162,13 +188,14 @@ class Scheduler:
                 group.reduced = False        # an unfinished backward's reductions are not published
         self.in_backward = False
 
-    def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any) -> None:
+    def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict
+                     ) -> Optional[tuple[tuple, dict]]:
         if self.in_backward:
             # Activation checkpointing re-runs forward inside backward: the unit is already
             # gathered for its backward; only the views need to be (re)made.
             unit.finish_gather()
             unit.install_views()
-            return
+            return None
         with phase(f"overlap::pre_forward::{unit.name}"):
             position = len(self._this_forward)
             self._this_forward.append(unit)
@@ -178,6 +205,22 @@ class Scheduler:
             unit.members_run.add(id(module))
             self._log("pre_forward", unit)
             unit.open_span("forward")
+            return self._after_input_grads(unit, args, kwargs)
+
+    def _after_input_grads(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """The call's arguments with those that require a gradient passed through
+        `_AfterInputGrads`. See [Note: when a unit is freed in backward]."""
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        wanted = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if not wanted:
+            return None
+        unit.input_grads_pending += 1
+        outputs = _AfterInputGrads.apply(partial(self._on_input_grads, unit), *(leaves[i] for i in wanted))
+        for i, tensor in zip(wanted, outputs):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
 
     def _post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.in_backward:
@@ -267,8 +310,18 @@ class Scheduler:
             unit.grads_pending -= 1
             if unit.grads_pending == 0:
                 unit.state = TrainingState.POST_BACKWARD
-                unit.free()
-                self._log("free", unit)
+            self._free_after_backward(unit)
+
+    def _on_input_grads(self, unit: Unit) -> None:
+        unit.input_grads_pending -= 1
+        self._free_after_backward(unit)
+
+    def _free_after_backward(self, unit: Unit) -> None:
+        """See [Note: when a unit is freed in backward]."""
+        if unit.grads_pending == 0 and unit.input_grads_pending == 0 \
+                and unit.gather_state is not GatherState.FREE:
+            unit.free()
+            self._log("free", unit)
 
     def _reduce(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
         shard_grad = group.grad_for_reduce()

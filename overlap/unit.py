@@ -34,6 +34,7 @@ class Unit:
         self._pending: list[Pending] = []
         self.members_run: set[int] = set()       # id() of member modules that ran forward this step
         self.grads_pending = 0                   # trainable groups whose gradient has not arrived yet
+        self.input_grads_pending = 0             # forward calls whose input gradients are not complete yet
         self.span: Optional[Span] = None         # the profiler range of the unit's compute
 
     @property
@@ -92,3 +93,4 @@ class Unit:
         self.state = TrainingState.IDLE
         self.members_run.clear()
         self.grads_pending = len(self.trainable_groups)
+        self.input_grads_pending = 0

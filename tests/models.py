@@ -86,3 +86,36 @@ class Reorderable(nn.Module):
         for i in self.order:
             x = self.blocks[i](x)
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class LateFrozenBlock(nn.Module):
+    """A frozen projection that autograd reads only after the block's trainable gradient is
+    complete: the trainable scale runs under reentrant checkpointing, whose backward (a
+    backward pass of its own, run first) finishes the scale's gradient before the outer pass
+    reaches the projection's backward, which needs the frozen weight for the input gradient."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.proj.requires_grad_(False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def _scaled(self, y: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(y * self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._scaled, self.proj(x), use_reentrant=True)
+
+
+class LateFrozenNet(nn.Module):
+    def __init__(self, vocab: int = 37, d: int = 12, n: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(LateFrozenBlock(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
