@@ -98,30 +98,33 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def _overlap_step_comm(model) -> dict[str, Any]:
-    """This step's collectives (ShardedModule's own records) and prefetch outcome."""
-    records = model.collectives.records
-    kinds = sorted({r.kind for r in records})
-    events = [name for name, _, _ in model.scheduler.events]
+    """This step's collectives and prefetch outcome, from ShardedModule's record of it."""
+    record = model.scheduler.last_step
+    kinds = sorted({c.kind for c in record.collectives})
+    marks = [e.mark.value for e in record.events]
     return {
-        "bytes": sum(r.nbytes for r in records),
-        "bytes_by_kind": {k: sum(r.nbytes for r in records if r.kind == k) for k in kinds},
-        "exposed_s_by_kind": {k: sum(r.exposed for r in records if r.kind == k) for k in kinds},
-        "duration_s_by_kind": {k: sum(r.duration for r in records if r.kind == k) for k in kinds},
-        "prefetch_hits": events.count("hit"),
-        "prefetch_misses": events.count("miss"),
+        "bytes": sum(c.nbytes for c in record.collectives),
+        "bytes_by_kind": {k: sum(c.nbytes for c in record.collectives if c.kind == k) for k in kinds},
+        "exposed_s_by_kind": {k: sum(c.waited for c in record.collectives if c.kind == k) for k in kinds},
+        "duration_s_by_kind": {k: sum(c.duration for c in record.collectives if c.kind == k) for k in kinds},
+        "prefetch_hits": marks.count("hit"),
+        "prefetch_misses": marks.count("miss"),
     }
 
 
-def _overlap_trace(model, step_start: float) -> dict[str, list]:
-    """One step's scheduler events and collectives, times in ms from the step's start."""
+def _overlap_trace(model) -> dict[str, list]:
+    """One step's marks and collectives, times in ms from the step's start."""
+    record = model.scheduler.last_step
+    record = record.shifted(record.bounds()[0])
+
     def ms(t: Optional[float]) -> Optional[float]:
-        return None if t is None else round((t - step_start) * 1e3, 2)
+        return None if t is None else round(t * 1e3, 2)
 
     return {
-        "events": [(name, unit, ms(t)) for name, unit, t in model.scheduler.events],
-        "collectives": [dict(kind=r.kind, unit=r.unit, nbytes=r.nbytes, issued=ms(r.issued),
-                             completed=ms(r.completed), wait_start=ms(r.wait_start), wait_end=ms(r.wait_end))
-                        for r in model.collectives.records],
+        "events": [(e.mark.value, e.unit, ms(e.time)) for e in record.events],
+        "collectives": [dict(kind=c.kind, unit=c.unit, nbytes=c.nbytes, start=ms(c.start), end=ms(c.end),
+                             wait_start=ms(c.wait[0] if c.wait else None), wait_end=ms(c.wait[1] if c.wait else None))
+                        for c in record.collectives],
     }
 
 
@@ -185,7 +188,7 @@ def run_worker(args: argparse.Namespace) -> None:
         phase_s.append(phases)
         if impl == peers.OVERLAP:
             comm.append(_overlap_step_comm(model))
-            trace = _overlap_trace(model, start)
+            trace = _overlap_trace(model)
     memory = _memory_step(impl, model, optimizer, train_step, batches[total_steps]) if args.memory else None
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 

@@ -7,7 +7,6 @@ complete while the caller computes.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -16,37 +15,12 @@ import torch.distributed as dist
 
 from overlap.kernels import KernelBackend
 from overlap.profiling import phase
+from overlap.timing import CollectiveStamps, HostClock, CudaClock, StepLog, clock_for
 
 # Newer torch names the tensor-in/tensor-out collectives `*_single`; older releases only
 # have the `*_tensor` spelling.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass
-class CommRecord:
-    """Timing of one collective, in seconds on the host's monotonic clock."""
-
-    kind: str
-    unit: str
-    nbytes: int
-    issued: float
-    completed: Optional[float] = None
-    wait_start: Optional[float] = None
-    wait_end: Optional[float] = None
-
-    @property
-    def exposed(self) -> float:
-        """Time the caller spent blocked waiting for this collective."""
-        if self.wait_start is None or self.wait_end is None:
-            return 0.0
-        return self.wait_end - self.wait_start
-
-    @property
-    def duration(self) -> float:
-        """Issue to completion (queueing behind earlier collectives included)."""
-        end = self.completed if self.completed is not None else self.wait_end
-        return 0.0 if end is None else max(end - self.issued, 0.0)
 
 
 def device_backend(group: dist.ProcessGroup, device_type: str) -> Optional[str]:
@@ -66,7 +40,8 @@ class Pending:
     while the collective still reads or writes it; no `record_stream` is needed.
     """
 
-    record: CommRecord
+    record: CollectiveStamps
+    clock: HostClock | CudaClock
     work: Optional[dist.Work] = None
     event: Optional[torch.cuda.Event] = None
     # The device whose compute stream (its current stream) waits on `event`: the collective's
@@ -83,7 +58,7 @@ class Pending:
     def wait(self) -> None:
         if self.done:
             return
-        self.record.wait_start = time.perf_counter()
+        self.record.wait_start = self.clock.stamp()
         if self.work is not None:
             self.work.wait()
             if self.preserve_version_of is not None:
@@ -93,9 +68,7 @@ class Pending:
             torch.cuda.current_stream(self.device).wait_event(self.event)
         if self.on_complete is not None:
             self.on_complete()
-        self.record.wait_end = time.perf_counter()
-        if self.record.completed is None:
-            self.record.completed = self.record.wait_end
+        self.record.wait_end = self.clock.stamp()
         self.keep_alive = ()
         self.done = True
 
@@ -110,7 +83,8 @@ class Collectives:
         self.backend = device_backend(group, device.type)
         self.device = device
         self.kernels = kernels
-        self.records: list[CommRecord] = []
+        # This step's collectives, with the scheduler's marks (see overlap.step_record).
+        self.log = StepLog(clock_for(device))
         # gloo has no native reduce-scatter: it emulates one, slower than an all-to-all of
         # the gradient chunks followed by a local sum (measured in benchmarks/collectives.py),
         # and the all-to-all moves the same (N-1)/N bytes a ring reduce-scatter does.
@@ -124,42 +98,43 @@ class Collectives:
             # they overlap the rest of backward.
             self.reduce_scatter_stream = torch.cuda.Stream(device=device, priority=-1)
 
-    def _record(self, kind: str, unit: str, nbytes: int) -> CommRecord:
-        record = CommRecord(kind, unit, nbytes, time.perf_counter())
-        self.records.append(record)
-        return record
+    def _pending(self, record: CollectiveStamps, work: Optional[dist.Work], **fields) -> Pending:
+        """A host-side collective (gloo); gloo's thread stamps its completion."""
+        if work is None:
+            return Pending(record, self.log.clock, **fields)
+        clock = self.log.clock
 
-    def _mark_completion(self, pending: Pending) -> None:
-        """Stamp the completion time from gloo's thread when the work finishes."""
-        record = pending.record
+        def stamp(_future) -> None:
+            record.end = clock.stamp()
 
-        def stamp(_future):
-            record.completed = time.perf_counter()
-
-        pending.work.get_future().add_done_callback(stamp)
+        pending = Pending(record, clock, work=work, **fields)
+        work.get_future().add_done_callback(stamp)
+        return pending
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str) -> Pending:
         """Gather every rank's `shard` into `out` (world_size * shard.numel() elements), casting
         the shard to out.dtype first."""
         nbytes = out.numel() * out.element_size() * (self.world_size - 1) // self.world_size
-        record = self._record("all_gather", unit, nbytes)
         with phase(f"overlap::all_gather::{unit}"):
             if self.use_streams:
                 # The gather may only start once the optimizer has written the shard and the
                 # output memory's previous user has finished: both are on the current stream.
-                self.all_gather_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.all_gather_stream):
+                stream = self.all_gather_stream
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    record = self.log.collective("all_gather", unit, nbytes, stream)
                     source = self._cast(shard, out.dtype)
                     all_gather_flat(out, source, group=self.group)
+                    record.end = self.log.clock.stamp(stream)
                     event = torch.cuda.Event()
-                    event.record(self.all_gather_stream)
-                return Pending(record, event=event, device=self.device, keep_alive=(source, shard, out))
+                    event.record(stream)
+                return Pending(record, self.log.clock, event=event, device=self.device,
+                               keep_alive=(source, shard, out))
+            record = self.log.collective("all_gather", unit, nbytes)
             source = self._cast(shard, out.dtype)
             version = out._version
             work = all_gather_flat(out, source, group=self.group, async_op=True)
-            pending = Pending(record, work=work, keep_alive=(source,), preserve_version_of=(out, version))
-            self._mark_completion(pending)
-            return pending
+            return self._pending(record, work, keep_alive=(source,), preserve_version_of=(out, version))
 
     def reduce_scatter(self, grad_full: torch.Tensor, shard_grad: torch.Tensor, reduce_dtype: torch.dtype,
                        unit: str) -> Pending:
@@ -170,30 +145,32 @@ class Collectives:
         """
         world = self.world_size
         nbytes = grad_full.numel() * reduce_dtype.itemsize * (world - 1) // world
-        record = self._record("reduce_scatter", unit, nbytes)
         with phase(f"overlap::reduce_scatter::{unit}"):
             if self.use_streams:
-                self.reduce_scatter_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.reduce_scatter_stream):
+                stream = self.reduce_scatter_stream
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    record = self.log.collective("reduce_scatter", unit, nbytes, stream)
                     source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
                     out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
                     reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group)
                     self.kernels.accumulate(shard_grad, out)
+                    record.end = self.log.clock.stamp(stream)
                     event = torch.cuda.Event()
-                    event.record(self.reduce_scatter_stream)
-                return Pending(record, event=event, device=self.device,
+                    event.record(stream)
+                return Pending(record, self.log.clock, event=event, device=self.device,
                                keep_alive=(grad_full, source, out, shard_grad))
+            record = self.log.collective("reduce_scatter", unit, nbytes)
             source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
             if self.reduce_with_all_to_all:
                 return self._reduce_by_all_to_all(record, source, shard_grad)
             out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
             work = reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            pending = Pending(record, work=work, keep_alive=(source, out),
-                              on_complete=lambda: self.kernels.accumulate(shard_grad, out))
-            self._mark_completion(pending)
-            return pending
+            return self._pending(record, work, keep_alive=(source, out),
+                                 on_complete=lambda: self.kernels.accumulate(shard_grad, out))
 
-    def _reduce_by_all_to_all(self, record: CommRecord, source: torch.Tensor, shard_grad: torch.Tensor) -> Pending:
+    def _reduce_by_all_to_all(self, record: CollectiveStamps, source: torch.Tensor,
+                              shard_grad: torch.Tensor) -> Pending:
         """Each rank sends every other rank that rank's chunk of `source` and sums what it
         receives with its own chunk.
 
@@ -218,10 +195,7 @@ class Collectives:
         if world > 1:
             work = dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
                                           group=self.group, async_op=True)
-        pending = Pending(record, work=work, keep_alive=(source, received), on_complete=finish)
-        if work is not None:
-            self._mark_completion(pending)
-        return pending
+        return self._pending(record, work, keep_alive=(source, received), on_complete=finish)
 
     def any_rank(self, flags: list[bool]) -> Callable[[], list[bool]]:
         """Start an element-wise OR of `flags` over the ranks; the returned function waits

@@ -10,14 +10,18 @@ import torch.distributed as dist
 
 from overlap.cost_model import Profile, predict_step
 from overlap.planner import Plan, StartupPlan, choose_depths, cost_of_unit, explain
+from overlap.report import analyse_step
 from overlap.scheduler import Scheduler
+from overlap.step_record import StepKind, StepRecord
 from overlap.topology import LinkModel
 
 logger = logging.getLogger("overlap")
 
-# Re-planning: first decision after this step (step 1 warms up), then a check every
-# REPLAN_EVERY steps; a re-plan needs compute or communication to have drifted by DRIFT and
-# the new depth to be predicted faster than the current one by MIN_GAIN (hysteresis).
+# Re-planning: first decision after this step, then a check every REPLAN_EVERY steps (steps
+# as the scheduler counts them, evaluation forwards included, so that a decision step is
+# never skipped); the first training step warms up and is not measured. A re-plan needs
+# compute or communication to have drifted by DRIFT and the new depth to be predicted
+# faster than the current one by MIN_GAIN (hysteresis).
 FIRST_DECISION_STEP = 2
 REPLAN_EVERY = 10
 DRIFT = 0.20
@@ -34,48 +38,22 @@ def replanner_for(scheduler: Scheduler, startup: StartupPlan, bucket_bytes: int,
 
 # ---- measurement and re-planning at run time ---------------------------------------------------
 
-def _exposed_within(records, start: float, end: float) -> float:
-    """Host time blocked on collectives inside [start, end]."""
-    total = 0.0
-    for record in records:
-        if record.wait_start is not None and record.wait_end is not None:
-            total += max(0.0, min(end, record.wait_end) - max(start, record.wait_start))
-    return total
-
-
-def measure_profile(scheduler: Scheduler, base: Profile) -> Optional[Profile]:
-    """`base` with the compute times of the step that just ended (None if a unit is missing).
-
-    Forward compute runs from a unit's pre_forward (logged once gathered) to its
-    post_forward; backward from pre_backward to its free (gradients complete and reduced);
-    waits on collectives inside those spans are removed. The rest of the step is `other_s`.
-    """
-    records = scheduler.collectives.records
-    first: dict[tuple[str, str], float] = {}
-    last: dict[tuple[str, str], float] = {}
-    for event, name, stamp in scheduler.events:
-        first.setdefault((event, name), stamp)
-        last[(event, name)] = stamp
-    if not scheduler.events or ("end_backward", "") not in last:
+def measure_profile(record: StepRecord, base: Profile) -> Optional[Profile]:
+    """`base` with the compute times of a training step of one forward and one backward
+    (None for other steps, or when a unit did not run): each unit's forward and backward
+    compute as the overlap report measures them, and as `other_s` the rest of the step that
+    is not a wait (the root's compute and the runtime's own work)."""
+    if record.kind is not StepKind.TRAIN or (record.forwards, record.backwards) != (1, 1):
         return None
-
-    def span(start_key: tuple[str, str], end_key: tuple[str, str]) -> Optional[float]:
-        if start_key not in first or end_key not in last:
-            return None
-        start, end = first[start_key], last[end_key]
-        return max(end - start - _exposed_within(records, start, end), 0.0)
-
-    units = []
-    for unit in base.units:
-        forward = span(("pre_forward", unit.name), ("post_forward", unit.name))
-        backward = span(("pre_backward", unit.name), ("free", unit.name))
-        if forward is None or backward is None:
-            return None
-        units.append(replace(unit, forward_s=forward, backward_s=backward))
-    step = scheduler.events[-1][2] - scheduler.events[0][2]
-    step_compute = step - _exposed_within(records, scheduler.events[0][2], scheduler.events[-1][2])
-    other = max(step_compute - sum(u.forward_s + u.backward_s for u in units), 0.0)
-    return replace(base, units=tuple(units), other_s=other)
+    stats = analyse_step(record)
+    measured = {u.unit: u for u in stats.units}
+    if any(unit.name not in measured for unit in base.units):
+        return None
+    units = tuple(replace(unit, forward_s=measured[unit.name].forward_s, backward_s=measured[unit.name].backward_s)
+                  for unit in base.units)
+    waits = stats.gather_wait_s + stats.reduce_wait_s
+    other = max(stats.span_s - waits - sum(u.forward_s + u.backward_s for u in units), 0.0)
+    return replace(base, units=units, other_s=other)
 
 
 def average_profiles(profiles: Sequence[Profile]) -> Profile:
@@ -114,7 +92,8 @@ class Replanner:
 
     Rank 0 decides; the decision is broadcast at fixed steps (FIRST_DECISION_STEP, then every
     REPLAN_EVERY), so every rank makes the same collective calls at the same points whether
-    or not anything changed. Between decisions each rank only records its own timings.
+    or not anything changed. Between decisions each rank only records its own timings. Called
+    at the end of every step, training or evaluation (see [Note: what a step is]).
     """
 
     base: Profile
@@ -129,13 +108,16 @@ class Replanner:
     history: list[Decision] = field(default_factory=list)
     _measured: list[Profile] = field(default_factory=list)
     _planned_on: Optional[Profile] = None
+    _trained: int = 0
 
     def is_decision_step(self, step: int) -> bool:
         return step == self.first_step or (step > self.first_step and (step - self.first_step) % self.every == 0)
 
     def __call__(self, scheduler: Scheduler) -> None:
-        if scheduler.step > 1 or self.first_step == 1:  # step 1 warms up
-            measured = measure_profile(scheduler, self.base)
+        record = scheduler.last_step
+        if record is not None and record.kind is StepKind.TRAIN:
+            self._trained += 1
+            measured = measure_profile(record, self.base) if self._trained > 1 or self.first_step == 1 else None
             if measured is not None:
                 self._measured.append(measured)
         if not self.is_decision_step(scheduler.step):

@@ -1,66 +1,68 @@
 """The overlap report: how much of each step's communication ran under compute, per step and
-per unit, measured from the scheduler's events and the collectives' records.
+per unit, read from the runtime's record of each step (`overlap.step_record`).
 
 What each number means and how it is measured
 ---------------------------------------------
-Every time is a host clock reading (`time.perf_counter`) taken by the runtime; nothing is
-modelled. A step runs from the first collective issued or event logged after the wrapped
-module's forward starts to the end of its backward (the optimizer step is not part of it).
+Every time is measured by the runtime; nothing is modelled. On CPU a time is a host clock
+reading; on CUDA it is a CUDA event on the stream that did the work (see [Note: clocks] in
+overlap/step_record.py), so "compute" is when the device computed, not when the host
+launched. A training step runs from its first event or collective to the end of its
+backward (the optimizer step is not part of it). Evaluation forwards are steps too (see
+[Note: what a step is]) but the report counts training steps only.
 
-- compute: host time inside a unit's own work, less any time blocked on a collective within.
-  Forward: a member module's pre-forward hook (logged once its parameters are ready) to its
-  post-forward hook. Backward: the unit's pre-backward hook to its last gradient's arrival
-  (its last `reduce` event, else its `free`). The root unit (parameters outside every unit:
-  embeddings, head, loss) is charged whatever remains of its own forward and backward once
-  the other units, the waits and the runtime's work (issuing each collective: from its issue
-  to the next event; the hooks around each unit) are taken out.
-- runtime: host time in the step that is neither compute nor a wait: issuing collectives,
-  casting shards, the hooks themselves. On a loaded CPU it also holds time the host thread
-  lost to gloo's threads.
-- gather wait / reduce wait: host time blocked in `Pending.wait` (CommRecord.wait_start to
-  wait_end) on all-gathers and on reduce-scatters (the end-of-backward flush included). A
-  wait also covers the work done on completion (summing all-to-all chunks on gloo).
-- communication (per step): the time during which at least one collective was in flight
-  (issue to completion) or being waited on; concurrent collectives count once.
-- hidden (per step): the part of that time during which the host was running unit compute.
-- exposed (per step): communication - hidden: the host was blocked in a wait, or busy in the
-  runtime (issuing a collective, hooks) while communication ran.
-- per unit: `comm` sums each collective's own issue-to-completion time (a collective queued
-  behind another counts its queueing time, so units can add up to more than the step) and
-  `hidden` sums the part of each collective's issue-to-completion time spent in compute.
-- completion: on CUDA a collective is complete when its wait returns (the host does not see
-  the side stream's event fire earlier); on CPU gloo a future callback on gloo's thread stamps
-  the moment the transfer finished.
+- compute: time inside a unit's own work, less any time blocked on a collective within.
+  Forward: from a unit's `pre_forward` (parameters ready) to its `post_forward`. Backward:
+  from its `pre_backward` to its `post_backward` (its gradients complete); a unit with no
+  trainable parameters ends where the next unit's backward starts, or with the backward pass.
+  The root unit (parameters outside every unit: embeddings, head, loss) is charged whatever
+  remains of its own forward and backward once the other units, the waits and the runtime's
+  work are taken out. The runtime's work: from a `hit`/`miss` to the unit's pre-hook mark,
+  from a unit's `post_forward` to its `free` right after, from its `post_backward` through
+  the `reduce`/`free` right after, and from issuing a collective (`prefetch`, `gather`,
+  `reduce`) to the next mark.
+- runtime: time in the step that is neither compute nor a wait: issuing collectives, casting
+  shards, the hooks themselves (on CUDA: the compute stream idle, waiting for the host). On
+  a loaded CPU it also holds time the host thread lost to gloo's threads.
+- gather wait / reduce wait: time blocked on all-gathers and on reduce-scatters (the
+  end-of-backward flush included): on CPU the host in `Pending.wait` (which also covers the
+  work done on completion, summing all-to-all chunks on gloo), on CUDA the compute stream
+  stalled on the collective's event.
+- communication (per step): the time during which at least one collective was in flight or
+  being waited on; concurrent collectives count once.
+- hidden (per step): the part of that time that ran under unit compute.
+- exposed (per step): communication - hidden: a wait, or runtime, while communication ran.
+- per unit: `comm` sums each collective's own time in flight (a collective queued behind
+  another counts its queueing time on CPU, so units can add up to more than the step) and
+  `hidden` sums the part of each spent under compute.
+- in flight: on CPU from issue to completion (a future callback on gloo's thread stamps
+  the moment the transfer finished); on CUDA from when its side stream reached it to its end.
 - hits / misses: a unit whose all-gather was already in flight (prefetched) when it was
   needed, or that had to be gathered on demand. The root is gathered at every step start and
   counts as neither.
 - bytes moved: bytes each rank sends per collective ((N-1)/N of the gathered or reduced
   buffer), summed.
 - peak gathered bytes: the most gathered (full-size) parameter bytes held at once, replayed
-  from the gather and free events with each unit's gathered size.
+  from the gather and free marks with each unit's gathered size.
 
 On a CPU machine gloo moves data with CPU threads: communication the report calls hidden did
 not block the host, but it still competed with compute for the same cores.
 """
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from overlap.collectives import CommRecord
 from overlap.intervals import Interval, length, overlap, subtract, union
+from overlap.step_record import Mark, StepKind, StepRecord, UnitEvent
 
 if TYPE_CHECKING:
     from overlap.scheduler import Scheduler
 
-Event = tuple[str, str, float]
-
 
 @dataclass(frozen=True)
 class Segment:
-    """A stretch of host time: a unit's `forward` or `backward` compute, a `wait` on one of
+    """A stretch of the step: a unit's `forward` or `backward` compute, a `wait` on one of
     its collectives, or `runtime` (everything else in the step)."""
 
     unit: str
@@ -69,115 +71,86 @@ class Segment:
     end: float
 
 
-def _record_end(record: CommRecord) -> float:
-    return record.issued + record.duration
+def _runtime_spans(events: Sequence[UnitEvent]) -> list[Interval]:
+    """The runtime's own work between marks (see the module notes)."""
+    spans: list[Interval] = []
+    requested: dict[str, float] = {}
+    for i, event in enumerate(events):
+        following = events[i + 1:]
+        if event.mark in (Mark.HIT, Mark.MISS):
+            requested[event.unit] = event.time
+        elif event.mark in (Mark.PRE_FORWARD, Mark.PRE_BACKWARD) and event.unit in requested:
+            spans.append((requested.pop(event.unit), event.time))
+        elif event.mark is Mark.POST_FORWARD and following and following[0].mark is Mark.FREE \
+                and following[0].unit == event.unit:
+            spans.append((event.time, following[0].time))
+        elif event.mark is Mark.POST_BACKWARD:
+            end = event.time
+            for later in following:
+                if later.unit != event.unit or later.mark not in (Mark.REDUCE, Mark.FREE):
+                    break
+                end = later.time
+            spans.append((event.time, end))
+        if event.mark in (Mark.PREFETCH, Mark.GATHER, Mark.REDUCE) and following:
+            spans.append((event.time, following[0].time))
+    return spans
 
 
-def step_bounds(events: Sequence[Event], records: Sequence[CommRecord]) -> Interval:
-    starts = [t for _, _, t in events[:1]] + [r.issued for r in records]
-    ends = [t for _, _, t in events[-1:]] + [_record_end(r) for r in records]
-    ends += [r.wait_end for r in records if r.wait_end is not None]
-    if not starts:
-        return (0.0, 0.0)
-    return (min(starts), max(ends))
-
-
-def _wait_intervals(records: Sequence[CommRecord]) -> list[Interval]:
-    return [(r.wait_start, r.wait_end) for r in records if r.wait_start is not None and r.wait_end is not None]
-
-
-def host_segments(events: Sequence[Event], records: Sequence[CommRecord],
-                  root: Optional[str]) -> list[Segment]:
-    """Split one step's host time into compute, wait and runtime segments (see module notes)."""
-    own: list[tuple[str, str, Interval]] = []          # non-root compute, before waits are cut out
-    hooks: list[Interval] = []                         # runtime work around each unit
-    root_spans: list[tuple[str, Interval]] = []
+def _compute_spans(record: StepRecord) -> list[tuple[str, str, Interval]]:
+    """(unit, forward|backward, interval) of every unit's own work, waits not yet cut out."""
+    spans: list[tuple[str, str, Interval]] = []
     forward_open: dict[str, float] = {}
-    forward_closed: dict[str, float] = {}               # post-forward time, until the unit is freed
     backward_open: dict[str, float] = {}
-    last_reduce: dict[str, float] = {}
-    gather_requested: dict[str, float] = {}
-    backward_started: list[float] = []
-    end_backward: Optional[float] = None
-
-    for name, unit, t in events:
-        if name in ("hit", "miss"):
-            gather_requested[unit] = t
-        elif name in ("pre_forward", "pre_backward"):
-            if unit in gather_requested:
-                hooks.append((gather_requested.pop(unit), t))
-            forward_closed.pop(unit, None)
-            if name == "pre_backward":
-                backward_started.append(t)
-                backward_open[unit] = t
-                last_reduce.pop(unit, None)
-            else:
-                forward_open[unit] = t
-        elif name == "post_forward" and unit in forward_open:
-            start = forward_open.pop(unit)
-            forward_closed[unit] = t
-            if unit == root:
-                root_spans.append(("forward", (start, t)))
-            else:
-                own.append((unit, "forward", (start, t)))
-        elif name == "reduce":
-            last_reduce[unit] = t
-        elif name == "free" and unit in forward_closed:
-            hooks.append((forward_closed.pop(unit), t))
-        elif name == "free" and unit in backward_open:
-            start = backward_open.pop(unit)
-            done = last_reduce.pop(unit, t)
-            hooks.append((done, t))
-            if unit == root:
-                root_spans.append(("backward", (start, done)))
-            else:
-                own.append((unit, "backward", (start, done)))
-        elif name == "end_backward":
-            end_backward = t
-    # A unit whose backward never freed it (no trainable parameters) ends where the next
+    for event in record.events:
+        if event.mark is Mark.PRE_FORWARD:
+            forward_open[event.unit] = event.time
+        elif event.mark is Mark.POST_FORWARD and event.unit in forward_open:
+            spans.append((event.unit, "forward", (forward_open.pop(event.unit), event.time)))
+        elif event.mark is Mark.PRE_BACKWARD:
+            backward_open[event.unit] = event.time
+        elif event.mark is Mark.POST_BACKWARD and event.unit in backward_open:
+            spans.append((event.unit, "backward", (backward_open.pop(event.unit), event.time)))
+    # A unit whose gradients never completed (no trainable parameters) ends where the next
     # unit's backward starts, or with the backward pass.
+    later_starts = sorted([e.time for e in record.events if e.mark is Mark.PRE_BACKWARD]
+                          + [e.time for e in record.events if e.mark is Mark.END_BACKWARD])
     for unit, start in backward_open.items():
-        later = [t for t in backward_started if t > start] + ([end_backward] if end_backward is not None else [])
-        if later:
-            span = ("backward", (start, min(later)))
-            if unit == root:
-                root_spans.append(span)
-            else:
-                own.append((unit, *span))
+        ends = [t for t in later_starts if t > start]
+        if ends:
+            spans.append((unit, "backward", (start, ends[0])))
+    return spans
 
-    # Issuing a collective ends at the first event logged after it (`prefetch`, `gather`,
-    # or the unit's `free` after a reduce): runtime work, not the root's compute.
-    times = [t for _, _, t in events]
-    for r in records:
-        after = bisect.bisect_left(times, r.issued)
-        if after < len(times):
-            hooks.append((r.issued, times[after]))
 
-    waits = [(r.unit, (r.wait_start, r.wait_end)) for r in records
-             if r.wait_start is not None and r.wait_end is not None]
+def segments(record: StepRecord) -> list[Segment]:
+    """Split one step into compute, wait and runtime segments (see module notes)."""
+    root = record.root
+    own = [(unit, kind, interval) for unit, kind, interval in _compute_spans(record) if unit != root]
+    root_spans = [(kind, interval) for unit, kind, interval in _compute_spans(record) if unit == root]
+    waits = [(c.unit, c.wait) for c in record.collectives if c.wait is not None]
     wait_intervals = [i for _, i in waits]
-    segments = [Segment(unit, kind, s, e) for unit, kind, interval in own
-                for s, e in subtract([interval], wait_intervals)]
-    taken = [i for _, _, i in own] + wait_intervals + hooks
-    segments += [Segment(root, kind, s, e) for kind, interval in root_spans for s, e in subtract([interval], taken)]
-    segments += [Segment(unit, "wait", s, e) for unit, (s, e) in waits if e > s]
-    busy = [(s.start, s.end) for s in segments]
-    segments += [Segment("", "runtime", s, e) for s, e in subtract([step_bounds(events, records)], busy)]
-    return sorted(segments, key=lambda s: s.start)
+    result = [Segment(unit, kind, s, e) for unit, kind, interval in own
+              for s, e in subtract([interval], wait_intervals)]
+    taken = [i for _, _, i in own] + wait_intervals + _runtime_spans(record.events)
+    result += [Segment(root, kind, s, e) for kind, interval in root_spans for s, e in subtract([interval], taken)]
+    result += [Segment(unit, "wait", s, e) for unit, (s, e) in waits if e > s]
+    busy = [(s.start, s.end) for s in result]
+    result += [Segment("", "runtime", s, e) for s, e in subtract([record.bounds()], busy)]
+    return sorted(result, key=lambda s: s.start)
 
 
-def peak_gathered_bytes(events: Sequence[Event], unit_bytes: dict[str, int], root: Optional[str]) -> int:
+def peak_gathered_bytes(record: StepRecord) -> int:
     """Replay gathers and frees: the most gathered bytes held at once in the step."""
-    held: set[str] = {root} if root is not None and root in unit_bytes else set()
-    peak = current = sum(unit_bytes[u] for u in held)
-    for name, unit, _ in events:
-        if name in ("prefetch", "gather") and unit not in held:
-            held.add(unit)
-            current += unit_bytes.get(unit, 0)
+    unit_bytes, root = record.unit_bytes, record.root
+    held: set[str] = set()
+    peak = current = 0
+    for event in record.events:
+        if event.mark in (Mark.PREFETCH, Mark.GATHER) and event.unit not in held:
+            held.add(event.unit)
+            current += unit_bytes.get(event.unit, 0)
             peak = max(peak, current)
-        elif name == "free" and unit in held:
-            held.discard(unit)
-            current -= unit_bytes.get(unit, 0)
+        elif event.mark is Mark.FREE and event.unit in held:
+            held.discard(event.unit)
+            current -= unit_bytes.get(event.unit, 0)
     return peak
 
 
@@ -228,58 +201,58 @@ class StepStats:
         return self.gathered_bytes + self.reduced_bytes
 
 
-def _compute_intervals(segments: Sequence[Segment]) -> list[Interval]:
-    return union((s.start, s.end) for s in segments if s.kind in ("forward", "backward"))
+def _compute_intervals(parts: Sequence[Segment]) -> list[Interval]:
+    return union((s.start, s.end) for s in parts if s.kind in ("forward", "backward"))
 
 
-def _unit_stats(unit: str, events: Sequence[Event], records: Sequence[CommRecord],
-                segments: Sequence[Segment]) -> UnitStats:
-    mine = [r for r in records if r.unit == unit]
-    gathers = [r for r in mine if r.kind == "all_gather"]
-    reduces = [r for r in mine if r.kind == "reduce_scatter"]
+def _unit_stats(unit: str, record: StepRecord, parts: Sequence[Segment]) -> UnitStats:
+    mine = [c for c in record.collectives if c.unit == unit]
+    gathers = [c for c in mine if c.kind == "all_gather"]
+    reduces = [c for c in mine if c.kind == "reduce_scatter"]
+    marks = [e.mark for e in record.events if e.unit == unit]
     return UnitStats(
         unit=unit,
-        forward_s=sum(s.end - s.start for s in segments if s.unit == unit and s.kind == "forward"),
-        backward_s=sum(s.end - s.start for s in segments if s.unit == unit and s.kind == "backward"),
-        gather_wait_s=sum(r.exposed for r in gathers),
-        reduce_wait_s=sum(r.exposed for r in reduces),
-        comm_s=sum(r.duration for r in mine),
-        hidden_s=sum(overlap([(r.issued, _record_end(r))], _compute_intervals(segments)) for r in mine),
+        forward_s=sum(s.end - s.start for s in parts if s.unit == unit and s.kind == "forward"),
+        backward_s=sum(s.end - s.start for s in parts if s.unit == unit and s.kind == "backward"),
+        gather_wait_s=sum(c.waited for c in gathers),
+        reduce_wait_s=sum(c.waited for c in reduces),
+        comm_s=sum(c.duration for c in mine),
+        hidden_s=sum(overlap([c.in_flight], _compute_intervals(parts)) for c in mine),
         gathers=len(gathers),
-        hits=sum(1 for name, u, _ in events if name == "hit" and u == unit),
-        misses=sum(1 for name, u, _ in events if name == "miss" and u == unit),
-        bytes_moved=sum(r.nbytes for r in mine),
+        hits=marks.count(Mark.HIT),
+        misses=marks.count(Mark.MISS),
+        bytes_moved=sum(c.nbytes for c in mine),
     )
 
 
-def analyse_step(step: int, events: Sequence[Event], records: Sequence[CommRecord],
-                 unit_bytes: dict[str, int], root: Optional[str]) -> StepStats:
-    """Turn one step's events and records into its statistics."""
-    segments = host_segments(events, records, root)
-    in_flight = [(r.issued, _record_end(r)) for r in records]
-    compute = _compute_intervals(segments)
-    communication = length(in_flight + _wait_intervals(records))
+def analyse_step(record: StepRecord) -> StepStats:
+    """The statistics of one step."""
+    parts = segments(record)
+    in_flight = [c.in_flight for c in record.collectives]
+    waits = [c.wait for c in record.collectives if c.wait is not None]
+    compute = _compute_intervals(parts)
+    communication = length(in_flight + waits)
     hidden = overlap(in_flight, compute)
-    units = list(dict.fromkeys([u for _, u, _ in events if u] + [r.unit for r in records]))
-    count = lambda name: sum(1 for e, _, _ in events if e == name)  # noqa: E731
-    start, end = step_bounds(events, records)
+    units = list(dict.fromkeys([e.unit for e in record.events if e.unit] + [c.unit for c in record.collectives]))
+    marks = [e.mark for e in record.events]
+    start, end = record.bounds()
     return StepStats(
-        step=step,
+        step=record.step,
         span_s=end - start,
         compute_s=length(compute),
-        runtime_s=sum(s.end - s.start for s in segments if s.kind == "runtime"),
+        runtime_s=sum(s.end - s.start for s in parts if s.kind == "runtime"),
         comm_s=communication,
         hidden_s=hidden,
         exposed_s=communication - hidden,
-        gather_wait_s=sum(r.exposed for r in records if r.kind == "all_gather"),
-        reduce_wait_s=sum(r.exposed for r in records if r.kind == "reduce_scatter"),
-        prefetches=count("prefetch"),
-        hits=count("hit"),
-        misses=count("miss"),
-        gathered_bytes=sum(r.nbytes for r in records if r.kind == "all_gather"),
-        reduced_bytes=sum(r.nbytes for r in records if r.kind == "reduce_scatter"),
-        peak_gathered_bytes=peak_gathered_bytes(events, unit_bytes, root),
-        units=tuple(_unit_stats(u, events, records, segments) for u in units),
+        gather_wait_s=sum(c.waited for c in record.collectives if c.kind == "all_gather"),
+        reduce_wait_s=sum(c.waited for c in record.collectives if c.kind == "reduce_scatter"),
+        prefetches=marks.count(Mark.PREFETCH),
+        hits=marks.count(Mark.HIT),
+        misses=marks.count(Mark.MISS),
+        gathered_bytes=sum(c.nbytes for c in record.collectives if c.kind == "all_gather"),
+        reduced_bytes=sum(c.nbytes for c in record.collectives if c.kind == "reduce_scatter"),
+        peak_gathered_bytes=peak_gathered_bytes(record),
+        units=tuple(_unit_stats(u, record, parts) for u in units),
     )
 
 
@@ -370,8 +343,8 @@ class OverlapReport:
 
 class OverlapMonitor:
     """Collects an overlap report from a scheduler: add `on_step_end` to
-    `scheduler.step_end_callbacks`. A step is one forward and backward pass (each
-    micro-batch of gradient accumulation is one); the last `history` steps are kept."""
+    `scheduler.step_end_callbacks`. Training steps only (see [Note: what a step is]); the
+    last `history` of them are kept."""
 
     def __init__(self, history: int = 1000, warmup_steps: int = 1) -> None:
         self._steps: deque[StepStats] = deque(maxlen=history)
@@ -380,13 +353,11 @@ class OverlapMonitor:
         self.last: Optional[StepStats] = None
 
     def on_step_end(self, scheduler: "Scheduler") -> None:
-        root = scheduler.root.name if scheduler.root is not None else None
-        unit_bytes = {unit.name: unit.gathered_nbytes for unit in scheduler.all_units}
-        # Steps are numbered by backward passes seen: forwards without backward (evaluation)
-        # also advance `scheduler.step`.
+        record = scheduler.last_step
+        if record is None or record.kind is not StepKind.TRAIN:
+            return
         self._seen += 1
-        self.last = analyse_step(self._seen, list(scheduler.events), list(scheduler.collectives.records),
-                                 unit_bytes, root)
+        self.last = analyse_step(record)
         self._steps.append(self.last)
 
     def report(self) -> OverlapReport:

@@ -1,11 +1,14 @@
 """When each unit is gathered, freed and reduced: the hooks, the learned execution orders,
-prefetch, and the end-of-backward flush.
+prefetch, the end-of-backward flush, and the step count.
 
 Prefetch follows the order units actually ran in the previous step (forward order in
 forward; in backward the order backward reached them, which before the first backward is
 the reverse of forward). When the order changes, the unit that runs is gathered on demand,
 prefetch continues from its position in the known order, and the new order replaces the
 old one at the end of the step: prefetch is never switched off.
+
+Steps are counted here and only here (see [Note: what a step is] in overlap/step_record.py);
+each ends with a `StepRecord` in `last_step` and a call of every `step_end_callbacks` entry.
 
 [Note: when a unit is freed in backward]
 A unit's gathered parameters are read by the backward nodes of its forward: frozen ones
@@ -20,7 +23,6 @@ freed when the backward pass ends.
 """
 from __future__ import annotations
 
-import time
 from functools import partial
 from typing import Any, Callable, Iterable, Optional
 
@@ -32,7 +34,9 @@ from overlap.collectives import Collectives, Pending
 from overlap.cost_model import MAX_REDUCES_IN_FLIGHT
 from overlap.flat_group import FlatGroup
 from overlap.profiling import phase
+from overlap.step_record import Mark, StepKind, StepRecord
 from overlap.unit import GatherState, TrainingState, Unit
+
 
 def _distinct_after(order: list[Unit], index: int, skip: Unit, count: int) -> list[Unit]:
     found: list[Unit] = []
@@ -86,12 +90,16 @@ class Scheduler:
         self._this_forward: list[Unit] = []
         self._this_backward: list[Unit] = []
         self._pending_reduces: list[Pending] = []
-        # (event, unit name, host time) for the current step: tests read the order, the
-        # overlap report the timings.
-        self.events: list[tuple[str, str, float]] = []
-        self.step = 0
+        # The step in progress is written here (marks and collectives); `last_step` is the
+        # record of the last step that ended.
+        self.log = collectives.log
+        self.last_step: Optional[StepRecord] = None
+        self.step = 0                      # steps begun; see [Note: what a step is]
+        self._step_open = False
+        self._forwards = 0
+        self._backwards = 0
         self.max_gathered_units = 0
-        # Called with the scheduler after every backward pass (planner, overlap report).
+        # Called with the scheduler after every step (re-planner, overlap report).
         self.step_end_callbacks: list[Callable[["Scheduler"], None]] = []
 
         for unit in units:
@@ -106,17 +114,17 @@ class Scheduler:
     def all_units(self) -> list[Unit]:
         return ([self.root] if self.root is not None else []) + self.units
 
-    def _log(self, event: str, unit: Unit) -> None:
-        self.events.append((event, unit.name, time.perf_counter()))
+    def _log(self, mark: Mark, unit: Unit) -> None:
+        self.log.mark(mark, unit.name)
 
     # ---- prefetch -------------------------------------------------------------------------
 
     def _gathered_units(self) -> list[Unit]:
         return [u for u in self.units if u.gather_state is not GatherState.FREE]
 
-    def _start_gather(self, unit: Unit, event: str) -> None:
+    def _start_gather(self, unit: Unit, mark: Mark) -> None:
+        self._log(mark, unit)
         unit.start_gather()
-        self._log(event, unit)
         self.max_gathered_units = max(self.max_gathered_units, len(self._gathered_units()))
 
     @property
@@ -144,15 +152,15 @@ class Scheduler:
                 in_flight = sum(u.gathered_nbytes for u in self._gathered_units())
                 if in_flight + unit.gathered_nbytes > self.memory_budget_bytes:
                     break
-            self._start_gather(unit, "prefetch")
+            self._start_gather(unit, Mark.PREFETCH)
 
     def _gather_for_compute(self, unit: Unit, order: list[Unit], position: int, depth: int) -> None:
         """Make `unit` ready to compute, prefetching what follows it before blocking on it."""
         if unit.gather_state is GatherState.FREE:
-            self._start_gather(unit, "gather")
-            self._log("miss", unit)
+            self._log(Mark.MISS, unit)
+            self._start_gather(unit, Mark.GATHER)
         elif unit.gather_state is GatherState.GATHERING:
-            self._log("hit", unit)
+            self._log(Mark.HIT, unit)
         self._prefetch_after(order, position, unit, depth)
         unit.finish_gather()
 
@@ -161,26 +169,27 @@ class Scheduler:
     def begin_forward(self) -> None:
         """Called before the wrapped module's forward: recover, gather the root, prefetch."""
         self._recover()
-        self.step += 1
-        self.events = []
-        self.collectives.records.clear()
-        self.max_gathered_units = 0
+        if not self._step_open:
+            self._step_open = True
+            self.step += 1
+            self._forwards = self._backwards = 0
+            self.max_gathered_units = 0
+        self._forwards += 1
         self._this_forward = []
         for unit in self.all_units:
-            unit.begin_step()
+            unit.begin_pass()
         if self.root is not None:
-            self.root.start_gather()
-            self._log("gather", self.root)
+            self._start_gather(self.root, Mark.GATHER)
         self._prefetch_after(self.forward_order, -1, None, self.prefetch_depth)
         if self.root is not None:
-            self._log("pre_forward", self.root)
             self.root.finish_gather()
+            self._log(Mark.PRE_FORWARD, self.root)
             self.root.install_views()
             self.root.state = TrainingState.FORWARD
 
     def _recover(self) -> None:
-        """Bring every unit back to free after a step that did not finish (an exception in
-        forward, or a forward with no backward)."""
+        """Bring every unit back to free after a forward or backward that did not finish (an
+        exception in forward, or a forward with no backward)."""
         self._wait_reduces()
         self._free_all()
         for unit in self.all_units:
@@ -203,7 +212,7 @@ class Scheduler:
             unit.install_views()
             unit.state = TrainingState.FORWARD
             unit.members_run.add(id(module))
-            self._log("pre_forward", unit)
+            self._log(Mark.PRE_FORWARD, unit)
             unit.open_span("forward")
             return self._after_input_grads(unit, args, kwargs)
 
@@ -227,13 +236,12 @@ class Scheduler:
             return
         unit.close_span()
         with phase(f"overlap::post_forward::{unit.name}"):
-            self._log("post_forward", unit)
+            self._log(Mark.POST_FORWARD, unit)
             backward_follows = torch.is_grad_enabled() and self._hook_outputs(
                 output, partial(self._pre_backward, unit))
             if (self.reshard_after_forward and len(unit.members_run) == len(unit.modules)
                     and not (backward_follows and self._ends_forward(unit))):
-                unit.free()
-                self._log("free", unit)
+                self._free(unit)
 
     def _ends_forward(self, unit: Unit) -> bool:
         """Whether `unit` ran last in the previous forward and again at the same position:
@@ -249,19 +257,24 @@ class Scheduler:
         if not self.backward_order or set(self.backward_order) != set(self.forward_order):
             self.backward_order = _dedupe(reversed(self.forward_order))
         if self.root is not None:
-            self._log("post_forward", self.root)
+            self._log(Mark.POST_FORWARD, self.root)
         if torch.is_grad_enabled() and self._hook_outputs(output, self._root_pre_backward):
             # Backward starts with the root's own layers (head, loss): gather the first units
             # of backward under them.
             self._prefetch_after(self.backward_order, -1, None, self.backward_depth)
         else:
+            # No backward can follow: the step ends here (evaluation, generation).
             self._free_all()
+            self._end_step(StepKind.FORWARD)
+
+    def _free(self, unit: Unit) -> None:
+        unit.free()
+        self._log(Mark.FREE, unit)
 
     def _free_all(self) -> None:
         for unit in self.all_units:
             if unit.gather_state is not GatherState.FREE:
-                unit.free()
-                self._log("free", unit)
+                self._free(unit)
 
     @staticmethod
     def _hook_outputs(output: Any, hook) -> bool:
@@ -279,6 +292,7 @@ class Scheduler:
         if self.in_backward:
             return
         self.in_backward = True
+        self._backwards += 1
         self._this_backward = []
         Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -286,7 +300,7 @@ class Scheduler:
         self._begin_backward()
         if self.root is not None and self.root.state is not TrainingState.PRE_BACKWARD:
             self.root.state = TrainingState.PRE_BACKWARD
-            self._log("pre_backward", self.root)
+            self._log(Mark.PRE_BACKWARD, self.root)
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._begin_backward()
@@ -297,19 +311,20 @@ class Scheduler:
             self._this_backward.append(unit)
             self._gather_for_compute(unit, self.backward_order, position, self.backward_depth)
             unit.state = TrainingState.PRE_BACKWARD
-            self._log("pre_backward", unit)
+            self._log(Mark.PRE_BACKWARD, unit)
             unit.open_span("backward")
 
     def _on_grad(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
         unit.close_span()
         with phase(f"overlap::post_backward::{unit.name}"):
+            unit.grads_pending -= 1
+            if unit.grads_pending == 0:
+                unit.state = TrainingState.POST_BACKWARD
+                self._log(Mark.POST_BACKWARD, unit)
             if self.sync_grads:
                 self._reduce(unit, group, group.take_grad_for_reduce(grad))
             else:
                 group.hold_unsynced(grad)
-            unit.grads_pending -= 1
-            if unit.grads_pending == 0:
-                unit.state = TrainingState.POST_BACKWARD
             self._free_after_backward(unit)
 
     def _on_input_grads(self, unit: Unit) -> None:
@@ -320,12 +335,11 @@ class Scheduler:
         """See [Note: when a unit is freed in backward]."""
         if unit.grads_pending == 0 and unit.input_grads_pending == 0 \
                 and unit.gather_state is not GatherState.FREE:
-            unit.free()
-            self._log("free", unit)
+            self._free(unit)
 
     def _reduce(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
         shard_grad = group.grad_for_reduce()
-        self._log("reduce", unit)
+        self._log(Mark.REDUCE, unit)
         self._pending_reduces.append(
             self.collectives.reduce_scatter(grad, shard_grad, group.reduce_dtype, unit.name))
         while len(self._pending_reduces) > MAX_REDUCES_IN_FLIGHT:
@@ -362,7 +376,6 @@ class Scheduler:
                     for group in unit.trainable_groups:
                         if group.unsynced_grad is not None:
                             self._reduce(unit, group, group.take_grad_for_reduce(None))
-            if self.sync_grads:
                 self._publish_grads()
             else:
                 self._wait_reduces()
@@ -370,6 +383,18 @@ class Scheduler:
             if self._this_backward:
                 self.backward_order = _dedupe(self._this_backward)
             self.in_backward = False
-            self.events.append(("end_backward", "", time.perf_counter()))
-            for callback in self.step_end_callbacks:
-                callback(self)
+            self.log.mark(Mark.END_BACKWARD, "")
+            if self.sync_grads:
+                self._end_step(StepKind.TRAIN)
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    def _end_step(self, kind: StepKind) -> None:
+        """Close the step: its record into `last_step`, then the callbacks."""
+        self._step_open = False
+        self.last_step = self.log.close(
+            self.step, kind, self.root.name if self.root is not None else None,
+            {unit.name: unit.gathered_nbytes for unit in self.all_units}, self._forwards, self._backwards,
+            lambda done: None)
+        for callback in self.step_end_callbacks:
+            callback(self)

@@ -2,10 +2,10 @@
 
 The Chrome trace (`trace_rank<r>.json`, open in Perfetto or chrome://tracing) shows the
 runtime's `overlap::<phase>::<unit>` labels next to the operators. The PNG (`timeline.png`)
-draws, for every rank, one lane for the host (unit forward and backward compute, time blocked
-on a collective, runtime work) and one for communication (each collective from issue to
-completion), from the scheduler's events and the collectives' records of the captured step,
-so the overlap can be read at a glance. Each rank's lanes start at its own step start: host
+draws, for every rank, one lane for compute (unit forward and backward compute, time blocked
+on a collective, runtime work) and one for communication (each collective in flight), from
+the record of the captured step (`overlap.step_record`: host clocks on CPU, CUDA events on
+GPU), so the overlap can be read at a glance. Each rank's lanes start at its own step start:
 clocks of different machines are not comparable.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from overlap.collectives import CommRecord
-from overlap.report import Event, Segment, analyse_step, host_segments, step_bounds
+from overlap.report import Segment, analyse_step, segments
+from overlap.step_record import Collective, StepKind, StepRecord
 
 if TYPE_CHECKING:
     from overlap.scheduler import Scheduler
@@ -33,35 +33,29 @@ COMM_COLORS = {"all_gather": "#f58518", "reduce_scatter": "#b279a2"}
 
 @dataclass
 class CapturedStep:
-    """One rank's events and records of the captured step, in seconds from its start."""
+    """One rank's captured step, in seconds from its start."""
 
     rank: int
     segments: list[Segment]
-    records: list[CommRecord]
+    collectives: tuple[Collective, ...]
     summary: str
 
 
-def capture(rank: int, events: Sequence[Event], records: Sequence[CommRecord], root: Optional[str],
-            unit_bytes: dict[str, int]) -> CapturedStep:
-    start, _ = step_bounds(events, records)
-    shifted_events = [(name, unit, t - start) for name, unit, t in events]
-    shifted = [CommRecord(r.kind, r.unit, r.nbytes, r.issued - start,
-                          None if r.completed is None else r.completed - start,
-                          None if r.wait_start is None else r.wait_start - start,
-                          None if r.wait_end is None else r.wait_end - start) for r in records]
-    stats = analyse_step(0, shifted_events, shifted, unit_bytes, root)
+def capture(rank: int, record: StepRecord) -> CapturedStep:
+    shifted = record.shifted(record.bounds()[0])
+    stats = analyse_step(shifted)
     summary = (f"compute {stats.compute_s * 1e3:.0f} ms, communication {stats.comm_s * 1e3:.0f} ms, "
                f"{100 * stats.hidden_fraction:.0f}% hidden")
-    return CapturedStep(rank, host_segments(shifted_events, shifted, root), shifted, summary)
+    return CapturedStep(rank, segments(shifted), shifted.collectives, summary)
 
 
-def _pack_rows(records: Sequence[CommRecord]) -> list[int]:
-    """Row per record so that records in one row do not overlap (first fit, in issue order)."""
+def _pack_rows(collectives: Sequence[Collective]) -> list[int]:
+    """Row per collective so that those in one row do not overlap (first fit, in order)."""
     row_ends: list[float] = []
     rows = []
-    for record in records:
-        end = record.issued + record.duration
-        row = next((i for i, row_end in enumerate(row_ends) if row_end <= record.issued), len(row_ends))
+    for collective in collectives:
+        end = collective.start + collective.duration
+        row = next((i for i, row_end in enumerate(row_ends) if row_end <= collective.start), len(row_ends))
         if row == len(row_ends):
             row_ends.append(end)
         row_ends[row] = end
@@ -70,7 +64,7 @@ def _pack_rows(records: Sequence[CommRecord]) -> list[int]:
 
 
 def plot_timeline(steps: Sequence[CapturedStep], path: str, title: str) -> None:
-    """Two lanes per rank: host (compute / blocked / runtime) and communication."""
+    """Two lanes per rank: compute (unit compute / blocked / runtime) and communication."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,15 +91,16 @@ def plot_timeline(steps: Sequence[CapturedStep], path: str, title: str) -> None:
             if s.end - s.start > span / 25:
                 ax.text((s.start + s.end) * 500, host_y + 0.45, s.unit, ha="center", va="center", fontsize=6,
                         color="white")
-        rows = _pack_rows(captured.records)
+        rows = _pack_rows(captured.collectives)
         height = 0.9 / (max(rows, default=0) + 1)
-        for record, row in zip(captured.records, rows):
-            ax.broken_barh([(record.issued * 1e3, record.duration * 1e3)], (comm_y + row * height, height * 0.9),
-                           facecolors=COMM_COLORS.get(record.kind, "gray"), edgecolors="black", linewidth=0.3)
-        labels += [f"rank {captured.rank} host", f"rank {captured.rank} comm\n{captured.summary}"]
+        for collective, row in zip(captured.collectives, rows):
+            ax.broken_barh([(collective.start * 1e3, collective.duration * 1e3)],
+                           (comm_y + row * height, height * 0.9),
+                           facecolors=COMM_COLORS.get(collective.kind, "gray"), edgecolors="black", linewidth=0.3)
+        labels += [f"rank {captured.rank} compute", f"rank {captured.rank} comm\n{captured.summary}"]
         ticks += [host_y + 0.45, comm_y + 0.45]
     ax.set_yticks(ticks, labels, fontsize=8)
-    ax.invert_yaxis()      # rank 0 on top, each rank's host lane above its comm lane
+    ax.invert_yaxis()      # rank 0 on top, each rank's compute lane above its comm lane
     ax.set_xlabel("ms since step start")
     ax.set_title(title)
     legend = [Patch(color=c, label=k) for k, c in HOST_COLORS.items()]
@@ -139,12 +134,10 @@ class TraceRecorder:
         self._profiler.start()
 
     def on_step_end(self, scheduler: "Scheduler") -> None:
-        """A scheduler step-end callback: keeps the captured step's events and records."""
-        if self.iteration == self.capture_step:
-            root = scheduler.root.name if scheduler.root is not None else None
-            unit_bytes = {unit.name: unit.gathered_nbytes for unit in scheduler.all_units}
-            self.captured = capture(self.rank, list(scheduler.events), list(scheduler.collectives.records), root,
-                                    unit_bytes)
+        """A scheduler step-end callback: keeps the captured training step's record."""
+        record = scheduler.last_step
+        if self.iteration == self.capture_step and record is not None and record.kind is StepKind.TRAIN:
+            self.captured = capture(self.rank, record)
 
     def step(self) -> None:
         self._profiler.step()

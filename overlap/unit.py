@@ -89,7 +89,8 @@ class Unit:
             group.free()
         self.gather_state = GatherState.FREE
 
-    def begin_step(self) -> None:
+    def begin_pass(self) -> None:
+        """Reset what one forward and its backward track."""
         self.state = TrainingState.IDLE
         self.members_run.clear()
         self.grads_pending = len(self.trainable_groups)

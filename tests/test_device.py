@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from overlap.collectives import CommRecord, Pending
+from overlap.collectives import Pending
 from overlap.sharded_module import _device_for
+from overlap.timing import CollectiveStamps, HostClock
 
 FORMS = {"init_process_group()": "undefined", "nccl": "nccl", "cpu:gloo,cuda:nccl": "cpu:gloo,cuda:nccl",
          "gloo": "gloo"}
@@ -84,7 +85,8 @@ def test_wait_orders_the_collectives_own_device(monkeypatch):
             waited.append((self.device, event))
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
-    Pending(CommRecord("all_gather", "u", 0, 0.0), event="done", device=torch.device("cuda", 3)).wait()
+    Pending(CollectiveStamps("all_gather", "u", 0, 0.0), HostClock(), event="done",
+            device=torch.device("cuda", 3)).wait()
     assert waited == [(torch.device("cuda", 3), "done")]
 
 

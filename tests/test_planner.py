@@ -301,7 +301,7 @@ def test_env_overrides_and_probe_cache(tmp_path):
     assert os.path.exists(cache)
 
 
-def _replan(rank: int, world: int):
+def _replan(rank: int, world: int, evaluate: bool):
     import time
 
     import torch
@@ -335,21 +335,37 @@ def _replan(rank: int, world: int):
     torch.manual_seed(0)
     model = ShardedModule(Net())
     replanner = next(c for c in model.scheduler.step_end_callbacks if isinstance(c, Replanner))
-    replanner.every = 3
+    if not evaluate:
+        replanner.every = 3
     x = torch.randn(16, 256)
     depths = []
-    for step in range(1, 12):
-        # Ranks see different timings; rank 0's slow down from step 4 on (drift).
-        delay["s"] = (0.030 if step >= 4 else 0.0) if rank == 0 else 0.004
+    for iteration in range(1, 12):
+        # Ranks see different timings; rank 0's slow down part way (drift).
+        delay["s"] = (0.030 if iteration >= (7 if evaluate else 4) else 0.0) if rank == 0 else 0.004
         model(x).backward()
+        if evaluate:
+            with torch.no_grad():
+                model(x)
         depths.append(model.scheduler.prefetch_depth)
     return [(d.step, d.forward_depth, d.backward_depth, d.reason) for d in replanner.history], depths
 
 
 def test_every_rank_applies_rank0_plan_including_replans():
-    results = run_distributed(_replan, 2, timeout=120,
+    results = run_distributed(_replan, 2, False, timeout=120,
                               env={"OVERLAP_LINK": "ethernet", "OVERLAP_PROBE": "0", "OVERLAP_BUCKET_MB": "0.1"})
     (history0, depths0), (history1, depths1) = results
     assert history0 == history1 and depths0 == depths1
     assert history0[0][0] == 2 and history0[0][3].startswith("measured")
     assert any("drift" in reason for _, _, _, reason in history0[1:])
+
+
+def test_replanning_goes_on_under_evaluation_forwards():
+    """A training step and an evaluation forward in turn: steps 1, 3, ... train, 2, 4, ...
+    evaluate, so every decision step (2, 12, 22) is an evaluation step; decisions are still
+    made there, from the training steps measured in between."""
+    results = run_distributed(_replan, 2, True, timeout=150,
+                              env={"OVERLAP_LINK": "ethernet", "OVERLAP_PROBE": "0", "OVERLAP_BUCKET_MB": "0.1"})
+    (history0, depths0), (history1, depths1) = results
+    assert history0 == history1 and depths0 == depths1
+    assert [step for step, *_ in history0] == [12, 22]
+    assert history0[0][3].startswith("measured") and "drift" in history0[1][3]

@@ -23,11 +23,12 @@ def _events_of_step_two(rank: int, world: int, depth: int, reshard: bool) -> dic
         opt.step()
         opt.zero_grad()
     groups = [g for u in model.scheduler.all_units for g in u.groups]
+    record = model.scheduler.last_step
     return {
-        "events": [(kind, name) for kind, name, _ in model.scheduler.events],
+        "events": [(e.mark.value, e.unit) for e in record.events],
         "max_gathered": model.scheduler.max_gathered_units,
-        "comm_bytes": sum(r.nbytes for r in model.collectives.records),
-        "kinds": sorted({r.kind for r in model.collectives.records}),
+        "comm_bytes": sum(c.nbytes for c in record.collectives),
+        "kinds": sorted({c.kind for c in record.collectives}),
         "unit_bytes": sum(g.padded_numel * 4 for u in model.scheduler.units for g in u.groups),
         "root_bytes": sum(g.padded_numel * 4 for g in model.scheduler.root.groups),
         "last_unit_bytes": sum(g.padded_numel * 4 for g in model.scheduler.units[-1].groups),
@@ -97,7 +98,7 @@ def _order_change(rank: int, world: int) -> list[dict]:
     for order in ([0, 1, 2, 3], [0, 1, 2, 3], [3, 1, 0, 2], [3, 1, 0, 2]):
         inner.order = order
         model(tokens, tokens).backward()
-        kinds = [kind for kind, _, _ in model.scheduler.events]
+        kinds = [e.mark.value for e in model.scheduler.last_step.events]
         steps.append({"misses": kinds.count("miss"), "hits": kinds.count("hit")})
     return steps
 

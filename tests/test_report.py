@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from overlap.collectives import CommRecord
-from overlap.report import OverlapReport, StepStats, UnitStats, analyse_step, host_segments, peak_gathered_bytes
+from overlap.report import OverlapReport, StepStats, UnitStats, analyse_step, peak_gathered_bytes, segments
+from overlap.step_record import Collective, Mark, StepKind, StepRecord, UnitEvent
 from distributed import run_distributed
 
 ROOT = "<root>"
@@ -12,96 +12,123 @@ ROOT = "<root>"
 # One step of a root and two units, times in seconds. u0 is prefetched in forward and
 # gathered on demand in backward; u1 the other way round.
 EVENTS = [
-    ("prefetch", "u0", 0.0),
+    ("gather", ROOT, -0.1),
+    ("prefetch", "u0", -0.05),
     ("pre_forward", ROOT, 0.1),
     ("hit", "u0", 0.2),
     ("pre_forward", "u0", 0.3),
     ("post_forward", "u0", 1.3),
     ("free", "u0", 1.35),
-    ("gather", "u1", 1.4),
     ("miss", "u1", 1.4),
+    ("gather", "u1", 1.4),
     ("pre_forward", "u1", 1.6),
     ("post_forward", "u1", 2.6),
     ("free", "u1", 2.65),
     ("post_forward", ROOT, 2.8),
-    ("prefetch", "u1", 2.85),
+    ("prefetch", "u1", 2.8),
     ("pre_backward", ROOT, 2.9),
     ("hit", "u1", 3.0),
     ("pre_backward", "u1", 3.1),
-    ("reduce", "u1", 5.1),
+    ("post_backward", "u1", 5.1),
+    ("reduce", "u1", 5.12),
     ("free", "u1", 5.2),
-    ("gather", "u0", 5.3),
-    ("miss", "u0", 5.3),
+    ("miss", "u0", 5.25),
+    ("gather", "u0", 5.25),
     ("pre_backward", "u0", 5.5),
-    ("reduce", "u0", 7.5),
+    ("post_backward", "u0", 7.5),
+    ("reduce", "u0", 7.52),
     ("free", "u0", 7.6),
-    ("reduce", ROOT, 7.8),
+    ("post_backward", ROOT, 7.8),
+    ("reduce", ROOT, 7.82),
     ("free", ROOT, 7.9),
     ("end_backward", "", 8.0),
 ]
-RECORDS = [
-    # kind, unit, bytes, issued, completed, wait start, wait end
-    CommRecord("all_gather", ROOT, 100, -0.1, 0.05, 0.1, 0.15),
-    CommRecord("all_gather", "u0", 400, -0.05, 0.25, 0.25, 0.28),
-    CommRecord("all_gather", "u1", 400, 1.4, 1.55, 1.4, 1.55),
-    CommRecord("all_gather", "u1", 400, 2.8, 3.05, 3.02, 3.05),
-    CommRecord("reduce_scatter", "u1", 400, 5.12, 5.9, 7.95, 7.97),
-    CommRecord("all_gather", "u0", 400, 5.25, 5.45, 5.3, 5.45),
-    CommRecord("reduce_scatter", "u0", 400, 7.52, 7.99, 7.97, 7.99),
-    CommRecord("reduce_scatter", ROOT, 100, 7.82, 7.92, 7.99, 7.995),
+COLLECTIVES = [
+    # kind, unit, bytes, start (issue), end (completion), wait
+    Collective("all_gather", ROOT, 100, -0.1, 0.05, (0.0, 0.05)),
+    Collective("all_gather", "u0", 400, -0.05, 0.25, (0.25, 0.28)),
+    Collective("all_gather", "u1", 400, 1.4, 1.55, (1.4, 1.55)),
+    Collective("all_gather", "u1", 400, 2.8, 3.05, (3.02, 3.05)),
+    Collective("reduce_scatter", "u1", 400, 5.12, 5.9, (7.95, 7.97)),
+    Collective("all_gather", "u0", 400, 5.25, 5.45, (5.3, 5.45)),
+    Collective("reduce_scatter", "u0", 400, 7.52, 7.99, (7.97, 7.99)),
+    Collective("reduce_scatter", ROOT, 100, 7.82, 7.92, (7.99, 7.995)),
 ]
 UNIT_BYTES = {ROOT: 200, "u0": 800, "u1": 800}
 
 
+def _record(events=EVENTS, step: int = 7) -> StepRecord:
+    return StepRecord(step, StepKind.TRAIN, "host", tuple(UnitEvent(Mark(m), u, t) for m, u, t in events),
+                      tuple(COLLECTIVES), ROOT, UNIT_BYTES, forwards=1, backwards=1)
+
+
 def test_step_arithmetic():
-    stats = analyse_step(7, EVENTS, RECORDS, UNIT_BYTES, ROOT)
+    stats = analyse_step(_record())
     assert stats.step == 7
     assert stats.span_s == pytest.approx(8.1)
     # Units: 1 s forward and 2 s backward each; the root keeps what lies between them once
-    # hooks, issues and waits are cut out: 0.05 + 0.05 + 0.15 in forward, 0.1 + 0.05 + 0.2 in
-    # backward (u0's backward gather is issued at 5.25 and logged at 5.3).
-    assert stats.compute_s == pytest.approx(6.6)
+    # the runtime's work and the waits are cut out: 0.1 + 0.05 + 0.15 in forward, 0.1 + 0.05
+    # + 0.2 in backward.
+    assert stats.compute_s == pytest.approx(6.65)
     assert stats.gather_wait_s == pytest.approx(0.41)
     assert stats.reduce_wait_s == pytest.approx(0.045)
-    assert stats.runtime_s == pytest.approx(8.1 - 6.6 - 0.455)
+    assert stats.runtime_s == pytest.approx(8.1 - 6.65 - 0.455)
     # In flight or waited on: [-0.1, 0.28] [1.4, 1.55] [2.8, 3.05] [5.12, 5.9] [7.52, 7.995];
-    # under compute: 0.05 (root), 0.1 (root), 0.05 (root) + 0.4 (u0), 0.2 (root).
+    # under compute: 0.1 (root), 0.1 (root), 0.05 (root) + 0.4 (u0), 0.2 (root).
     assert stats.comm_s == pytest.approx(2.035)
-    assert stats.hidden_s == pytest.approx(0.8)
-    assert stats.exposed_s == pytest.approx(2.035 - 0.8)
-    assert stats.hidden_fraction == pytest.approx(0.8 / 2.035)
+    assert stats.hidden_s == pytest.approx(0.85)
+    assert stats.exposed_s == pytest.approx(2.035 - 0.85)
+    assert stats.hidden_fraction == pytest.approx(0.85 / 2.035)
     assert (stats.prefetches, stats.hits, stats.misses) == (2, 2, 2)
     assert stats.gathered_bytes == 1700 and stats.reduced_bytes == 900 and stats.bytes_moved == 2600
     assert stats.peak_gathered_bytes == 1000
 
     units = {u.unit: u for u in stats.units}
-    assert list(units) == ["u0", ROOT, "u1"]
+    assert list(units) == [ROOT, "u0", "u1"]
     u1 = units["u1"]
     assert (u1.forward_s, u1.backward_s) == (pytest.approx(1.0), pytest.approx(2.0))
     assert u1.gather_wait_s == pytest.approx(0.18) and u1.reduce_wait_s == pytest.approx(0.02)
     assert u1.comm_s == pytest.approx(0.15 + 0.25 + 0.78)
     assert u1.hidden_s == pytest.approx(0.0 + 0.1 + 0.45)
-    assert units["u0"].hidden_s == pytest.approx(0.05 + 0.0 + 0.2)
+    assert units["u0"].hidden_s == pytest.approx(0.1 + 0.0 + 0.2)
     assert (u1.gathers, u1.hits, u1.misses, u1.bytes_moved) == (2, 1, 1, 1200)
     root = units[ROOT]
-    assert root.forward_s == pytest.approx(0.25) and root.backward_s == pytest.approx(0.35)
+    assert root.forward_s == pytest.approx(0.3) and root.backward_s == pytest.approx(0.35)
     assert root.hidden_s == 0.0
     assert (root.gathers, root.hits, root.misses) == (1, 0, 0)
 
 
 def test_segments_tile_the_step():
-    segments = host_segments(EVENTS, RECORDS, ROOT)
-    for before, after in zip(segments, segments[1:]):
+    parts = segments(_record())
+    for before, after in zip(parts, parts[1:]):
         assert before.end <= after.start + 1e-12, (before, after)
-    assert sum(s.end - s.start for s in segments) == pytest.approx(8.1)
-    assert {s.kind for s in segments} == {"forward", "backward", "wait", "runtime"}
+    assert sum(s.end - s.start for s in parts) == pytest.approx(8.1)
+    assert {s.kind for s in parts} == {"forward", "backward", "wait", "runtime"}
+
+
+def test_unit_without_gradients_ends_where_the_next_backward_starts():
+    events = [e for e in EVENTS if not (e[0] in ("post_backward", "reduce") and e[1] == "u1")]
+    u1 = {u.unit: u for u in analyse_step(_record(events)).units}["u1"]
+    assert u1.backward_s == pytest.approx(5.5 - 3.1 - 0.15)          # to u0's pre_backward, less u0's gather wait
 
 
 def test_peak_counts_each_unit_once_until_freed():
     events = [("prefetch", "a", 0), ("prefetch", "b", 1), ("prefetch", "a", 2), ("free", "a", 3),
               ("gather", "c", 4), ("free", "b", 5), ("free", "c", 6)]
-    assert peak_gathered_bytes(events, {"r": 8, "a": 1, "b": 2, "c": 4}, "r") == 14
-    assert peak_gathered_bytes(events, {"a": 1, "b": 2, "c": 4}, None) == 6
+
+    def peak(unit_bytes):
+        return peak_gathered_bytes(StepRecord(1, StepKind.TRAIN, "host", tuple(UnitEvent(Mark(m), u, t)
+                                                                               for m, u, t in events),
+                                              (), None, unit_bytes))
+
+    assert peak({"a": 1, "b": 2, "c": 4}) == 6
+    assert peak({"a": 8, "b": 2, "c": 4}) == 10
+
+
+def test_record_times_shift_together():
+    record = _record().shifted(-0.1)
+    assert record.bounds() == (pytest.approx(0.0), pytest.approx(8.1))
+    assert analyse_step(record).hidden_s == pytest.approx(0.85)
 
 
 def _step(step: int, comm: float, hidden: float, exposed: float, units=()) -> StepStats:
@@ -138,10 +165,9 @@ def _train_and_report(rank: int, world_size: int, prefetch_depth: int):
     model = ShardedModule(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)),
                           unit_types=(Block,), bucket_mb=0.001, prefetch_depth=prefetch_depth)
     monitor = OverlapMonitor()
-    raw = []
+    records = []
     model.scheduler.step_end_callbacks.append(monitor.on_step_end)
-    model.scheduler.step_end_callbacks.append(
-        lambda s: raw.append(([e[:2] for e in s.events], [(r.kind, r.unit, r.nbytes) for r in s.collectives.records])))
+    model.scheduler.step_end_callbacks.append(lambda s: records.append(s.last_step))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -149,17 +175,22 @@ def _train_and_report(rank: int, world_size: int, prefetch_depth: int):
         model(idx, idx).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return monitor.report(), raw, model.scheduler.root.name
+        with torch.no_grad():                     # an evaluation forward: a step, not in the report
+            model(idx, idx)
+    return monitor.report(), records, model.scheduler.root.name
 
 
 @pytest.mark.timeout(180)
 def test_report_matches_the_runtime():
     results = run_distributed(_train_and_report, 2, 1, timeout=150)
-    for report, raw, root in results:
-        assert len(report.steps) == 3
-        for stats, (events, records) in zip(report.steps, raw):
-            assert stats.bytes_moved == sum(nbytes for _, _, nbytes in records)
-            unit_gathers = [r for r in records if r[0] == "all_gather" and r[1] != root]
+    for report, records, root in results:
+        assert [(r.step, r.kind, r.forwards, r.backwards) for r in records] == [
+            (step, kind, 1, int(kind is StepKind.TRAIN)) for step in range(1, 7)
+            for kind in [StepKind.TRAIN if step % 2 else StepKind.FORWARD]]
+        assert [s.step for s in report.steps] == [1, 3, 5]
+        for stats, record in zip(report.steps, records[::2]):
+            assert stats.bytes_moved == sum(c.nbytes for c in record.collectives)
+            unit_gathers = [c for c in record.collectives if c.kind == "all_gather" and c.unit != root]
             assert stats.hits + stats.misses == len(unit_gathers) >= 3
             assert 0 <= stats.hidden_s <= stats.comm_s
             waits = stats.gather_wait_s + stats.reduce_wait_s
@@ -169,6 +200,7 @@ def test_report_matches_the_runtime():
             for unit in stats.units:
                 assert 0 <= unit.hidden_s <= unit.comm_s
                 assert unit.hits + unit.misses == (unit.gathers if unit.unit != root else 0)
+                assert unit.unit == root or (unit.forward_s > 0 and unit.backward_s > 0)
         first, later = report.steps[0], report.steps[1:]
         assert first.misses == 3                          # no order learned yet: forward gathers on demand
         assert all(s.misses == 0 and s.hits > 0 for s in later)   # then depth 1 prefetches every unit
