@@ -7,15 +7,19 @@ complete while the caller computes.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from overlap.kernels import KernelBackend
 from overlap.profiling import phase
-from overlap.timing import CollectiveStamps, HostClock, CudaClock, StepLog, clock_for
+from overlap.timing import CollectiveStamps, HostClock, CudaClock, StepLog, clock_for, polling
+
+if TYPE_CHECKING:
+    from overlap.order_check import OrderCheck
 
 # Newer torch names the tensor-in/tensor-out collectives `*_single`; older releases only
 # have the `*_tensor` spelling.
@@ -43,6 +47,8 @@ class Pending:
     record: CollectiveStamps
     clock: HostClock | CudaClock
     work: Optional[dist.Work] = None
+    # Set from gloo's thread when `work` completes, so that a wait can give up on it in time.
+    finished: Optional[threading.Event] = None
     event: Optional[torch.cuda.Event] = None
     # The device whose compute stream (its current stream) waits on `event`: the collective's
     # own, whichever device is current when the wait runs.
@@ -53,6 +59,8 @@ class Pending:
     # its version before the collective was issued: gloo bumps it from its own thread when
     # the work completes, so it is set back after the wait.
     preserve_version_of: Optional[tuple[torch.Tensor, int]] = None
+    # Turns a wait that never ends because ranks diverged into an error (overlap.order_check).
+    watch: Optional["OrderCheck"] = None
     done: bool = False
 
     def wait(self) -> None:
@@ -60,7 +68,14 @@ class Pending:
             return
         self.record.wait_start = self.clock.stamp()
         if self.work is not None:
-            self.work.wait()
+            if self.watch is not None and self.finished is not None:
+                self.watch.block(self.finished.is_set, self.finished.wait)
+            try:
+                self.work.wait()
+            except RuntimeError:
+                if self.watch is not None:
+                    self.watch.after_error()
+                raise
             if self.preserve_version_of is not None:
                 tensor, version = self.preserve_version_of
                 torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
@@ -85,6 +100,8 @@ class Collectives:
         self.kernels = kernels
         # This step's collectives, with the scheduler's marks (see overlap.step_record).
         self.log = StepLog(clock_for(device))
+        # Set by the scheduler when ranks can diverge (world size > 1).
+        self.watch: Optional["OrderCheck"] = None
         # gloo has no native reduce-scatter: it emulates one, slower than an all-to-all of
         # the gradient chunks followed by a local sum (measured in benchmarks/collectives.py),
         # and the all-to-all moves the same (N-1)/N bytes a ring reduce-scatter does.
@@ -102,12 +119,14 @@ class Collectives:
         """A host-side collective (gloo); gloo's thread stamps its completion."""
         if work is None:
             return Pending(record, self.log.clock, **fields)
+        finished = threading.Event()
         clock = self.log.clock
 
         def stamp(_future) -> None:
             record.end = clock.stamp()
+            finished.set()
 
-        pending = Pending(record, clock, work=work, **fields)
+        pending = Pending(record, clock, work=work, finished=finished, watch=self.watch, **fields)
         work.get_future().add_done_callback(stamp)
         return pending
 
@@ -197,17 +216,40 @@ class Collectives:
                                           group=self.group, async_op=True)
         return self._pending(record, work, keep_alive=(source, received), on_complete=finish)
 
-    def any_rank(self, flags: list[bool]) -> Callable[[], list[bool]]:
-        """Start an element-wise OR of `flags` over the ranks; the returned function waits
-        for it and gives the result. A few bytes, so it is not recorded as traffic."""
-        if self.world_size == 1 or not flags:
-            return lambda: list(flags)
-        tensor = torch.tensor(flags, dtype=torch.int32).to(self.device)
+    def any_rank(self, flags: list[bool], words: list[int] = ()
+                 ) -> Callable[[], tuple[list[bool], list[int], list[int]]]:
+        """Start an element-wise OR of `flags` and the maximum and minimum of each of `words`
+        over the ranks, in one all-reduce; the returned function waits for it and gives the
+        three. A few bytes, so it is not recorded as traffic."""
+        words = list(words)
+        if self.world_size == 1 or not (flags or words):
+            return lambda: (list(flags), words, words)
+        values = [int(f) for f in flags] + words + [-w for w in words]
+        tensor = torch.tensor(values, dtype=torch.int64).to(self.device)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        finished = threading.Event()
+        if self.use_streams:
+            work.wait()                          # orders the current stream after the all-reduce
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            done = event.query
+            sleep = polling(done)
+        else:
+            work.get_future().add_done_callback(lambda _future: finished.set())
+            done, sleep = finished.is_set, finished.wait
 
-        def result() -> list[bool]:
-            work.wait()
-            return [bool(v) for v in tensor.tolist()]
+        def result() -> tuple[list[bool], list[int], list[int]]:
+            if self.watch is not None:
+                self.watch.block(done, sleep)
+            try:
+                work.wait()
+            except RuntimeError:
+                if self.watch is not None:
+                    self.watch.after_error()
+                raise
+            out = tensor.tolist()
+            n, k = len(flags), len(words)
+            return [bool(v) for v in out[:n]], out[n:n + k], [-v for v in out[n + k:]]
 
         return result
 

@@ -33,8 +33,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from overlap.collectives import Collectives, Pending
 from overlap.cost_model import MAX_REDUCES_IN_FLIGHT
 from overlap.flat_group import FlatGroup
+from overlap.order_check import END_BACKWARD, END_FORWARD, OrderCheck
 from overlap.profiling import phase
 from overlap.step_record import Mark, StepKind, StepRecord
+from overlap.timing import polling
 from overlap.unit import GatherState, TrainingState, Unit
 
 
@@ -101,6 +103,12 @@ class Scheduler:
         self.max_gathered_units = 0
         # Called with the scheduler after every step (re-planner, overlap report).
         self.step_end_callbacks: list[Callable[["Scheduler"], None]] = []
+        self._index = {id(unit): i for i, unit in enumerate(self.all_units)}
+        # Ranks that run different units get an error (see overlap.order_check).
+        self.order: Optional[OrderCheck] = None
+        if collectives.world_size > 1:
+            self.order = OrderCheck(collectives.group, [unit.name for unit in self.all_units])
+            collectives.watch = self.order
 
         for unit in units:
             for module in unit.modules:
@@ -174,6 +182,8 @@ class Scheduler:
             self.step += 1
             self._forwards = self._backwards = 0
             self.max_gathered_units = 0
+            if self.order is not None:
+                self.order.begin_step(self.step)
         self._forwards += 1
         self._this_forward = []
         for unit in self.all_units:
@@ -208,6 +218,8 @@ class Scheduler:
         with phase(f"overlap::pre_forward::{unit.name}"):
             position = len(self._this_forward)
             self._this_forward.append(unit)
+            if self.order is not None:
+                self.order.ran(self._index[id(unit)], backward=False)
             self._gather_for_compute(unit, self.forward_order, position, self.prefetch_depth)
             unit.install_views()
             unit.state = TrainingState.FORWARD
@@ -258,6 +270,8 @@ class Scheduler:
             self.backward_order = _dedupe(reversed(self.forward_order))
         if self.root is not None:
             self._log(Mark.POST_FORWARD, self.root)
+        if self.order is not None:
+            self.order.ended(END_FORWARD)
         if torch.is_grad_enabled() and self._hook_outputs(output, self._root_pre_backward):
             # Backward starts with the root's own layers (head, loss): gather the first units
             # of backward under them.
@@ -309,6 +323,8 @@ class Scheduler:
         with phase(f"overlap::pre_backward::{unit.name}"):
             position = len(self._this_backward)
             self._this_backward.append(unit)
+            if self.order is not None:
+                self.order.ran(self._index[id(unit)], backward=True)
             self._gather_for_compute(unit, self.backward_order, position, self.backward_depth)
             unit.state = TrainingState.PRE_BACKWARD
             self._log(Mark.PRE_BACKWARD, unit)
@@ -355,12 +371,15 @@ class Scheduler:
     def _publish_grads(self) -> None:
         """Wait for every reduction, then give `.grad` to the parameters that got a gradient
         on any rank. Which ones did is a small all-reduce of flags, issued before the wait so
-        that it queues behind the reductions instead of adding its latency to theirs."""
+        that it queues behind the reductions instead of adding its latency to theirs; it
+        also carries the check that every rank ran the same units (overlap.order_check)."""
         groups = [group for unit in self.all_units for group in unit.trainable_groups]
         flags = [used for group in groups for used in group.got_grad]
-        pending = self.collectives.any_rank(flags)
+        pending = self.collectives.any_rank(flags, self.order.words() if self.order is not None else [])
         self._wait_reduces()
-        flags = pending()
+        flags, maxima, minima = pending()
+        if self.order is not None:
+            self.order.verify(maxima, minima)
         start = 0
         for group in groups:
             group.publish_grads(flags[start:start + len(group.slots)])
@@ -370,6 +389,8 @@ class Scheduler:
         """Runs once when the backward pass finishes: every gradient is reduced and every
         gathered buffer freed before `backward()` returns."""
         with phase("overlap::end_backward"):
+            if self.order is not None:
+                self.order.ended(END_BACKWARD)
             if self.sync_grads:
                 # Gradients held back by no_sync for units that got none this time.
                 for unit in self.all_units:
@@ -392,9 +413,15 @@ class Scheduler:
     def _end_step(self, kind: StepKind) -> None:
         """Close the step: its record into `last_step`, then the callbacks."""
         self._step_open = False
+        if self.order is not None:
+            self.order.end_step()
+
+        def wait(done: Callable[[], bool]) -> None:
+            if self.order is not None:
+                self.order.block(done, polling(done))
+
         self.last_step = self.log.close(
             self.step, kind, self.root.name if self.root is not None else None,
-            {unit.name: unit.gathered_nbytes for unit in self.all_units}, self._forwards, self._backwards,
-            lambda done: None)
+            {unit.name: unit.gathered_nbytes for unit in self.all_units}, self._forwards, self._backwards, wait)
         for callback in self.step_end_callbacks:
             callback(self)

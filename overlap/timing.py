@@ -13,6 +13,22 @@ from overlap.step_record import Collective, Mark, StepKind, StepRecord, UnitEven
 
 # A stamp is a host time (float) or a recorded CUDA event, read when the step ends.
 Stamp = Any
+# How often a wait on something nothing signals (a CUDA event) looks again.
+POLL_S = 20e-6
+
+
+def polling(done: Callable[[], bool]) -> Callable[[float], bool]:
+    """`sleep(seconds)`: wait at most that long for `done()`, looking every POLL_S; returns
+    `done()`. For a CUDA event, whose own `synchronize()` cannot give up."""
+    def sleep(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    return sleep
 
 
 class HostClock:

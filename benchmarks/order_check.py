@@ -1,0 +1,148 @@
+"""What the check that every rank runs the same units costs per step (overlap/order_check.py).
+
+Two gloo ranks train the benchmark GPT's shape (6 blocks) with ShardedModule; rounds with
+the check and rounds without it (the scheduler's `order` and the collectives' `watch`
+removed) alternate, and each round's median step time is kept. Also timed in isolation: the
+bookkeeping of one step (a note per unit in forward and backward, the fingerprint, the words
+for the all-reduce) and the end-of-backward all-reduce with and without its six extra words.
+
+    python benchmarks/order_check.py --rounds 5 --steps 10
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Optional, Sequence
+
+from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, read_json, run_with_deadline, script_main,
+                    single_thread_env, torchrun, write_json, write_text)
+
+WORLD_SIZE = 2
+
+
+def _train_steps(model, optimizer, batch, steps: int) -> float:
+    """Median seconds of `steps` training steps."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model(*batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from overlap import ShardedModule
+    from overlap.models import GPT, Block, GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=6, n_embd=args.width, n_head=8, vocab_size=8192, block_size=128)
+    model = ShardedModule(GPT(config), unit_types=(Block,), prefetch_depth=1, bucket_mb=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.randint(0, config.vocab_size, (4, 128), generator=gen)
+    batch = (idx, idx)
+    scheduler, collectives = model.scheduler, model.collectives
+    check = scheduler.order
+    _train_steps(model, optimizer, batch, 2)                       # warm-up
+    step_s: dict[str, list[float]] = {"with check": [], "without": []}
+    for _ in range(args.rounds):
+        for name in step_s:
+            scheduler.order = collectives.watch = check if name == "with check" else None
+            dist.barrier()
+            step_s[name].append(_train_steps(model, optimizer, batch, args.steps))
+    scheduler.order = collectives.watch = check
+
+    # The bookkeeping alone: one step's notes, words and reset, as the scheduler makes them.
+    units = len(scheduler.all_units)
+    repetitions = 2000
+    start = time.perf_counter()
+    for _ in range(repetitions):
+        for i in range(units):
+            check.ran(i, backward=False)
+        check.ended(-1)
+        for i in reversed(range(units)):
+            check.ran(i, backward=True)
+        check.ended(-2)
+        words = check.words()
+        check.verify(words, words)
+    bookkeeping_s = (time.perf_counter() - start) / repetitions
+
+    # The end-of-backward all-reduce, with and without the check's words, taking turns.
+    flags = [True] * sum(len(g.slots) for u in scheduler.all_units for g in u.trainable_groups)
+    variants = {"flags only": [], "flags + check": check.words()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(300):
+        for name, words in variants.items():
+            start = time.perf_counter()
+            collectives.any_rank(flags, words)()
+            times[name].append(time.perf_counter() - start)
+    all_reduce_s = {name: median(samples) for name, samples in times.items()}
+    ranks: list[Optional[dict]] = [None] * WORLD_SIZE
+    dist.all_gather_object(ranks, dict(step_s=step_s, bookkeeping_s=bookkeeping_s, all_reduce_s=all_reduce_s,
+                                       units=units, flags=len(flags)))
+    if rank == 0:
+        write_json(args.result, dict(ranks=ranks, width=args.width, rounds=args.rounds, steps=args.steps))
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as scratch:
+        result = os.path.join(scratch, "result.json")
+        command = torchrun(os.path.abspath(__file__), WORLD_SIZE, ["--worker", "--result", result,
+                                                                   "--rounds", str(args.rounds),
+                                                                   "--steps", str(args.steps),
+                                                                   "--width", str(args.width)])
+        run_with_deadline(command, args.timeout, env={**os.environ, **single_thread_env()})
+        data = read_json(result)
+    ranks = data["ranks"]
+    # A round's step takes as long as its slower rank.
+    rounds = {name: [max(r["step_s"][name][i] for r in ranks) for i in range(args.rounds)]
+              for name in ranks[0]["step_s"]}
+    with_check, without = median(rounds["with check"]), median(rounds["without"])
+    summary = dict(
+        step_ms_with_check=round(with_check * 1e3, 2), step_ms_without=round(without * 1e3, 2),
+        difference_ms=round((with_check - without) * 1e3, 2),
+        bookkeeping_us=round(max(r["bookkeeping_s"] for r in ranks) * 1e6, 1),
+        all_reduce_us={name: round(max(r["all_reduce_s"][name] for r in ranks) * 1e6, 1)
+                       for name in ranks[0]["all_reduce_s"]},
+        units=ranks[0]["units"], flags=ranks[0]["flags"])
+    write_json(os.path.join(args.out, "order_check.json"), dict(summary=summary, **data))
+    table = markdown_table(
+        ["", "µs or ms"],
+        [["step, with the check (median of rounds)", f"{summary['step_ms_with_check']} ms"],
+         ["step, without it", f"{summary['step_ms_without']} ms"],
+         [f"bookkeeping of one step ({summary['units']} units)", f"{summary['bookkeeping_us']} µs"],
+         *[[f"end-of-backward all-reduce, {name} ({summary['flags']} flags)", f"{value} µs"]
+           for name, value in summary["all_reduce_us"].items()]])
+    write_text(os.path.join(args.out, "order_check.md"), table + "\n")
+    print(table)
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round and setting")
+    parser.add_argument("--width", type=int, default=512, help="model width (the benchmark GPT's is 512)")
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

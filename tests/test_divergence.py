@@ -1,0 +1,95 @@
+"""Ranks that run different units get an error naming the step and the unit, on every rank,
+within the collective timeout, instead of a hang or silently mixed parameters (see
+[Note: checking that ranks run the same units] in overlap/order_check.py)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from distributed import RankError, run_distributed
+
+TIMEOUT_S = 60      # tests/distributed.py's process group timeout
+
+
+def _diverge(rank: int, world: int, how: str) -> None:
+    import torch
+    from torch import nn
+
+    from overlap import ShardedModule
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # Same-sized blocks: collectives of different units pair up without an error.
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+            self.order = [0, 1, 2, 3]
+
+        def forward(self, x):
+            for i in self.order:
+                x = torch.tanh(self.blocks[i](x))
+            return x.sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    model = ShardedModule(net, prefetch_depth=1, bucket_mb=1e-6)
+    x = torch.randn(4, 16)
+    for step in range(1, 5):
+        if step == 3 and rank == 1:
+            net.order = [0, 1, 3] if how == "skip" else [0, 2, 1, 3]
+        else:
+            net.order = [0, 1, 2, 3]
+        model(x).backward()
+
+
+def _errors(how: str) -> tuple[dict[int, str], float]:
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_distributed(_diverge, 2, how, timeout=TIMEOUT_S + 60, env={"OVERLAP_PROBE": "0"})
+    return info.value.errors, time.monotonic() - start
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_skips_a_block_fails_every_rank_in_time() -> None:
+    """Rank 1 skips block 2: its collectives pair with the wrong ones until one waits forever."""
+    errors, elapsed = _errors("skip")
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert "DivergenceError" in message and "at step 3" in message
+        assert "rank 1 ran unit 'blocks.3' (forward) where rank 0 ran unit 'blocks.2' (forward)" in message
+    assert elapsed < TIMEOUT_S
+
+
+@pytest.mark.timeout(200)
+def test_units_in_another_order_fail_at_the_end_of_the_step() -> None:
+    """Rank 1 runs blocks 1 and 2 the other way round: every collective completes (the
+    blocks have one size), so only the check at the end of backward can see it."""
+    errors, elapsed = _errors("swap")
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert "DivergenceError" in message and "at step 3" in message
+        assert "rank 1 ran unit 'blocks.2' (forward) where rank 0 ran unit 'blocks.1' (forward)" in message
+    assert elapsed < 30
+
+
+def _agree(rank: int, world: int) -> list[int]:
+    import torch
+    from torch import nn
+
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)]), prefetch_depth=1, bucket_mb=1e-6)
+    x = torch.randn(2, 8)
+    steps = []
+    for _ in range(3):
+        model(x).sum().backward()
+        with torch.no_grad():
+            model(x)
+        steps.append(model.scheduler.step)
+    return steps
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_agree_see_no_error() -> None:
+    assert run_distributed(_agree, 2, timeout=100) == [[2, 4, 6], [2, 4, 6]]
