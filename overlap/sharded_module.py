@@ -93,8 +93,8 @@ class ShardedModule(nn.Module):
 
     Args:
         module: any nn.Module; rank 0's initial parameter values are used on every rank.
-        unit_types: module classes whose instances each become a unit; None for the
-            automatic policy (see `overlap.units`).
+        unit_types: a module class, or a sequence of them, whose instances each become a
+            unit; None for the automatic policy (see `overlap.units`).
         process_group: defaults to the world group.
         mixed_precision: dtypes to gather in and reduce in; master shards keep the
             parameters' own dtype.

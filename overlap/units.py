@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from torch import nn
 
@@ -52,12 +52,29 @@ def _auto_unit_modules(root: nn.Module) -> list[nn.Module]:
     return found
 
 
-def discover_units(root: nn.Module, unit_types: Optional[Sequence[type]]) -> tuple[UnitSpec, list[UnitSpec]]:
-    """Split `root`'s parameters into the root unit and the units, in module order."""
+def unit_types_tuple(unit_types: Union[type, Sequence[type], None]) -> Optional[tuple[type, ...]]:
+    """`unit_types` as a tuple of module classes: None (automatic), one class, or a sequence."""
     if unit_types is None:
+        return None
+    if isinstance(unit_types, type):
+        unit_types = (unit_types,)
+    hint = "expected a module class or a sequence of them, e.g. unit_types=(Block,) for `class Block(nn.Module)`"
+    if isinstance(unit_types, (str, bytes)) or not hasattr(unit_types, "__iter__"):
+        raise TypeError(f"unit_types={unit_types!r} is invalid; {hint}")
+    types = tuple(unit_types)
+    bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if bad:
+        raise TypeError(f"unit_types={unit_types!r} is invalid: {bad[0]!r} is not an nn.Module class; {hint}")
+    return types
+
+
+def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None]
+                   ) -> tuple[UnitSpec, list[UnitSpec]]:
+    """Split `root`'s parameters into the root unit and the units, in module order."""
+    types = unit_types_tuple(unit_types)
+    if types is None:
         unit_modules = _auto_unit_modules(root)
     else:
-        types = tuple(unit_types)
         unit_modules = [m for m in root.modules() if isinstance(m, types) and m is not root and _has_params(m)]
     unit_ids = {id(m) for m in unit_modules}
 

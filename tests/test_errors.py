@@ -91,3 +91,23 @@ def test_mixed_precision_rejects_non_float_dtypes() -> None:
 
     with pytest.raises(ValueError, match="param_dtype"):
         MixedPrecision(param_dtype=torch.int8)
+
+
+def _unit_types(rank: int, world: int) -> tuple[list[str], str]:
+    from models import Block
+
+    from overlap import ShardedModule
+
+    model = ShardedModule(nn.Sequential(Block(4, 6), nn.ReLU(), Block(4, 6)), unit_types=Block, bucket_mb=1e-6)
+    try:
+        ShardedModule(nn.Sequential(Block(4, 6)), unit_types="Block")
+    except TypeError as exc:
+        return [unit.name for unit in model.scheduler.units], str(exc)
+    return [], "no error"
+
+
+@pytest.mark.timeout(150)
+def test_unit_types_one_class_or_a_type_error() -> None:
+    for units, message in run_distributed(_unit_types, 2, timeout=120):
+        assert units == ["0", "2"]
+        assert "unit_types='Block' is invalid" in message and "expected a module class" in message

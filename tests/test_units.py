@@ -48,3 +48,17 @@ def test_explicit_types_and_buckets() -> None:
     assert sum(u.nbytes for u in merged) == sum(sizes)
     assert merge_into_buckets(units, None) == units
     assert _names(merge_into_buckets(units, 1)) == _names(units)
+
+
+def test_unit_types_may_be_one_class() -> None:
+    assert _names(discover_units(FeatureNet(), Block)[1]) == _names(discover_units(FeatureNet(), (Block,))[1])
+    assert _names(discover_units(FeatureNet(), [Block, Tiny])[1]) == [f"blocks.{i}" for i in range(6)]
+
+
+def test_unit_types_that_are_not_module_classes_are_a_type_error() -> None:
+    import pytest
+
+    for bad, named in (("Block", "'Block'"), (Block(2, 3), "Block("), ([Block, 3], "3 is not"), ((int,), "int")):
+        with pytest.raises(TypeError, match="(?s)unit_types=.*expected a module class") as info:
+            discover_units(FeatureNet(), bad)
+        assert named in str(info.value)
