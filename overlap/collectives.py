@@ -61,6 +61,11 @@ class Pending:
     preserve_version_of: Optional[tuple[torch.Tensor, int]] = None
     # Turns a wait that never ends because ranks diverged into an error (overlap.order_check).
     watch: Optional["OrderCheck"] = None
+    # A second collective to issue once this one has completed (hybrid sharding's all-reduce
+    # across replicas after the reduce-scatter); `wait()` issues it and leaves it in
+    # `follow_up` for the caller to wait on later.
+    then: Optional[Callable[[], "Pending"]] = None
+    follow_up: Optional["Pending"] = None
     done: bool = False
 
     def wait(self) -> None:
@@ -83,6 +88,8 @@ class Pending:
             torch.cuda.current_stream(self.device).wait_event(self.event)
         if self.on_complete is not None:
             self.on_complete()
+        if self.then is not None:
+            self.follow_up = self.then()
         self.record.wait_end = self.clock.stamp()
         self.keep_alive = ()
         self.done = True
@@ -91,8 +98,14 @@ class Pending:
 class Collectives:
     """All-gather and reduce-scatter over one process group, on the right streams."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, kernels: KernelBackend) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, kernels: KernelBackend,
+                 replicate_group: Optional[dist.ProcessGroup] = None,
+                 all_group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group                      # the ranks whose shards make up the parameters
+        # Hybrid sharding: ranks holding the same shard, whose reduced gradients are averaged.
+        self.replicate_group = replicate_group
+        self.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.all_group = all_group if all_group is not None else group       # every rank taking part
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = device_backend(group, device.type)
@@ -164,15 +177,22 @@ class Collectives:
         """
         world = self.world_size
         nbytes = grad_full.numel() * reduce_dtype.itemsize * (world - 1) // world
+        # Pre-divided by every rank taking part: the reduce-scatter sums over the shard group,
+        # the all-reduce across replicas (hybrid sharding) over the replicas.
+        scale = 1.0 / (world * self.replicas)
         with phase(f"overlap::reduce_scatter::{unit}"):
             if self.use_streams:
                 stream = self.reduce_scatter_stream
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     record = self.log.collective("reduce_scatter", unit, nbytes, stream)
-                    source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
+                    source = self._scaled(grad_full, reduce_dtype, scale)
                     out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
                     reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group)
+                    if self.replicate_group is not None:
+                        across = self.log.collective("all_reduce", unit, self._all_reduce_bytes(out), stream)
+                        dist.all_reduce(out, group=self.replicate_group)
+                        across.end = self.log.clock.stamp(stream)
                     self.kernels.accumulate(shard_grad, out)
                     record.end = self.log.clock.stamp(stream)
                     event = torch.cuda.Event()
@@ -180,13 +200,31 @@ class Collectives:
                 return Pending(record, self.log.clock, event=event, device=self.device,
                                keep_alive=(grad_full, source, out, shard_grad))
             record = self.log.collective("reduce_scatter", unit, nbytes)
-            source = self._scaled(grad_full, reduce_dtype, 1.0 / world)
+            source = self._scaled(grad_full, reduce_dtype, scale)
+            # With replicas the reduced chunk goes to a buffer of its own, all-reduced across
+            # them before it is added to the shard gradient.
+            target = shard_grad if self.replicate_group is None else torch.zeros_like(shard_grad)
             if self.reduce_with_all_to_all:
-                return self._reduce_by_all_to_all(record, source, shard_grad)
-            out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
-            work = reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            return self._pending(record, work, keep_alive=(source, out),
-                                 on_complete=lambda: self.kernels.accumulate(shard_grad, out))
+                pending = self._reduce_by_all_to_all(record, source, target)
+            else:
+                out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
+                work = reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                pending = self._pending(record, work, keep_alive=(source, out),
+                                        on_complete=lambda: self.kernels.accumulate(target, out))
+            if self.replicate_group is not None:
+                pending.then = lambda: self._all_reduce_into(target, shard_grad, unit)
+            return pending
+
+    def _all_reduce_bytes(self, tensor: torch.Tensor) -> int:
+        return 2 * tensor.numel() * tensor.element_size() * (self.replicas - 1) // self.replicas
+
+    def _all_reduce_into(self, partial: torch.Tensor, shard_grad: torch.Tensor, unit: str) -> Pending:
+        """Sum `partial` over the replicas, asynchronously, then add it into `shard_grad`."""
+        record = self.log.collective("all_reduce", unit, self._all_reduce_bytes(partial))
+        with phase(f"overlap::all_reduce::{unit}"):
+            work = dist.all_reduce(partial, group=self.replicate_group, async_op=True)
+        return self._pending(record, work, keep_alive=(partial,),
+                             on_complete=lambda: self.kernels.accumulate(shard_grad, partial))
 
     def _reduce_by_all_to_all(self, record: CollectiveStamps, source: torch.Tensor,
                               shard_grad: torch.Tensor) -> Pending:
@@ -222,11 +260,11 @@ class Collectives:
         over the ranks, in one all-reduce; the returned function waits for it and gives the
         three. A few bytes, so it is not recorded as traffic."""
         words = list(words)
-        if self.world_size == 1 or not (flags or words):
+        if dist.get_world_size(self.all_group) == 1 or not (flags or words):
             return lambda: (list(flags), words, words)
         values = [int(f) for f in flags] + words + [-w for w in words]
         tensor = torch.tensor(values, dtype=torch.int64).to(self.device)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.all_group, async_op=True)
         finished = threading.Event()
         if self.use_streams:
             work.wait()                          # orders the current stream after the all-reduce

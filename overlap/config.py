@@ -15,6 +15,7 @@ from typing import Mapping, Optional
 KERNEL_CHOICES = ("auto", "torch", "triton", "ext", "cupy")
 LINK_CHOICES = ("auto", "nvlink", "infiniband", "ethernet", "loopback")
 LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+SHARDING_CHOICES = ("full", "hybrid")
 
 # name -> (accepted values as users read them, description) for the README and error messages.
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -27,6 +28,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_MEMORY_BUDGET_MB": ("number > 0 or 'auto'", "cap on gathered parameter bytes in flight"),
     "OVERLAP_PROBE": ("0|1", "time a few collectives at start-up to fit the link model"),
     "OVERLAP_PROBE_CACHE": ("file path", "JSON file where probe results are kept and reused"),
+    "OVERLAP_SHARDING": ("|".join(SHARDING_CHOICES),
+                         "shard over every rank, or inside each node and replicate across nodes"),
 }
 
 
@@ -41,6 +44,7 @@ class Config:
     memory_budget_mb: Optional[float] = None
     probe: bool = True
     probe_cache: Optional[str] = None
+    sharding: str = "full"
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -100,6 +104,27 @@ def local_rank_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional
     return value
 
 
+def validate_sharding(value: str, source: str = "sharding") -> str:
+    if value not in SHARDING_CHOICES:
+        raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(SHARDING_CHOICES)}")
+    return value
+
+
+def local_world_size_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The launcher's LOCAL_WORLD_SIZE (ranks on this node; torchrun sets it), or None."""
+    env = os.environ if environ is None else environ
+    raw = env.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={raw!r} is invalid; expected an integer >= 1")
+    return value
+
+
 def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     """Read and validate every `OVERLAP_*` variable."""
     env = os.environ if environ is None else environ
@@ -127,6 +152,8 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         if not env["OVERLAP_PROBE_CACHE"].strip():
             raise ValueError(f"OVERLAP_PROBE_CACHE='' is invalid; accepted values: {ENV_VARS['OVERLAP_PROBE_CACHE'][0]}")
         fields["probe_cache"] = env["OVERLAP_PROBE_CACHE"].strip()
+    if "OVERLAP_SHARDING" in env:
+        fields["sharding"] = _parse_choice("OVERLAP_SHARDING", env["OVERLAP_SHARDING"], SHARDING_CHOICES)
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)

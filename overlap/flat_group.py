@@ -95,6 +95,10 @@ class FlatGroup:
             start = rank * self.shard_numel
             self.shard = flat[start:start + self.shard_numel].clone()
             del flat
+            replicate = collectives.replicate_group
+            if replicate is not None:
+                # Replicas of this shard take the first replica's (so, in the end, rank 0's) values.
+                dist.broadcast(self.shard, src=dist.get_global_rank(replicate, 0), group=replicate)
         # This rank's part of each original parameter, as a view of the shard. See [Note:
         # original parameters are views of the flat shard].
         self.parts = [slot.part_on(rank, self.shard_numel) for slot in self.slots]

@@ -56,6 +56,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from overlap.intervals import Interval, length, overlap, subtract, union
 from overlap.step_record import Mark, StepKind, StepRecord, UnitEvent
 
+# Gradient reductions: the reduce-scatter, and with hybrid sharding the all-reduce across replicas.
+REDUCTION_KINDS = ("reduce_scatter", "all_reduce")
+
 if TYPE_CHECKING:
     from overlap.scheduler import Scheduler
 
@@ -208,7 +211,7 @@ def _compute_intervals(parts: Sequence[Segment]) -> list[Interval]:
 def _unit_stats(unit: str, record: StepRecord, parts: Sequence[Segment]) -> UnitStats:
     mine = [c for c in record.collectives if c.unit == unit]
     gathers = [c for c in mine if c.kind == "all_gather"]
-    reduces = [c for c in mine if c.kind == "reduce_scatter"]
+    reduces = [c for c in mine if c.kind in REDUCTION_KINDS]
     marks = [e.mark for e in record.events if e.unit == unit]
     return UnitStats(
         unit=unit,
@@ -245,12 +248,12 @@ def analyse_step(record: StepRecord) -> StepStats:
         hidden_s=hidden,
         exposed_s=communication - hidden,
         gather_wait_s=sum(c.waited for c in record.collectives if c.kind == "all_gather"),
-        reduce_wait_s=sum(c.waited for c in record.collectives if c.kind == "reduce_scatter"),
+        reduce_wait_s=sum(c.waited for c in record.collectives if c.kind in REDUCTION_KINDS),
         prefetches=marks.count(Mark.PREFETCH),
         hits=marks.count(Mark.HIT),
         misses=marks.count(Mark.MISS),
         gathered_bytes=sum(c.nbytes for c in record.collectives if c.kind == "all_gather"),
-        reduced_bytes=sum(c.nbytes for c in record.collectives if c.kind == "reduce_scatter"),
+        reduced_bytes=sum(c.nbytes for c in record.collectives if c.kind in REDUCTION_KINDS),
         peak_gathered_bytes=peak_gathered_bytes(record),
         units=tuple(_unit_stats(u, record, parts) for u in units),
     )

@@ -92,6 +92,7 @@ class Scheduler:
         self._this_forward: list[Unit] = []
         self._this_backward: list[Unit] = []
         self._pending_reduces: list[Pending] = []
+        self._pending_all_reduces: list[Pending] = []
         # The step in progress is written here (marks and collectives); `last_step` is the
         # record of the last step that ended.
         self.log = collectives.log
@@ -358,15 +359,26 @@ class Scheduler:
         self._log(Mark.REDUCE, unit)
         self._pending_reduces.append(
             self.collectives.reduce_scatter(grad, shard_grad, group.reduce_dtype, unit.name))
-        while len(self._pending_reduces) > MAX_REDUCES_IN_FLIGHT:
-            with phase(f"overlap::wait_reduce_scatter::{self._pending_reduces[0].record.unit}"):
-                self._pending_reduces.pop(0).wait()
+        self._bound_in_flight(self._pending_reduces, "wait_reduce_scatter")
+        # Hybrid sharding: each completed reduce-scatter left an all-reduce across replicas
+        # in flight, as many again, waited one unit's backward later.
+        self._bound_in_flight(self._pending_all_reduces, "wait_all_reduce")
+
+    def _bound_in_flight(self, queue: list[Pending], label: str) -> None:
+        while len(queue) > MAX_REDUCES_IN_FLIGHT:
+            pending = queue.pop(0)
+            with phase(f"overlap::{label}::{pending.record.unit}"):
+                pending.wait()
+            if pending.follow_up is not None:
+                self._pending_all_reduces.append(pending.follow_up)
 
     def _wait_reduces(self) -> None:
         with phase("overlap::wait_reduce_scatter::all"):
-            for pending in self._pending_reduces:
+            while self._pending_reduces or self._pending_all_reduces:
+                pending = (self._pending_reduces or self._pending_all_reduces).pop(0)
                 pending.wait()
-        self._pending_reduces = []
+                if pending.follow_up is not None:
+                    self._pending_all_reduces.append(pending.follow_up)
 
     def _publish_grads(self) -> None:
         """Wait for every reduction, then give `.grad` to the parameters that got a gradient

@@ -10,15 +10,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils._pytree import tree_map
 
 from overlap.collectives import Collectives, device_backend
-from overlap.config import (Config, config_from_env, local_rank_from_env, validate_bucket_mb,
-                            validate_prefetch_depth)
+from overlap.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
+                            validate_bucket_mb, validate_prefetch_depth, validate_sharding)
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
 from overlap.materialize import check_same_values, materialize, meta_places
+from overlap.mesh import resolve_sharding, sharding_error
 from overlap.mixed_precision import MixedPrecision
 from overlap.planner import plan_at_startup
 from overlap.replanner import replanner_for
@@ -105,27 +107,37 @@ class ShardedModule(nn.Module):
         param_init_fn: for a module built on the meta device, called on each module that holds
             meta parameters or buffers once they exist in full (default: the module's own
             `reset_parameters()`); see `overlap.materialize`.
+        mesh: a 2-D DeviceMesh ("replicate", "shard"): shard over its second dimension,
+            replicate over its first (hybrid sharding, FSDP2's HSDP); a 1-D mesh shards.
+        sharding: "full" (over every rank of the group) or "hybrid" (inside each node of
+            LOCAL_WORLD_SIZE ranks, replicated across nodes): argument > OVERLAP_SHARDING >
+            "full". See `overlap.mesh`.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
                  process_group: Optional[dist.ProcessGroup] = None,
                  mixed_precision: Optional[MixedPrecision] = None, prefetch_depth: Optional[int] = None,
                  bucket_mb: Optional[float] = None, reshard_after_forward: bool = True,
-                 param_init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+                 param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+                 mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ShardedModule needs torch.distributed to be initialised "
                                "(dist.init_process_group(), launched with torchrun)")
-        group = process_group if process_group is not None else dist.group.WORLD
-        device = _device_for(group)
+        all_group = process_group if process_group is not None else dist.group.WORLD
+        device = _device_for(all_group)
         mp = mixed_precision or MixedPrecision()
 
         error: Optional[str] = None
         config = Config()
+        local_world_size: Optional[int] = None
         try:
             config = config_from_env().with_overrides(
                 prefetch_depth=None if prefetch_depth is None else validate_prefetch_depth(prefetch_depth),
-                bucket_mb=None if bucket_mb is None else validate_bucket_mb(bucket_mb))
+                bucket_mb=None if bucket_mb is None else validate_bucket_mb(bucket_mb),
+                sharding=None if sharding is None else validate_sharding(sharding))
+            local_world_size = local_world_size_from_env()
+            error = sharding_error(process_group, mesh, config.sharding, local_world_size)
             kernels = get_backend(config.kernels, device)
         except (ValueError, BackendUnavailable) as exc:
             error = str(exc)
@@ -133,7 +145,10 @@ class ShardedModule(nn.Module):
             error = ("the module already contains a ShardedModule; wrap the model once, at its root, "
                      "and choose units with unit_types")
         root_spec, unit_specs = discover_units(module, unit_types)
-        _agree(group, error, _signature(root_spec, unit_specs), config)
+        _agree(all_group, error, _signature(root_spec, unit_specs), config)
+        self.sharding = resolve_sharding(process_group, mesh, config.sharding, local_world_size, device.type)
+        group = self.sharding.shard
+        logger.info("%s", self.sharding.describe())
 
         enable_nvtx(config.nvtx)
         self.link = detect_link(group, config.link)
@@ -153,7 +168,7 @@ class ShardedModule(nn.Module):
         # State-dict keys in the module's own order, read before parameters leave their modules.
         keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
 
-        self.collectives = Collectives(group, device, kernels)
+        self.collectives = Collectives(group, device, kernels, self.sharding.replicate, all_group)
         self.mixed_precision = mp
         self.module = module
         self._slot_of: dict[int, tuple[FlatGroup, int]] = {}
@@ -161,7 +176,7 @@ class ShardedModule(nn.Module):
         root = self._build_unit(root_spec, "root", modules=[]) if root_spec.params else None
         units = [self._build_unit(spec, f"unit{i}", spec.modules) for i, spec in enumerate(buckets)]
         if on_meta or any(b.is_meta for b in module.buffers()):
-            check_same_values(materialize(module, on_meta, self._slot_of, device, param_init_fn), group)
+            check_same_values(materialize(module, on_meta, self._slot_of, device, param_init_fn), all_group)
         budget = None if self.overlap_config.memory_budget_mb is None else int(self.overlap_config.memory_budget_mb * 2**20)
         self.scheduler = Scheduler(root, units, self.collectives, self.overlap_config.prefetch_depth, budget,
                                    reshard_after_forward)

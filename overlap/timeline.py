@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("overlap")
 
 HOST_COLORS = {"forward": "#4c78a8", "backward": "#54a24b", "wait": "#e45756", "runtime": "#bab0ac"}
-COMM_COLORS = {"all_gather": "#f58518", "reduce_scatter": "#b279a2"}
+COMM_COLORS = {"all_gather": "#f58518", "reduce_scatter": "#b279a2", "all_reduce": "#9d755d"}
 
 
 @dataclass

@@ -117,4 +117,5 @@ def train(case: Case, rank: int = 0, world: int = 1, sharded: bool = False) -> d
         state = model.full_state_dict()
     else:
         state = {k: v.detach().clone() for k, v in inner.state_dict().items()}
-    return {"losses": losses, "norms": norms, "eval_losses": eval_losses, "state": state}
+    return {"losses": losses, "norms": norms, "eval_losses": eval_losses, "state": state,
+            "sharding": model.sharding.describe() if sharded else None}

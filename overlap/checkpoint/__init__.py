@@ -43,7 +43,7 @@ _CHECKPOINT_GROUPS: dict[Any, dist.ProcessGroup] = {}
 
 
 def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
-    group = model.collectives.group
+    group = model.collectives.all_group
     if group not in _CHECKPOINT_GROUPS:
         _CHECKPOINT_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
     return _CHECKPOINT_GROUPS[group]

@@ -1,0 +1,146 @@
+"""Full against hybrid sharding on the emulated two-node cluster (benchmarks/cluster.py):
+2 nodes × 2 gloo ranks, unthrottled inside a node, a throttled link between them.
+
+Rows: ShardedModule sharding over all 4 ranks; ShardedModule sharding inside each node and
+replicating across (hybrid); FSDP2 on the same 2-D mesh (HSDP: fully_shard per block and
+root); DDP. The benchmark GPT (23.2M parameters), batch 4×128 per rank, AdamW (fused where
+the CPU build has it) for all; implementations alternate within each round. A step's time
+is the slower rank's.
+
+    python benchmarks/hybrid.py --rate 1gbit --rounds 2 --steps 10 --out docs/results/hybrid.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from cluster import run_on_cluster
+from common import markdown_table, median, quartiles, read_json, script_main, write_json
+
+IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "fsdp2-hsdp", "ddp")
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    probe = torch.nn.Parameter(torch.zeros(1))
+    probe.grad = torch.zeros(1)
+    try:
+        torch.optim.AdamW([probe], fused=True).step()
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from overlap import ShardedModule
+    from overlap.models import GPT, GPTConfig
+    from overlap.models.gpt import Block
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    config = GPTConfig()
+    torch.manual_seed(0)
+    model = GPT(config)
+    if args.worker.startswith("overlap"):
+        model = ShardedModule(model, unit_types=(Block,),
+                              sharding="hybrid" if args.worker == "overlap-hybrid" else "full")
+    elif args.worker == "fsdp2-hsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    optimizer = _optimizer(model.parameters())
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            times.append(float(elapsed))
+    if rank == 0:
+        write_json(args.result, dict(impl=args.worker, step_s=times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    script = os.path.abspath(__file__)
+    steps: dict[str, list[float]] = {impl: [] for impl in args.impls}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            for impl in args.impls:
+                result = os.path.join(scratch, f"{impl}-{round_index}.json")
+                command = [script, "--worker", impl, "--result", result, "--steps", str(args.steps),
+                           "--warmup", str(args.warmup), "--batch", str(args.batch)]
+                nodes = run_on_cluster(args.rate, 2, command, args.timeout, env={"OMP_NUM_THREADS": "1"})
+                for node, done in enumerate(nodes):
+                    if done.returncode != 0:
+                        raise RuntimeError(f"{impl} failed on node {node}:\n{done.stdout[-3000:]}")
+                steps[impl] += read_json(result)["step_s"]
+                print(f"round {round_index + 1} {impl}: done", flush=True)
+    full = median(steps["overlap-full"]) if "overlap-full" in steps else None
+    rows, summary = [], {}
+    for impl, values in steps.items():
+        q1, q3 = quartiles(values)
+        summary[impl] = dict(step_ms=median(values) * 1e3, iqr_ms=[q1 * 1e3, q3 * 1e3], steps=len(values))
+        rows.append([impl, f"{median(values) * 1e3:.0f}", f"{q1 * 1e3:.0f}–{q3 * 1e3:.0f}", len(values),
+                     "–" if full is None else f"{median(values) / full:.2f}"])
+    table = markdown_table(["implementation", "step ms (median)", "IQR ms", "steps", "÷ overlap-full"], rows)
+    text = (f"2 nodes × 2 gloo ranks, inter-node link {args.rate}, batch {args.batch}×128 per rank, "
+            f"{args.rounds} alternated rounds of {args.steps} timed steps\n\n{table}")
+    print(text)
+    if args.out:
+        write_json(args.out, dict(command="python benchmarks/hybrid.py " + " ".join(args.argv), steps_s=steps,
+                                  summary=summary, table=text))
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", default="1gbit", help="inter-node link rate (tc tbf)")
+    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
+    parser.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
+    unknown = [impl for impl in args.impls if impl not in IMPLEMENTATIONS]
+    if unknown:
+        parser.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLEMENTATIONS)}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

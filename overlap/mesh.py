@@ -1,0 +1,75 @@
+"""Which ranks share the shards and which hold replicas: full sharding over one process
+group, or hybrid sharding over a 2-D device mesh (replicate across nodes, shard inside each).
+
+With hybrid sharding the frequent all-gathers and reduce-scatters stay on the fast link
+inside a node, and only one all-reduce of each rank's gradient shard crosses the slow link
+between nodes per step; the price is memory: states are sharded over a node's ranks only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ShardingGroups:
+    shard: dist.ProcessGroup                    # ranks whose shards make up the parameters
+    replicate: Optional[dist.ProcessGroup]      # ranks holding the same shard (None: full sharding)
+
+    @property
+    def replicas(self) -> int:
+        return 1 if self.replicate is None else dist.get_world_size(self.replicate)
+
+    def describe(self) -> str:
+        shard = dist.get_world_size(self.shard)
+        return f"full sharding over {shard} ranks" if self.replicate is None else \
+            f"hybrid sharding: {shard} ranks per shard group, {self.replicas} replicas"
+
+
+def _from_mesh(mesh: DeviceMesh) -> ShardingGroups:
+    if mesh.ndim == 1:
+        return ShardingGroups(mesh.get_group(0), None)
+    replicate = None if mesh.size(0) == 1 else mesh.get_group(0)
+    return ShardingGroups(mesh.get_group(1), replicate)
+
+
+def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], sharding: str,
+                   local_world_size: Optional[int]) -> Optional[str]:
+    """What is wrong with these arguments, checked without communicating (so that every rank
+    can report it before any collective), or None."""
+    if mesh is not None:
+        if process_group is not None:
+            return "pass either process_group or mesh, not both"
+        if mesh.ndim not in (1, 2):
+            return f"mesh has {mesh.ndim} dimensions; expected 1 (shard) or 2 (replicate, shard)"
+        names = mesh.mesh_dim_names
+        if mesh.ndim == 2 and names is not None and tuple(names) != ("replicate", "shard"):
+            return f"mesh dimensions {names}: name them ('replicate', 'shard'), the order FSDP2 uses"
+        return None
+    if sharding != "hybrid":
+        return None
+    if process_group is not None:
+        return "sharding='hybrid' builds its mesh over every rank; pass a 2-D mesh to use a subgroup"
+    if local_world_size is None:
+        return "sharding='hybrid' needs LOCAL_WORLD_SIZE (set by torchrun) or a 2-D mesh"
+    if dist.get_world_size() % local_world_size:
+        return f"sharding='hybrid': world size {dist.get_world_size()} is not a multiple of LOCAL_WORLD_SIZE " \
+               f"{local_world_size}"
+    return None
+
+
+def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], sharding: str,
+                     local_world_size: Optional[int], device_type: str) -> ShardingGroups:
+    """The groups for `ShardedModule`'s arguments (a mesh beats `sharding`), once
+    `sharding_error` has found nothing wrong. Building a mesh is collective."""
+    if mesh is not None:
+        return _from_mesh(mesh)
+    group = process_group if process_group is not None else dist.group.WORLD
+    world = dist.get_world_size()
+    if sharding == "full" or local_world_size is None or world == local_world_size:
+        return ShardingGroups(group, None)      # one node: nothing to replicate
+    return _from_mesh(init_device_mesh(device_type, (world // local_world_size, local_world_size),
+                                       mesh_dim_names=("replicate", "shard")))

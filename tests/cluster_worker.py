@@ -1,0 +1,33 @@
+"""Run by torchrun on each node of the emulated cluster (benchmarks/cluster.py): trains a
+parity case with the given wrap settings on this rank's slice of each global batch and,
+on rank 0, saves what the test compares with one process."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from parity import train                      # noqa: E402
+from parity_cases import CASES               # noqa: E402
+
+
+def main() -> None:
+    case_name, wrap_json, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    case = CASES[case_name]
+    case.wrap = {**case.wrap, **json.loads(wrap_json)}
+    result = train(case, dist.get_rank(), dist.get_world_size(), sharded=True)
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
