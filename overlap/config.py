@@ -89,40 +89,34 @@ def validate_bucket_mb(value: float, source: str = "bucket_mb") -> float:
     return float(value)
 
 
-def local_rank_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """The launcher's LOCAL_RANK (torchrun sets it), or None when it is not set."""
-    env = os.environ if environ is None else environ
-    raw = env.get("LOCAL_RANK")
-    if raw is None:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"LOCAL_RANK={raw!r} is invalid; expected an integer >= 0")
-    return value
-
-
 def validate_sharding(value: str, source: str = "sharding") -> str:
     if value not in SHARDING_CHOICES:
         raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(SHARDING_CHOICES)}")
     return value
 
 
-def local_world_size_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """The launcher's LOCAL_WORLD_SIZE (ranks on this node; torchrun sets it), or None."""
+def _launcher_int(name: str, minimum: int, environ: Optional[Mapping[str, str]]) -> Optional[int]:
     env = os.environ if environ is None else environ
-    raw = env.get("LOCAL_WORLD_SIZE")
+    raw = env.get(name)
     if raw is None:
         return None
     try:
         value = int(raw)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"LOCAL_WORLD_SIZE={raw!r} is invalid; expected an integer >= 1")
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r} is invalid; expected an integer >= {minimum}")
     return value
+
+
+def local_rank_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The launcher's LOCAL_RANK (torchrun sets it), or None when it is not set."""
+    return _launcher_int("LOCAL_RANK", 0, environ)
+
+
+def local_world_size_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The launcher's LOCAL_WORLD_SIZE (ranks on this node; torchrun sets it), or None."""
+    return _launcher_int("LOCAL_WORLD_SIZE", 1, environ)
 
 
 def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
