@@ -78,15 +78,18 @@ def test_batches_are_next_byte_targets():
     assert int(val_inputs.min()) >= 180
 
 
-@pytest.mark.timeout(180)
-def test_meta_build_trains_exactly_like_the_eager_build(job, tmp_path):
+@pytest.mark.timeout(300)
+def test_meta_build_trains_exactly_like_the_eager_build(tmp_path):
     """The job builds on the meta device by default; --eager-init builds the whole model
-    first. Same values, so the same losses to the last digit printed."""
-    _, meta_out = job
+    first. Same values, so the same losses to the last digit printed (bucket size and depth
+    fixed: the planner's choice changes which rank sums which element first)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TORCHELASTIC_RUN_ID", None)
-    done = subprocess.run([sys.executable, "-m", "overlap", "train", *TINY, "--eager-init"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stdout + done.stderr
-    final = re.compile(r"^final step \d+: .*$", re.M)
-    assert final.search(meta_out) and final.findall(done.stdout) == final.findall(meta_out)
+    finals = []
+    for build in ([], ["--eager-init"]):
+        done = subprocess.run([sys.executable, "-m", "overlap", "train", *TINY, "--bucket-mb", "1",
+                               "--prefetch-depth", "1", *build], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=150)
+        assert done.returncode == 0, done.stdout + done.stderr
+        finals.append(re.findall(r"^final step \d+: .*$", done.stdout, re.M))
+    assert finals[0] and finals[0] == finals[1]
