@@ -1,0 +1,74 @@
+"""The step record's clocks: host times on CPU; on CUDA, events recorded on the stream that
+did the work and read once when the step ends. No GPU here: torch.cuda's events and streams
+are stood in for by a fake whose time advances by one second per record."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap.step_record import Mark, StepKind
+from overlap.timing import CudaClock, HostClock, StepLog
+
+
+class FakeEvent:
+    now = 0.0
+    created = 0
+    synchronized = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        FakeEvent.created += 1
+        self.time = None
+        self.stream = None
+
+    def record(self, stream=None) -> None:
+        FakeEvent.now += 1.0
+        self.time, self.stream = FakeEvent.now, stream
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        FakeEvent.synchronized += 1
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return (other.time - self.time) * 1e3          # milliseconds, as CUDA's
+
+
+def _step(log: StepLog, clock: CudaClock) -> None:
+    log.mark(Mark.PRE_FORWARD, "u")                                # compute stream, t = 1
+    collective = log.collective("all_gather", "u", 10, "side")    # side stream, t = 2
+    collective.end = clock.stamp("side")                          # t = 3
+    collective.wait_start = clock.stamp()                          # compute stream, t = 4
+    collective.wait_end = clock.stamp()                            # t = 5
+    log.mark(Mark.POST_FORWARD, "u")                               # t = 6
+
+
+def test_cuda_times_are_events_read_once_at_step_end(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    clock = CudaClock(torch.device("cuda", 0))
+    log = StepLog(clock)
+    waited = []
+    for step in (1, 2):
+        _step(log, clock)
+        assert FakeEvent.synchronized == step - 1                  # nothing is read during the step
+        record = log.close(step, StepKind.FORWARD, None, {"u": 4}, 1, 0, lambda done: waited.append(done()))
+        assert FakeEvent.synchronized == step and waited == [True] * step
+        assert record.clock == "cuda" and [e.time for e in record.events] == [0.0, 5.0]
+        (collective,) = record.collectives
+        assert (collective.start, collective.end, collective.wait) == (1.0, 2.0, (3.0, 4.0))
+    # The second step recorded into the first step's events (plus one for the read).
+    assert FakeEvent.created == 7
+    assert [e.stream for e in clock._pool[:6]] == ["compute", "side", "side", "compute", "compute", "compute"]
+
+
+def test_host_times_are_taken_as_they_happen():
+    log = StepLog(HostClock())
+    log.mark(Mark.PRE_FORWARD, "u")
+    collective = log.collective("reduce_scatter", "u", 10)
+    log.mark(Mark.POST_FORWARD, "u")
+    record = log.close(3, StepKind.TRAIN, "u", {"u": 4}, 1, 1, lambda done: pytest.fail("host clocks never wait"))
+    (first, last), (entry,) = record.events, record.collectives
+    assert record.clock == "host" and first.time <= entry.start <= last.time
+    assert entry.end == entry.start and entry.wait is None          # never completed nor waited: no interval
