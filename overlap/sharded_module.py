@@ -157,6 +157,13 @@ class ShardedModule(nn.Module):
             prefetch_depth=startup.plan.forward_depth if config.prefetch_depth is None else None,
             bucket_mb=startup.plan.bucket_mb if config.bucket_mb is None else None,
             memory_budget_mb=startup.memory_budget_bytes / 2**20 if config.memory_budget_mb is None else None)
+        if self.sharding.replicate is not None:
+            # Each shard group planned on its own link measurements; replicas must hold the
+            # same layout (their gradient shards are summed element by element), so every
+            # rank takes rank 0's plan.
+            plan = [self.overlap_config]
+            dist.broadcast_object_list(plan, src=dist.get_global_rank(all_group, 0), group=all_group)
+            self.overlap_config = plan[0]
         logger.info("plan: %s; using depth %d, bucket %.3g MB", startup.plan.reason, self.overlap_config.prefetch_depth,
                     self.overlap_config.bucket_mb)
 
