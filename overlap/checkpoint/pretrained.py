@@ -57,21 +57,19 @@ def load_pretrained(model: "ShardedModule", path: str | os.PathLike) -> None:
     path = os.fspath(path)
     files = _files_by_key(path)
     layout: list[tuple[str, Any]] = model._state_dict_layout
-    params: dict[Any, list[str]] = {}          # (group, index) -> the parameter's keys
+    params: dict[tuple[Any, int], list[str]] = {}     # (group, slot index) -> the parameter's keys
     buffers: list[str] = []
     for key, where in layout:
         if where is None:
             buffers.append(key)
         else:
-            params.setdefault((id(where[0]), where[1]), []).append(key)
-    place = {(id(group), index): (group, index) for _, where in layout if where is not None
-             for group, index in [where]}
-    chosen: dict[Any, str] = {}
-    for ident, keys in params.items():
+            params.setdefault(where, []).append(key)
+    chosen: dict[tuple[Any, int], str] = {}
+    for where, keys in params.items():
         present = [key for key in keys if key in files]
         if not present:
             raise ValueError(f"load_pretrained: {path} has no {keys[0]!r}")
-        chosen[ident] = present[0]
+        chosen[where] = present[0]
     for key in buffers:
         if key not in files:
             raise ValueError(f"load_pretrained: {path} has no {key!r}")
@@ -89,8 +87,7 @@ def load_pretrained(model: "ShardedModule", path: str | os.PathLike) -> None:
                 handles[file] = safe_open(file, framework="pt")
             return handles[file]
 
-        for ident, key in chosen.items():
-            group, index = place[ident]
+        for (group, index), key in chosen.items():
             shape = tuple(group.slots[index].shape)
             stored = open_file(key).get_slice(key)
             if tuple(stored.get_shape()) != shape:
