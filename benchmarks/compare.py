@@ -13,6 +13,10 @@ peak RSS, and bytes sent per rank per step.
 
     python benchmarks/compare.py --links loopback,10gbit,2gbit --rounds 3 --steps 20
     python benchmarks/compare.py --quick            # tiny model, one round: a smoke run
+    python benchmarks/compare.py --merge a/compare.json b/compare.json --out merged
+
+`--merge` summarises the launches of earlier runs of the same model and settings as one run
+(rounds measured at different times, or links measured separately), and runs nothing.
 
 Writes <out>/compare.json, <out>/compare.md and <out>/compare.png, and prints the tables.
 Emulated links (a rate such as 2gbit) need root: see netns.py.
@@ -441,7 +445,7 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, tar
         "Targets:\n" + target_lines(targets)])
     for entry in (e for by_impl in summary.values() for e in by_impl.values()):
         entry.pop("steps_s")
-    meta = dict(command=command.strip(), argv=args.argv, skipped=args.skipped,
+    meta = dict(command=command.strip(), argv=args.argv, skipped=args.skipped, sources=args.sources,
                 model={key: getattr(args, key) for key in MODEL_FIELDS},
                 batch=args.batch, world_size=WORLD_SIZE, torch=torch.__version__, python=platform.python_version(),
                 cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -478,11 +482,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", default="bench_out", help="directory for compare.json/.md/.png")
     parser.add_argument("--run-timeout", type=float, default=600, help="seconds one launch may take")
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, two timed steps")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="compare.json files of earlier runs to summarise "
+                        "together (same model and settings); runs nothing")
     parser.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(argv)
+    args.sources = None
     if args.worker:
         return args
     if args.quick:
@@ -510,8 +517,34 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def merged_runs(args: argparse.Namespace) -> list[dict]:
+    """The launches recorded in args.merge, rounds renumbered across files; args takes the
+    first file's model and settings, and each file's meta is kept as a source."""
+    runs, settings, args.sources = [], None, []
+    for path in args.merge:
+        data = read_json(path)
+        recorded = parse_args(data["meta"]["argv"])
+        these = {key: getattr(recorded, key) for key in ("batch", "steps", "warmup", "seed", "lr", *MODEL_FIELDS)}
+        if settings is None:
+            settings = these
+            args.skipped = data["meta"].get("skipped", {})
+        elif these != settings:
+            raise ValueError(f"--merge: {path} was run with {these}, the first file with {settings}")
+        for run in data["runs"]:
+            offset = 1 + max((r["round"] for r in runs if r["link"] == run["link"] and r["source"] < len(args.sources)),
+                             default=-1)
+            runs.append({**run, "round": run["round"] + offset, "source": len(args.sources)})
+        args.sources.append(data["meta"])
+    for key, value in settings.items():
+        setattr(args, key, value)
+    rounds = {link: len({r["round"] for r in runs if r["link"] == link}) for link in dict.fromkeys(r["link"] for r in runs)}
+    args.rounds = next(iter(rounds.values())) if len(set(rounds.values())) == 1 else \
+        ", ".join(f"{link} {count}" for link, count in rounds.items())
+    return runs
+
+
 def run_driver(args: argparse.Namespace) -> int:
-    runs = run_all(args)
+    runs = merged_runs(args) if args.merge else run_all(args)
     summary = summarize(runs)
     targets = check_targets(summary)
     print(write_outputs(args, runs, summary, targets))

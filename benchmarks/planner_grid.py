@@ -4,10 +4,17 @@ Each link is a network namespace whose loopback is throttled (benchmarks/netns.p
 it, 2 gloo ranks train the default GPT (`GPTConfig()`, one unit per Block, batch 4 x 128,
 AdamW) with every configuration built side by side and taking turns step by step, so that
 load from other work on a shared machine falls on all of them alike; a configuration's time
-is its median step after warm-up. The automatic run passes no depth and no bucket size: the probe, the latency rule and the re-plan after the
+is its median step after warm-up, with the interquartile range of its steps. Since every
+configuration runs once in each step of the loop, each is also compared with the best one
+step by step (its time over the best's in the same step): the median and interquartile range
+of that ratio say how far apart two configurations are, and a range that contains 1 says
+this run cannot tell them apart. The automatic run passes no depth and no bucket size: the probe, the latency rule and the re-plan after the
 first measured step decide, exactly as in a default run.
 
     python benchmarks/planner_grid.py --links fast=10gbit slow=2gbit --json planner_grid.json
+
+`--json` keeps the links already in the file that this run does not measure, so that links
+can be measured one launch at a time into one file.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from typing import Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from common import quartiles  # noqa: E402
 from netns import throttled_namespace  # noqa: E402
 
 DEPTHS = (0, 1, 2, 3)
@@ -89,7 +97,7 @@ def _worker(args: argparse.Namespace) -> None:
         results = {}
         for key, (model, _, depth, bucket) in models.items():
             results[key] = {"depth": depth, "bucket_mb": bucket, "steps_s": times[key],
-                            "step_s": statistics.median(times[key])}
+                            "step_s": statistics.median(times[key]), "step_iqr_s": quartiles(times[key])}
             if key == "auto":
                 results[key].update(chosen_depth=model.scheduler.prefetch_depth,
                                     chosen_bucket_mb=model.overlap_config.bucket_mb, units=len(model.scheduler.units))
@@ -124,27 +132,46 @@ def _run_link(name: str, rate: str, args: argparse.Namespace) -> dict:
     return {"rate": rate, "results": results, "plan_log": plans, "wall_s": time.perf_counter() - started}
 
 
+def _paired(a: dict, b: dict) -> list[float]:
+    """a's step time over b's, step by step: both ran in the same step of the interleaved
+    loop, so load that slowed the whole step cancels."""
+    return [x / y for x, y in zip(a["steps_s"], b["steps_s"])]
+
+
+def _ratio_summary(a: dict, b: dict) -> dict:
+    ratios = _paired(a, b)
+    low, high = quartiles(ratios)
+    return {"median": statistics.median(ratios), "iqr": [low, high], "tied": low <= 1.0 <= high}
+
+
 def _report(name: str, link: dict, depths: Sequence[int], buckets: Sequence[Optional[float]]) -> dict:
     results = link["results"]
     grid = {k: v for k, v in results.items() if k != "auto"}
     best_key = min(grid, key=lambda k: grid[k]["step_s"])
+    best = grid[best_key]
     auto = results["auto"]
-    ratio = auto["step_s"] / grid[best_key]["step_s"]
-    print(f"\n{name} link ({link['rate']}), median step seconds; rows: depth, columns: bucket MB")
-    print("depth " + "".join(f"{_label(b):>9}" for b in buckets))
+    to_best = {k: _ratio_summary(v, best) for k, v in grid.items()}
+    auto_to_best = _ratio_summary(auto, best)
+    print(f"\n{name} link ({link['rate']}): median step seconds, then the median [interquartile range] of "
+          "its step-by-step ratio to the best cell; rows: depth, columns: bucket MB")
+    print("depth " + "".join(f"{_label(b):>28}" for b in buckets))
     for depth in depths:
         cells = []
         for bucket in buckets:
             key = f"{depth}/{_label(bucket)}"
-            mark = "*" if key == best_key else " "
-            cells.append(f"{grid[key]['step_s']:>8.3f}{mark}")
-        print(f"{depth:>5} " + "".join(cells))
-    print(f"auto: depth {auto['chosen_depth']}, bucket {auto['chosen_bucket_mb']:.2f} MB "
-          f"({auto['units']} units) -> {auto['step_s']:.3f} s; best fixed {best_key} "
-          f"{grid[best_key]['step_s']:.3f} s; ratio {ratio:.3f} ({'within' if ratio <= 1.05 else 'NOT within'} 5%)")
+            ratio = to_best[key]
+            mark = "*" if key == best_key else ("=" if ratio["tied"] else " ")
+            cells.append(f"{grid[key]['step_s']:.3f} {ratio['median']:.3f} [{ratio['iqr'][0]:.3f}-{ratio['iqr'][1]:.3f}]{mark}")
+        print(f"{depth:>5} " + "".join(f"{c:>28}" for c in cells))
+    print("  *: best median step; =: the ratio's interquartile range contains 1 (not told apart from the best)")
+    print(f"auto: depth {auto['chosen_depth']}, bucket {auto['chosen_bucket_mb']:.2f} MB ({auto['units']} units) -> "
+          f"{auto['step_s']:.3f} s [{auto['step_iqr_s'][0]:.3f}-{auto['step_iqr_s'][1]:.3f}]; best fixed {best_key} "
+          f"{best['step_s']:.3f} s; step-by-step ratio {auto_to_best['median']:.3f} "
+          f"[{auto_to_best['iqr'][0]:.3f}-{auto_to_best['iqr'][1]:.3f}]")
     for line in link["plan_log"][-2:]:
         print(f"  {line.strip()}")
-    return {"best": best_key, "ratio": ratio}
+    return {"best": best_key, "ratio": auto["step_s"] / best["step_s"], "auto_to_best": auto_to_best,
+            "cells_to_best": to_best}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -152,11 +179,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--links", nargs="+", default=["fast=10gbit", "slow=2gbit"], help="name=rate pairs")
     parser.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
     parser.add_argument("--buckets", nargs="+", default=[_label(b) for b in BUCKETS], help="MB, or none")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least until the planner decides)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per link")
-    parser.add_argument("--json", default=None, help="write all results here")
+    parser.add_argument("--json", default=None, help="write all results here (links already in the file and not "
+                        "measured by this run are kept)")
+    parser.add_argument("--report", action="store_true", help="print the tables of the links in --json; run nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -168,6 +197,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"planner grid: default GPT, 2 gloo ranks, OMP_NUM_THREADS=1, {args.warmup} warm-up + "
           f"{args.steps} timed steps, configurations interleaved step by step; the machine's cores may be shared")
     summary = {}
+    if args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            summary = json.load(f)
+    if args.report:
+        for name, link in summary.items():
+            _report(name, link, args.depths, [None if b == "none" else float(b) for b in args.buckets])
+        return 0
     for spec in args.links:
         name, _, rate = spec.partition("=")
         if not rate:

@@ -1,6 +1,8 @@
 """Small models that exercise what the runtime must handle."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -119,3 +121,20 @@ class LateFrozenNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def language_model_step(model: nn.Module, optimizer_name: str, idx: torch.Tensor
+                        ) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
+    """AdamW ('adamw') or SGD with momentum ('sgd-momentum') over `model`'s parameters, and one
+    training step that predicts `idx` from itself, run once so the optimizer state exists, as
+    in any later step."""
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer_name == "adamw"
+                 else torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(idx, idx).backward()
+        optimizer.step()
+
+    step()
+    return optimizer, step

@@ -20,7 +20,7 @@ def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.timeout(250)
+@pytest.mark.timeout(310)
 def test_compare_quick_covers_every_implementation(tmp_path):
     proc = _run("compare.py", "--quick", "--links", "loopback", "--out", str(tmp_path), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -53,6 +53,16 @@ def test_compare_quick_covers_every_implementation(tmp_path):
     assert two_passes * 0.99 <= overlap["sent_bytes"] <= results["fsdp2"]["sent_bytes"] * 1.01
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert "overlap / fsdp2" in (tmp_path / "compare.md").read_text()
+    # The same launches merged twice: twice the rounds, the same medians.
+    source = str(tmp_path / "compare.json")
+    proc = _run("compare.py", "--merge", source, source, "--out", str(tmp_path / "merged"), timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "merged" / "compare.json") as f:
+        merged = json.load(f)
+    assert len(merged["meta"]["sources"]) == 2
+    assert sorted({run["round"] for run in merged["runs"]}) == [0, 1]
+    for impl, entry in merged["results"]["loopback"].items():
+        assert entry["step_ms"] == pytest.approx(results[impl]["step_ms"]), impl
 
 
 @pytest.mark.timeout(90)

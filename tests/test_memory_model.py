@@ -9,6 +9,7 @@ from overlap import estimate as estimate_cli
 from overlap.memory_model import (MODEL_STATE_CATEGORIES, STAGES, ActivationShape, activation_bytes, estimate,
                                   gathered_buffer_bytes, layer_activation_bytes, state_bytes)
 from distributed import run_distributed  # tests/ is on sys.path under pytest
+from models import language_model_step
 
 PAPER_PSI, PAPER_WORLD = 7.5e9, 64
 
@@ -139,15 +140,7 @@ def _measure_on_ranks(rank: int, world_size: int) -> list[dict]:
         torch.manual_seed(0)
         model = ShardedModule(GPT(config), unit_types=[Block], bucket_mb=1e-6, prefetch_depth=1,
                               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
-        optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer_name == "adamw"
-                     else torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            model(idx, idx).backward()
-            optimizer.step()
-
-        step()  # the optimizer's state exists from here on, as in any later step
+        optimizer, step = language_model_step(model, optimizer_name, idx)
         shape = ActivationShape(batch=2, seq=config.block_size, hidden=config.n_embd, layers=config.n_layer,
                                 heads=config.n_head, vocab=config.vocab_size)
         report = memory_report(model, optimizer, step, activations=shape)

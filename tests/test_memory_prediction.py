@@ -1,0 +1,97 @@
+"""The memory prediction from the unwrapped model (`overlap.memory_prediction`) against
+torch's MemTracker on 2-rank `ShardedModule` runs, category by category."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from overlap.memory_model import ActivationShape
+from overlap.memory_prediction import PREDICTED_CATEGORIES, predict_memory
+from overlap.models import GPT, Block, GPTConfig
+from distributed import run_distributed  # tests/ is on sys.path under pytest
+from models import language_model_step
+
+CONFIG = dict(vocab_size=1024, block_size=64, n_layer=4, n_head=4, n_embd=128)
+BATCH = 4
+# (param dtype, optimizer, prefetch depth, bucket MB). A Block is 0.76 MiB in fp32: 1.6 MiB
+# buckets hold two. The first case peaks in a unit's backward, the second at the loss.
+CASES = [
+    (None, "adamw", 1, None),
+    (torch.bfloat16, "sgd-momentum", 2, None),
+    (torch.bfloat16, "adamw", 1, 1.6),
+]
+TOLERANCE = 0.10
+
+
+def _shape() -> ActivationShape:
+    config = GPTConfig(**CONFIG)
+    return ActivationShape(batch=BATCH, seq=config.block_size, hidden=config.n_embd, layers=config.n_layer,
+                           heads=config.n_head, vocab=config.vocab_size)
+
+
+def _predict(param_dtype: Optional[torch.dtype], optimizer: str, depth: int, bucket_mb: Optional[float]):
+    return predict_memory(GPT(GPTConfig(**CONFIG)), 2, unit_types=Block, bucket_mb=bucket_mb, prefetch_depth=depth,
+                          param_dtype=param_dtype, optimizer=optimizer, activations=_shape())
+
+
+def _measure_cases(rank: int, world_size: int) -> list:
+    from overlap import MixedPrecision, ShardedModule
+    from overlap.memory_model import measure
+
+    config = GPTConfig(**CONFIG)
+    idx = torch.randint(0, config.vocab_size, (BATCH, config.block_size), generator=torch.Generator().manual_seed(0))
+    measured = []
+    for param_dtype, optimizer_name, depth, bucket_mb in CASES:
+        torch.manual_seed(0)
+        # A bucket below any unit merges nothing; the prediction's None means the same.
+        model = ShardedModule(GPT(config), unit_types=[Block], bucket_mb=bucket_mb or 1e-6, prefetch_depth=depth,
+                              mixed_precision=MixedPrecision(param_dtype=param_dtype))
+        optimizer, step = language_model_step(model, optimizer_name, idx)
+        measured.append(measure(model, optimizer, step))
+    return measured
+
+
+@pytest.mark.timeout(180)
+def test_prediction_matches_tracker_per_category_on_two_ranks():
+    measured = run_distributed(_measure_cases, 2, env={"OMP_NUM_THREADS": "1"}, timeout=150)[0]
+    for case, result in zip(CASES, measured):
+        predicted = _predict(*case)
+        for category in PREDICTED_CATEGORIES:
+            estimate, actual = getattr(predicted, category), getattr(result, category)
+            print(f"{case} {category}: predicted {estimate / 1e6:.4f} MB, measured {actual / 1e6:.4f} MB, "
+                  f"ratio {actual / estimate:.3f}")
+            assert actual == pytest.approx(estimate, rel=TOLERANCE), (case, category)
+
+
+def test_settings_move_the_prediction_as_the_layout_does():
+    plain, bucketed = _predict(*CASES[0]), _predict(None, "adamw", 1, 1.6)
+    deeper = _predict(None, "adamw", 2, None)
+    # Two-block buckets: two buckets in flight instead of two blocks, the root unchanged.
+    block = (plain.gathered_buffers - _predict(None, "adamw", 0, None).gathered_buffers)
+    assert bucketed.gathered_buffers == pytest.approx(plain.gathered_buffers + 2 * block)
+    assert deeper.gathered_buffers == pytest.approx(plain.gathered_buffers + block)
+    half = _predict(torch.bfloat16, "adamw", 1, None)
+    assert half.weights == plain.weights and half.optimizer_state == plain.optimizer_state
+    assert half.gathered_buffers == pytest.approx(plain.gathered_buffers / 2)
+    assert _predict(None, "sgd", 1, None).optimizer_state == 0
+
+
+def test_shards_are_padded_to_the_world_size():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))  # units of 12 and 8 parameters
+    predicted = predict_memory(model, 3, optimizer="sgd-momentum")
+    # 12 -> 4 per rank, 8 -> 3 per rank (padded to 9), fp32
+    assert predicted.weights == (4 + 3) * 4
+    assert predicted.optimizer_state == (4 + 3) * 4
+    assert predicted.gathered_buffers == (12 + 9) * 4   # depth 1: both units at once
+    assert predicted.activations is None and predicted.temporaries is None
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(world=0), "world=0"), (dict(prefetch_depth=-1), "prefetch_depth=-1"), (dict(optimizer="lion"), "lion")])
+def test_bad_settings_are_named(kwargs, named):
+    arguments = dict(world=2, **kwargs) if "world" not in kwargs else kwargs
+    world = arguments.pop("world")
+    with pytest.raises(ValueError, match=named):
+        predict_memory(torch.nn.Linear(2, 2), world, **arguments)
