@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 KERNEL_CHOICES = ("auto", "torch", "triton", "ext", "cupy")
 LINK_CHOICES = ("auto", "nvlink", "infiniband", "ethernet", "loopback")
 LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-SHARDING_CHOICES = ("full", "hybrid")
+SHARDING_CHOICES = ("full", "hybrid", "hpz")
 
 # name -> (accepted values as users read them, description) for the README and error messages.
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -29,7 +29,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_PROBE": ("0|1", "time a few collectives at start-up to fit the link model"),
     "OVERLAP_PROBE_CACHE": ("file path", "JSON file where probe results are kept and reused"),
     "OVERLAP_SHARDING": ("|".join(SHARDING_CHOICES),
-                         "shard over every rank, or inside each node and replicate across nodes"),
+                         "shard over every rank, inside each node and replicate across nodes, or over every "
+                         "rank with a node-local copy for backward (ZeRO++ hpZ)"),
 }
 
 

@@ -109,9 +109,10 @@ class ShardedModule(nn.Module):
             `reset_parameters()`); see `overlap.materialize`.
         mesh: a 2-D DeviceMesh ("replicate", "shard"): shard over its second dimension,
             replicate over its first (hybrid sharding, FSDP2's HSDP); a 1-D mesh shards.
-        sharding: "full" (over every rank of the group) or "hybrid" (inside each node of
-            LOCAL_WORLD_SIZE ranks, replicated across nodes): argument > OVERLAP_SHARDING >
-            "full". See `overlap.mesh`.
+        sharding: "full" (over every rank of the group), "hybrid" (inside each node of
+            LOCAL_WORLD_SIZE ranks, replicated across nodes) or "hpz" (over every rank, with a
+            node-local copy for backward's gathers): argument > OVERLAP_SHARDING > "full".
+            See `overlap.mesh`.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
@@ -206,7 +207,7 @@ class ShardedModule(nn.Module):
         groups = []
         for (dtype, requires_grad), entries in by_kind.items():
             group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
-                              self.mixed_precision.grad_reduce_dtype(dtype))
+                              self.mixed_precision.grad_reduce_dtype(dtype), self.sharding.node)
             for index, (_, param, _) in enumerate(entries):
                 self._slot_of[id(param)] = (group, index)
             groups.append(group)
