@@ -56,8 +56,8 @@ def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[De
         if sharding == "hpz":
             return "sharding='hpz' builds its node groups from LOCAL_WORLD_SIZE; pass no mesh"
         return None
-    if sharding == "full":
-        return None
+    if sharding == "full" or (sharding == "auto" and (process_group is not None or local_world_size is None)):
+        return None                             # auto: full sharding over the group, or over one node
     if process_group is not None:
         return f"sharding={sharding!r} builds its groups over every rank; pass a 2-D mesh to use a subgroup"
     if local_world_size is None:
@@ -76,7 +76,7 @@ def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[
         return _from_mesh(mesh)
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size()
-    if sharding == "full" or local_world_size is None or world == local_world_size:
+    if sharding in ("full", "auto") or local_world_size is None or world == local_world_size:
         return ShardingGroups(group, None)      # one node: nothing to replicate
     if sharding == "hpz":
         node, _ = dist.new_subgroups(group_size=local_world_size)
