@@ -14,13 +14,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils._pytree import tree_map
 
+from overlap.auto_sharding import sharding_at_startup
 from overlap.collectives import Collectives, device_backend
 from overlap.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
                             validate_bucket_mb, validate_prefetch_depth, validate_sharding)
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
 from overlap.materialize import check_same_values, materialize, meta_places
-from overlap.auto_sharding import sharding_at_startup
 from overlap.mesh import sharding_error
 from overlap.mixed_precision import MixedPrecision
 from overlap.planner import plan_at_startup
