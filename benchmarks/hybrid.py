@@ -111,6 +111,12 @@ def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
             if measured.get("decision"):
                 decisions.setdefault(impl, []).append(measured["decision"])
             print(f"{rate} round {round_index + 1} {impl}: done", flush=True)
+    return summarise(args, rate, steps, decisions)
+
+
+def summarise(args: argparse.Namespace, rate: str, steps: dict[str, list[float]],
+              decisions: dict[str, list[str]]) -> dict:
+    """Medians, quartiles, the planner's choice against the best of the grid, and its lines."""
     full = median(steps["overlap-full"]) if "overlap-full" in steps else None
     rows, summary = [], {}
     for impl, values in steps.items():
@@ -127,7 +133,7 @@ def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
         text += (f"\n\noverlap-auto ÷ best of {', '.join(grid)} ({best}): "
                  f"{summary['overlap-auto']['step_ms'] / grid[best]:.2f}")
     for impl, lines in decisions.items():
-        text += f"\n{impl}: {lines[0]}" + ("" if len(set(lines)) == 1 else f" (rounds differ: {sorted(set(lines))})")
+        text += "".join(f"\n{impl} round {k + 1}: {line}" for k, line in enumerate(lines))
     print(text, flush=True)
     return dict(steps_s=steps, summary=summary, decisions=decisions, table=text)
 
