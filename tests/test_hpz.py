@@ -94,3 +94,18 @@ def test_hpz_with_a_mesh_fails_on_every_rank() -> None:
         run_distributed(_hpz_with_a_mesh, 4, timeout=90)
     assert sorted(info.value.errors) == [0, 1, 2, 3]
     assert all("sharding='hpz'" in error and "pass no mesh" in error for error in info.value.errors.values())
+
+
+def _hpz_on_uneven_nodes(rank: int, world: int) -> None:
+    from overlap import ShardedModule
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    ShardedModule(torch.nn.Linear(4, 4), sharding="hpz")
+
+
+@pytest.mark.timeout(120)
+def test_hpz_on_uneven_nodes_fails_on_every_rank() -> None:
+    with pytest.raises(RankError) as info:
+        run_distributed(_hpz_on_uneven_nodes, 3, timeout=90)
+    assert sorted(info.value.errors) == [0, 1, 2]
+    assert all("world size 3 is not a multiple of LOCAL_WORLD_SIZE 2" in e for e in info.value.errors.values())
