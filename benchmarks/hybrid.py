@@ -1,13 +1,15 @@
-"""Full against hybrid sharding on the emulated two-node cluster (benchmarks/cluster.py):
-2 nodes × 2 gloo ranks, unthrottled inside a node, a throttled link between them.
+"""Full, hybrid and hpZ sharding, and the planner's choice among them, on the emulated
+two-node cluster (benchmarks/cluster.py): 2 nodes × 2 gloo ranks, unthrottled inside a node,
+a throttled link between them, at one or more rates.
 
-Rows: ShardedModule sharding over all 4 ranks; ShardedModule sharding inside each node and
-replicating across (hybrid); FSDP2 on the same 2-D mesh (HSDP: fully_shard per block and
-root); DDP. The benchmark GPT (23.2M parameters), batch 4×128 per rank, AdamW (fused where
-the CPU build has it) for all; implementations alternate within each round. A step's time
-is the slower rank's.
+Rows: ShardedModule sharding over all 4 ranks (full); inside each node, replicated across
+(hybrid); over all ranks with a node copy for backward (hpZ); sharding="auto" (the planner's
+choice, whose log line is kept); FSDP2 on the same 2-D mesh (HSDP: fully_shard per block and
+root); DDP. The benchmark GPT (23.2M parameters), batch 4×128 per rank, AdamW (fused where the
+CPU build has it) for all; implementations alternate within each round, rates run one after
+the other. A step's time is the slower rank's.
 
-    python benchmarks/hybrid.py --rate 1gbit --rounds 2 --steps 10 --out docs/results/hybrid.json
+    python benchmarks/hybrid.py --rate 1gbit,10gbit --rounds 2 --steps 3 --out docs/results/hybrid.json
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch
 from cluster import run_on_cluster
 from common import markdown_table, median, quartiles, read_json, script_main, write_json
 
-IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "fsdp2-hsdp", "ddp")
+IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hpz", "overlap-auto", "fsdp2-hsdp", "ddp")
+GRID = ("overlap-full", "overlap-hybrid", "overlap-hpz")     # what sharding="auto" chooses among
 
 
 def _optimizer(params) -> torch.optim.Optimizer:
@@ -51,9 +54,12 @@ def run_worker(args: argparse.Namespace) -> None:
     config = GPTConfig()
     torch.manual_seed(0)
     model = GPT(config)
+    decision = None
     if args.worker.startswith("overlap"):
-        model = ShardedModule(model, unit_types=(Block,),
-                              sharding="hybrid" if args.worker == "overlap-hybrid" else "full")
+        model = ShardedModule(model, unit_types=(Block,), sharding=args.worker.split("-", 1)[1])
+        decision = model.sharding.describe()
+        if model.sharding_choice is not None:
+            decision = f"{decision} ({model.sharding_choice.describe()})"
     elif args.worker == "fsdp2-hsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -80,26 +86,37 @@ def run_worker(args: argparse.Namespace) -> None:
         if step >= args.warmup:
             times.append(float(elapsed))
     if rank == 0:
-        write_json(args.result, dict(impl=args.worker, step_s=times))
+        write_json(args.result, dict(impl=args.worker, step_s=times, decision=decision))
+    # No destroy_process_group: it hung rank 0 after a finished run (see common._exit_worker,
+    # which ends the process instead).
     dist.barrier()
-    dist.destroy_process_group()
 
 
-def run_driver(args: argparse.Namespace) -> int:
+def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
+    """Every implementation, alternated within each round, at one inter-node rate."""
     script = os.path.abspath(__file__)
     steps: dict[str, list[float]] = {impl: [] for impl in args.impls}
-    with tempfile.TemporaryDirectory() as scratch:
-        for round_index in range(args.rounds):
-            for impl in args.impls:
-                result = os.path.join(scratch, f"{impl}-{round_index}.json")
-                command = [script, "--worker", impl, "--result", result, "--steps", str(args.steps),
-                           "--warmup", str(args.warmup), "--batch", str(args.batch)]
-                nodes = run_on_cluster(args.rate, 2, command, args.timeout, env={"OMP_NUM_THREADS": "1"})
-                for node, done in enumerate(nodes):
-                    if done.returncode != 0:
-                        raise RuntimeError(f"{impl} failed on node {node}:\n{done.stdout[-3000:]}")
-                steps[impl] += read_json(result)["step_s"]
-                print(f"round {round_index + 1} {impl}: done", flush=True)
+    decisions: dict[str, list[str]] = {}
+    for round_index in range(args.rounds):
+        for impl in args.impls:
+            result = os.path.join(scratch, f"{rate}-{impl}-{round_index}.json")
+            command = [script, "--worker", impl, "--result", result, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--batch", str(args.batch)]
+            nodes = run_on_cluster(rate, 2, command, args.timeout, env={"OMP_NUM_THREADS": "1"})
+            for node, done in enumerate(nodes):
+                if done.returncode != 0:
+                    raise RuntimeError(f"{impl} at {rate} failed on node {node}:\n{done.stdout[-3000:]}")
+            measured = read_json(result)
+            steps[impl] += measured["step_s"]
+            if measured.get("decision"):
+                decisions.setdefault(impl, []).append(measured["decision"])
+            print(f"{rate} round {round_index + 1} {impl}: done", flush=True)
+    return summarise(args, rate, steps, decisions)
+
+
+def summarise(args: argparse.Namespace, rate: str, steps: dict[str, list[float]],
+              decisions: dict[str, list[str]]) -> dict:
+    """Medians, quartiles, the planner's choice against the best of the grid, and its lines."""
     full = median(steps["overlap-full"]) if "overlap-full" in steps else None
     rows, summary = [], {}
     for impl, values in steps.items():
@@ -108,18 +125,32 @@ def run_driver(args: argparse.Namespace) -> int:
         rows.append([impl, f"{median(values) * 1e3:.0f}", f"{q1 * 1e3:.0f}–{q3 * 1e3:.0f}", len(values),
                      "–" if full is None else f"{median(values) / full:.2f}"])
     table = markdown_table(["implementation", "step ms (median)", "IQR ms", "steps", "÷ overlap-full"], rows)
-    text = (f"2 nodes × 2 gloo ranks, inter-node link {args.rate}, batch {args.batch}×128 per rank, "
+    text = (f"2 nodes × 2 gloo ranks, inter-node link {rate}, batch {args.batch}×128 per rank, "
             f"{args.rounds} alternated rounds of {args.steps} timed steps\n\n{table}")
-    print(text)
-    if args.out:
-        write_json(args.out, dict(command="python benchmarks/hybrid.py " + " ".join(args.argv), steps_s=steps,
-                                  summary=summary, table=text))
+    grid = {impl: summary[impl]["step_ms"] for impl in GRID if impl in summary}
+    if "overlap-auto" in summary and grid:
+        best = min(grid, key=grid.get)
+        text += (f"\n\noverlap-auto ÷ best of {', '.join(grid)} ({best}): "
+                 f"{summary['overlap-auto']['step_ms'] / grid[best]:.2f}")
+    for impl, lines in decisions.items():
+        text += "".join(f"\n{impl} round {k + 1}: {line}" for k, line in enumerate(lines))
+    print(text, flush=True)
+    return dict(steps_s=steps, summary=summary, decisions=decisions, table=text)
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    rates: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for rate in args.rates:
+            rates[rate] = _one_rate(args, rate, scratch)
+            if args.out:            # after each rate, so that a run cut short keeps what it measured
+                write_json(args.out, dict(command="python benchmarks/hybrid.py " + " ".join(args.argv), rates=rates))
     return 0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", default="1gbit", help="inter-node link rate (tc tbf)")
+    parser.add_argument("--rate", default="1gbit", help="inter-node link rates (tc tbf), comma-separated")
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
@@ -131,6 +162,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(argv)
+    args.rates = [rate.strip() for rate in args.rate.split(",") if rate.strip()]
     args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
     unknown = [impl for impl in args.impls if impl not in IMPLEMENTATIONS]
     if unknown:

@@ -143,10 +143,14 @@ class Collectives:
         work.get_future().add_done_callback(stamp)
         return pending
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str) -> Pending:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str,
+                   group: Optional[dist.ProcessGroup] = None) -> Pending:
         """Gather every rank's `shard` into `out` (world_size * shard.numel() elements), casting
-        the shard to out.dtype first."""
-        nbytes = out.numel() * out.element_size() * (self.world_size - 1) // self.world_size
+        the shard to out.dtype first; over `group` instead of the shard group if given (hpZ's
+        node copies, see overlap.node_copy)."""
+        group = self.group if group is None else group
+        world = dist.get_world_size(group)
+        nbytes = out.numel() * out.element_size() * (world - 1) // world
         with phase(f"overlap::all_gather::{unit}"):
             if self.use_streams:
                 # The gather may only start once the optimizer has written the shard and the
@@ -156,7 +160,7 @@ class Collectives:
                 with torch.cuda.stream(stream):
                     record = self.log.collective("all_gather", unit, nbytes, stream)
                     source = self._cast(shard, out.dtype)
-                    all_gather_flat(out, source, group=self.group)
+                    all_gather_flat(out, source, group=group)
                     record.end = self.log.clock.stamp(stream)
                     event = torch.cuda.Event()
                     event.record(stream)
@@ -165,7 +169,7 @@ class Collectives:
             record = self.log.collective("all_gather", unit, nbytes)
             source = self._cast(shard, out.dtype)
             version = out._version
-            work = all_gather_flat(out, source, group=self.group, async_op=True)
+            work = all_gather_flat(out, source, group=group, async_op=True)
             return self._pending(record, work, keep_alive=(source,), preserve_version_of=(out, version))
 
     def reduce_scatter(self, grad_full: torch.Tensor, shard_grad: torch.Tensor, reduce_dtype: torch.dtype,

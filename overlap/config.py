@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 KERNEL_CHOICES = ("auto", "torch", "triton", "ext", "cupy")
 LINK_CHOICES = ("auto", "nvlink", "infiniband", "ethernet", "loopback")
 LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-SHARDING_CHOICES = ("full", "hybrid")
+SHARDING_CHOICES = ("full", "hybrid", "hpz", "auto")
 
 # name -> (accepted values as users read them, description) for the README and error messages.
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -24,12 +24,14 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_KERNELS": ("|".join(KERNEL_CHOICES), "flat-buffer kernel backend"),
     "OVERLAP_NVTX": ("0|1", "emit NVTX ranges for Nsight Systems"),
     "OVERLAP_LOG": ("|".join(LOG_CHOICES), "level of the 'overlap' logger"),
-    "OVERLAP_LINK": ("|".join(LINK_CHOICES), "force the link class the planner assumes"),
+    "OVERLAP_LINK": ("|".join(LINK_CHOICES) + ", or two of them as INSIDE,ACROSS (e.g. nvlink,infiniband)",
+                     "force the link class the planner assumes, one for all ranks or one per level"),
     "OVERLAP_MEMORY_BUDGET_MB": ("number > 0 or 'auto'", "cap on gathered parameter bytes in flight"),
     "OVERLAP_PROBE": ("0|1", "time a few collectives at start-up to fit the link model"),
     "OVERLAP_PROBE_CACHE": ("file path", "JSON file where probe results are kept and reused"),
     "OVERLAP_SHARDING": ("|".join(SHARDING_CHOICES),
-                         "shard over every rank, or inside each node and replicate across nodes"),
+                         "shard over every rank, inside each node and replicate across nodes, or over every "
+                         "rank with a node-local copy for backward (ZeRO++ hpZ); auto: the planner chooses"),
 }
 
 
@@ -136,7 +138,11 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     if "OVERLAP_LOG" in env:
         fields["log_level"] = _parse_choice("OVERLAP_LOG", env["OVERLAP_LOG"], LOG_CHOICES, upper=True)
     if "OVERLAP_LINK" in env:
-        fields["link"] = _parse_choice("OVERLAP_LINK", env["OVERLAP_LINK"], LINK_CHOICES)
+        levels = env["OVERLAP_LINK"].split(",")
+        if len(levels) > 2 or (len(levels) == 2 and "auto" in [v.strip().lower() for v in levels]):
+            raise ValueError(f"OVERLAP_LINK={env['OVERLAP_LINK']!r} is invalid; accepted values: "
+                             f"{ENV_VARS['OVERLAP_LINK'][0]}")
+        fields["link"] = ",".join(_parse_choice("OVERLAP_LINK", v, LINK_CHOICES) for v in levels)
     if "OVERLAP_MEMORY_BUDGET_MB" in env:
         fields["memory_budget_mb"] = _parse_auto_number(
             "OVERLAP_MEMORY_BUDGET_MB", env["OVERLAP_MEMORY_BUDGET_MB"], integer=False, minimum=0, strict=True)

@@ -38,6 +38,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from overlap.checkpoint.sharded_tensors import as_sharded_tensor
 from overlap.collectives import Collectives, Pending, all_gather_flat
+from overlap.node_copy import NodeCopy
 
 
 @dataclass
@@ -61,8 +62,11 @@ class ParamSlot:
 
 class FlatGroup:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-                 collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+                 collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 node_group: Optional[dist.ProcessGroup] = None) -> None:
         self.collectives = collectives
+        # hpZ: backward re-gathers from a copy kept inside the node (None: from the shards).
+        self.node_copy = None if node_group is None else NodeCopy(collectives, node_group)
         self.kernels = collectives.kernels
         world, rank = collectives.world_size, collectives.rank
         device = collectives.device
@@ -145,6 +149,8 @@ class FlatGroup:
         with torch.autograd._unsafe_preserve_version_counter(self.full):
             if not self.is_allocated:
                 self.full.untyped_storage().resize_(self._full_nbytes)
+            if self.node_copy is not None:
+                return self.node_copy.gather(self.full.detach(), self.shard, unit_name)
             return self.collectives.all_gather(self.full.detach(), self.shard, unit_name)
 
     def free(self) -> None:

@@ -1,5 +1,6 @@
 """Which ranks share the shards and which hold replicas: full sharding over one process
-group, or hybrid sharding over a 2-D device mesh (replicate across nodes, shard inside each).
+group, hybrid sharding over a 2-D device mesh (replicate across nodes, shard inside each), or
+hpZ (shard over every rank, keep a node-local copy for backward; see overlap.node_copy).
 
 With hybrid sharding the frequent all-gathers and reduce-scatters stay on the fast link
 inside a node, and only one all-reduce of each rank's gradient shard crosses the slow link
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 class ShardingGroups:
     shard: dist.ProcessGroup                    # ranks whose shards make up the parameters
     replicate: Optional[dist.ProcessGroup]      # ranks holding the same shard (None: full sharding)
+    node: Optional[dist.ProcessGroup] = None    # hpZ: this node's ranks, which gather backward's copy
 
     @property
     def replicas(self) -> int:
@@ -25,6 +27,9 @@ class ShardingGroups:
 
     def describe(self) -> str:
         shard = dist.get_world_size(self.shard)
+        if self.node is not None:
+            return f"hpZ: full sharding over {shard} ranks, backward gathers over {dist.get_world_size(self.node)} " \
+                   "ranks per node"
         return f"full sharding over {shard} ranks" if self.replicate is None else \
             f"hybrid sharding: {shard} ranks per shard group, {self.replicas} replicas"
 
@@ -48,15 +53,17 @@ def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[De
         names = mesh.mesh_dim_names
         if mesh.ndim == 2 and names is not None and tuple(names) != ("replicate", "shard"):
             return f"mesh dimensions {names}: name them ('replicate', 'shard'), the order FSDP2 uses"
+        if sharding == "hpz":
+            return "sharding='hpz' builds its node groups from LOCAL_WORLD_SIZE; pass no mesh"
         return None
-    if sharding != "hybrid":
-        return None
+    if sharding == "full" or (sharding == "auto" and (process_group is not None or local_world_size is None)):
+        return None                             # auto: full sharding over the group, or over one node
     if process_group is not None:
-        return "sharding='hybrid' builds its mesh over every rank; pass a 2-D mesh to use a subgroup"
+        return f"sharding={sharding!r} builds its groups over every rank; pass a 2-D mesh to use a subgroup"
     if local_world_size is None:
-        return "sharding='hybrid' needs LOCAL_WORLD_SIZE (set by torchrun) or a 2-D mesh"
+        return f"sharding={sharding!r} needs LOCAL_WORLD_SIZE (set by torchrun)"
     if dist.get_world_size() % local_world_size:
-        return f"sharding='hybrid': world size {dist.get_world_size()} is not a multiple of LOCAL_WORLD_SIZE " \
+        return f"sharding={sharding!r}: world size {dist.get_world_size()} is not a multiple of LOCAL_WORLD_SIZE " \
                f"{local_world_size}"
     return None
 
@@ -69,7 +76,10 @@ def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[
         return _from_mesh(mesh)
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size()
-    if sharding == "full" or local_world_size is None or world == local_world_size:
+    if sharding in ("full", "auto") or local_world_size is None or world == local_world_size:
         return ShardingGroups(group, None)      # one node: nothing to replicate
+    if sharding == "hpz":
+        node, _ = dist.new_subgroups(group_size=local_world_size)
+        return ShardingGroups(group, None, node)
     return _from_mesh(init_device_mesh(device_type, (world // local_world_size, local_world_size),
                                        mesh_dim_names=("replicate", "shard")))

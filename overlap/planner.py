@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import Config
-from overlap.cost_model import Prediction, Profile, UnitCost, bucket_name, bucket_runs, predict_step, wire_bytes
+from overlap.cost_model import CommLayout, Prediction, Profile, UnitCost, bucket_name, bucket_runs, predict_step, wire_bytes
 from overlap.mixed_precision import MixedPrecision
 from overlap.topology import LINK_DEFAULTS, LinkModel
 
 if TYPE_CHECKING:           # the choices above need no runtime; only the wiring below sees it
+    from overlap.auto_sharding import AutoSharding
     from overlap.unit import Unit
     from overlap.units import UnitSpec
 
@@ -99,7 +100,7 @@ def choose_bucket_bytes(units: Sequence[UnitCost], link: LinkModel, world_size: 
     return max(bucket, 1)
 
 
-def choose_depths(profile: Profile, link: LinkModel, memory_budget_bytes: Optional[int],
+def choose_depths(profile: Profile, link: "LinkModel | CommLayout", memory_budget_bytes: Optional[int],
                   shared: bool = True, max_depth: int = MAX_DEPTH) -> tuple[int, int, Prediction]:
     """Forward and backward depths with the shortest predicted step (equal when `shared`).
 
@@ -140,12 +141,14 @@ def initial_plan(units: Sequence[UnitCost], link: LinkModel, world_size: int,
     return Plan(depth, depth, bucket, reason)
 
 
-def explain(profile: Profile, link: LinkModel, plan: Plan, memory_budget_bytes: Optional[int]) -> str:
+def explain(profile: Profile, link: "LinkModel | CommLayout", plan: Plan, memory_budget_bytes: Optional[int]) -> str:
     """One line with the figures behind a measured plan."""
+    layout = link if isinstance(link, CommLayout) else CommLayout.single(link, profile.world_size)
+    link = layout.gather.link
     n = max(len(profile.units), 1)
     forward = sum(u.forward_s for u in profile.units) / n
     backward = sum(u.backward_s for u in profile.units) / n
-    gather = sum(link.time(wire_bytes(u.gather_bytes, profile.world_size)) for u in profile.units) / n
+    gather = sum(layout.gather.time(u.gather_bytes) for u in profile.units) / n
     p = plan.prediction
     budget = "no budget" if memory_budget_bytes is None else f"{memory_budget_bytes / 2**20:.0f} MB budget"
     depth = (f"depth {plan.forward_depth}" if plan.forward_depth == plan.backward_depth
@@ -185,14 +188,22 @@ class StartupPlan:
     plan: Plan
     link: LinkModel
     memory_budget_bytes: int
+    # Every collective's group and link, when the sharding was chosen on both levels.
+    layout: Optional[CommLayout] = None
 
 
 def plan_at_startup(group: dist.ProcessGroup, device: torch.device, link: str, config: Config,
-                    unit_specs: Sequence["UnitSpec"], mp: MixedPrecision) -> StartupPlan:
-    """Link model (probed unless OVERLAP_PROBE=0 or both knobs are fixed), memory budget
-    (rank 0's, so that every rank plans alike) and the initial plan."""
+                    unit_specs: Sequence["UnitSpec"], mp: MixedPrecision,
+                    auto: Optional["AutoSharding"] = None) -> StartupPlan:
+    """Link model (probed unless OVERLAP_PROBE=0 or both knobs are fixed, or already probed
+    by `auto`), memory budget (rank 0's, so that every rank plans alike) and the initial plan."""
     from overlap.probe import probe_link      # runs collectives: the runtime's floor, not the planner's
 
+    if auto is not None:
+        costs = [cost_of_spec(spec, mp) for spec in unit_specs]
+        budget = auto.gathered_budget
+        plan = initial_plan(costs, auto.link, dist.get_world_size(group), budget)
+        return StartupPlan(plan, auto.link, budget, auto.layout)
     model = LINK_DEFAULTS[link]
     if config.probe and (config.prefetch_depth is None or config.bucket_mb is None):
         model = probe_link(group, device, model, config.probe_cache)

@@ -53,8 +53,9 @@ def fit_alpha_beta(samples: Sequence[tuple[float, float]], fallback: LinkModel) 
     return max(alpha, MIN_ALPHA_S), beta
 
 
-def _cache_key(link: str, group: dist.ProcessGroup, device: torch.device) -> str:
-    return f"{link}/{device_backend(group, device.type)}/world{dist.get_world_size(group)}"
+def _cache_key(link: str, group: dist.ProcessGroup, device: torch.device, level: str) -> str:
+    key = f"{link}/{device_backend(group, device.type)}/world{dist.get_world_size(group)}"
+    return f"{key}/{level}" if level else key
 
 
 def _read_cache(path: Optional[str], key: str) -> Optional[tuple[float, float]]:
@@ -117,7 +118,7 @@ class _Timer:
         return gather, reduce
 
 
-def _measure(group: dist.ProcessGroup, device: torch.device) -> list[tuple[float, float]]:
+def _measure(group: dist.ProcessGroup, device: torch.device, budget_s: float) -> list[tuple[float, float]]:
     """(wire bytes, slowest rank's best seconds) for each size the budget allowed."""
     timer = _Timer(group, device)
     timer.pair(PROBE_SIZES[0])  # warm-up: connection set-up is not latency
@@ -137,17 +138,19 @@ def _measure(group: dist.ProcessGroup, device: torch.device) -> list[tuple[float
         spent = float(clock[-1])
         last_pair = float(best.sum()) * PROBE_REPEATS
         ratio = PROBE_SIZES[index + 1] / nbytes if index + 1 < len(PROBE_SIZES) else 0.0
-        if spent + last_pair * ratio > PROBE_BUDGET_S:
+        if spent + last_pair * ratio > budget_s:
             break
     return samples
 
 
 def probe_link(group: dist.ProcessGroup, device: torch.device, default: LinkModel,
-               cache_path: Optional[str] = None) -> LinkModel:
-    """Fit α and β on `group` (or reuse a cached fit); every rank gets rank 0's answer."""
+               cache_path: Optional[str] = None, level: str = "", budget_s: float = PROBE_BUDGET_S) -> LinkModel:
+    """Fit α and β on `group` (or reuse a cached fit); every rank gets the answer of the
+    group's rank 0. `level` tells apart, in the cache, groups of one size on different
+    levels (a node's ranks, one rank per node)."""
     if dist.get_world_size(group) == 1:
         return default
-    key = _cache_key(default.link, group, device)
+    key = _cache_key(default.link, group, device, level)
     src = dist.get_global_rank(group, 0)
     is_rank0 = dist.get_rank(group) == 0
     cached = _read_cache(cache_path, key) if is_rank0 else None
@@ -157,7 +160,7 @@ def probe_link(group: dist.ProcessGroup, device: torch.device, default: LinkMode
         alpha, beta = found[0]
         return LinkModel(default.link, alpha, beta, "cache")
     start = time.perf_counter()
-    samples = _measure(group, device)
+    samples = _measure(group, device, budget_s)
     answer = [fit_alpha_beta(samples, default) if is_rank0 else None]
     dist.broadcast_object_list(answer, src=src, group=group)
     alpha, beta = answer[0]

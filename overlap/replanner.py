@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap.cost_model import Profile, predict_step
+from overlap.cost_model import CommLayout, Profile, predict_step
 from overlap.planner import Plan, StartupPlan, choose_depths, cost_of_unit, explain
 from overlap.report import analyse_step
 from overlap.scheduler import Scheduler
@@ -33,7 +33,7 @@ def replanner_for(scheduler: Scheduler, startup: StartupPlan, bucket_bytes: int,
     base = Profile(tuple(cost_of_unit(u) for u in scheduler.units), dist.get_world_size(group),
                    cost_of_unit(scheduler.root) if scheduler.root is not None else None,
                    reshard_after_forward=scheduler.reshard_after_forward)
-    return Replanner(base, startup.link, bucket_bytes, startup.memory_budget_bytes, group, device)
+    return Replanner(base, startup.layout or startup.link, bucket_bytes, startup.memory_budget_bytes, group, device)
 
 
 # ---- measurement and re-planning at run time ---------------------------------------------------
@@ -97,7 +97,7 @@ class Replanner:
     """
 
     base: Profile
-    link: LinkModel
+    link: LinkModel | CommLayout           # CommLayout: collectives on two link levels
     bucket_bytes: int
     memory_budget_bytes: Optional[int]
     group: dist.ProcessGroup

@@ -14,13 +14,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils._pytree import tree_map
 
+from overlap.auto_sharding import sharding_at_startup
 from overlap.collectives import Collectives, device_backend
 from overlap.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
                             validate_bucket_mb, validate_prefetch_depth, validate_sharding)
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
 from overlap.materialize import check_same_values, materialize, meta_places
-from overlap.mesh import resolve_sharding, sharding_error
+from overlap.mesh import sharding_error
 from overlap.mixed_precision import MixedPrecision
 from overlap.planner import plan_at_startup
 from overlap.replanner import replanner_for
@@ -109,9 +110,11 @@ class ShardedModule(nn.Module):
             `reset_parameters()`); see `overlap.materialize`.
         mesh: a 2-D DeviceMesh ("replicate", "shard"): shard over its second dimension,
             replicate over its first (hybrid sharding, FSDP2's HSDP); a 1-D mesh shards.
-        sharding: "full" (over every rank of the group) or "hybrid" (inside each node of
-            LOCAL_WORLD_SIZE ranks, replicated across nodes): argument > OVERLAP_SHARDING >
-            "full". See `overlap.mesh`.
+        sharding: "full" (over every rank of the group), "hybrid" (inside each node of
+            LOCAL_WORLD_SIZE ranks, replicated across nodes) or "hpz" (over every rank, with a
+            node-local copy for backward's gathers), or "auto" (the planner chooses among
+            them; see `overlap.auto_sharding`): argument > OVERLAP_SHARDING > "full".
+            See `overlap.mesh`.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
@@ -146,13 +149,15 @@ class ShardedModule(nn.Module):
                      "and choose units with unit_types")
         root_spec, unit_specs = discover_units(module, unit_types)
         _agree(all_group, error, _signature(root_spec, unit_specs), config)
-        self.sharding = resolve_sharding(process_group, mesh, config.sharding, local_world_size, device.type)
+        self.sharding, auto = sharding_at_startup(process_group, mesh, config, local_world_size, device, unit_specs, mp)
+        # sharding="auto" on several nodes: the options compared and the one taken.
+        self.sharding_choice = None if auto is None else auto.choice
         group = self.sharding.shard
         logger.info("%s", self.sharding.describe())
 
         enable_nvtx(config.nvtx)
-        self.link = detect_link(group, config.link)
-        startup = plan_at_startup(group, device, self.link, config, unit_specs, mp)
+        self.link = detect_link(group, config.link, local_world_size) if auto is None else auto.link.link
+        startup = plan_at_startup(group, device, self.link, config, unit_specs, mp, auto)
         self.overlap_config = config.with_overrides(
             prefetch_depth=startup.plan.forward_depth if config.prefetch_depth is None else None,
             bucket_mb=startup.plan.bucket_mb if config.bucket_mb is None else None,
@@ -206,7 +211,7 @@ class ShardedModule(nn.Module):
         groups = []
         for (dtype, requires_grad), entries in by_kind.items():
             group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
-                              self.mixed_precision.grad_reduce_dtype(dtype))
+                              self.mixed_precision.grad_reduce_dtype(dtype), self.sharding.node)
             for index, (_, param, _) in enumerate(entries):
                 self._slot_of[id(param)] = (group, index)
             groups.append(group)

@@ -12,12 +12,13 @@ optimizer step and data loading are not in the step time.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from overlap.cost_model import Prediction, Profile, UnitCost, predict_step
 from overlap.memory_model import ActivationShape, activation_bytes
 from overlap.planner import BUDGET_FRACTION, MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
+from overlap.sharding_plan import Levels, choose_sharding
 from overlap.topology import LinkModel
 
 GATHER_BYTES = 2       # bf16 parameters
@@ -74,6 +75,7 @@ class ClusterPreset:
     step_latency_intra: float
     step_latency_inter: float
     base_latency: float = 8e-6
+    node_bandwidth: float = 370e9     # NVLink bus bandwidth inside a node (bytes/s)
 
     @property
     def ranks(self) -> int:
@@ -84,8 +86,21 @@ class ClusterPreset:
         the network and the rest stay on NVLink."""
         intra_steps = self.ranks - self.nodes
         alpha = self.base_latency + intra_steps * self.step_latency_intra + (self.nodes - 1) * self.step_latency_inter
-        kind = "nvlink" if self.nodes == 1 else ("infiniband" if self.step_latency_inter < 10e-6 else "ethernet")
+        kind = "nvlink" if self.nodes == 1 else self._network_kind
         return LinkModel(kind, alpha, self.bus_bandwidth, "preset")
+
+    @property
+    def _network_kind(self) -> str:
+        return "infiniband" if self.step_latency_inter < 10e-6 else "ethernet"
+
+    def levels(self) -> Levels:
+        """The two levels as `overlap.sharding_plan` sees them, by the same ring model: a
+        node's ranks over NVLink, one rank per node over the network, and every rank (`link`)."""
+        node = LinkModel("nvlink", self.base_latency + (self.gpus_per_node - 1) * self.step_latency_intra,
+                         self.node_bandwidth, "preset")
+        network = LinkModel(self._network_kind, self.base_latency + (self.nodes - 1) * self.step_latency_inter,
+                            self.bus_bandwidth, "preset")
+        return Levels(self.nodes, self.gpus_per_node, node, network, self.link())
 
 
 H100 = dict(peak_flops=989e12, memory_bytes=80e9)
@@ -95,7 +110,8 @@ A100 = dict(peak_flops=312e12, memory_bytes=80e9)
 # per network step. Ethernet: one 100 Gb/s NIC per node ≈ 11 GB/s, ~12 µs per network step.
 CLUSTERS: dict[str, ClusterPreset] = {
     "8xH100-nvlink": ClusterPreset(1, 8, **H100, bus_bandwidth=370e9, step_latency_intra=1e-6, step_latency_inter=0.0),
-    "8xA100-nvlink": ClusterPreset(1, 8, **A100, bus_bandwidth=230e9, step_latency_intra=1e-6, step_latency_inter=0.0),
+    "8xA100-nvlink": ClusterPreset(1, 8, **A100, bus_bandwidth=230e9, step_latency_intra=1e-6, step_latency_inter=0.0,
+                                   node_bandwidth=230e9),
     "2x8xH100-ib-ndr": ClusterPreset(2, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "4x8xH100-ib-ndr": ClusterPreset(4, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "16x8xH100-ib-ndr": ClusterPreset(16, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
@@ -194,6 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--depth", type=int, default=None, help="only this prefetch depth")
     parser.add_argument("--bucket-mb", type=float, default=None, help="only this bucket size (0: no merging)")
     parser.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes of the cluster's GPUs (default: the preset's); with 2 or more, full, hybrid "
+                             "and hpZ sharding are compared")
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu {args.mfu} is invalid; expected a number in (0, 1]")
@@ -203,11 +222,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--depth {args.depth} is invalid; expected an integer >= 0")
     if args.bucket_mb is not None and args.bucket_mb < 0:
         parser.error(f"--bucket-mb {args.bucket_mb} is invalid; expected a number >= 0")
+    if args.nodes is not None and args.nodes < 1:
+        parser.error(f"--nodes {args.nodes} is invalid; expected an integer >= 1")
 
     model = MODELS[args.model]
     if args.seq is not None:
         model = ModelPreset(**{**model.__dict__, "seq": args.seq})
     cluster = CLUSTERS[args.cluster]
+    if args.nodes is not None:
+        cluster = replace(cluster, nodes=args.nodes)
     link = cluster.link()
     profile = build_profile(model, cluster, args.batch, args.mfu)
     budget = int(BUDGET_FRACTION * cluster.memory_bytes)
@@ -249,4 +272,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"(F/B forward/backward, H embedding+head, G gather, R reduce):")
     for line in render_timeline(shown.prediction):
         print(line)
+    if cluster.nodes > 1:
+        print()
+        for line in sharding_table(profile, cluster, model, args.batch, args.checkpointing):
+            print(line)
     return 0
+
+
+def sharding_table(profile: Profile, cluster: ClusterPreset, model: ModelPreset, batch: int,
+                   checkpointing: bool) -> list[str]:
+    """Full, hybrid and hpZ sharding on the cluster's two levels, each with the planner's
+    bucket and depth, and the option `sharding="auto"` would take (`overlap.sharding_plan`)."""
+    levels = cluster.levels()
+    budget = int(BUDGET_FRACTION * cluster.memory_bytes)
+    acts = activations(model, batch, checkpointing)
+    largest_reduce = max(u.reduce_bytes for u in profile.units)
+    choice = choose_sharding(profile.units, levels, budget, int(cluster.memory_bytes - acts - largest_reduce),
+                             profile.other_s, profile.root)
+    lines = [f"sharding on {levels.nodes} nodes x {levels.local} GPUs: inside {levels.node.describe()}, "
+             f"across {levels.network.describe()}",
+             f"{'sharding':>8} {'depth':>5} {'bucket MB':>9} {'step ms':>9} {'exposed ms':>10} {'mem GB/rank':>11} "
+             f"{'tokens/s/GPU':>12}"]
+    for option in choice.options:
+        p = option.prediction
+        mark = "  <- sharding=auto" if option is choice.pick else ""
+        lines.append(f"{option.sharding:>8} {option.depth:>5} {_mb(option.bucket_bytes):>9} {p.step_s * 1e3:>9.1f} "
+                     f"{p.exposed_s * 1e3:>10.1f} {(option.memory_bytes + largest_reduce + acts) / 1e9:>11.1f} "
+                     f"{batch * model.seq / p.step_s:>12,.0f}{mark}")
+    return lines

@@ -91,6 +91,9 @@ class Unit:
 
     def begin_pass(self) -> None:
         """Reset what one forward and its backward track."""
+        for group in self.groups:
+            if group.node_copy is not None:
+                group.node_copy.drop()          # made before the optimizer last wrote the shards
         self.state = TrainingState.IDLE
         self.members_run.clear()
         self.grads_pending = len(self.trainable_groups)

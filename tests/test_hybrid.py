@@ -1,6 +1,7 @@
-"""Hybrid sharding (shard inside a node, replicate across nodes) on an emulated two-node
-cluster: two network namespaces of 2 ranks each, joined by a throttled link, equal one
-process on the same global batches."""
+"""Hybrid sharding (shard inside a node, replicate across nodes) and hpZ (shard over every
+rank, re-gather inside the node for backward) on an emulated two-node cluster: two network
+namespaces of 2 ranks each, joined by a throttled link, equal one process on the same global
+batches."""
 from __future__ import annotations
 
 import json
@@ -32,20 +33,18 @@ def _namespaces_work() -> str | None:
     return None
 
 
-# The emulated-cluster runs hung in 2 of 5 tries on a loaded machine (both launchers alive,
-# the ranks idle mid-training) and the cause is not found yet, so they run only when asked
-# for; the single-host mesh test below exercises the same hybrid runtime in every run.
-REASON = None if os.environ.get("OVERLAP_CLUSTER_TESTS") == "1" else \
-    "opt-in (OVERLAP_CLUSTER_TESTS=1) until an intermittent hang of the two-launcher runs is found"
-REASON = REASON or _namespaces_work()
+REASON = _namespaces_work()
 needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster: {REASON}")
 
 
 @needs_cluster
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name,wrap", [("features_bucketed", {"sharding": "hybrid"}),
-                                       ("gpt_adamw_groups", {"sharding": "hybrid"})])
-def test_hybrid_sharding_on_two_nodes_equals_one_process(name: str, wrap: dict, tmp_path) -> None:
+@pytest.mark.parametrize("name,wrap,described", [
+    ("features_bucketed", {"sharding": "hybrid"}, "hybrid sharding: 2 ranks per shard group, 2 replicas"),
+    ("gpt_adamw_groups", {"sharding": "hybrid"}, "hybrid sharding: 2 ranks per shard group, 2 replicas"),
+    ("gpt_adamw_groups", {"sharding": "hpz"}, "hpZ: full sharding over 4 ranks, backward gathers over 2 ranks per node"),
+])
+def test_sharding_on_two_nodes_equals_one_process(name: str, wrap: dict, described: str, tmp_path) -> None:
     from cluster import run_on_cluster
 
     out = str(tmp_path / "result.pt")
@@ -54,7 +53,7 @@ def test_hybrid_sharding_on_two_nodes_equals_one_process(name: str, wrap: dict, 
     for node, result in enumerate(results):
         assert result.returncode == 0, f"node {node}:\n{result.stdout[-4000:]}"
     got, ref, case = torch.load(out, weights_only=False), train(CASES[name]), CASES[name]
-    assert got["sharding"] == "hybrid sharding: 2 ranks per shard group, 2 replicas"
+    assert got["sharding"] == described
     tol = {"rtol": case.rtol, "atol": case.atol}
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tol)
     for key, expected in ref["state"].items():

@@ -1,0 +1,111 @@
+"""hpZ (primary shards over every rank, a node-local copy for backward's gathers) on one host
+whose 4 ranks are told they form 2 nodes of 2 (LOCAL_WORLD_SIZE=2): training equals one
+process on the same global batches, and backward gathers from the node copies."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distributed import RankError, run_distributed
+from parity import train
+from parity_cases import CASES
+
+HPZ_CASES = ["features_bucketed", "gpt_adamw_groups", "gpt_no_sync"]
+
+
+def _train_hpz(rank: int, world: int, names: list[str]) -> dict:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    results = {}
+    for name in names:
+        case = CASES[name]
+        case.wrap = {**case.wrap, "sharding": "hpz"}
+        results[name] = train(case, rank, world, sharded=True)
+    return results
+
+
+@pytest.mark.timeout(400)
+def test_hpz_trains_like_one_process() -> None:
+    got = run_distributed(_train_hpz, 4, HPZ_CASES, timeout=360)[0]
+    for name in HPZ_CASES:
+        case, ref = CASES[name], train(CASES[name])
+        assert got[name]["sharding"] == "hpZ: full sharding over 4 ranks, backward gathers over 2 ranks per node"
+        tol = {"rtol": case.rtol, "atol": case.atol}
+        torch.testing.assert_close(torch.tensor(got[name]["losses"]), torch.tensor(ref["losses"]), **tol)
+        for key, expected in ref["state"].items():
+            torch.testing.assert_close(got[name]["state"][key], expected, **tol, msg=lambda m: f"{name} {key}: {m}")
+
+
+def _gathers_per_step(rank: int, world: int) -> list[list[tuple[str, int]]]:
+    """(unit, ranks gathering) for every all-gather of two training steps."""
+    import torch.distributed as dist
+
+    from overlap import ShardedModule
+    from overlap.models import GPT
+    from parity_cases import SMALL_GPT
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), sharding="hpz", bucket_mb=0.01)
+    collectives = model.collectives
+    seen: list[tuple[str, int]] = []
+    issue = collectives.all_gather
+
+    def recording(out, shard, unit, group=None):
+        seen.append((unit, dist.get_world_size(collectives.group if group is None else group)))
+        return issue(out, shard, unit, group)
+
+    collectives.all_gather = recording
+    steps = []
+    for _ in range(2):
+        tokens = torch.randint(0, SMALL_GPT.vocab_size, (2, 12))
+        model(tokens, tokens).backward()
+        steps.append(list(seen))
+        seen.clear()
+    return steps
+
+
+@pytest.mark.timeout(200)
+def test_backward_gathers_from_the_node_copy() -> None:
+    for steps in run_distributed(_gathers_per_step, 4, timeout=150):
+        for gathers in steps:
+            by_unit: dict[str, list[int]] = {}
+            for unit, ranks in gathers:
+                by_unit.setdefault(unit, []).append(ranks)
+            # Each unit is gathered once over all 4 ranks (forward); any second gather is
+            # backward's, inside the node (2 ranks), from the copy forward kept.
+            assert all(ranks[0] == 4 and all(r == 2 for r in ranks[1:]) for ranks in by_unit.values()), by_unit
+            assert sum(len(ranks) - 1 for ranks in by_unit.values()) >= 2, by_unit
+
+
+def _hpz_with_a_mesh(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from overlap import ShardedModule
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ShardedModule(torch.nn.Linear(4, 4), mesh=mesh, sharding="hpz")
+
+
+@pytest.mark.timeout(120)
+def test_hpz_with_a_mesh_fails_on_every_rank() -> None:
+    with pytest.raises(RankError) as info:
+        run_distributed(_hpz_with_a_mesh, 4, timeout=90)
+    assert sorted(info.value.errors) == [0, 1, 2, 3]
+    assert all("sharding='hpz'" in error and "pass no mesh" in error for error in info.value.errors.values())
+
+
+def _hpz_on_uneven_nodes(rank: int, world: int) -> None:
+    from overlap import ShardedModule
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    ShardedModule(torch.nn.Linear(4, 4), sharding="hpz")
+
+
+@pytest.mark.timeout(120)
+def test_hpz_on_uneven_nodes_fails_on_every_rank() -> None:
+    with pytest.raises(RankError) as info:
+        run_distributed(_hpz_on_uneven_nodes, 3, timeout=90)
+    assert sorted(info.value.errors) == [0, 1, 2]
+    assert all("world size 3 is not a multiple of LOCAL_WORLD_SIZE 2" in e for e in info.value.errors.values())
