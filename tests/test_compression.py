@@ -13,18 +13,22 @@ from distributed import RankError, run_distributed
 from parity import train
 from parity_cases import CASES
 
-from overlap import MixedPrecision
 
 MODES = ("none", "int8", "int8-int4")
 # fp32 and bf16 weights, no_sync accumulation, and (in "features") odd sizes, a frozen block,
 # tiny parameters and a block unused on step 2.
 NAMES = ("gpt_adamw_groups", "gpt_no_sync", "gpt_bf16", "features")
 # Largest relative difference of any step's loss from uncompressed training, and of the
-# parameters' total change over the run (|Δ_compressed - Δ_none| / |Δ_none|), per mode:
-# what 8 and 4 bits per value with a scale per 128 allow over 3 to 4 steps, with margin
-# (measured: at most 0.2% / 2% for int8 and 0.5% / 12% for int8-int4, worlds 2 and 3).
-LOSS_RTOL = {"int8": 0.01, "int8-int4": 0.02}
-UPDATE_RTOL = {"int8": 0.08, "int8-int4": 0.3}
+# parameters' total change over the run (|Δ_compressed - Δ_none| / |Δ_none|), per mode.
+# Measured at worlds 2 and 3: losses within 0.55% (int8) and 0.51% (int8-int4); changes
+# within 21% and 34%, the most with AdamW, whose first steps move each weight by about
+# sign(gradient) x lr, so a tiny gradient that quantises to the other sign moves it the other
+# way (SGD cases: 7% and 11%). Bounds: about twice the loss figure, 1.4x the change figure.
+LOSS_RTOL = {"int8": 0.01, "int8-int4": 0.01}
+UPDATE_RTOL = {"int8": 0.3, "int8-int4": 0.5}
+# Bytes sent over bytes uncompressed in the last step (measured: 0.20-0.27 with fp32
+# gathers; 0.26-0.34 with bf16 gathers, where int8 halves rather than quarters them).
+WIRE_RATIO = {torch.float32: 0.28, torch.bfloat16: 0.36}
 
 
 def _train_modes(rank: int, world: int) -> dict:
@@ -78,8 +82,8 @@ def test_compressed_training_stays_close(world: int, name: str, mode: str) -> No
     assert [k for k in got["state"] if not torch.equal(got["state"][k], initial[k])] == moved
     assert not torch.equal(delta, delta_ref)
     assert ref["wire"] == ref["raw"]
-    limit = 0.3 if mode == "int8" or name == "gpt_bf16" else 0.22
-    assert got["wire"] <= limit * got["raw"] + 4096
+    gather_dtype = torch.bfloat16 if name == "gpt_bf16" else torch.float32
+    assert got["wire"] <= WIRE_RATIO[gather_dtype] * got["raw"]
 
 
 # ---- the collectives alone ---------------------------------------------------------------------
