@@ -10,7 +10,8 @@ A rank's quantised chunk travels as one byte record: the values (int8, or int4 t
 byte), padded to a multiple of 4 bytes, then the chunk's fp32 scales. The all-gather and the
 all-to-all each move one uint8 buffer of such records, so a compressed collective costs one
 latency like the uncompressed one, and the receiving side reads the values and scales of
-record `c` as views (the padding keeps the scales 4-byte aligned).
+record `c` as views (the padding keeps the scales 4-byte aligned; its bytes are sent
+uninitialised and never read).
 
 [Note: error feedback]
 int4 gradients keep the quantisation error of every chunk a rank sends (fp32, one value per
@@ -21,6 +22,12 @@ over k steps differs from the sum of the true gradients by one step's error, not
 more than the model states themselves), so it is used only where int4 needs it; int8
 gradients go without. A block whose gradient overflowed leaves NaN in its error (see [Note:
 non-finite values] in overlap.kernels.quantized): `reset_errors()` clears them.
+
+[Note: callbacks drop their buffers]
+A gloo collective's completion callback reads the received records; the `Pending` that holds
+the callback lives until the unit's next collective. The callback drops its references once
+it has run, so the records are freed when the wait ends rather than a step later (measured:
+the int8 step's peak memory stayed 4.6 MiB above the uncompressed one's without this).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlap.collectives import Collectives, Pending, all_gather_flat
-from overlap.kernels.quantized import quantized_bytes, num_blocks
+from overlap.kernels.quantized import DEFAULT_BLOCK, num_blocks, quantized_bytes
 from overlap.profiling import phase
 
 # mode -> (bits of gathered weights, bits of reduced gradients); None: not compressed.
@@ -48,7 +55,7 @@ class Compression:
     """What is quantised on the wire, and in blocks of how many elements."""
 
     mode: str = "none"
-    block: int = 128
+    block: int = DEFAULT_BLOCK
 
     @property
     def weight_bits(self) -> Optional[int]:
@@ -87,11 +94,6 @@ class RecordLayout:
         if self.bits == 8:
             values = values.view(torch.int8)
         return values, record.narrow(0, self.value_bytes, self.nbytes - self.value_bytes).view(torch.float32)
-
-
-def compressed_bytes(numel: int, bits: Optional[int], block: int, dtype_bytes: int) -> int:
-    """Bytes `numel` elements take on the wire: quantised with `bits`, or as they are (None)."""
-    return numel * dtype_bytes if bits is None else RecordLayout(numel, block, bits).nbytes
 
 
 class QuantizedCollectives:
@@ -154,12 +156,16 @@ class QuantizedCollectives:
         record = c.log.collective("all_gather", unit, nbytes, uncompressed=uncompressed)
         send, received = self._quantize_shard(shard, layout)
         work = all_gather_flat(received, send, group=c.group, async_op=True)
-        return c._pending(record, work, keep_alive=(send, received),
-                          on_complete=lambda: self._dequantize_gathered(out, received, layout))
+        held = [received]       # See [Note: callbacks drop their buffers].
+
+        def finish() -> None:
+            self._dequantize_gathered(out, held.pop(), layout)
+
+        return c._pending(record, work, keep_alive=(send, received), on_complete=finish)
 
     def _quantize_shard(self, shard: torch.Tensor, layout: RecordLayout) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.collectives
-        send = torch.zeros(layout.nbytes, dtype=torch.uint8, device=c.device)
+        send = torch.empty(layout.nbytes, dtype=torch.uint8, device=c.device)
         received = torch.empty(layout.nbytes * c.world_size, dtype=torch.uint8, device=c.device)
         values, scales = layout.views(send, 0)
         c.kernels.quantize_int8(shard.detach(), values, scales, layout.block)
@@ -223,8 +229,11 @@ class QuantizedCollectives:
         direct = shard_grad.dtype == torch.float32 and c.replicate_group is None
         target = shard_grad if direct else torch.zeros(shard, dtype=torch.float32, device=c.device)
 
+        held = [source, received]       # See [Note: callbacks drop their buffers].
+
         def finish() -> None:
-            self._sum_chunks(target, source, received, layout)
+            self._sum_chunks(target, *held, layout)
+            held.clear()
             if not direct and c.replicate_group is None:
                 c.kernels.accumulate(shard_grad, target)
 
@@ -242,7 +251,7 @@ class QuantizedCollectives:
         feedback] for the kept error)."""
         c = self.collectives
         world, rank, shard, bits = c.world_size, c.rank, layout.numel, layout.bits
-        send = torch.zeros(layout.nbytes * (world - 1), dtype=torch.uint8, device=c.device)
+        send = torch.empty(layout.nbytes * (world - 1), dtype=torch.uint8, device=c.device)
         error = self._error_for(shard_grad, (world - 1) * shard) if self.settings.error_feedback else None
         quantize = c.kernels.quantize_int8 if bits == 8 else c.kernels.quantize_int4
         for index, dest in enumerate(r for r in range(world) if r != rank):

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from overlap.compression import Compression, QuantizedCollectives
 from overlap.compression_plan import CodecCost, choose_compression
 from overlap.cost_model import Profile
-from overlap.planner import StartupPlan, cost_of_unit
-from overlap.replanner import FIRST_DECISION_STEP, measure_profile
+from overlap.planner import StartupPlan
+from overlap.replanner import FIRST_DECISION_STEP, base_profile, measure_profile
 from overlap.scheduler import Scheduler
 from overlap.step_record import StepKind
 
@@ -92,7 +92,4 @@ class CompressionChooser:
 
 def chooser_for(quantized: QuantizedCollectives, scheduler: Scheduler, startup: StartupPlan,
                 group: dist.ProcessGroup) -> CompressionChooser:
-    base = Profile(tuple(cost_of_unit(u) for u in scheduler.units), dist.get_world_size(group),
-                   cost_of_unit(scheduler.root) if scheduler.root is not None else None,
-                   reshard_after_forward=scheduler.reshard_after_forward)
-    return CompressionChooser(quantized, base, startup, group)
+    return CompressionChooser(quantized, base_profile(scheduler, group), startup, group)
