@@ -28,10 +28,11 @@ IMPLEMENTATIONS = (OVERLAP, FSDP2, FSDP2_TUNED, DDP, DDP_TUNED, DEEPSPEED, LOCAL
 # with torch's built-in fp16 gradient compression hook. Run when --impls names them.
 OVERLAP_INT8 = "overlap-int8"
 OVERLAP_INT8_INT4 = "overlap-int8-int4"
+OVERLAP_AUTO = "overlap-auto"           # the planner decides after the first measured step
 DDP_FP16 = "ddp-fp16"
-COMPRESSED = (OVERLAP_INT8, OVERLAP_INT8_INT4, DDP_FP16)
+COMPRESSED = (OVERLAP_INT8, OVERLAP_INT8_INT4, OVERLAP_AUTO, DDP_FP16)
 ALL = IMPLEMENTATIONS + COMPRESSED
-SHARDED_MODULE = {OVERLAP: "none", OVERLAP_INT8: "int8", OVERLAP_INT8_INT4: "int8-int4"}
+SHARDED_MODULE = {OVERLAP: "none", OVERLAP_INT8: "int8", OVERLAP_INT8_INT4: "int8-int4", OVERLAP_AUTO: "auto"}
 # Keep the whole training state on every rank (their memory is not ZeRO-3's).
 REPLICATED = (DDP, DDP_TUNED, DDP_FP16, LOCAL)
 
