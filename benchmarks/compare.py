@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from overlap.models import GPTConfig
 
 IMPLEMENTATIONS = peers.IMPLEMENTATIONS
+# Implementations whose collectives ShardedModule records (their bytes are measured).
+MEASURED = (*peers.SHARDED_MODULE, "overlap-base")
 # ShardedModule of another checkout, run by that checkout's interpreter (--baseline-python):
 # before/after comparisons of a change, alternated with the rest in one run.
 BASELINE = "overlap-base"
@@ -55,6 +57,9 @@ MIB = 2**20
 # of the faster DDP's, peak memory at most tuned FSDP2's (ZeRO-3 memory).
 TIME_TARGET_VS_FSDP2_TUNED = 0.9
 TIME_TARGET_VS_DDP = 1.0
+# Compressed ShardedModule (docs/compression.md): step time at most this share of the
+# uncompressed one, and no slower than DDP with fp16 compression; peak memory not higher.
+COMPRESSED_TIME_TARGET = 0.6
 
 
 # ---- worker: one launch of one implementation -------------------------------------------
@@ -91,6 +96,8 @@ def _algorithm_bytes(impl: str, params: int, root_params: int, block_params: int
     share = (world - 1) / world
     if impl in (peers.DDP, peers.DDP_TUNED):
         return int(2 * params * 4 * share)
+    if impl == peers.DDP_FP16:
+        return int(2 * params * 2 * share)
     if impl == peers.FSDP2:
         return int((2 * (params - root_params) + root_params + params) * 4 * share)
     if impl == peers.FSDP2_TUNED:  # the last block stays gathered from forward into backward
@@ -190,7 +197,7 @@ def run_worker(args: argparse.Namespace) -> None:
             continue
         step_s.append(elapsed)
         phase_s.append(phases)
-        if impl == peers.OVERLAP:
+        if impl in peers.SHARDED_MODULE:
             comm.append(_overlap_step_comm(model))
             trace = _overlap_trace(model)
     memory = _memory_step(impl, model, optimizer, train_step, batches[total_steps]) if args.memory else None
@@ -204,9 +211,15 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(ranks, mine)
     if rank == 0:
         settings = {}
-        if impl == peers.OVERLAP:
+        if impl in peers.SHARDED_MODULE:
+            from overlap.compression_auto import CompressionChooser
+
+            quantized = model.collectives.quantized
+            chooser = [c for c in model.scheduler.step_end_callbacks if isinstance(c, CompressionChooser)]
             settings = dict(prefetch_depth=model.overlap_config.prefetch_depth, bucket_mb=model.overlap_config.bucket_mb,
-                            units=len(model.scheduler.units))
+                            units=len(model.scheduler.units),
+                            compression="none" if quantized is None else quantized.settings.mode,
+                            compression_reason=chooser[0].reason if chooser else None)
         write_json(args.result, dict(impl=impl, world_size=world, params=params, root_params=root_params,
                                      block_params=block_params, settings=settings, ranks=ranks,
                                      optimizer=peers.optimizer_kwargs()))
@@ -275,7 +288,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
                                                WORLD_SIZE)
         entry["sent_source"] = "algorithm" if entry["sent_bytes"] is not None else None
         entry["final_loss"] = ranks[0]["loss"][-1]
-        if run["impl"] in (peers.OVERLAP, BASELINE):
+        if run["impl"] in MEASURED:
             entry.setdefault("comm", []).extend(step for r in ranks[:1] for step in r["comm"])
             entry["trace"] = ranks[0]["trace"]
             entry["settings"] = run["settings"]
@@ -286,7 +299,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
             phases = entry.pop("phases_s")
             entry["phase_ms"] = {phase: median([p[i] for p in phases]) * 1e3 for i, phase in enumerate(PHASES)}
             entry["peak_tracked"] = [m["peak"].get("Total", 0) for m in entry["ranks_memory"] or []]
-            if impl in (peers.OVERLAP, BASELINE):
+            if impl in MEASURED:
                 comm = entry["comm"]
                 entry["sent_bytes"] = int(median([c["bytes"] for c in comm]))
                 entry["sent_source"] = "measured"
@@ -331,8 +344,28 @@ def check_targets(summary: dict) -> list[dict]:
         memory_ratio = _ratio(_peak(summary, link, peers.OVERLAP), _peak(summary, link, peers.FSDP2_TUNED))
         if memory_ratio is not None:
             targets.append(dict(link=link, what="peak memory / FSDP2 tuned", limit=1.0, ratio=memory_ratio))
+    targets += compression_targets(summary)
     for target in targets:
         target["met"] = None if target["ratio"] is None else target["ratio"] <= target["limit"]
+    return targets
+
+
+def compression_targets(summary: dict) -> list[dict]:
+    """Each compressed ShardedModule row measured against the uncompressed one and DDP with
+    fp16 compression (step time), and the uncompressed one (peak memory)."""
+    targets = []
+    for link in summary:
+        for impl in (peers.OVERLAP_INT8, peers.OVERLAP_INT8_INT4):
+            if impl not in summary[link]:
+                continue
+            step = _step(summary, link, impl)
+            targets.append(dict(link=link, what=f"{impl} step time / overlap", limit=COMPRESSED_TIME_TARGET,
+                                ratio=_ratio(step, _step(summary, link, peers.OVERLAP))))
+            targets.append(dict(link=link, what=f"{impl} step time / ddp-fp16", limit=1.0,
+                                ratio=_ratio(step, _step(summary, link, peers.DDP_FP16))))
+            memory = _ratio(_peak(summary, link, impl), _peak(summary, link, peers.OVERLAP))
+            if memory is not None:
+                targets.append(dict(link=link, what=f"{impl} peak memory / overlap", limit=1.0, ratio=memory))
     return targets
 
 
@@ -357,7 +390,7 @@ def time_table(summary: dict) -> str:
 def ratio_table(summary: dict) -> str:
     """Per link: every implementation's median step time, then ShardedModule's ratios to the
     tuned peers."""
-    impls = [impl for impl in (*IMPLEMENTATIONS, BASELINE) if any(impl in by_impl for by_impl in summary.values())]
+    impls = [impl for impl in (*peers.ALL, BASELINE) if any(impl in by_impl for by_impl in summary.values())]
     rows = []
     for link in summary:
         overlap = _step(summary, link, peers.OVERLAP)
@@ -403,7 +436,7 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     links = list(summary)
-    impls = [impl for impl in (*IMPLEMENTATIONS, BASELINE) if any(impl in summary[link] for link in links)]
+    impls = [impl for impl in (*peers.ALL, BASELINE) if any(impl in summary[link] for link in links)]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(impls)
     tallest = 0.0
@@ -484,7 +517,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, two timed steps")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="compare.json files of earlier runs to summarise "
                         "together (same model and settings); runs nothing")
-    parser.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=peers.ALL, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -500,7 +533,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.links = parse_links(args.links)
         args.skipped = {} if args.impls else peers.unavailable()
         args.impls = parse_choices(args.impls or ",".join(i for i in IMPLEMENTATIONS if i not in args.skipped),
-                                   (*IMPLEMENTATIONS, BASELINE), "--impls")
+                                   (*peers.ALL, BASELINE), "--impls")
         if args.baseline_python and BASELINE not in args.impls:
             args.impls.append(BASELINE)
         if BASELINE in args.impls and not args.baseline_python:

@@ -24,8 +24,17 @@ DDP_TUNED = "ddp-tuned"
 DEEPSPEED = "deepspeed"
 LOCAL = "local"
 IMPLEMENTATIONS = (OVERLAP, FSDP2, FSDP2_TUNED, DDP, DDP_TUNED, DEEPSPEED, LOCAL)
+# Compressed communication (docs/compression.md): ShardedModule's two modes, and tuned DDP
+# with torch's built-in fp16 gradient compression hook. Run when --impls names them.
+OVERLAP_INT8 = "overlap-int8"
+OVERLAP_INT8_INT4 = "overlap-int8-int4"
+OVERLAP_AUTO = "overlap-auto"           # the planner decides after the first measured step
+DDP_FP16 = "ddp-fp16"
+COMPRESSED = (OVERLAP_INT8, OVERLAP_INT8_INT4, OVERLAP_AUTO, DDP_FP16)
+ALL = IMPLEMENTATIONS + COMPRESSED
+SHARDED_MODULE = {OVERLAP: "none", OVERLAP_INT8: "int8", OVERLAP_INT8_INT4: "int8-int4", OVERLAP_AUTO: "auto"}
 # Keep the whole training state on every rank (their memory is not ZeRO-3's).
-REPLICATED = (DDP, DDP_TUNED, LOCAL)
+REPLICATED = (DDP, DDP_TUNED, DDP_FP16, LOCAL)
 
 
 def unavailable() -> dict[str, str]:
@@ -157,11 +166,15 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
         return engine, optimizer, _deepspeed_step(engine)
     if impl == LOCAL:
         wrapped = model
-    elif impl in (DDP, DDP_TUNED):
+    elif impl in (DDP, DDP_TUNED, DDP_FP16):
         from torch.nn.parallel import DistributedDataParallel
 
-        tuned = dict(gradient_as_bucket_view=True, bucket_cap_mb=args.ddp_bucket_mb) if impl == DDP_TUNED else {}
+        tuned = dict(gradient_as_bucket_view=True, bucket_cap_mb=args.ddp_bucket_mb) if impl != DDP else {}
         wrapped = DistributedDataParallel(model, **tuned)
+        if impl == DDP_FP16:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+            wrapped.register_comm_hook(None, fp16_compress_hook)
     elif impl in (FSDP2, FSDP2_TUNED):
         wrapped = _fsdp2(model, impl == FSDP2_TUNED, args.fsdp2_prefetch)
     else:
@@ -169,7 +182,7 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
         from overlap.models import Block
 
         wrapped = ShardedModule(model, unit_types=(Block,), prefetch_depth=args.prefetch_depth,
-                                bucket_mb=args.bucket_mb)
+                                bucket_mb=args.bucket_mb, compression=SHARDED_MODULE[impl])
     optimizer = make_optimizer(wrapped.parameters(), args.lr)
     return wrapped, optimizer, _plain_step(wrapped, optimizer)
 

@@ -19,6 +19,7 @@ from overlap.profiling import phase
 from overlap.timing import CollectiveStamps, HostClock, CudaClock, StepLog, clock_for, polling
 
 if TYPE_CHECKING:
+    from overlap.compression import QuantizedCollectives
     from overlap.order_check import OrderCheck
 
 # Newer torch names the tensor-in/tensor-out collectives `*_single`; older releases only
@@ -115,6 +116,8 @@ class Collectives:
         self.log = StepLog(clock_for(device))
         # Set by the scheduler when ranks can diverge (world size > 1).
         self.watch: Optional["OrderCheck"] = None
+        # Set by ShardedModule when compression is on: it takes the buffers it compresses.
+        self.quantized: Optional["QuantizedCollectives"] = None
         # gloo has no native reduce-scatter: it emulates one, slower than an all-to-all of
         # the gradient chunks followed by a local sum (measured in benchmarks/collectives.py),
         # and the all-to-all moves the same (N-1)/N bytes a ring reduce-scatter does.
@@ -147,7 +150,9 @@ class Collectives:
                    group: Optional[dist.ProcessGroup] = None) -> Pending:
         """Gather every rank's `shard` into `out` (world_size * shard.numel() elements), casting
         the shard to out.dtype first; over `group` instead of the shard group if given (hpZ's
-        node copies, see overlap.node_copy)."""
+        node copies, see overlap.node_copy: those stay uncompressed, inside the node)."""
+        if group is None and self.quantized is not None and self.quantized.gathers(out):
+            return self.quantized.all_gather(out, shard, unit)
         group = self.group if group is None else group
         world = dist.get_world_size(group)
         nbytes = out.numel() * out.element_size() * (world - 1) // world
@@ -179,6 +184,8 @@ class Collectives:
         The average is a pre-division by the world size folded into the cast to
         `reduce_dtype`, so low-precision reductions do not overflow.
         """
+        if self.quantized is not None and self.quantized.reduces(grad_full):
+            return self.quantized.reduce_scatter(grad_full, shard_grad, reduce_dtype, unit)
         world = self.world_size
         nbytes = grad_full.numel() * reduce_dtype.itemsize * (world - 1) // world
         # Pre-divided by every rank taking part: the reduce-scatter sums over the shard group,
@@ -193,14 +200,7 @@ class Collectives:
                     source = self._scaled(grad_full, reduce_dtype, scale)
                     out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
                     reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group)
-                    if self.replicate_group is not None:
-                        across = self.log.collective("all_reduce", unit, self._all_reduce_bytes(out), stream)
-                        dist.all_reduce(out, group=self.replicate_group)
-                        across.end = self.log.clock.stamp(stream)
-                    self.kernels.accumulate(shard_grad, out)
-                    record.end = self.log.clock.stamp(stream)
-                    event = torch.cuda.Event()
-                    event.record(stream)
+                    event = self.finish_on_stream(record, out, shard_grad, unit, stream)
                 return Pending(record, self.log.clock, event=event, device=self.device,
                                keep_alive=(grad_full, source, out, shard_grad))
             record = self.log.collective("reduce_scatter", unit, nbytes)
@@ -218,6 +218,20 @@ class Collectives:
             if self.replicate_group is not None:
                 pending.then = lambda: self._all_reduce_into(target, shard_grad, unit)
             return pending
+
+    def finish_on_stream(self, record: CollectiveStamps, reduced: torch.Tensor, shard_grad: torch.Tensor, unit: str,
+                         stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """On `stream`, after a reduction into `reduced`: sum it across replicas (hybrid
+        sharding), add it into `shard_grad`, stamp the end; the event that marks it done."""
+        if self.replicate_group is not None:
+            across = self.log.collective("all_reduce", unit, self._all_reduce_bytes(reduced), stream)
+            dist.all_reduce(reduced, group=self.replicate_group)
+            across.end = self.log.clock.stamp(stream)
+        self.kernels.accumulate(shard_grad, reduced)
+        record.end = self.log.clock.stamp(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def _all_reduce_bytes(self, tensor: torch.Tensor) -> int:
         return 2 * tensor.numel() * tensor.element_size() * (self.replicas - 1) // self.replicas

@@ -12,10 +12,14 @@ import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
+from overlap.kernels.quantized import DEFAULT_BLOCK, MAX_BLOCK
+
 KERNEL_CHOICES = ("auto", "torch", "triton", "ext", "cupy")
 LINK_CHOICES = ("auto", "nvlink", "infiniband", "ethernet", "loopback")
 LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SHARDING_CHOICES = ("full", "hybrid", "hpz", "auto")
+# What crosses the wire quantised (see overlap.compression): weights / gradients.
+COMPRESS_CHOICES = ("none", "int8", "int8-int4", "auto")
 
 # name -> (accepted values as users read them, description) for the README and error messages.
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -32,6 +36,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_SHARDING": ("|".join(SHARDING_CHOICES),
                          "shard over every rank, inside each node and replicate across nodes, or over every "
                          "rank with a node-local copy for backward (ZeRO++ hpZ); auto: the planner chooses"),
+    "OVERLAP_COMPRESS": ("|".join(COMPRESS_CHOICES), "quantise weights / gradients on the wire (docs/compression.md)"),
+    "OVERLAP_COMPRESS_BLOCK": (f"even integer from 2 to {MAX_BLOCK}", "elements per quantisation scale"),
 }
 
 
@@ -47,6 +53,8 @@ class Config:
     probe: bool = True
     probe_cache: Optional[str] = None
     sharding: str = "full"
+    compress: str = "none"
+    compress_block: int = DEFAULT_BLOCK
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -94,6 +102,22 @@ def validate_bucket_mb(value: float, source: str = "bucket_mb") -> float:
 def validate_sharding(value: str, source: str = "sharding") -> str:
     if value not in SHARDING_CHOICES:
         raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(SHARDING_CHOICES)}")
+    return value
+
+
+def validate_compress(value: str, source: str = "compression") -> str:
+    if value not in COMPRESS_CHOICES:
+        raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(COMPRESS_CHOICES)}")
+    return value
+
+
+def _parse_block(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 2 or value > MAX_BLOCK or value % 2:
+        raise ValueError(f"OVERLAP_COMPRESS_BLOCK={raw!r} is invalid; accepted values: {ENV_VARS['OVERLAP_COMPRESS_BLOCK'][0]}")
     return value
 
 
@@ -154,6 +178,10 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         fields["probe_cache"] = env["OVERLAP_PROBE_CACHE"].strip()
     if "OVERLAP_SHARDING" in env:
         fields["sharding"] = _parse_choice("OVERLAP_SHARDING", env["OVERLAP_SHARDING"], SHARDING_CHOICES)
+    if "OVERLAP_COMPRESS" in env:
+        fields["compress"] = _parse_choice("OVERLAP_COMPRESS", env["OVERLAP_COMPRESS"], COMPRESS_CHOICES)
+    if "OVERLAP_COMPRESS_BLOCK" in env:
+        fields["compress_block"] = _parse_block(env["OVERLAP_COMPRESS_BLOCK"])
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)

@@ -28,12 +28,17 @@ DRIFT = 0.20
 MIN_GAIN = 0.03
 
 
-def replanner_for(scheduler: Scheduler, startup: StartupPlan, bucket_bytes: int, group: dist.ProcessGroup,
-                  device: torch.device) -> "Replanner":
-    base = Profile(tuple(cost_of_unit(u) for u in scheduler.units), dist.get_world_size(group),
+def base_profile(scheduler: Scheduler, group: dist.ProcessGroup) -> Profile:
+    """The scheduler's units and root with their sizes and no compute times yet."""
+    return Profile(tuple(cost_of_unit(u) for u in scheduler.units), dist.get_world_size(group),
                    cost_of_unit(scheduler.root) if scheduler.root is not None else None,
                    reshard_after_forward=scheduler.reshard_after_forward)
-    return Replanner(base, startup.layout or startup.link, bucket_bytes, startup.memory_budget_bytes, group, device)
+
+
+def replanner_for(scheduler: Scheduler, startup: StartupPlan, bucket_bytes: int, group: dist.ProcessGroup,
+                  device: torch.device) -> "Replanner":
+    return Replanner(base_profile(scheduler, group), startup.layout or startup.link, bucket_bytes,
+                     startup.memory_budget_bytes, group, device)
 
 
 # ---- measurement and re-planning at run time ---------------------------------------------------

@@ -40,7 +40,8 @@ backward (the optimizer step is not part of it). Evaluation forwards are steps t
   needed, or that had to be gathered on demand. The root is gathered at every step start and
   counts as neither.
 - bytes moved: bytes each rank sends per collective ((N-1)/N of the gathered or reduced
-  buffer), summed.
+  buffer), summed; with compression, what it sends compressed, and `uncompressed_bytes`
+  what the same collectives would have sent without it.
 - peak gathered bytes: the most gathered (full-size) parameter bytes held at once, replayed
   from the gather and free marks with each unit's gathered size.
 
@@ -194,6 +195,7 @@ class StepStats:
     reduced_bytes: float
     peak_gathered_bytes: float
     units: tuple[UnitStats, ...] = ()
+    uncompressed_bytes: float = 0
 
     @property
     def hidden_fraction(self) -> float:
@@ -255,6 +257,8 @@ def analyse_step(record: StepRecord) -> StepStats:
         gathered_bytes=sum(c.nbytes for c in record.collectives if c.kind == "all_gather"),
         reduced_bytes=sum(c.nbytes for c in record.collectives if c.kind in REDUCTION_KINDS),
         peak_gathered_bytes=peak_gathered_bytes(record),
+        uncompressed_bytes=sum(c.raw_nbytes for c in record.collectives
+                               if c.kind == "all_gather" or c.kind in REDUCTION_KINDS),
         units=tuple(_unit_stats(u, record, parts) for u in units),
     )
 
@@ -267,6 +271,13 @@ def _mean(items: Sequence, **fixed):
         if f.name not in values:
             values[f.name] = sum(getattr(i, f.name) for i in items) / len(items)
     return kind(**values)
+
+
+def _before_compression(stats: StepStats) -> str:
+    """' (X MB before compression)' when compression changed the bytes moved, else ''."""
+    if abs(stats.uncompressed_bytes - stats.bytes_moved) < 0.5:
+        return ""
+    return f" ({stats.uncompressed_bytes / 2**20:.2f} MB before compression)"
 
 
 def format_seconds(seconds: float) -> str:
@@ -326,8 +337,8 @@ class OverlapReport:
             f"step {format_seconds(mean.span_s)} (forward+backward): compute {format_seconds(mean.compute_s)}, "
             f"runtime {format_seconds(mean.runtime_s)}, gather wait {format_seconds(mean.gather_wait_s)}, "
             f"reduce wait {format_seconds(mean.reduce_wait_s)}",
-            f"prefetch hits {mean.hits:.1f}, misses {mean.misses:.1f}; moved {mean.bytes_moved / 2**20:.2f} MB/step; "
-            f"peak gathered {mean.peak_gathered_bytes / 2**20:.2f} MB",
+            f"prefetch hits {mean.hits:.1f}, misses {mean.misses:.1f}; moved {mean.bytes_moved / 2**20:.2f} MB/step"
+            f"{_before_compression(mean)}; peak gathered {mean.peak_gathered_bytes / 2**20:.2f} MB",
             "",
             f"{'unit':<24}{'fwd ms':>9}{'bwd ms':>9}{'comm ms':>9}{'hidden':>9}{'g-wait':>9}{'r-wait':>9}"
             f"{'hits':>6}{'miss':>6}{'MB':>8}",

@@ -16,8 +16,10 @@ from torch.utils._pytree import tree_map
 
 from overlap.auto_sharding import sharding_at_startup
 from overlap.collectives import Collectives, device_backend
+from overlap.compression import Compression, QuantizedCollectives
+from overlap.compression_auto import chooser_for
 from overlap.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
-                            validate_bucket_mb, validate_prefetch_depth, validate_sharding)
+                            validate_bucket_mb, validate_compress, validate_prefetch_depth, validate_sharding)
 from overlap.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
 from overlap.materialize import check_same_values, materialize, meta_places
@@ -115,6 +117,10 @@ class ShardedModule(nn.Module):
             node-local copy for backward's gathers), or "auto" (the planner chooses among
             them; see `overlap.auto_sharding`): argument > OVERLAP_SHARDING > "full".
             See `overlap.mesh`.
+        compression: quantise what crosses the wire: "none", "int8" (weights and gradients),
+            "int8-int4" (int8 weights, int4 gradients with error feedback) or "auto" (the
+            planner decides from measured steps): argument > OVERLAP_COMPRESS > "none".
+            See docs/compression.md.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
@@ -122,7 +128,8 @@ class ShardedModule(nn.Module):
                  mixed_precision: Optional[MixedPrecision] = None, prefetch_depth: Optional[int] = None,
                  bucket_mb: Optional[float] = None, reshard_after_forward: bool = True,
                  param_init_fn: Optional[Callable[[nn.Module], None]] = None,
-                 mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None) -> None:
+                 mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None,
+                 compression: Optional[str] = None) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ShardedModule needs torch.distributed to be initialised "
@@ -138,7 +145,8 @@ class ShardedModule(nn.Module):
             config = config_from_env().with_overrides(
                 prefetch_depth=None if prefetch_depth is None else validate_prefetch_depth(prefetch_depth),
                 bucket_mb=None if bucket_mb is None else validate_bucket_mb(bucket_mb),
-                sharding=None if sharding is None else validate_sharding(sharding))
+                sharding=None if sharding is None else validate_sharding(sharding),
+                compress=None if compression is None else validate_compress(compression))
             local_world_size = local_world_size_from_env()
             error = sharding_error(process_group, mesh, config.sharding, local_world_size)
             kernels = get_backend(config.kernels, device)
@@ -181,6 +189,10 @@ class ShardedModule(nn.Module):
         keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
 
         self.collectives = Collectives(group, device, kernels, self.sharding.replicate, all_group)
+        if config.compress != "none":
+            # "auto" starts uncompressed; overlap.compression_plan switches it on if worth it.
+            mode = "none" if config.compress == "auto" else config.compress
+            self.collectives.quantized = QuantizedCollectives(self.collectives, Compression(mode, config.compress_block))
         self.mixed_precision = mp
         self.module = module
         self._slot_of: dict[int, tuple[FlatGroup, int]] = {}
@@ -196,6 +208,10 @@ class ShardedModule(nn.Module):
             # Depth follows measured steps; see overlap.replanner.Replanner.
             self.scheduler.step_end_callbacks.append(
                 replanner_for(self.scheduler, startup, int(self.overlap_config.bucket_mb * 2**20), group, device))
+        if config.compress == "auto":
+            # Every rank, replicas included, must compress alike: the choice is rank 0's.
+            self.scheduler.step_end_callbacks.append(
+                chooser_for(self.collectives.quantized, self.scheduler, startup, all_group))
         # Per-step timings of compute and communication for `overlap_report()`.
         self.overlap_monitor = OverlapMonitor()
         self.scheduler.step_end_callbacks.append(self.overlap_monitor.on_step_end)

@@ -63,10 +63,16 @@ class Collective:
 
     kind: str              # all_gather | reduce_scatter
     unit: str
-    nbytes: int            # what this rank sends: (N-1)/N of the buffer
+    nbytes: int            # what this rank sends: (N-1)/N of the buffer, compressed or not
     start: float
     end: float
     wait: Optional[Interval] = None
+    uncompressed_nbytes: Optional[int] = None   # what it would send uncompressed; None: not compressed
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes this collective would send without compression."""
+        return self.nbytes if self.uncompressed_nbytes is None else self.uncompressed_nbytes
 
     @property
     def in_flight(self) -> Interval:

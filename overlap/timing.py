@@ -92,6 +92,7 @@ class CollectiveStamps:
     end: Optional[Stamp] = None
     wait_start: Optional[Stamp] = None
     wait_end: Optional[Stamp] = None
+    uncompressed_nbytes: Optional[int] = None   # with compression: `nbytes` before it
 
 
 class StepLog:
@@ -106,8 +107,9 @@ class StepLog:
         self.events.append((mark, unit, self.clock.stamp()))
 
     def collective(self, kind: str, unit: str, nbytes: int,
-                   stream: Optional[torch.cuda.Stream] = None) -> CollectiveStamps:
-        entry = CollectiveStamps(kind, unit, nbytes, self.clock.stamp(stream))
+                   stream: Optional[torch.cuda.Stream] = None, uncompressed: Optional[int] = None
+                   ) -> CollectiveStamps:
+        entry = CollectiveStamps(kind, unit, nbytes, self.clock.stamp(stream), uncompressed_nbytes=uncompressed)
         self.collectives.append(entry)
         return entry
 
@@ -126,7 +128,7 @@ class StepLog:
             start, end, wait_start, wait_end = times[len(events) + 4 * i:len(events) + 4 * i + 4]
             end = end if end is not None else (wait_end if wait_end is not None else start)
             waited = (wait_start, wait_end) if wait_start is not None and wait_end is not None else None
-            collectives.append(Collective(c.kind, c.unit, c.nbytes, start, end, waited))
+            collectives.append(Collective(c.kind, c.unit, c.nbytes, start, end, waited, c.uncompressed_nbytes))
         self.events, self.collectives = [], []
         return StepRecord(step, kind, self.clock.name, events, tuple(collectives), root, dict(unit_bytes),
                           forwards, backwards)

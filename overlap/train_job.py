@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     runtime.add_argument("--eager-init", action="store_true",
                          help="build the whole model on every rank before sharding it (default: build on the "
                               "meta device and materialise only each rank's parts; same values)")
+    runtime.add_argument("--compress", choices=("none", "int8", "int8-int4", "auto"), default=None,
+                         help="quantise weights / gradients on the wire (default: OVERLAP_COMPRESS, else none)")
     runtime.add_argument("--prefetch-depth", type=_non_negative_int, default=None,
                          help="units gathered ahead (default: the planner's choice)")
     runtime.add_argument("--bucket-mb", type=_positive_float, default=None,
@@ -291,7 +293,8 @@ def run_rank(args: argparse.Namespace) -> int:
         with contextlib.nullcontext() if args.eager_init else torch.device("meta"):
             gpt = GPT(config)
         model = ShardedModule(gpt, unit_types=(Block,), mixed_precision=precision,
-                              prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb)
+                              prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb,
+                              compression=args.compress)
         optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), args.weight_decay),
                                       lr=args.lr, betas=(0.9, 0.95))
         name, text = _read_text(args.data)

@@ -64,8 +64,10 @@ def _slice(batch: tuple, part: int, parts: int) -> tuple:
     return tuple(t[part * size:(part + 1) * size] for t in batch)
 
 
-def train(case: Case, rank: int = 0, world: int = 1, sharded: bool = False) -> dict[str, Any]:
-    """Losses (global mean), clip norms and the final full state dict of one run of `case`."""
+def train(case: Case, rank: int = 0, world: int = 1, sharded: bool = False,
+          after: Optional[Callable[[nn.Module], None]] = None) -> dict[str, Any]:
+    """Losses (global mean), clip norms and the final full state dict of one run of `case`;
+    `after(model)` is called once training ends (before the state dict is gathered)."""
     from overlap import ShardedModule
 
     torch.manual_seed(0)
@@ -113,6 +115,8 @@ def train(case: Case, rank: int = 0, world: int = 1, sharded: bool = False) -> d
                 eval_loss /= world
             eval_losses.append(float(eval_loss))
             model.train()
+    if after is not None:
+        after(model)
     if sharded:
         state = model.full_state_dict()
     else:

@@ -65,6 +65,28 @@ def test_compare_quick_covers_every_implementation(tmp_path):
         assert entry["step_ms"] == pytest.approx(results[impl]["step_ms"]), impl
 
 
+@pytest.mark.timeout(200)
+def test_compare_runs_the_compressed_rows(tmp_path):
+    impls = "overlap,overlap-int8,overlap-int8-int4,ddp-tuned,ddp-fp16"
+    proc = _run("compare.py", "--quick", "--links", "loopback", "--impls", impls, "--out", str(tmp_path), timeout=190)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "compare.json") as f:
+        report = json.load(f)
+    results = report["results"]["loopback"]
+    assert set(results) == set(impls.split(","))
+    # Measured bytes: int8 weights and gradients about a quarter of fp32, int4 gradients less;
+    # DDP's fp16 hook halves DDP's all-reduce (counted by the algorithm).
+    sent = {impl: results[impl]["sent_bytes"] for impl in results}
+    assert sent["overlap-int8-int4"] < sent["overlap-int8"] < 0.3 * sent["overlap"]
+    assert sent["ddp-fp16"] * 2 == sent["ddp-tuned"]
+    # After two steps, the compressed runs' losses stay close to the uncompressed ones.
+    losses = {impl: results[impl]["final_loss"] for impl in results}
+    assert abs(losses["ddp-fp16"] - losses["ddp-tuned"]) < 1e-2 * losses["ddp-tuned"]
+    for impl in ("overlap-int8", "overlap-int8-int4"):
+        assert abs(losses[impl] - losses["overlap"]) < 1e-2 * losses["overlap"], impl
+    assert any(t["what"] == "overlap-int8 step time / ddp-fp16" for t in report["targets"])
+
+
 @pytest.mark.timeout(90)
 def test_collectives_tiny(tmp_path):
     proc = _run("collectives.py", "--sizes-mb", "0.25", "--links", "loopback", "--iters", "2",

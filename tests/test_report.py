@@ -1,6 +1,8 @@
 """The overlap report: its arithmetic on a hand-made step, then on the real runtime (2 gloo ranks)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from overlap.report import OverlapReport, StepStats, UnitStats, analyse_step, peak_gathered_bytes, segments
@@ -96,6 +98,17 @@ def test_step_arithmetic():
     assert root.forward_s == pytest.approx(0.3) and root.backward_s == pytest.approx(0.35)
     assert root.hidden_s == 0.0
     assert (root.gathers, root.hits, root.misses) == (1, 0, 0)
+
+
+def test_bytes_before_compression_are_shown_when_they_differ():
+    plain = OverlapReport([analyse_step(_record(step=s)) for s in (1, 2)])
+    assert plain.mean_step().uncompressed_bytes == plain.mean_step().bytes_moved == 2600
+    assert "before compression" not in plain.to_text()
+    # The same step with every collective sending a quarter of its uncompressed bytes.
+    quartered = tuple(replace(c, nbytes=c.nbytes // 4, uncompressed_nbytes=c.nbytes) for c in COLLECTIVES)
+    compressed = OverlapReport([analyse_step(replace(_record(step=s), collectives=quartered)) for s in (1, 2)])
+    assert compressed.mean_step().bytes_moved == 650 and compressed.mean_step().uncompressed_bytes == 2600
+    assert f"moved {650 / 2**20:.2f} MB/step ({2600 / 2**20:.2f} MB before compression)" in compressed.to_text()
 
 
 def test_segments_tile_the_step():
