@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
 import io
 import os
 import pathlib
@@ -208,13 +209,13 @@ def test_simulator_slow_cluster_exposes_more():
 # them (cost model, planner's choices, simulator, estimate) must reach none of them.
 RUNTIME = {"overlap.sharded_module", "overlap.scheduler", "overlap.unit", "overlap.flat_group",
            "overlap.collectives", "overlap.probe", "overlap.replanner", "overlap.report", "overlap.units"}
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _module_imports(name: str) -> set[str]:
     """The overlap modules `name` imports when it is loaded (not those imported inside
     functions or only for type checking)."""
-    tree = ast.parse((ROOT / (name.replace(".", "/") + ".py")).read_text())
+    # find_spec, not a path under the checkout: overlap.kernels is installed from kernels/.
+    tree = ast.parse(pathlib.Path(importlib.util.find_spec(name).origin).read_text())
     found: set[str] = set()
 
     def visit(body) -> None:
