@@ -2,10 +2,11 @@
 
 `CompiledKernels` checks every call's arguments (a compiled kernel given a bad offset writes
 out of bounds instead of raising), hands the tensors whose dtype the kernels cover to the
-backend's `_pack`/`_unpack`/`_accumulate` (and `_quantize_kernel`,
-`_dequantize_accumulate_kernel`, `_dequantize_into_kernel`), and leaves the rest (float64,
-integers) to the torch reference, whose semantics the kernels reproduce. Helpers below build the per-dtype
-groups and the device tables (address, numel, offset) that multi-tensor launches read.
+backend's `_pack`/`_unpack`/`_accumulate`, `_quantize_kernel` and `_dequantize_into_kernel`,
+and leaves the rest (float64, integers) to the torch reference, whose semantics the kernels
+reproduce. Backends implement `_dequantize_accumulate` directly: its destination is always
+float32. Helpers below build the per-dtype groups and the device tables (address, numel,
+offset) that multi-tensor launches read.
 """
 from __future__ import annotations
 
@@ -128,10 +129,6 @@ class CompiledKernels(QuantizedOps):
         else:
             _reference._quantize(src, q, scales, error, block, bits)
 
-    def _dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
-                               bits: int, chunks: int) -> None:
-        self._dequantize_accumulate_kernel(dst, q, scales, block, bits, chunks)
-
     def _dequantize_into(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
                          bits: int) -> None:
         if dst.dtype in KERNEL_DTYPES:
@@ -152,10 +149,6 @@ class CompiledKernels(QuantizedOps):
 
     def _quantize_kernel(self, src: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                          error: Optional[torch.Tensor], block: int, bits: int) -> None:
-        raise NotImplementedError
-
-    def _dequantize_accumulate_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
-                                      bits: int, chunks: int) -> None:
         raise NotImplementedError
 
     def _dequantize_into_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,

@@ -123,8 +123,8 @@ class CupyKernels(CompiledKernels):
                      (np.uint64(src.data_ptr()), np.uint64(0 if error is None else error.data_ptr()),
                       np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()), np.int64(n), np.int32(block)))
 
-    def _dequantize_accumulate_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
-                                      bits: int, chunks: int) -> None:
+    def _dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                               bits: int, chunks: int) -> None:
         n = dst.numel()
         self._launch(dst.device, f"dequantize_accumulate_b{bits}", (_blocks_for_pairs(n),),
                      (np.uint64(dst.data_ptr()), np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()), np.int64(n),

@@ -112,8 +112,8 @@ class ExtKernels(CompiledKernels):
                          error: Optional[torch.Tensor], block: int, bits: int) -> None:
         self._ops.quantize(src, q, scales, error, block, bits)
 
-    def _dequantize_accumulate_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
-                                      bits: int, chunks: int) -> None:
+    def _dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                               bits: int, chunks: int) -> None:
         self._ops.dequantize_accumulate(dst, q, scales, block, bits, chunks)
 
     def _dequantize_into_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,

@@ -322,8 +322,8 @@ class TritonKernels(CompiledKernels):
                 MAGIC=ROUNDING_MAGIC, BITS=bits, HAS_ERROR=error is not None, ROWS=rows, HALF=half,
                 **self._options)
 
-    def _dequantize_accumulate_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
-                                      bits: int, chunks: int) -> None:
+    def _dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                               bits: int, chunks: int) -> None:
         self._dequantize(dst, q, scales, block, bits, chunks, accumulate=True)
 
     def _dequantize_into_kernel(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
