@@ -131,37 +131,32 @@ class QuantizedCollectives:
         gathered records dequantised into `out`. Every rank, the shard's owner included,
         computes with the dequantised values, so that all ranks run the same weights."""
         c = self.collectives
-        world, block = c.world_size, self.settings.block
-        layout = RecordLayout(shard.numel(), block, 8)
-        nbytes = layout.nbytes * (world - 1)
-        uncompressed = out.numel() * out.element_size() * (world - 1) // world
+        layout = RecordLayout(shard.numel(), self.settings.block, 8)
+        nbytes = layout.nbytes * (c.world_size - 1)
+        uncompressed = out.numel() * out.element_size() * (c.world_size - 1) // c.world_size
         with phase(f"overlap::all_gather::{unit}"):
-            return self._all_gather(out, shard, unit, layout, nbytes, uncompressed)
+            if c.use_streams:
+                stream = c.all_gather_stream
+                stream.wait_stream(torch.cuda.current_stream(c.device))
+                with torch.cuda.stream(stream):
+                    record = c.log.collective("all_gather", unit, nbytes, stream, uncompressed=uncompressed)
+                    send, received = self._quantize_shard(shard, layout)
+                    all_gather_flat(received, send, group=c.group)
+                    self._dequantize_gathered(out, received, layout)
+                    record.end = c.log.clock.stamp(stream)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                return Pending(record, c.log.clock, event=event, device=c.device,
+                               keep_alive=(send, received, shard, out))
+            record = c.log.collective("all_gather", unit, nbytes, uncompressed=uncompressed)
+            send, received = self._quantize_shard(shard, layout)
+            work = all_gather_flat(received, send, group=c.group, async_op=True)
+            held = [received]       # See [Note: callbacks drop their buffers].
 
-    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str, layout: RecordLayout, nbytes: int,
-                    uncompressed: int) -> Pending:
-        c = self.collectives
-        if c.use_streams:
-            stream = c.all_gather_stream
-            stream.wait_stream(torch.cuda.current_stream(c.device))
-            with torch.cuda.stream(stream):
-                record = c.log.collective("all_gather", unit, nbytes, stream, uncompressed=uncompressed)
-                send, received = self._quantize_shard(shard, layout)
-                all_gather_flat(received, send, group=c.group)
-                self._dequantize_gathered(out, received, layout)
-                record.end = c.log.clock.stamp(stream)
-                event = torch.cuda.Event()
-                event.record(stream)
-            return Pending(record, c.log.clock, event=event, device=c.device, keep_alive=(send, received, shard, out))
-        record = c.log.collective("all_gather", unit, nbytes, uncompressed=uncompressed)
-        send, received = self._quantize_shard(shard, layout)
-        work = all_gather_flat(received, send, group=c.group, async_op=True)
-        held = [received]       # See [Note: callbacks drop their buffers].
+            def finish() -> None:
+                self._dequantize_gathered(out, held.pop(), layout)
 
-        def finish() -> None:
-            self._dequantize_gathered(out, held.pop(), layout)
-
-        return c._pending(record, work, keep_alive=(send, received), on_complete=finish)
+            return c._pending(record, work, keep_alive=(send, received), on_complete=finish)
 
     def _quantize_shard(self, shard: torch.Tensor, layout: RecordLayout) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.collectives
@@ -196,55 +191,47 @@ class QuantizedCollectives:
         scale = 1.0 / (world * c.replicas)
         sizes = [0 if r == rank else layout.nbytes for r in range(world)]
         with phase(f"overlap::reduce_scatter::{unit}"):
-            return self._reduce_scatter(grad_full, shard_grad, reduce_dtype, unit, layout, nbytes, uncompressed,
-                                        scale, sizes)
+            if c.use_streams:
+                stream = c.reduce_scatter_stream
+                stream.wait_stream(torch.cuda.current_stream(c.device))
+                with torch.cuda.stream(stream):
+                    record = c.log.collective("reduce_scatter", unit, nbytes, stream, uncompressed=uncompressed)
+                    source = c._scaled(grad_full, reduce_dtype, scale)
+                    send = self._quantize_chunks(source, shard_grad, layout)
+                    received = torch.empty_like(send)
+                    if world > 1:
+                        dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
+                                               group=c.group)
+                    summed = torch.zeros(shard, dtype=torch.float32, device=c.device)
+                    self._sum_chunks(summed, source, received, layout)
+                    event = c.finish_on_stream(record, summed, shard_grad, unit, stream)
+                return Pending(record, c.log.clock, event=event, device=c.device,
+                               keep_alive=(grad_full, source, send, received, summed, shard_grad))
+            record = c.log.collective("reduce_scatter", unit, nbytes, uncompressed=uncompressed)
+            source = c._scaled(grad_full, reduce_dtype, scale)
+            send = self._quantize_chunks(source, shard_grad, layout)
+            received = torch.empty_like(send)
+            # fp32, as the fused dequantise-accumulate wants; with replicas, a buffer of its own
+            # that the all-reduce across them sums before it joins the shard gradient.
+            direct = shard_grad.dtype == torch.float32 and c.replicate_group is None
+            target = shard_grad if direct else torch.zeros(shard, dtype=torch.float32, device=c.device)
 
-    def _reduce_scatter(self, grad_full: torch.Tensor, shard_grad: torch.Tensor, reduce_dtype: torch.dtype,
-                        unit: str, layout: RecordLayout, nbytes: int, uncompressed: int, scale: float,
-                        sizes: list[int]) -> Pending:
-        c = self.collectives
-        world, shard = c.world_size, layout.numel
-        if c.use_streams:
-            stream = c.reduce_scatter_stream
-            stream.wait_stream(torch.cuda.current_stream(c.device))
-            with torch.cuda.stream(stream):
-                record = c.log.collective("reduce_scatter", unit, nbytes, stream, uncompressed=uncompressed)
-                source = c._scaled(grad_full, reduce_dtype, scale)
-                send = self._quantize_chunks(source, shard_grad, layout)
-                received = torch.empty_like(send)
-                if world > 1:
-                    dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
-                                           group=c.group)
-                summed = torch.zeros(shard, dtype=torch.float32, device=c.device)
-                self._sum_chunks(summed, source, received, layout)
-                event = c.finish_on_stream(record, summed, shard_grad, unit, stream)
-            return Pending(record, c.log.clock, event=event, device=c.device,
-                           keep_alive=(grad_full, source, send, received, summed, shard_grad))
-        record = c.log.collective("reduce_scatter", unit, nbytes, uncompressed=uncompressed)
-        source = c._scaled(grad_full, reduce_dtype, scale)
-        send = self._quantize_chunks(source, shard_grad, layout)
-        received = torch.empty_like(send)
-        # fp32, as the fused dequantise-accumulate wants; with replicas, a buffer of its own
-        # that the all-reduce across them sums before it joins the shard gradient.
-        direct = shard_grad.dtype == torch.float32 and c.replicate_group is None
-        target = shard_grad if direct else torch.zeros(shard, dtype=torch.float32, device=c.device)
+            held = [source, received]       # See [Note: callbacks drop their buffers].
 
-        held = [source, received]       # See [Note: callbacks drop their buffers].
+            def finish() -> None:
+                self._sum_chunks(target, *held, layout)
+                held.clear()
+                if not direct and c.replicate_group is None:
+                    c.kernels.accumulate(shard_grad, target)
 
-        def finish() -> None:
-            self._sum_chunks(target, *held, layout)
-            held.clear()
-            if not direct and c.replicate_group is None:
-                c.kernels.accumulate(shard_grad, target)
-
-        work = None
-        if world > 1:
-            work = dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
-                                          group=c.group, async_op=True)
-        pending = c._pending(record, work, keep_alive=(source, send, received), on_complete=finish)
-        if c.replicate_group is not None:
-            pending.then = lambda: c._all_reduce_into(target, shard_grad, unit)
-        return pending
+            work = None
+            if world > 1:
+                work = dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
+                                              group=c.group, async_op=True)
+            pending = c._pending(record, work, keep_alive=(source, send, received), on_complete=finish)
+            if c.replicate_group is not None:
+                pending.then = lambda: c._all_reduce_into(target, shard_grad, unit)
+            return pending
 
     def _quantize_chunks(self, source: torch.Tensor, shard_grad: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
         """Records of `source`'s chunks for every other rank, in rank order (see [Note: error
