@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from overlap.config import Config
 from overlap.cost_model import CommLayout
-from overlap.mesh import ShardingGroups, resolve_sharding
+from overlap.mesh import ShardingGroups, groups_on_mesh, resolve_sharding
 from overlap.mixed_precision import MixedPrecision
 from overlap.planner import cost_of_spec, default_memory_budget
 from overlap.probe import probe_link
@@ -88,9 +88,7 @@ def choose_at_startup(device: torch.device, config: Config, local: int, unit_spe
     decision = [(choose_sharding(units, levels, gathered, memory_limit(device, local)), gathered)]
     dist.broadcast_object_list(decision, src=0)
     choice, gathered = decision[0]
-    node, across = mesh.get_group(1), mesh.get_group(0)
-    groups = {"full": ShardingGroups(dist.group.WORLD, None), "hybrid": ShardingGroups(node, across),
-              "hpz": ShardingGroups(dist.group.WORLD, None, node)}[choice.pick.sharding]
+    groups = groups_on_mesh(choice.pick.sharding, mesh)
     logger.info("%s; compute not measured before the first step: taken as zero, so each step "
                 "predicted is its communication alone", choice.describe())
     return AutoSharding(groups, choice.levels, choice, gathered)

@@ -78,8 +78,13 @@ def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[
     world = dist.get_world_size()
     if sharding in ("full", "auto") or local_world_size is None or world == local_world_size:
         return ShardingGroups(group, None)      # one node: nothing to replicate
-    if sharding == "hpz":
-        node, _ = dist.new_subgroups(group_size=local_world_size)
-        return ShardingGroups(group, None, node)
-    return _from_mesh(init_device_mesh(device_type, (world // local_world_size, local_world_size),
-                                       mesh_dim_names=("replicate", "shard")))
+    return groups_on_mesh(sharding, init_device_mesh(device_type, (world // local_world_size, local_world_size),
+                                                     mesh_dim_names=("replicate", "shard")))
+
+
+def groups_on_mesh(sharding: str, mesh: DeviceMesh) -> ShardingGroups:
+    """The groups of "full", "hybrid" or "hpz" sharding over every rank, on a ("replicate",
+    "shard") mesh whose second dimension is a node's ranks."""
+    node, across = mesh.get_group(1), mesh.get_group(0)
+    return {"full": ShardingGroups(dist.group.WORLD, None), "hybrid": ShardingGroups(node, across),
+            "hpz": ShardingGroups(dist.group.WORLD, None, node)}[sharding]
