@@ -212,7 +212,7 @@ def run_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         settings = {}
         if impl in peers.SHARDED_MODULE:
-            from overlap.compression_auto import CompressionChooser
+            from overlap.control.compression_auto import CompressionChooser
 
             quantized = model.collectives.quantized
             chooser = [c for c in model.scheduler.step_end_callbacks if isinstance(c, CompressionChooser)]

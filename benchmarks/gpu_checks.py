@@ -157,8 +157,8 @@ def injected(delays: bool) -> Iterator[None]:
     filled with NaN before its storage goes back to the allocator: a consumer that does not
     wait for a collective, or a buffer freed while a stream still reads it, shows as a
     different or non-finite result."""
-    from overlap import collectives
-    from overlap.flat_group import FlatGroup
+    from overlap.runtime import collectives
+    from overlap.runtime.flat_group import FlatGroup
 
     originals = (collectives.all_gather_flat, collectives.reduce_scatter_flat, FlatGroup.free)
 
@@ -348,8 +348,8 @@ def check_report_timing(checks: Checks, rehearse: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from overlap import ShardedModule
-    from overlap.intervals import length, union
-    from overlap.report import analyse_step
+    from overlap.base.intervals import length, union
+    from overlap.observe.report import analyse_step
 
     device = _device(False)
     with one_rank_group("nccl"):

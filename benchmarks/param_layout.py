@@ -230,7 +230,7 @@ class Model:
 
     def __init__(self, rank: int, world: int) -> None:
         from overlap.models import GPT, GPTConfig
-        from overlap.units import discover_units
+        from overlap.base.units import discover_units
 
         torch.manual_seed(0)
         self.config = GPTConfig()

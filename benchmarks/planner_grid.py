@@ -52,7 +52,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from overlap import ShardedModule
     from overlap.models.gpt import GPT, Block, GPTConfig
-    from overlap.replanner import FIRST_DECISION_STEP
+    from overlap.control.replanner import FIRST_DECISION_STEP
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -14,28 +14,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils._pytree import tree_map
 
-from overlap.auto_sharding import sharding_at_startup
-from overlap.collectives import Collectives, device_backend
-from overlap.compression import Compression, QuantizedCollectives
-from overlap.compression_auto import chooser_for
-from overlap.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
-                            validate_bucket_mb, validate_compress, validate_prefetch_depth, validate_sharding)
-from overlap.flat_group import FlatGroup
+from overlap.control.auto_sharding import sharding_at_startup
+from overlap.runtime.collectives import Collectives
+from overlap.runtime.process_group import device_backend
+from overlap.runtime.compression import Compression, QuantizedCollectives
+from overlap.control.compression_auto import chooser_for
+from overlap.base.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env, validate_bucket_mb, validate_compress, validate_prefetch_depth, validate_sharding)
+from overlap.runtime.flat_group import FlatGroup
 from overlap.kernels import BackendUnavailable, get_backend
-from overlap.materialize import check_same_values, materialize, meta_places
-from overlap.mesh import sharding_error
-from overlap.mixed_precision import MixedPrecision
-from overlap.planner import plan_at_startup
-from overlap.replanner import replanner_for
-from overlap.profiling import enable_nvtx
-from overlap.report import OverlapMonitor, OverlapReport
-from overlap.scheduler import Scheduler
-from overlap.topology import detect_link
-from overlap.unit import Unit
-from overlap.units import UnitSpec, discover_units, merge_into_buckets
+from overlap.runtime.materialize import check_same_values, materialize, meta_places
+from overlap.runtime.mesh import sharding_error
+from overlap.base.mixed_precision import MixedPrecision
+from overlap.control.startup_plan import plan_at_startup
+from overlap.control.replanner import replanner_for
+from overlap.base.profiling import enable_nvtx
+from overlap.observe.report import OverlapMonitor, OverlapReport
+from overlap.runtime.scheduler import Scheduler
+from overlap.control.topology import detect_link
+from overlap.runtime.unit import Unit
+from overlap.base.units import UnitSpec, discover_units, merge_into_buckets
 
 if TYPE_CHECKING:
-    from overlap.memory_model import ActivationShape, MemoryReport
+    from overlap.plan.memory import ActivationShape
+    from overlap.observe.memory import MemoryReport
 
 logger = logging.getLogger("overlap")
 
@@ -99,7 +100,7 @@ class ShardedModule(nn.Module):
     Args:
         module: any nn.Module; rank 0's initial parameter values are used on every rank.
         unit_types: a module class, or a sequence of them, whose instances each become a
-            unit; None for the automatic policy (see `overlap.units`).
+            unit; None for the automatic policy (see `overlap.base.units`).
         process_group: defaults to the world group.
         mixed_precision: dtypes to gather in and reduce in; master shards keep the
             parameters' own dtype.
@@ -109,14 +110,14 @@ class ShardedModule(nn.Module):
             backward (3 passes of communication per step); False keeps it until its backward (2).
         param_init_fn: for a module built on the meta device, called on each module that holds
             meta parameters or buffers once they exist in full (default: the module's own
-            `reset_parameters()`); see `overlap.materialize`.
+            `reset_parameters()`); see `overlap.runtime.materialize`.
         mesh: a 2-D DeviceMesh ("replicate", "shard"): shard over its second dimension,
             replicate over its first (hybrid sharding, FSDP2's HSDP); a 1-D mesh shards.
         sharding: "full" (over every rank of the group), "hybrid" (inside each node of
             LOCAL_WORLD_SIZE ranks, replicated across nodes) or "hpz" (over every rank, with a
             node-local copy for backward's gathers), or "auto" (the planner chooses among
-            them; see `overlap.auto_sharding`): argument > OVERLAP_SHARDING > "full".
-            See `overlap.mesh`.
+            them; see `overlap.control.auto_sharding`): argument > OVERLAP_SHARDING > "full".
+            See `overlap.runtime.mesh`.
         compression: quantise what crosses the wire: "none", "int8" (weights and gradients),
             "int8-int4" (int8 weights, int4 gradients with error feedback) or "auto" (the
             planner decides from measured steps): argument > OVERLAP_COMPRESS > "none".
@@ -190,7 +191,7 @@ class ShardedModule(nn.Module):
 
         self.collectives = Collectives(group, device, kernels, self.sharding.replicate, all_group)
         if config.compress != "none":
-            # "auto" starts uncompressed; overlap.compression_plan switches it on if worth it.
+            # "auto" starts uncompressed; overlap.plan.compression switches it on if worth it.
             mode = "none" if config.compress == "auto" else config.compress
             self.collectives.quantized = QuantizedCollectives(self.collectives, Compression(mode, config.compress_block))
         self.mixed_precision = mp
@@ -205,7 +206,7 @@ class ShardedModule(nn.Module):
         self.scheduler = Scheduler(root, units, self.collectives, self.overlap_config.prefetch_depth, budget,
                                    reshard_after_forward)
         if config.prefetch_depth is None:
-            # Depth follows measured steps; see overlap.replanner.Replanner.
+            # Depth follows measured steps; see overlap.control.replanner.Replanner.
             self.scheduler.step_end_callbacks.append(
                 replanner_for(self.scheduler, startup, int(self.overlap_config.bucket_mb * 2**20), group, device))
         if config.compress == "auto":
@@ -341,7 +342,7 @@ class ShardedModule(nn.Module):
         backward and optimizer step) next to the estimate for this model."""
         # Imported here: torch's memory tracker loads Triton, ~145 MB of resident memory
         # that training does not otherwise need.
-        from overlap.memory_model import memory_report
+        from overlap.observe.memory import memory_report
 
         return memory_report(self, optimizer, step_fn, activations=activations, checkpointing=checkpointing)
 

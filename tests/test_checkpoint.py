@@ -259,7 +259,7 @@ def test_values_are_loaded_without_arbitrary_objects() -> None:
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3), ()])
 def test_contiguous_blocks_cover_each_range_exactly(shape) -> None:
-    from overlap.checkpoint.sharded_tensors import contiguous_blocks
+    from overlap.runtime.sharded_tensors import contiguous_blocks
 
     full_shape = shape or (1,)
     numel = math.prod(full_shape)

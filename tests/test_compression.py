@@ -119,8 +119,8 @@ def test_hybrid_sharding_compresses_inside_the_shard_group() -> None:
 def _collectives(mode: str, block: int = 128):
     import torch.distributed as dist
 
-    from overlap.collectives import Collectives
-    from overlap.compression import Compression, QuantizedCollectives
+    from overlap.runtime.collectives import Collectives
+    from overlap.runtime.compression import Compression, QuantizedCollectives
     from overlap.kernels import get_backend
 
     collectives = Collectives(dist.group.WORLD, torch.device("cpu"), get_backend("torch", torch.device("cpu")))
@@ -222,7 +222,7 @@ def test_ranks_with_different_compression_fail_on_every_rank() -> None:
 
 def _auto(rank: int, world: int) -> tuple[str, str, str]:
     from overlap import ShardedModule
-    from overlap.compression_auto import CompressionChooser
+    from overlap.control.compression_auto import CompressionChooser
 
     case = CASES["gpt_adamw_groups"]
     chooser = {}

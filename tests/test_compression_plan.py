@@ -1,10 +1,9 @@
 """`compression="auto"`: compressed only where the replayed step is communication-bound."""
 from __future__ import annotations
 
-from overlap.compression_plan import (EXPOSED_SHARE, CodecCost, choose_compression, compressed_profile,
-                                      wire_ratio)
-from overlap.cost_model import Profile, UnitCost, predict_step
-from overlap.topology import LinkModel
+from overlap.plan.compression import EXPOSED_SHARE, CodecCost, choose_compression, compressed_profile, wire_ratio
+from overlap.plan.cost_model import Profile, UnitCost, predict_step
+from overlap.plan.links import LinkModel
 
 MB = 2**20
 CODEC = CodecCost(quantize_s=2e-9, dequantize_s=1e-9, block=128)

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from overlap.config import ENV_VARS, Config, config_from_env
+from overlap.base.config import ENV_VARS, Config, config_from_env
 
 
 def test_defaults_leave_choices_to_the_planner() -> None:

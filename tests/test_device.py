@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from overlap.collectives import Pending
+from overlap.runtime.collectives import Pending
 from overlap.sharded_module import _device_for
-from overlap.timing import CollectiveStamps, HostClock
+from overlap.runtime.timing import CollectiveStamps, HostClock
 
 FORMS = {"init_process_group()": "undefined", "nccl": "nccl", "cpu:gloo,cuda:nccl": "cpu:gloo,cuda:nccl",
          "gloo": "gloo"}

@@ -20,7 +20,7 @@ def _train(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from overlap import ShardedModule
-    from overlap.mixed_precision import MixedPrecision
+    from overlap.base.mixed_precision import MixedPrecision
     from overlap.models.gpt import GPT, GPTConfig
 
     results = {}

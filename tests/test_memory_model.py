@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlap import estimate as estimate_cli
-from overlap.memory_model import (MODEL_STATE_CATEGORIES, STAGES, ActivationShape, activation_bytes, estimate,
-                                  gathered_buffer_bytes, layer_activation_bytes, state_bytes)
+from overlap.cli import estimate as estimate_cli
+from overlap.plan.memory import (MODEL_STATE_CATEGORIES, STAGES, ActivationShape, activation_bytes, estimate, gathered_buffer_bytes, layer_activation_bytes, state_bytes)
 from distributed import run_distributed  # tests/ is on sys.path under pytest
 from models import language_model_step
 
@@ -130,7 +129,7 @@ def test_cli_rejects_bad_arguments(argv, named, capsys):
 
 def _measure_on_ranks(rank: int, world_size: int) -> list[dict]:
     from overlap import MixedPrecision, ShardedModule
-    from overlap.memory_model import measure, memory_report
+    from overlap.observe.memory import measure, memory_report
     from overlap.models import GPT, Block, GPTConfig
 
     config = GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=64)
@@ -173,7 +172,7 @@ def test_measured_model_states_match_estimate_on_two_ranks():
 
 
 def test_wrap_peak_eager_holds_the_whole_model_meta_only_the_shard_and_a_unit(capsys):
-    from overlap.memory_model import wrap_peak_bytes
+    from overlap.plan.memory import wrap_peak_bytes
 
     assert wrap_peak_bytes(1e9, 8, 5e7, on_meta=False) == pytest.approx(4e9 + 5e8 + 2e8)
     assert wrap_peak_bytes(1e9, 8, 5e7, on_meta=True) == pytest.approx(5e8 + 2e8)

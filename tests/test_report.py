@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from overlap.report import OverlapReport, StepStats, UnitStats, analyse_step, peak_gathered_bytes, segments
-from overlap.step_record import Collective, Mark, StepKind, StepRecord, UnitEvent
+from overlap.observe.report import OverlapReport, StepStats, UnitStats, analyse_step, peak_gathered_bytes, segments
+from overlap.base.step_record import Collective, Mark, StepKind, StepRecord, UnitEvent
 from distributed import run_distributed
 
 ROOT = "<root>"
@@ -172,7 +172,7 @@ def _train_and_report(rank: int, world_size: int, prefetch_depth: int):
 
     from overlap import ShardedModule
     from overlap.models import GPT, Block, GPTConfig
-    from overlap.report import OverlapMonitor
+    from overlap.observe.report import OverlapMonitor
 
     torch.manual_seed(0)
     model = ShardedModule(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)),

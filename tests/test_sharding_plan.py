@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from overlap.config import config_from_env
-from overlap.cost_model import Profile, UnitCost, predict_step
-from overlap.sharding_plan import Levels, choose_sharding, evaluate, layout_for
-from overlap.simulator import main as simulate
-from overlap.topology import LinkModel
+from overlap.base.config import config_from_env
+from overlap.plan.cost_model import Profile, UnitCost, predict_step
+from overlap.plan.sharding import Levels, choose_sharding, evaluate, layout_for
+from overlap.cli.simulate import main as simulate
+from overlap.plan.links import LinkModel
 
 MB = 2**20
 NODE = LinkModel("nvlink", 10e-6, 300e9)

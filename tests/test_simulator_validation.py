@@ -28,8 +28,8 @@ from typing import Callable
 
 import pytest
 
-from overlap.cost_model import Profile, UnitCost
-from overlap.simulator import CLUSTERS, GATHER_BYTES, MODELS, ClusterPreset, build_profile, planned
+from overlap.plan.cost_model import Profile, UnitCost
+from overlap.cli.simulate import CLUSTERS, GATHER_BYTES, MODELS, ClusterPreset, build_profile, planned
 
 LLAMA_8B = MODELS["llama3-8b"]
 BATCH = 2

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlap.step_record import Mark, StepKind
-from overlap.timing import CudaClock, HostClock, StepLog
+from overlap.base.step_record import Mark, StepKind
+from overlap.runtime.timing import CudaClock, HostClock, StepLog
 
 
 class FakeEvent:

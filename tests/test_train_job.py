@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from overlap.train_job import ByteBatches, main
+from overlap.train.job import ByteBatches, main
 
 TINY = ["--steps", "16", "--eval-every", "8", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32",
         "--batch", "8", "--lr", "1e-2", "--sample", "1", "--sample-len", "24"]

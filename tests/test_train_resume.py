@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from overlap.checkpoint import latest_checkpoint
-from overlap.train_job import ByteBatches, main
+from overlap.train.job import ByteBatches, main
 
 STEPS = 120
 EVERY = 10              # steps between checkpoints

@@ -6,7 +6,7 @@ from torch import nn
 from models import Block, FeatureNet, Tiny
 from overlap.models import GPT, GPTConfig
 from overlap.models import Block as GPTBlock
-from overlap.units import discover_units, merge_into_buckets
+from overlap.base.units import discover_units, merge_into_buckets
 
 
 def _names(specs) -> list[str]:

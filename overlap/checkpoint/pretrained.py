@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from overlap.checkpoint.sharded_tensors import contiguous_blocks
+from overlap.runtime.sharded_tensors import contiguous_blocks
 
 if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule

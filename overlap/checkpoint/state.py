@@ -17,7 +17,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 if TYPE_CHECKING:
-    from overlap.flat_group import FlatGroup
+    from overlap.runtime.flat_group import FlatGroup
     from overlap.sharded_module import ShardedModule
 
 MODEL = "model/"

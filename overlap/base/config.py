@@ -1,0 +1,188 @@
+"""Runtime settings: the one place that reads `OVERLAP_*` environment variables (and the
+launcher's LOCAL_RANK).
+
+Precedence for every setting: explicit argument > environment variable > automatic choice
+(`None` here means "let the planner decide"). Invalid values raise `ValueError` naming the
+variable and what it accepts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional
+
+from overlap.kernels.quantized import DEFAULT_BLOCK, MAX_BLOCK
+
+KERNEL_CHOICES = ("auto", "torch", "triton", "ext", "cupy")
+LINK_CHOICES = ("auto", "nvlink", "infiniband", "ethernet", "loopback")
+LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+SHARDING_CHOICES = ("full", "hybrid", "hpz", "auto")
+# What crosses the wire quantised (see overlap.runtime.compression): weights / gradients.
+COMPRESS_CHOICES = ("none", "int8", "int8-int4", "auto")
+
+# name -> (accepted values as users read them, description) for the README and error messages.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "OVERLAP_PREFETCH_DEPTH": ("integer >= 0 or 'auto'", "units whose all-gather runs ahead of compute"),
+    "OVERLAP_BUCKET_MB": ("number > 0 or 'auto'", "merge consecutive small units up to this size"),
+    "OVERLAP_KERNELS": ("|".join(KERNEL_CHOICES), "flat-buffer kernel backend"),
+    "OVERLAP_NVTX": ("0|1", "emit NVTX ranges for Nsight Systems"),
+    "OVERLAP_LOG": ("|".join(LOG_CHOICES), "level of the 'overlap' logger"),
+    "OVERLAP_LINK": ("|".join(LINK_CHOICES) + ", or two of them as INSIDE,ACROSS (e.g. nvlink,infiniband)",
+                     "force the link class the planner assumes, one for all ranks or one per level"),
+    "OVERLAP_MEMORY_BUDGET_MB": ("number > 0 or 'auto'", "cap on gathered parameter bytes in flight"),
+    "OVERLAP_PROBE": ("0|1", "time a few collectives at start-up to fit the link model"),
+    "OVERLAP_PROBE_CACHE": ("file path", "JSON file where probe results are kept and reused"),
+    "OVERLAP_SHARDING": ("|".join(SHARDING_CHOICES),
+                         "shard over every rank, inside each node and replicate across nodes, or over every "
+                         "rank with a node-local copy for backward (ZeRO++ hpZ); auto: the planner chooses"),
+    "OVERLAP_COMPRESS": ("|".join(COMPRESS_CHOICES), "quantise weights / gradients on the wire (docs/compression.md)"),
+    "OVERLAP_COMPRESS_BLOCK": (f"even integer from 2 to {MAX_BLOCK}", "elements per quantisation scale"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    prefetch_depth: Optional[int] = None
+    bucket_mb: Optional[float] = None
+    kernels: str = "auto"
+    nvtx: bool = False
+    log_level: Optional[str] = None
+    link: str = "auto"
+    memory_budget_mb: Optional[float] = None
+    probe: bool = True
+    probe_cache: Optional[str] = None
+    sharding: str = "full"
+    compress: str = "none"
+    compress_block: int = DEFAULT_BLOCK
+
+    def with_overrides(self, **overrides: object) -> "Config":
+        """A copy with each non-None keyword replacing the current value (arguments beat env)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _parse_auto_number(name: str, raw: str, *, integer: bool, minimum: float, strict: bool):
+    if raw.strip().lower() == "auto":
+        return None
+    accepted = ENV_VARS[name][0]
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is invalid; accepted values: {accepted}") from None
+    if value < minimum or (strict and value == minimum) or value != value:
+        raise ValueError(f"{name}={raw!r} is invalid; accepted values: {accepted}")
+    return value
+
+
+def _parse_choice(name: str, raw: str, choices: tuple[str, ...], *, upper: bool = False) -> str:
+    value = raw.strip().upper() if upper else raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r} is invalid; accepted values: {ENV_VARS[name][0]}")
+    return value
+
+
+def _parse_flag(name: str, raw: str) -> bool:
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r} is invalid; accepted values: {ENV_VARS[name][0]}")
+    return raw.strip() == "1"
+
+
+def validate_prefetch_depth(value: int, source: str = "prefetch_depth") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{source}={value!r} is invalid; expected an integer >= 0")
+    return value
+
+
+def validate_bucket_mb(value: float, source: str = "bucket_mb") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{source}={value!r} is invalid; expected a number > 0")
+    return float(value)
+
+
+def validate_sharding(value: str, source: str = "sharding") -> str:
+    if value not in SHARDING_CHOICES:
+        raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(SHARDING_CHOICES)}")
+    return value
+
+
+def validate_compress(value: str, source: str = "compression") -> str:
+    if value not in COMPRESS_CHOICES:
+        raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(COMPRESS_CHOICES)}")
+    return value
+
+
+def _parse_block(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 2 or value > MAX_BLOCK or value % 2:
+        raise ValueError(f"OVERLAP_COMPRESS_BLOCK={raw!r} is invalid; accepted values: {ENV_VARS['OVERLAP_COMPRESS_BLOCK'][0]}")
+    return value
+
+
+def _launcher_int(name: str, minimum: int, environ: Optional[Mapping[str, str]]) -> Optional[int]:
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r} is invalid; expected an integer >= {minimum}")
+    return value
+
+
+def local_rank_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The launcher's LOCAL_RANK (torchrun sets it), or None when it is not set."""
+    return _launcher_int("LOCAL_RANK", 0, environ)
+
+
+def local_world_size_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The launcher's LOCAL_WORLD_SIZE (ranks on this node; torchrun sets it), or None."""
+    return _launcher_int("LOCAL_WORLD_SIZE", 1, environ)
+
+
+def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Read and validate every `OVERLAP_*` variable."""
+    env = os.environ if environ is None else environ
+    fields: dict[str, object] = {}
+    if "OVERLAP_PREFETCH_DEPTH" in env:
+        fields["prefetch_depth"] = _parse_auto_number(
+            "OVERLAP_PREFETCH_DEPTH", env["OVERLAP_PREFETCH_DEPTH"], integer=True, minimum=0, strict=False)
+    if "OVERLAP_BUCKET_MB" in env:
+        fields["bucket_mb"] = _parse_auto_number(
+            "OVERLAP_BUCKET_MB", env["OVERLAP_BUCKET_MB"], integer=False, minimum=0, strict=True)
+    if "OVERLAP_KERNELS" in env:
+        fields["kernels"] = _parse_choice("OVERLAP_KERNELS", env["OVERLAP_KERNELS"], KERNEL_CHOICES)
+    if "OVERLAP_NVTX" in env:
+        fields["nvtx"] = _parse_flag("OVERLAP_NVTX", env["OVERLAP_NVTX"])
+    if "OVERLAP_LOG" in env:
+        fields["log_level"] = _parse_choice("OVERLAP_LOG", env["OVERLAP_LOG"], LOG_CHOICES, upper=True)
+    if "OVERLAP_LINK" in env:
+        levels = env["OVERLAP_LINK"].split(",")
+        if len(levels) > 2 or (len(levels) == 2 and "auto" in [v.strip().lower() for v in levels]):
+            raise ValueError(f"OVERLAP_LINK={env['OVERLAP_LINK']!r} is invalid; accepted values: "
+                             f"{ENV_VARS['OVERLAP_LINK'][0]}")
+        fields["link"] = ",".join(_parse_choice("OVERLAP_LINK", v, LINK_CHOICES) for v in levels)
+    if "OVERLAP_MEMORY_BUDGET_MB" in env:
+        fields["memory_budget_mb"] = _parse_auto_number(
+            "OVERLAP_MEMORY_BUDGET_MB", env["OVERLAP_MEMORY_BUDGET_MB"], integer=False, minimum=0, strict=True)
+    if "OVERLAP_PROBE" in env:
+        fields["probe"] = _parse_flag("OVERLAP_PROBE", env["OVERLAP_PROBE"])
+    if "OVERLAP_PROBE_CACHE" in env:
+        if not env["OVERLAP_PROBE_CACHE"].strip():
+            raise ValueError(f"OVERLAP_PROBE_CACHE='' is invalid; accepted values: {ENV_VARS['OVERLAP_PROBE_CACHE'][0]}")
+        fields["probe_cache"] = env["OVERLAP_PROBE_CACHE"].strip()
+    if "OVERLAP_SHARDING" in env:
+        fields["sharding"] = _parse_choice("OVERLAP_SHARDING", env["OVERLAP_SHARDING"], SHARDING_CHOICES)
+    if "OVERLAP_COMPRESS" in env:
+        fields["compress"] = _parse_choice("OVERLAP_COMPRESS", env["OVERLAP_COMPRESS"], COMPRESS_CHOICES)
+    if "OVERLAP_COMPRESS_BLOCK" in env:
+        fields["compress_block"] = _parse_block(env["OVERLAP_COMPRESS_BLOCK"])
+    config = Config(**fields)
+    if config.log_level is not None:
+        logging.getLogger("overlap").setLevel(config.log_level)
+    return config

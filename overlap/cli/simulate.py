@@ -1,0 +1,302 @@
+"""`overlap simulate`: the predicted step of a model on a cluster, from the planner's cost model.
+
+Compute per unit comes from FLOPs at a stated MFU, communication from the cluster's α-β
+model; the replay, the bucket rule and the depth choice are the planner's own
+(`overlap.plan.prefetch`), so the pick printed here is the one the runtime would make given the
+same timings. Assumptions (see docs/planner.md): one unit per transformer layer; bf16
+gathers and fp32 gradient reduction (the usual FSDP policy); fp32 master weights, gradients
+and two Adam moments sharded over all ranks (16 bytes per parameter / N); activations by
+`overlap estimate`'s formula (`overlap.plan.memory`) in bf16 with fused attention; the
+optimizer step and data loading are not in the step time.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from overlap.plan.cost_model import Prediction, Profile, UnitCost, predict_step
+from overlap.plan.memory import ActivationShape, activation_bytes
+from overlap.plan.prefetch import BUDGET_FRACTION, MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
+from overlap.plan.sharding import Levels, choose_sharding
+from overlap.plan.links import LinkModel
+
+GATHER_BYTES = 2       # bf16 parameters
+REDUCE_BYTES = 4       # fp32 gradient reduction
+MASTER_BYTES = 4       # fp32 master shard (what bucket sizes count)
+STATE_BYTES = 16       # fp32 master + fp32 gradient + Adam's two moments, per parameter
+TIMELINE_WIDTH = 72
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq: int
+    gated_mlp: bool        # SwiGLU: three matrices instead of two
+    tied_embeddings: bool
+
+    @property
+    def layer_params(self) -> int:
+        kv = 2 * self.hidden * (self.hidden // self.heads) * self.kv_heads
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        return 2 * self.hidden * self.hidden + kv + mlp + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params
+
+
+MODELS: dict[str, ModelPreset] = {
+    "llama3-8b": ModelPreset(32, 4096, 14336, 32, 8, 128256, 8192, True, False),
+    "llama3-70b": ModelPreset(80, 8192, 28672, 64, 8, 128256, 8192, True, False),
+    "llama3-405b": ModelPreset(126, 16384, 53248, 128, 8, 128256, 8192, True, False),
+    "gpt2-xl": ModelPreset(48, 1600, 6400, 25, 25, 50257, 1024, False, True),
+    "gpt2": ModelPreset(12, 768, 3072, 12, 12, 50257, 1024, False, True),
+    "bench-gpt": ModelPreset(6, 512, 2048, 8, 8, 8192, 128, False, True),
+}
+
+
+@dataclass(frozen=True)
+class ClusterPreset:
+    nodes: int
+    gpus_per_node: int
+    peak_flops: float        # dense bf16 FLOP/s per GPU
+    memory_bytes: float
+    bus_bandwidth: float     # NCCL bus bandwidth of a ring all-gather / reduce-scatter (bytes/s)
+    step_latency_intra: float
+    step_latency_inter: float
+    base_latency: float = 8e-6
+    node_bandwidth: float = 370e9     # NVLink bus bandwidth inside a node (bytes/s)
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def link(self) -> LinkModel:
+        """NCCL's ring model: base + one latency per step, N-1 steps, of which nodes-1 cross
+        the network and the rest stay on NVLink."""
+        intra_steps = self.ranks - self.nodes
+        alpha = self.base_latency + intra_steps * self.step_latency_intra + (self.nodes - 1) * self.step_latency_inter
+        kind = "nvlink" if self.nodes == 1 else self._network_kind
+        return LinkModel(kind, alpha, self.bus_bandwidth, "preset")
+
+    @property
+    def _network_kind(self) -> str:
+        return "infiniband" if self.step_latency_inter < 10e-6 else "ethernet"
+
+    def levels(self) -> Levels:
+        """The two levels as `overlap.plan.sharding` sees them, by the same ring model: a
+        node's ranks over NVLink, one rank per node over the network, and every rank (`link`)."""
+        node = LinkModel("nvlink", self.base_latency + (self.gpus_per_node - 1) * self.step_latency_intra,
+                         self.node_bandwidth, "preset")
+        network = LinkModel(self._network_kind, self.base_latency + (self.nodes - 1) * self.step_latency_inter,
+                            self.bus_bandwidth, "preset")
+        return Levels(self.nodes, self.gpus_per_node, node, network, self.link())
+
+
+H100 = dict(peak_flops=989e12, memory_bytes=80e9)
+A100 = dict(peak_flops=312e12, memory_bytes=80e9)
+# NVLink: NCCL all-gather bus bandwidth on 8 H100 ≈ 370 GB/s (A100 ≈ 230); per-step latency
+# ~1 µs. InfiniBand NDR: one 400 Gb/s NIC per GPU, a ring limited by one NIC ≈ 46 GB/s, ~5 µs
+# per network step. Ethernet: one 100 Gb/s NIC per node ≈ 11 GB/s, ~12 µs per network step.
+CLUSTERS: dict[str, ClusterPreset] = {
+    "8xH100-nvlink": ClusterPreset(1, 8, **H100, bus_bandwidth=370e9, step_latency_intra=1e-6, step_latency_inter=0.0),
+    "8xA100-nvlink": ClusterPreset(1, 8, **A100, bus_bandwidth=230e9, step_latency_intra=1e-6, step_latency_inter=0.0,
+                                   node_bandwidth=230e9),
+    "2x8xH100-ib-ndr": ClusterPreset(2, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
+    "4x8xH100-ib-ndr": ClusterPreset(4, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
+    "16x8xH100-ib-ndr": ClusterPreset(16, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
+    "32x8xH100-ib-ndr": ClusterPreset(32, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
+    "4x8xH100-eth-100g": ClusterPreset(4, 8, **H100, bus_bandwidth=11e9, step_latency_intra=1e-6, step_latency_inter=12e-6),
+}
+
+
+def _unit(name: str, params: int, flops: float = 0.0, rate: float = 1.0) -> UnitCost:
+    """A unit of `params` parameters whose forward + backward cost `flops` (backward twice forward)."""
+    return UnitCost(name, params * MASTER_BYTES, params * GATHER_BYTES, params * REDUCE_BYTES,
+                    flops / 3 / rate, 2 * flops / 3 / rate)
+
+
+def build_profile(model: ModelPreset, cluster: ClusterPreset, batch: int, mfu: float,
+                  head_unit: bool = False) -> Profile:
+    """One unit per layer. FLOPs per token: 6 per parameter for forward + backward plus
+    12·hidden·seq per layer for attention scores (the convention MFU figures use); backward
+    is twice forward. The embeddings, final norm and head form the root; with `head_unit`
+    (untied embeddings only) the final norm and head are a unit of their own after the
+    layers, as torchtitan wraps Llama, and the root holds the input embedding alone."""
+    tokens = batch * model.seq
+    rate = cluster.peak_flops * mfu
+    layer_flops = tokens * (6 * model.layer_params + 12 * model.hidden * model.seq)
+    head_flops = tokens * 6 * model.vocab * model.hidden
+    units = [_unit(f"layers.{i}", model.layer_params, layer_flops, rate) for i in range(model.layers)]
+    if head_unit and not model.tied_embeddings:
+        head_params = model.vocab * model.hidden + model.hidden
+        units.append(_unit("output", head_params, head_flops, rate))
+        return Profile(tuple(units), cluster.ranks, _unit("root", model.embedding_params - head_params))
+    return Profile(tuple(units), cluster.ranks, _unit("root", model.embedding_params), head_flops / rate)
+
+
+def activations(model: ModelPreset, batch: int, checkpointing: bool) -> float:
+    """Activation bytes per rank by `overlap estimate`'s formula, bf16, fused attention, with
+    the head's and the loss's."""
+    shape = ActivationShape(batch, model.seq, model.hidden, model.layers, model.heads, model.vocab)
+    return activation_bytes(shape, GATHER_BYTES, checkpointing)
+
+
+@dataclass(frozen=True)
+class Point:
+    depth: int
+    bucket_bytes: int          # 0: no merging
+    prediction: Prediction
+    memory_bytes: float
+    tokens_per_s: float
+
+
+def evaluate(profile: Profile, link: LinkModel, model: ModelPreset, batch: int, depth: int, bucket_bytes: int,
+             checkpointing: bool, budget: Optional[int]) -> Point:
+    merged = Profile(tuple(merge_costs(profile.units, bucket_bytes)), profile.world_size, profile.root,
+                     profile.other_s, profile.reshard_after_forward)
+    prediction = predict_step(merged, link, depth, depth, budget)
+    largest_reduce = max(u.reduce_bytes for u in merged.units)
+    memory = (STATE_BYTES * model.params / profile.world_size + prediction.peak_gathered_bytes
+              + largest_reduce + activations(model, batch, checkpointing))
+    return Point(depth, bucket_bytes, prediction, memory, batch * model.seq / prediction.step_s)
+
+
+def planned(profile: Profile, cluster: ClusterPreset, model: ModelPreset, batch: int,
+            checkpointing: bool = False) -> Point:
+    """The configuration the planner picks for this profile and cluster, evaluated."""
+    link = cluster.link()
+    budget = int(BUDGET_FRACTION * cluster.memory_bytes)
+    bucket = choose_bucket_bytes(profile.units, link, cluster.ranks, budget)
+    depth, _, _ = choose_depths(
+        Profile(tuple(merge_costs(profile.units, bucket)), profile.world_size, profile.root, profile.other_s), link,
+        budget)
+    return evaluate(profile, link, model, batch, depth, bucket, checkpointing, budget)
+
+
+def render_timeline(prediction: Prediction, width: int = TIMELINE_WIDTH) -> list[str]:
+    """Two lanes, each column a slice of the step: F/B compute, G gather, R reduce, '.' idle."""
+    scale = width / max(prediction.step_s, 1e-12)
+    lanes = {"compute": ["."] * width, "comm": ["."] * width}
+    for span in prediction.timeline:
+        mark = {"forward": "F", "backward": "B", "root": "H", "gather": "G", "reduce": "R"}[span.label.split()[0]]
+        for column in range(int(span.start * scale), min(width, max(int(span.end * scale), int(span.start * scale) + 1))):
+            lanes[span.lane][column] = mark
+    return [f"  {lane:<8}|{''.join(cells)}|" for lane, cells in lanes.items()]
+
+
+def _mb(nbytes: float) -> str:
+    return "none" if nbytes == 0 else f"{nbytes / 2**20:.0f}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="overlap simulate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, choices=sorted(MODELS))
+    parser.add_argument("--cluster", required=True, choices=sorted(CLUSTERS))
+    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of compute (0-1]")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--depth", type=int, default=None, help="only this prefetch depth")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="only this bucket size (0: no merging)")
+    parser.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes of the cluster's GPUs (default: the preset's); with 2 or more, full, hybrid "
+                             "and hpZ sharding are compared")
+    args = parser.parse_args(argv)
+    if not 0 < args.mfu <= 1:
+        parser.error(f"--mfu {args.mfu} is invalid; expected a number in (0, 1]")
+    if args.batch < 1 or (args.seq is not None and args.seq < 1):
+        parser.error("--batch and --seq must be >= 1")
+    if args.depth is not None and args.depth < 0:
+        parser.error(f"--depth {args.depth} is invalid; expected an integer >= 0")
+    if args.bucket_mb is not None and args.bucket_mb < 0:
+        parser.error(f"--bucket-mb {args.bucket_mb} is invalid; expected a number >= 0")
+    if args.nodes is not None and args.nodes < 1:
+        parser.error(f"--nodes {args.nodes} is invalid; expected an integer >= 1")
+
+    model = MODELS[args.model]
+    if args.seq is not None:
+        model = ModelPreset(**{**model.__dict__, "seq": args.seq})
+    cluster = CLUSTERS[args.cluster]
+    if args.nodes is not None:
+        cluster = replace(cluster, nodes=args.nodes)
+    link = cluster.link()
+    profile = build_profile(model, cluster, args.batch, args.mfu)
+    budget = int(BUDGET_FRACTION * cluster.memory_bytes)
+
+    pick = planned(profile, cluster, model, args.batch, args.checkpointing)
+    bucket_pick, depth_pick = pick.bucket_bytes, pick.depth
+    layer_bytes = model.layer_params * MASTER_BYTES
+    depths = [args.depth] if args.depth is not None else list(range(MAX_DEPTH + 1))
+    buckets = ([int(args.bucket_mb * 2**20)] if args.bucket_mb is not None
+               else sorted({0, bucket_pick, 2 * layer_bytes, 4 * layer_bytes}))
+
+    unit = profile.units[0]
+    print(f"model {args.model}: {model.params / 1e9:.2f}B parameters, {model.layers} units of "
+          f"{model.layer_params / 1e6:.1f}M ({unit.gather_bytes / 2**20:.0f} MB gathered in bf16), "
+          f"batch {args.batch} x seq {model.seq} per rank")
+    print(f"cluster {args.cluster}: {cluster.ranks} ranks, {link.describe()}, "
+          f"{cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 at MFU {args.mfu:.2f}")
+    print(f"per unit: forward {unit.forward_s * 1e3:.2f} ms, backward {unit.backward_s * 1e3:.2f} ms, "
+          f"gather {link.time(unit.gather_bytes * (cluster.ranks - 1) / cluster.ranks) * 1e3:.2f} ms; "
+          f"embedding/head compute {profile.other_s * 1e3:.1f} ms; gathered-memory budget {budget / 1e9:.0f} GB")
+    print()
+    print(f"{'depth':>5} {'bucket MB':>9} {'step ms':>9} {'exposed ms':>10} {'comm ms':>9} "
+          f"{'mem GB/rank':>11} {'tokens/s/GPU':>12}")
+    points = [evaluate(profile, link, model, args.batch, d, b, args.checkpointing, budget)
+              for b in buckets for d in depths]
+    for p in points:
+        mark = "  <- planner" if (p.depth, p.bucket_bytes) == (depth_pick, bucket_pick) else ""
+        print(f"{p.depth:>5} {_mb(p.bucket_bytes):>9} {p.prediction.step_s * 1e3:>9.1f} "
+              f"{p.prediction.exposed_s * 1e3:>10.1f} {p.prediction.comm_s * 1e3:>9.1f} "
+              f"{p.memory_bytes / 1e9:>11.1f} {p.tokens_per_s:>12,.0f}{mark}")
+    best = min(points, key=lambda p: p.prediction.step_s)
+    print()
+    print(f"planner pick: depth {depth_pick}, bucket {_mb(bucket_pick)} MB -> step "
+          f"{pick.prediction.step_s * 1e3:.1f} ms, exposed {pick.prediction.exposed_s * 1e3:.1f} ms, "
+          f"{pick.tokens_per_s:,.0f} tokens/s/GPU, {pick.memory_bytes / 1e9:.1f} GB/rank "
+          f"(best in grid: {best.prediction.step_s * 1e3:.1f} ms)")
+    shown = pick if args.depth is None and args.bucket_mb is None else points[0]
+    print(f"timeline of depth {shown.depth}, bucket {_mb(shown.bucket_bytes)} MB "
+          f"(F/B forward/backward, H embedding+head, G gather, R reduce):")
+    for line in render_timeline(shown.prediction):
+        print(line)
+    if cluster.nodes > 1:
+        print()
+        for line in sharding_table(profile, cluster, model, args.batch, args.checkpointing):
+            print(line)
+    return 0
+
+
+def sharding_table(profile: Profile, cluster: ClusterPreset, model: ModelPreset, batch: int,
+                   checkpointing: bool) -> list[str]:
+    """Full, hybrid and hpZ sharding on the cluster's two levels, each with the planner's
+    bucket and depth, and the option `sharding="auto"` would take (`overlap.plan.sharding`)."""
+    levels = cluster.levels()
+    budget = int(BUDGET_FRACTION * cluster.memory_bytes)
+    acts = activations(model, batch, checkpointing)
+    largest_reduce = max(u.reduce_bytes for u in profile.units)
+    choice = choose_sharding(profile.units, levels, budget, int(cluster.memory_bytes - acts - largest_reduce),
+                             profile.other_s, profile.root)
+    lines = [f"sharding on {levels.nodes} nodes x {levels.local} GPUs: inside {levels.node.describe()}, "
+             f"across {levels.network.describe()}",
+             f"{'sharding':>8} {'depth':>5} {'bucket MB':>9} {'step ms':>9} {'exposed ms':>10} {'mem GB/rank':>11} "
+             f"{'tokens/s/GPU':>12}"]
+    for option in choice.options:
+        p = option.prediction
+        mark = "  <- sharding=auto" if option is choice.pick else ""
+        lines.append(f"{option.sharding:>8} {option.depth:>5} {_mb(option.bucket_bytes):>9} {p.step_s * 1e3:>9.1f} "
+                     f"{p.exposed_s * 1e3:>10.1f} {(option.memory_bytes + largest_reduce + acts) / 1e9:>11.1f} "
+                     f"{batch * model.seq / p.step_s:>12,.0f}{mark}")
+    return lines

@@ -1,0 +1,95 @@
+"""`compression="auto"`: after the first measured training step, rank 0 replays the step with
+and without compression (`overlap.plan.compression`) and every rank takes its choice at the
+same step."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from overlap.runtime.compression import Compression, QuantizedCollectives
+from overlap.plan.compression import CodecCost, choose_compression
+from overlap.plan.cost_model import Profile
+from overlap.control.startup_plan import StartupPlan
+from overlap.control.replanner import FIRST_DECISION_STEP, base_profile, measure_profile
+from overlap.runtime.scheduler import Scheduler
+from overlap.base.step_record import StepKind
+
+logger = logging.getLogger("overlap")
+
+# Elements the codec is timed on: large enough to time, a few milliseconds on one CPU core.
+CODEC_PROBE_NUMEL = 1 << 20
+
+
+def measure_codec(quantized: QuantizedCollectives, gather_itemsize: int, reduce_itemsize: int) -> CodecCost:
+    """Seconds per element of int8 quantise and dequantise-accumulate with this rank's kernels."""
+    kernels, device, block = quantized.collectives.kernels, quantized.collectives.device, quantized.settings.block
+    src = torch.randn(CODEC_PROBE_NUMEL, device=device)
+    values = torch.empty(CODEC_PROBE_NUMEL, dtype=torch.int8, device=device)
+    scales = torch.empty(-(-CODEC_PROBE_NUMEL // block), dtype=torch.float32, device=device)
+
+    def timed(fn) -> float:
+        fn()                                          # warm-up (first-call compilation)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / CODEC_PROBE_NUMEL
+
+    quantize_s = timed(lambda: kernels.quantize_int8(src, values, scales, block))
+    dequantize_s = timed(lambda: kernels.dequantize_accumulate(src, values, scales, block, 8))
+    return CodecCost(quantize_s, dequantize_s, block, gather_itemsize, reduce_itemsize,
+                     on_compute_lane=device.type != "cuda")
+
+
+@dataclass
+class CompressionChooser:
+    """Step-end callback: from FIRST_DECISION_STEP on, rank 0 proposes a mode once it has a
+    measured training step (None until then); the proposal is broadcast at every step until
+    one is taken, so every rank switches at the same step and then stops asking."""
+
+    quantized: QuantizedCollectives
+    base: Profile
+    startup: StartupPlan
+    group: dist.ProcessGroup
+    decided: Optional[str] = None
+    reason: str = ""
+
+    def __call__(self, scheduler: Scheduler) -> None:
+        if self.decided is not None or scheduler.step < FIRST_DECISION_STEP:
+            return
+        proposal = None
+        record = scheduler.last_step
+        if dist.get_rank(self.group) == 0 and record is not None and record.kind is StepKind.TRAIN:
+            profile = measure_profile(record, self.base)
+            if profile is not None:
+                proposal = self.propose(profile, scheduler)
+        message = [proposal]
+        if dist.get_world_size(self.group) > 1:
+            dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if message[0] is None:
+            return
+        self.decided, self.reason = message[0]
+        self.quantized.settings = Compression(self.decided, self.quantized.settings.block)
+        logger.info("plan at step %d: %s", scheduler.step, self.reason)
+
+    def propose(self, profile: Profile, scheduler: Scheduler) -> tuple[str, str]:
+        units = scheduler.all_units
+        gathered = [g for u in units for g in u.groups]
+        reduced = [g for u in units for g in u.trainable_groups]
+        codec = measure_codec(self.quantized, max((g.gather_dtype.itemsize for g in gathered), default=4),
+                              max((g.reduce_dtype.itemsize for g in reduced), default=4))
+        choice = choose_compression(profile, self.startup.link, codec, scheduler.prefetch_depth,
+                                    scheduler.backward_depth, self.startup.memory_budget_bytes)
+        return choice.mode, choice.reason
+
+
+def chooser_for(quantized: QuantizedCollectives, scheduler: Scheduler, startup: StartupPlan,
+                group: dist.ProcessGroup) -> CompressionChooser:
+    return CompressionChooser(quantized, base_profile(scheduler, group), startup, group)

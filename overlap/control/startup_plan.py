@@ -1,0 +1,70 @@
+"""The start-up plan: the link model (probed on the real group unless settings say otherwise),
+the memory budget every rank shares (rank 0's), and the initial prefetch depth and bucket size
+(`overlap.plan.prefetch`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from overlap.base.config import Config
+from overlap.plan.cost_model import CommLayout, UnitCost
+from overlap.base.mixed_precision import MixedPrecision
+from overlap.plan.prefetch import BUDGET_FRACTION, Plan, cost_of_spec, initial_plan
+from overlap.control.probe import probe_link
+from overlap.plan.links import LINK_DEFAULTS, LinkModel
+
+if TYPE_CHECKING:
+    from overlap.control.auto_sharding import AutoSharding
+    from overlap.runtime.unit import Unit
+    from overlap.base.units import UnitSpec
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """BUDGET_FRACTION of the device's memory (CUDA) or of the RAM available now (CPU)."""
+    if device.type == "cuda":
+        return int(BUDGET_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    return int(BUDGET_FRACTION * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def cost_of_unit(unit: "Unit") -> UnitCost:
+    """Sizes of a built unit (or bucket), padding included."""
+    nbytes = sum(g.padded_numel * g.master_dtype.itemsize for g in unit.groups)
+    reduce = sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable_groups)
+    return UnitCost(unit.name, nbytes, unit.gathered_nbytes, reduce)
+
+
+@dataclass(frozen=True)
+class StartupPlan:
+    plan: Plan
+    link: LinkModel
+    memory_budget_bytes: int
+    # Every collective's group and link, when the sharding was chosen on both levels.
+    layout: Optional[CommLayout] = None
+
+
+def plan_at_startup(group: dist.ProcessGroup, device: torch.device, link: str, config: Config,
+                    unit_specs: Sequence["UnitSpec"], mp: MixedPrecision,
+                    auto: Optional["AutoSharding"] = None) -> StartupPlan:
+    """Link model (probed unless OVERLAP_PROBE=0 or both knobs are fixed, or already probed
+    by `auto`), memory budget (rank 0's, so that every rank plans alike) and the initial plan."""
+    if auto is not None:
+        costs = [cost_of_spec(spec, mp) for spec in unit_specs]
+        budget = auto.gathered_budget
+        plan = initial_plan(costs, auto.link, dist.get_world_size(group), budget)
+        return StartupPlan(plan, auto.link, budget, auto.layout)
+    model = LINK_DEFAULTS[link]
+    if config.probe and (config.prefetch_depth is None or config.bucket_mb is None):
+        model = probe_link(group, device, model, config.probe_cache)
+    if config.memory_budget_mb is not None:
+        budget = int(config.memory_budget_mb * 2**20)
+    else:
+        shared = [default_memory_budget(device)]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+        budget = shared[0]
+    costs = [cost_of_spec(spec, mp) for spec in unit_specs]
+    return StartupPlan(initial_plan(costs, model, dist.get_world_size(group), budget), model, budget)

@@ -1,0 +1,258 @@
+"""One group of a unit's parameters (same dtype, same requires_grad) stored as a flat shard.
+
+Layout: the group's parameters are flattened in a fixed order into one buffer of
+`padded_numel = world_size * shard_numel` elements (zero padding at the end); rank r keeps
+elements [r * shard_numel, (r + 1) * shard_numel) as its master shard, a plain tensor in the
+parameters' own dtype. The user's parameters are 1-D views into that shard (see [Note:
+original parameters are views of the flat shard]). To compute, the shards are all-gathered
+into `full`, a leaf tensor in the gather dtype whose views stand in for the original
+parameters on their modules. Autograd accumulates the gradients of all those views into
+`full.grad`, which is already in the flat layout the reduce-scatter wants: no copy-in or
+copy-out is needed on the way in or out.
+
+[Note: original parameters are views of the flat shard]
+Each original parameter is registered on its modules (under its own names, a tied one once)
+as an `nn.Parameter` holding this rank's part of it: the 1-D slice of the flat shard that
+falls inside the parameter's element range, empty on ranks whose slice misses it. Optimizer
+updates write the shard in place, so the next all-gather sends it as it is; gradients are
+views of one flat shard gradient that the reduce-scatter accumulates into. Per-parameter
+DTensors (FSDP2's way) would instead copy every shard into a send buffer before each
+all-gather and out of the received one after it; docs/parameters.md has the measurement
+that decided for views.
+
+[Note: freeing `full` by resizing its storage]
+Tensors autograd saved in forward (a weight for a matmul's input gradient) are views of
+`full`. Freeing by `untyped_storage().resize_(0)` and re-gathering into the same storage
+keeps those views valid: backward reads the re-gathered data. Writes into `full` preserve
+its version counter so autograd does not mistake the re-gather for an in-place change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from overlap.runtime.sharded_tensors import as_sharded_tensor
+from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
+from overlap.runtime.node_copy import NodeCopy
+
+
+@dataclass
+class ParamSlot:
+    """Where one original parameter lives in the flat layout and on which modules."""
+
+    name: str                                  # first fully qualified name
+    owners: list[tuple[nn.Module, str]]        # (module, attribute) for every place it is used
+    shape: torch.Size
+    offset: int
+    numel: int
+
+    def part_on(self, rank: int, shard_numel: int) -> tuple[int, int]:
+        """The element range [start, end) of the flattened parameter that `rank` keeps
+        (empty, start == end, when the rank's shard misses the parameter)."""
+        shard_start = rank * shard_numel
+        start = min(max(shard_start - self.offset, 0), self.numel)
+        end = max(min(shard_start + shard_numel - self.offset, self.numel), start)
+        return start, end
+
+
+class FlatGroup:
+    def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+                 collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 node_group: Optional[dist.ProcessGroup] = None) -> None:
+        self.collectives = collectives
+        # hpZ: backward re-gathers from a copy kept inside the node (None: from the shards).
+        self.node_copy = None if node_group is None else NodeCopy(collectives, node_group)
+        self.kernels = collectives.kernels
+        world, rank = collectives.world_size, collectives.rank
+        device = collectives.device
+        self.master_dtype = params[0][1].dtype
+        self.requires_grad = params[0][1].requires_grad
+        self.gather_dtype = gather_dtype
+        self.reduce_dtype = reduce_dtype
+
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, param, owners in params:
+            self.slots.append(ParamSlot(name, owners, param.shape, offset, param.numel()))
+            offset += param.numel()
+        self.numel = offset
+        self.shard_numel = -(-max(offset, 1) // world)
+        self.padded_numel = self.shard_numel * world
+        self._split_sizes = [s.numel for s in self.slots] + [self.padded_numel - self.numel]
+
+        on_meta = any(p.is_meta for _, p, _ in params)
+        if on_meta:
+            # Parameters built on the meta device get their values later, one module at a time
+            # (overlap.runtime.materialize): nothing to pack or broadcast now.
+            self.shard = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=device)
+        else:
+            # Rank 0's initial values are the truth on every rank, as with DDP.
+            flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=device)
+            self.kernels.pack([p.detach().to(device) for _, p, _ in params], flat, [s.offset for s in self.slots])
+            if world > 1:
+                dist.broadcast(flat, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
+            start = rank * self.shard_numel
+            self.shard = flat[start:start + self.shard_numel].clone()
+            del flat
+            replicate = collectives.replicate_group
+            if replicate is not None:
+                # Replicas of this shard take the first replica's (so, in the end, rank 0's) values.
+                dist.broadcast(self.shard, src=dist.get_global_rank(replicate, 0), group=replicate)
+        # This rank's part of each original parameter, as a view of the shard. See [Note:
+        # original parameters are views of the flat shard].
+        self.parts = [slot.part_on(rank, self.shard_numel) for slot in self.slots]
+        self.params = [nn.Parameter(self._shard_view(self.shard, slot, part), requires_grad=self.requires_grad)
+                       for slot, part in zip(self.slots, self.parts)]
+        if on_meta:
+            for index, (_, param, _) in enumerate(params):
+                if not param.is_meta:
+                    self.write_part(index, param.detach())
+        # Sum of the reduced gradients; each parameter's `.grad` is a view of it.
+        self.grad_shard: Optional[torch.Tensor] = None
+        self._grad_views: list[torch.Tensor] = []
+        # Which parameters received a gradient in this rank's backward passes since the last
+        # published gradients; only those (on any rank) get a `.grad`.
+        self.got_grad = [False] * len(self.slots)
+        self.reduced = False
+
+        # The gathered parameters: a leaf so autograd accumulates all views' gradients here.
+        self.full = torch.empty(self.padded_numel, dtype=gather_dtype, device=device)
+        self.full.requires_grad_(self.requires_grad)
+        self._full_nbytes = self.padded_numel * self.full.element_size()
+        self.free()
+        # Gradients summed locally while reduction is paused (no_sync), in the reduce dtype.
+        self.unsynced_grad: Optional[torch.Tensor] = None
+
+        for slot, param in zip(self.slots, self.params):
+            for module, attr in slot.owners:
+                module._parameters[attr] = param
+
+    def _shard_view(self, flat_shard: torch.Tensor, slot: ParamSlot, part: tuple[int, int]) -> torch.Tensor:
+        start = slot.offset + part[0] - self.collectives.rank * self.shard_numel
+        return flat_shard.narrow(0, min(max(start, 0), self.shard_numel), part[1] - part[0])
+
+    @property
+    def gathered_nbytes(self) -> int:
+        return self._full_nbytes
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.full.untyped_storage().size() > 0
+
+    def start_gather(self, unit_name: str) -> Pending:
+        """Allocate `full` and launch the all-gather into it."""
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            if not self.is_allocated:
+                self.full.untyped_storage().resize_(self._full_nbytes)
+            if self.node_copy is not None:
+                return self.node_copy.gather(self.full.detach(), self.shard, unit_name)
+            return self.collectives.all_gather(self.full.detach(), self.shard, unit_name)
+
+    def free(self) -> None:
+        """Release the gathered parameters. See [Note: freeing `full` by resizing its storage]."""
+        self.full.untyped_storage().resize_(0)
+
+    def install_views(self) -> None:
+        """Point every owner module's attribute at its parameter's view of `full`.
+
+        One `split` makes all views: its backward writes every gradient into one flat tensor
+        in a single pass, where a `narrow` per parameter would materialise a zero-filled
+        full-size gradient per parameter and sum them. A hook on each view records which
+        parameters a backward pass reached: the split fills the others' gradient with zeros.
+        """
+        pieces = torch.split(self.full, self._split_sizes)
+        track = self.requires_grad and torch.is_grad_enabled()
+        for index, (slot, piece) in enumerate(zip(self.slots, pieces)):
+            view = piece.view(slot.shape)
+            if track:
+                view.register_hook(self._grad_marker(index))
+            for module, attr in slot.owners:
+                module.__dict__[attr] = view
+
+    def _grad_marker(self, index: int) -> Callable[[torch.Tensor], None]:
+        def mark(grad: torch.Tensor) -> None:
+            self.got_grad[index] = True
+        return mark
+
+    def register_grad_hook(self, hook: Callable[["FlatGroup", torch.Tensor], None]) -> None:
+        """Call `hook(group, grad)` once the gradient of `full` is complete in a backward pass."""
+
+        def on_grad(full: torch.Tensor) -> None:
+            grad, full.grad = full.grad, None
+            hook(self, grad)
+
+        self.full.register_post_accumulate_grad_hook(on_grad)
+
+    def hold_unsynced(self, grad: torch.Tensor) -> None:
+        """Sum `grad` into the local accumulator used while reduction is paused."""
+        if self.unsynced_grad is None:
+            self.unsynced_grad = grad.to(self.reduce_dtype)  # `grad` is the runtime's own buffer
+        else:
+            self.unsynced_grad.add_(grad)
+
+    def take_grad_for_reduce(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This step's gradient plus any held back by no_sync, or None if there is neither."""
+        held, self.unsynced_grad = self.unsynced_grad, None
+        if held is None:
+            return grad
+        if grad is not None:
+            held.add_(grad)
+        return held
+
+    def grad_for_reduce(self) -> torch.Tensor:
+        """The flat shard gradient a reduction adds into, holding what the parameters' `.grad`
+        hold now: zero where `.grad` is None (cleared by `zero_grad()`), so that reduced
+        gradients accumulate across backward passes exactly as `.grad` does."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.shard)
+            self._grad_views = [self._shard_view(self.grad_shard, slot, part)
+                                for slot, part in zip(self.slots, self.parts)]
+        elif not self.reduced:
+            for param, view in zip(self.params, self._grad_views):
+                if param.grad is None:
+                    view.zero_()
+                elif param.grad.data_ptr() != view.data_ptr() or param.grad.shape != view.shape:
+                    view.copy_(param.grad)        # a gradient the user assigned
+        self.reduced = True
+        return self.grad_shard
+
+    def publish_grads(self, got_grad: list[bool]) -> None:
+        """After this group's reductions completed: give `.grad` to every parameter that got a
+        gradient on some rank; the others keep theirs (None after `zero_grad()`)."""
+        if self.reduced:
+            for param, view, used in zip(self.params, self._grad_views, got_grad):
+                if used or param.grad is not None:
+                    param.grad = view
+        self.reduced = False
+        self.got_grad = [False] * len(self.slots)
+
+    def sharded_tensor(self, part: torch.Tensor, index: int) -> ShardedTensor:
+        """`part` (shaped like this rank's part of parameter `index`: the parameter itself, or
+        optimizer state of the same shape) as a ShardedTensor of the parameter's full shape."""
+        slot = self.slots[index]
+        parts = [slot.part_on(rank, self.shard_numel) for rank in range(self.collectives.world_size)]
+        return as_sharded_tensor(part, slot.shape, parts, self.collectives.group)
+
+    def write_part(self, index: int, value: torch.Tensor) -> None:
+        """Set this rank's part of parameter `index` from its full value (any device)."""
+        start, end = self.parts[index]
+        with torch.no_grad():
+            self.params[index].copy_(value.detach().reshape(-1)[start:end])
+
+    def full_values(self) -> torch.Tensor:
+        """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""
+        out = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
+        all_gather_flat(out, self.shard, group=self.collectives.group)
+        return out
+
+    def load_full(self, tensors: list[torch.Tensor]) -> None:
+        """Set this rank's shard from full parameter values given in slot order (every rank has them)."""
+        flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
+        self.kernels.pack([t.detach().to(flat.device) for t in tensors], flat, [s.offset for s in self.slots])
+        start = self.collectives.rank * self.shard_numel
+        self.shard.copy_(flat[start:start + self.shard_numel])

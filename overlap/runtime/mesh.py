@@ -1,0 +1,90 @@
+"""Which ranks share the shards and which hold replicas: full sharding over one process
+group, hybrid sharding over a 2-D device mesh (replicate across nodes, shard inside each), or
+hpZ (shard over every rank, keep a node-local copy for backward; see overlap.runtime.node_copy).
+
+With hybrid sharding the frequent all-gathers and reduce-scatters stay on the fast link
+inside a node, and only one all-reduce of each rank's gradient shard crosses the slow link
+between nodes per step; the price is memory: states are sharded over a node's ranks only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ShardingGroups:
+    shard: dist.ProcessGroup                    # ranks whose shards make up the parameters
+    replicate: Optional[dist.ProcessGroup]      # ranks holding the same shard (None: full sharding)
+    node: Optional[dist.ProcessGroup] = None    # hpZ: this node's ranks, which gather backward's copy
+
+    @property
+    def replicas(self) -> int:
+        return 1 if self.replicate is None else dist.get_world_size(self.replicate)
+
+    def describe(self) -> str:
+        shard = dist.get_world_size(self.shard)
+        if self.node is not None:
+            return f"hpZ: full sharding over {shard} ranks, backward gathers over {dist.get_world_size(self.node)} " \
+                   "ranks per node"
+        return f"full sharding over {shard} ranks" if self.replicate is None else \
+            f"hybrid sharding: {shard} ranks per shard group, {self.replicas} replicas"
+
+
+def _from_mesh(mesh: DeviceMesh) -> ShardingGroups:
+    if mesh.ndim == 1:
+        return ShardingGroups(mesh.get_group(0), None)
+    replicate = None if mesh.size(0) == 1 else mesh.get_group(0)
+    return ShardingGroups(mesh.get_group(1), replicate)
+
+
+def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], sharding: str,
+                   local_world_size: Optional[int]) -> Optional[str]:
+    """What is wrong with these arguments, checked without communicating (so that every rank
+    can report it before any collective), or None."""
+    if mesh is not None:
+        if process_group is not None:
+            return "pass either process_group or mesh, not both"
+        if mesh.ndim not in (1, 2):
+            return f"mesh has {mesh.ndim} dimensions; expected 1 (shard) or 2 (replicate, shard)"
+        names = mesh.mesh_dim_names
+        if mesh.ndim == 2 and names is not None and tuple(names) != ("replicate", "shard"):
+            return f"mesh dimensions {names}: name them ('replicate', 'shard'), the order FSDP2 uses"
+        if sharding == "hpz":
+            return "sharding='hpz' builds its node groups from LOCAL_WORLD_SIZE; pass no mesh"
+        return None
+    if sharding == "full" or (sharding == "auto" and (process_group is not None or local_world_size is None)):
+        return None                             # auto: full sharding over the group, or over one node
+    if process_group is not None:
+        return f"sharding={sharding!r} builds its groups over every rank; pass a 2-D mesh to use a subgroup"
+    if local_world_size is None:
+        return f"sharding={sharding!r} needs LOCAL_WORLD_SIZE (set by torchrun)"
+    if dist.get_world_size() % local_world_size:
+        return f"sharding={sharding!r}: world size {dist.get_world_size()} is not a multiple of LOCAL_WORLD_SIZE " \
+               f"{local_world_size}"
+    return None
+
+
+def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], sharding: str,
+                     local_world_size: Optional[int], device_type: str) -> ShardingGroups:
+    """The groups for `ShardedModule`'s arguments (a mesh beats `sharding`), once
+    `sharding_error` has found nothing wrong. Building a mesh is collective."""
+    if mesh is not None:
+        return _from_mesh(mesh)
+    group = process_group if process_group is not None else dist.group.WORLD
+    world = dist.get_world_size()
+    if sharding in ("full", "auto") or local_world_size is None or world == local_world_size:
+        return ShardingGroups(group, None)      # one node: nothing to replicate
+    return groups_on_mesh(sharding, init_device_mesh(device_type, (world // local_world_size, local_world_size),
+                                                     mesh_dim_names=("replicate", "shard")))
+
+
+def groups_on_mesh(sharding: str, mesh: DeviceMesh) -> ShardingGroups:
+    """The groups of "full", "hybrid" or "hpz" sharding over every rank, on a ("replicate",
+    "shard") mesh whose second dimension is a node's ranks."""
+    node, across = mesh.get_group(1), mesh.get_group(0)
+    return {"full": ShardingGroups(dist.group.WORLD, None), "hybrid": ShardingGroups(node, across),
+            "hpz": ShardingGroups(dist.group.WORLD, None, node)}[sharding]

@@ -1,0 +1,214 @@
+"""Ranks that run different units get an error naming the step and the unit, not a hang.
+
+[Note: checking that ranks run the same units]
+Every gather and reduction is a collective that pairs with the same one on every other rank,
+so every rank must run the same units in the same order. A rank that skips a block
+(data-dependent control flow) pairs its collectives with the wrong ones: buffers of the same
+size exchange the wrong parameters silently, others wait until the collective timeout. Two
+checks catch it, and cost nothing beyond a few integers while ranks agree:
+
+- At the end of every backward that reduces, the small all-reduce that tells which
+  parameters got a gradient on any rank (`Collectives.any_rank`) also carries each rank's
+  step count and a fingerprint of the units it ran since the last check, as their maximum
+  and their negated maximum (the minimum). Ranks that differ all see it, exchange the units
+  they ran and raise the same error.
+- A rank blocked on a collective for `check_after_s` (10 s, or a quarter of the group's
+  timeout when that is shorter) posts the units it ran to the group's store and compares
+  them with rank 0's; a rank that finds a difference posts the verdict, and every waiting
+  rank reads it and raises. Rank 0 raises last, once every rank has read it, since the store
+  may live in its process. A rank that is only slow (writing a checkpoint) delays the others
+  and nothing more: no error without a difference.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections import deque
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from overlap.runtime.process_group import device_backend
+
+logger = logging.getLogger("overlap")
+
+CHECK_AFTER_S = 10.0
+# Store polls while blocked: from POLL_FIRST_S, doubling up to POLL_MAX_S.
+POLL_FIRST_S = 0.05
+POLL_MAX_S = 2.0
+# Steps whose units are kept for the error message between two checks.
+MAX_KEPT_STEPS = 64
+# The fingerprint: a polynomial hash of the units run, modulo a Mersenne prime (fits int64).
+_MODULUS = (1 << 61) - 1
+_BASE = 1_000_003
+END_FORWARD, END_BACKWARD = -1, -2
+# ShardedModules built in this process: every rank builds them in the same order, so the
+# count tells apart the store keys of two models over one group.
+_instances = itertools.count()
+
+
+class DivergenceError(RuntimeError):
+    """Ranks ran different units: raised on every rank, naming the step and the unit."""
+
+
+def _group_timeout_s(group: dist.ProcessGroup) -> float:
+    try:
+        device = torch.device("cuda" if device_backend(group, "cuda") == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - private API; the check only shortens its deadline with it
+        return 600.0
+
+
+class OrderCheck:
+    """The units this rank ran in each step since the last check, and the two checks above."""
+
+    def __init__(self, group: dist.ProcessGroup, unit_names: Sequence[str]) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.names = list(unit_names)
+        self.check_after_s = min(CHECK_AFTER_S, _group_timeout_s(group) / 4)
+        self._prefix = f"overlap/order/{next(_instances)}"
+        self._kept: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=MAX_KEPT_STEPS)
+        self._current: list[int] = []
+        self._step = 0
+        self._count = 0
+        self._fingerprint = 0
+        self._published = False
+
+    # ---- what ran ------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+
+    def ran(self, unit_index: int, backward: bool) -> None:
+        self._note(2 * unit_index + int(backward))
+
+    def ended(self, code: int) -> None:
+        """END_FORWARD or END_BACKWARD."""
+        self._note(code)
+
+    def _note(self, code: int) -> None:
+        self._current.append(code)
+        self._count += 1
+        self._fingerprint = (self._fingerprint * _BASE + code + 3) % _MODULUS
+
+    def end_step(self) -> None:
+        if self._current:
+            self._kept.append((self._step, tuple(self._current)))
+        self._current = []
+
+    def _traces(self) -> list[tuple[int, tuple[int, ...]]]:
+        return list(self._kept) + ([(self._step, tuple(self._current))] if self._current else [])
+
+    # ---- the check at the end of backward ----------------------------------------------------
+
+    def words(self) -> list[int]:
+        """What rides on the end-of-backward all-reduce (see the note)."""
+        return [self._step, self._count, self._fingerprint]
+
+    def verify(self, maxima: Sequence[int], minima: Sequence[int]) -> None:
+        """Raise on every rank if any rank's words differed; else start a new check."""
+        if list(maxima) != list(minima):
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, self._traces(), group=self.group)
+            raise DivergenceError(self._message(everyone, complete=True) or
+                                  "ShardedModule: ranks ran different units (no single difference found)")
+        self._kept.clear()
+        self._current = []
+        self._count = 0
+        self._fingerprint = 0
+
+    # ---- blocked waits -------------------------------------------------------------------------
+
+    def block(self, done: Callable[[], bool], sleep: Callable[[float], bool]) -> None:
+        """Return once `done()`; `sleep(seconds)` waits at most that long and returns `done()`.
+        Past `check_after_s`, look for a difference between ranks (see the note)."""
+        if done() or sleep(self.check_after_s):
+            return
+        logger.warning("rank %d: a collective at step %d has not completed after %.0f s; comparing the units "
+                       "each rank ran", self.rank, self._step, self.check_after_s)
+        interval = POLL_FIRST_S
+        while not done():
+            self.look_for_difference()
+            if sleep(interval):
+                return
+            interval = min(2 * interval, POLL_MAX_S)
+
+    def after_error(self) -> None:
+        """A collective failed (a peer gave up or left): look for a difference for a while,
+        so that a divergence is reported as one; returns when none is found."""
+        deadline = time.monotonic() + self.check_after_s
+        interval = POLL_FIRST_S
+        while time.monotonic() < deadline:
+            self.look_for_difference()
+            time.sleep(interval)
+            interval = min(2 * interval, POLL_MAX_S)
+
+    def look_for_difference(self) -> None:
+        """Post this rank's units, compare with rank 0's, read or post the verdict; raises
+        DivergenceError when there is one. Store errors end the search quietly."""
+        try:
+            store = self.group.get_group_store()
+            store.set(f"{self._prefix}/units/{self.rank}", json.dumps(self._traces()))
+            verdict = self._read(store, "verdict")
+            if verdict is None and self.rank != 0:
+                theirs = self._read(store, "units/0")
+                message = theirs and self._message([json.loads(theirs), self._traces()], complete=False, others=(
+                    0, self.rank))
+                if message:
+                    verdict = store.compare_set(f"{self._prefix}/verdict", "", message).decode()
+            if verdict is None:
+                return
+            read_by = store.add(f"{self._prefix}/read", 1)
+            deadline = time.monotonic() + self.check_after_s
+            while self.rank == 0 and read_by < self.world_size and time.monotonic() < deadline:
+                time.sleep(POLL_FIRST_S)
+                read_by = store.add(f"{self._prefix}/read", 0)
+        except DivergenceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store is a best effort on a broken group
+            logger.debug("order check: store unavailable (%s)", exc)
+            return
+        raise DivergenceError(verdict)
+
+    def _read(self, store: dist.Store, key: str) -> Optional[str]:
+        full = f"{self._prefix}/{key}"
+        return store.get(full).decode() if store.check([full]) else None
+
+    # ---- the message -------------------------------------------------------------------------
+
+    def _describe(self, code: Optional[int]) -> str:
+        if code is None:
+            return "nothing more"
+        if code == END_FORWARD:
+            return "the end of forward"
+        if code == END_BACKWARD:
+            return "the end of backward"
+        return f"unit {self.names[code // 2]!r} ({'backward' if code % 2 else 'forward'})"
+
+    def _message(self, traces: list, complete: bool, others: Optional[tuple[int, ...]] = None) -> Optional[str]:
+        """The first difference between rank 0's units and another rank's (`others` names
+        the ranks of `traces` when they are not all ranks in order). Incomplete traces (of
+        ranks still in a step, or posted at another time) are compared only over the steps
+        both hold and only where both have a unit."""
+        ranks = others or tuple(range(len(traces)))
+        reference = {step: list(codes) for step, codes in traces[0]}
+        for rank, trace in zip(ranks[1:], traces[1:]):
+            mine = {step: list(codes) for step, codes in trace}
+            steps = sorted(set(reference) | set(mine)) if complete else sorted(set(reference) & set(mine))
+            for step in steps:
+                theirs, ours = reference.get(step, []), mine.get(step, [])
+                for position, (a, b) in enumerate(itertools.zip_longest(theirs, ours)):
+                    if a == b:
+                        continue
+                    if (a is None or b is None) and not complete:
+                        break
+                    return (f"ShardedModule: ranks ran different units at step {step}: after {position} unit"
+                            f"{'s' * (position != 1)} in the same order, rank {rank} ran {self._describe(b)} "
+                            f"where rank {ranks[0]} ran {self._describe(a)}. Every rank must run the same units "
+                            "in the same order: each gather and gradient reduction is a collective of all ranks")
+        return None
