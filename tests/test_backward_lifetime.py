@@ -1,5 +1,5 @@
 """A unit's gathered parameters stay until every backward node that reads them has run,
-frozen ones included (see [Note: when a unit is freed in backward] in overlap/scheduler.py)."""
+frozen ones included (see [Note: when a unit is freed in backward] in overlap/runtime/scheduler.py)."""
 from __future__ import annotations
 
 import pytest

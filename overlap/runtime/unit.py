@@ -1,8 +1,40 @@
-"""One unit: the parameters that are gathered and freed together (one or more modules)."""
+"""One unit: the parameters that are gathered and freed together (one or more modules), and
+the two states it moves through, each transition checked.
+
+[Note: the states of a unit]
+A unit has two orthogonal states, as FSDP2's `ShardedState` and `TrainingState`: where its
+parameters are (`GatherState`) and how far the pass has got with it (`TrainingState`).
+Every change goes through `Unit._move`, which names the states it may start from and raises
+`UnitStateError` (naming the unit and both states) from any other.
+
+    gather state    entered by                       from
+    GATHERING       start_gather                     SHARDED
+    GATHERED        finish_gather                    GATHERING (from SHARDED it starts the gather)
+    SHARDED         reshard: after it computed       GATHERED
+    SHARDED         discard: at the end of a pass    GATHERING, GATHERED (an unused prefetch)
+
+    training state  entered by                       from
+    IDLE            begin_pass, end_pass             any: a pass may stop anywhere (an exception
+                                                     in forward, a forward with no backward)
+    FORWARD         a member's forward starts        IDLE; FORWARD (a member called again, or
+                                                     another member of the unit)
+    PRE_BACKWARD    backward reaches an output       FORWARD; POST_BACKWARD (an output whose
+                                                     backward adds nothing to the trainable
+                                                     gradients, reached after they completed);
+                                                     IDLE (a backward through the graph of an
+                                                     earlier forward of the step than the last,
+                                                     which this unit did not run)
+    POST_BACKWARD   its trainable gradients complete PRE_BACKWARD; FORWARD (it ran under
+                                                     reentrant checkpointing, whose forward
+                                                     leaves its outputs without a hook)
+
+Activation checkpointing re-runs a unit's forward inside backward: that moves neither state
+(the parameters are gathered on demand, see `finish_gather`).
+"""
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import Optional, Union
 
 from torch import nn
 
@@ -11,17 +43,24 @@ from overlap.runtime.flat_group import FlatGroup
 from overlap.base.profiling import Span, phase
 
 
-class TrainingState(enum.Enum):
-    IDLE = "idle"                      # between steps, or forward not reached yet
-    FORWARD = "forward"                # at least one member ran forward this step
-    PRE_BACKWARD = "pre_backward"      # backward reached the unit; parameters gathered for it
-    POST_BACKWARD = "post_backward"    # gradients complete and reduction issued
-
-
 class GatherState(enum.Enum):
-    FREE = "free"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
+    SHARDED = "sharded"                # only this rank's shards exist
+    GATHERING = "gathering"            # all-gathers issued, not waited for
+    GATHERED = "gathered"              # the full parameters are ready to compute with
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"                      # between passes, or this pass has not reached the unit
+    FORWARD = "forward"                # at least one member ran forward in this pass
+    PRE_BACKWARD = "pre_backward"      # backward reached the unit; parameters gathered for it
+    POST_BACKWARD = "post_backward"    # trainable gradients complete and their reduction issued
+
+
+class UnitStateError(RuntimeError):
+    """A transition the unit's state does not allow (see [Note: the states of a unit])."""
+
+
+State = Union[GatherState, TrainingState]
 
 
 class Unit:
@@ -29,12 +68,14 @@ class Unit:
         self.name = name
         self.modules = modules                   # the root unit has none: the root hooks drive it
         self.groups = groups
-        self.state = TrainingState.IDLE
-        self.gather_state = GatherState.FREE
-        self._pending: list[Pending] = []
-        self.members_run: set[int] = set()       # id() of member modules that ran forward this step
-        self.grads_pending = 0                   # trainable groups whose gradient has not arrived yet
-        self.input_grads_pending = 0             # forward calls whose input gradients are not complete yet
+        self.gather_state = GatherState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self._gathers: list[Pending] = []        # the all-gathers in flight while GATHERING
+        # What this pass has seen of the unit; see [Note: when a unit is freed in backward]
+        # in overlap/runtime/scheduler.py for the two counts.
+        self._members_run: set[int] = set()      # id() of member modules that ran forward
+        self._grads_pending = 0                  # trainable groups whose gradient has not arrived
+        self._input_grads_pending = 0            # forward calls whose input gradients are not complete
         self.span: Optional[Span] = None         # the profiler range of the unit's compute
 
     @property
@@ -45,24 +86,124 @@ class Unit:
     def trainable_groups(self) -> list[FlatGroup]:
         return [g for g in self.groups if g.requires_grad]
 
+    def _require(self, sources: tuple[State, ...], action: str) -> None:
+        """Raise unless the unit is in one of `sources` (all of one kind)."""
+        current = self.gather_state if isinstance(sources[0], GatherState) else self.training_state
+        if current not in sources:
+            allowed = " or ".join(s.value for s in sources)
+            raise UnitStateError(
+                f"unit {self.name!r}: cannot {action} while {current.value} (only while {allowed}); "
+                f"its states: gather {self.gather_state.value}, training {self.training_state.value}")
+
+    def _move(self, to: State, sources: tuple[State, ...], action: str) -> None:
+        """The one place a state changes: from one of `sources` to `to`, else an error."""
+        self._require(sources, action)
+        if isinstance(to, GatherState):
+            self.gather_state = to
+        else:
+            self.training_state = to
+
+    # ---- gather state ---------------------------------------------------------------------
+
     def start_gather(self) -> None:
         """Launch the all-gathers of all groups; returns at once."""
-        if self.gather_state is not GatherState.FREE:
-            return
-        self._pending = [g.start_gather(self.name) for g in self.groups]
-        self.gather_state = GatherState.GATHERING
+        self._move(GatherState.GATHERING, (GatherState.SHARDED,), "start a gather")
+        self._gathers = [g.start_gather(self.name) for g in self.groups]
 
     def finish_gather(self) -> None:
-        """Block until the parameters are gathered (the wait is timed in each CommRecord)."""
+        """Block until the parameters are gathered (the wait is timed in each CommRecord),
+        starting the gather first if none is in flight; nothing to do if gathered."""
         if self.gather_state is GatherState.GATHERED:
             return
-        if self.gather_state is GatherState.FREE:
+        if self.gather_state is GatherState.SHARDED:
             self.start_gather()
         with phase(f"overlap::wait_all_gather::{self.name}"):
-            for pending in self._pending:
+            for pending in self._gathers:
                 pending.wait()
-        self._pending = []
-        self.gather_state = GatherState.GATHERED
+        self._gathers = []
+        self._move(GatherState.GATHERED, (GatherState.GATHERING,), "finish a gather")
+
+    def install_views(self) -> None:
+        self._require((GatherState.GATHERED,), "install parameter views")
+        for group in self.groups:
+            group.install_views()
+
+    def reshard(self) -> None:
+        """Drop the gathered parameters once the unit has computed with them."""
+        self._move(GatherState.SHARDED, (GatherState.GATHERED,), "reshard")
+        self._release()
+
+    def discard(self) -> None:
+        """Drop the gathered parameters, or a gather still in flight (waited for first, since
+        it writes into them): at the end of a pass, for units prefetched and never used."""
+        self._move(GatherState.SHARDED, (GatherState.GATHERING, GatherState.GATHERED), "discard")
+        for pending in self._gathers:
+            pending.wait()
+        self._gathers = []
+        self._release()
+
+    def _release(self) -> None:
+        self.close_span()
+        for group in self.groups:
+            group.free()
+
+    # ---- training state -------------------------------------------------------------------
+
+    def begin_pass(self) -> None:
+        """Reset what one forward and its backward track."""
+        for group in self.groups:
+            if group.node_copy is not None:
+                group.node_copy.drop()          # made before the optimizer last wrote the shards
+        self._move(TrainingState.IDLE, tuple(TrainingState), "begin a pass")
+        self._members_run.clear()
+        self._grads_pending = len(self.trainable_groups)
+        self._input_grads_pending = 0
+
+    def end_pass(self) -> None:
+        """The backward pass ended, or a forward that no backward follows."""
+        self._move(TrainingState.IDLE, tuple(TrainingState), "end a pass")
+
+    def enter_forward(self, module: Optional[nn.Module] = None) -> None:
+        """`module`, one of the unit's members (None for the root unit), starts its forward."""
+        self._move(TrainingState.FORWARD, (TrainingState.IDLE, TrainingState.FORWARD), "run forward")
+        if module is not None:
+            self._members_run.add(id(module))
+
+    @property
+    def all_members_ran(self) -> bool:
+        return len(self._members_run) == len(self.modules)
+
+    def enter_backward(self) -> bool:
+        """Backward reached one of the unit's outputs; False if an earlier one already did."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return False
+        self._move(TrainingState.PRE_BACKWARD,
+                   (TrainingState.FORWARD, TrainingState.POST_BACKWARD, TrainingState.IDLE), "run backward")
+        return True
+
+    def trainable_grad_arrived(self) -> bool:
+        """One trainable group's gradient is complete; True once all of them are."""
+        self._grads_pending -= 1
+        if self._grads_pending != 0:
+            return False
+        self._move(TrainingState.POST_BACKWARD, (TrainingState.PRE_BACKWARD, TrainingState.FORWARD),
+                   "finish backward")
+        return True
+
+    def expect_input_grads(self) -> None:
+        """A forward call whose inputs require a gradient: wait for them before freeing."""
+        self._input_grads_pending += 1
+
+    def input_grads_arrived(self) -> None:
+        self._input_grads_pending -= 1
+
+    @property
+    def backward_complete(self) -> bool:
+        """Trainable gradients and input gradients complete: nothing left in backward reads
+        the gathered parameters. See [Note: when a unit is freed in backward]."""
+        return self._grads_pending == 0 and self._input_grads_pending == 0
+
+    # ---- profiling ------------------------------------------------------------------------
 
     def open_span(self, phase_name: str) -> None:
         self.close_span()
@@ -72,29 +213,3 @@ class Unit:
         if self.span is not None:
             self.span.close()
             self.span = None
-
-    def install_views(self) -> None:
-        for group in self.groups:
-            group.install_views()
-
-    def free(self) -> None:
-        """Drop the gathered parameters (waiting first for a gather still writing into them)."""
-        if self.gather_state is GatherState.FREE:
-            return
-        for pending in self._pending:
-            pending.wait()
-        self._pending = []
-        self.close_span()
-        for group in self.groups:
-            group.free()
-        self.gather_state = GatherState.FREE
-
-    def begin_pass(self) -> None:
-        """Reset what one forward and its backward track."""
-        for group in self.groups:
-            if group.node_copy is not None:
-                group.node_copy.drop()          # made before the optimizer last wrote the shards
-        self.state = TrainingState.IDLE
-        self.members_run.clear()
-        self.grads_pending = len(self.trainable_groups)
-        self.input_grads_pending = 0

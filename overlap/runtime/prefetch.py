@@ -1,0 +1,145 @@
+"""What is gathered when: the execution orders learned from the previous step, the gathers
+started ahead of the unit that computes (prefetch, within the memory budget), and the gather
+on demand of a unit that was not prefetched.
+
+Prefetch follows the order units actually ran in the previous step (forward order in
+forward; in backward the order backward reached them, which before the first backward is
+the reverse of forward). When the order changes, the unit that runs is gathered on demand,
+prefetch continues from its position in the known order, and the new order replaces the
+old one at the end of the pass: prefetch is never switched off.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from overlap.base.step_record import Mark
+from overlap.runtime.timing import StepLog
+from overlap.runtime.unit import GatherState, Unit
+
+
+def _distinct_after(order: list[Unit], index: int, skip: Unit, count: int) -> list[Unit]:
+    found: list[Unit] = []
+    for unit in order[index + 1:]:
+        if len(found) == count:
+            break
+        if unit is not skip and unit not in found:
+            found.append(unit)
+    return found
+
+
+def _dedupe(units: Iterable[Unit]) -> list[Unit]:
+    seen: list[Unit] = []
+    for unit in units:
+        if unit not in seen:
+            seen.append(unit)
+    return seen
+
+
+class Prefetcher:
+    def __init__(self, units: list[Unit], log: StepLog, prefetch_depth: int,
+                 memory_budget_bytes: Optional[int]) -> None:
+        self.units = units                 # the non-root units: those the budget counts
+        self.log = log
+        self.prefetch_depth = prefetch_depth
+        # Backward may prefetch deeper or shallower than forward (the planner's choice);
+        # None follows `prefetch_depth`.
+        self.backward_prefetch_depth: Optional[int] = None
+        self.memory_budget_bytes = memory_budget_bytes
+        self.max_gathered_units = 0        # the most units gathered at once in this step
+        self.forward_order: list[Unit] = []
+        self.backward_order: list[Unit] = []
+        self._this_forward: list[Unit] = []
+        self._this_backward: list[Unit] = []
+
+    @property
+    def backward_depth(self) -> int:
+        return self.prefetch_depth if self.backward_prefetch_depth is None else self.backward_prefetch_depth
+
+    def _gathered_units(self) -> list[Unit]:
+        return [u for u in self.units if u.gather_state is not GatherState.SHARDED]
+
+    def start_gather(self, unit: Unit, mark: Mark) -> None:
+        self.log.mark(mark, unit.name)
+        unit.start_gather()
+        self.max_gathered_units = max(self.max_gathered_units, len(self._gathered_units()))
+
+    def _prefetch_after(self, order: list[Unit], position: int, current: Optional[Unit], depth: int) -> None:
+        """Start the gathers of the `depth` units that follow `current` in `order`."""
+        if depth == 0 or not order:
+            return
+        if current is None:
+            index = -1
+        elif position < len(order) and order[position] is current:
+            index = position
+        elif current in order[position:]:
+            index = position + order[position:].index(current)
+        elif current in order:
+            index = order.index(current)
+        else:
+            return
+        for unit in _distinct_after(order, index, current, depth):
+            if unit.gather_state is not GatherState.SHARDED:
+                continue
+            if self.memory_budget_bytes is not None:
+                in_flight = sum(u.gathered_nbytes for u in self._gathered_units())
+                if in_flight + unit.gathered_nbytes > self.memory_budget_bytes:
+                    break
+            self.start_gather(unit, Mark.PREFETCH)
+
+    def _gather_for_compute(self, unit: Unit, order: list[Unit], position: int, depth: int) -> None:
+        """Make `unit` ready to compute, prefetching what follows it before blocking on it."""
+        if unit.gather_state is GatherState.SHARDED:
+            self.log.mark(Mark.MISS, unit.name)
+            self.start_gather(unit, Mark.GATHER)
+        elif unit.gather_state is GatherState.GATHERING:
+            self.log.mark(Mark.HIT, unit.name)
+        self._prefetch_after(order, position, unit, depth)
+        unit.finish_gather()
+
+    # ---- forward --------------------------------------------------------------------------
+
+    def begin_forward(self, root: Optional[Unit]) -> None:
+        """Start the root's gather, then prefetch the first units of forward under it."""
+        self._this_forward = []
+        if root is not None:
+            self.start_gather(root, Mark.GATHER)
+        self._prefetch_after(self.forward_order, -1, None, self.prefetch_depth)
+
+    def gather_for_forward(self, unit: Unit) -> None:
+        position = len(self._this_forward)
+        self._this_forward.append(unit)
+        self._gather_for_compute(unit, self.forward_order, position, self.prefetch_depth)
+
+    def ends_forward(self, unit: Unit) -> bool:
+        """Whether `unit`, which just ran, ran last in the previous forward and at the same
+        position: backward needs it first, so it stays gathered instead of being freed and
+        gathered again at once."""
+        position = len(self._this_forward) - 1
+        return bool(self.forward_order) and position == len(self.forward_order) - 1 \
+            and self.forward_order[position] is unit
+
+    def end_forward(self) -> None:
+        """Learn this forward's order (and from it the backward order, if the units differ)."""
+        self.forward_order = list(self._this_forward)
+        if not self.backward_order or set(self.backward_order) != set(self.forward_order):
+            self.backward_order = _dedupe(reversed(self.forward_order))
+
+    # ---- backward -------------------------------------------------------------------------
+
+    def prefetch_backward_start(self) -> None:
+        """Backward starts with the root's own layers (head, loss): gather the first units of
+        backward under them."""
+        self._prefetch_after(self.backward_order, -1, None, self.backward_depth)
+
+    def begin_backward(self) -> None:
+        self._this_backward = []
+
+    def gather_for_backward(self, unit: Unit) -> None:
+        position = len(self._this_backward)
+        self._this_backward.append(unit)
+        self._gather_for_compute(unit, self.backward_order, position, self.backward_depth)
+
+    def end_backward(self) -> None:
+        """Learn the order backward reached the units in."""
+        if self._this_backward:
+            self.backward_order = _dedupe(self._this_backward)

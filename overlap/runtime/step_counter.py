@@ -1,0 +1,64 @@
+"""Step accounting: the step count, opening a step at its first forward and closing it
+with its `StepRecord`, then the step-end callbacks.
+
+Steps are counted here and only here (see [Note: what a step is] in
+overlap/base/step_record.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Generic, Optional, TypeVar
+
+from overlap.base.step_record import StepKind, StepRecord
+from overlap.runtime.order_check import OrderCheck
+from overlap.runtime.timing import StepLog, polling
+from overlap.runtime.unit import Unit
+
+Owner = TypeVar("Owner")
+
+
+class StepCounter(Generic[Owner]):
+    def __init__(self, log: StepLog, owner: Owner, root: Optional[Unit], units: list[Unit]) -> None:
+        # The step in progress is written to `log` (marks and collectives); `last_step` is
+        # the record of the last step that ended.
+        self.log = log
+        self.last_step: Optional[StepRecord] = None
+        self.step = 0                      # steps begun
+        # Called with `owner` (the scheduler) after every step (re-planner, overlap report).
+        self.callbacks: list[Callable[[Owner], None]] = []
+        self._owner = owner
+        self._root = root
+        self._units = units                # every unit, the root included
+        self._open = False
+        self._forwards = 0
+        self._backwards = 0
+
+    def forward_begins(self, order: Optional[OrderCheck]) -> bool:
+        """Count a forward, first opening a step if none is open; True if one was opened."""
+        opened = not self._open
+        if opened:
+            self._open = True
+            self.step += 1
+            self._forwards = self._backwards = 0
+            if order is not None:
+                order.begin_step(self.step)
+        self._forwards += 1
+        return opened
+
+    def backward_begins(self) -> None:
+        self._backwards += 1
+
+    def close(self, kind: StepKind, order: Optional[OrderCheck]) -> None:
+        """Close the step: its record into `last_step`, then the callbacks."""
+        self._open = False
+        if order is not None:
+            order.end_step()
+
+        def wait(done: Callable[[], bool]) -> None:
+            if order is not None:
+                order.block(done, polling(done))
+
+        self.last_step = self.log.close(
+            self.step, kind, self._root.name if self._root is not None else None,
+            {unit.name: unit.gathered_nbytes for unit in self._units}, self._forwards, self._backwards, wait)
+        for callback in self.callbacks:
+            callback(self._owner)
