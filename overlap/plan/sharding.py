@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from overlap.base.choices import SHARDINGS
 from overlap.plan.cost_model import CommLayout, GroupLink, Prediction, Profile, UnitCost
 from overlap.plan.prefetch import choose_bucket_bytes, choose_depths, merge_costs
 from overlap.plan.links import LinkModel
 
-SHARDINGS = ("full", "hybrid", "hpz")
 STATE_COPIES = 4
 STEP_TOLERANCE = 0.05
 
