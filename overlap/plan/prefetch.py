@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from overlap.plan.cost_model import CommLayout, Prediction, Profile, UnitCost, predict_step, wire_bytes
 from overlap.base.rules import bucket_name, bucket_runs
 from overlap.base.mixed_precision import MixedPrecision
+from overlap.plan.budget import BUDGET_FRACTION  # noqa: F401  (overlap.control.startup_plan imports it from here)
 from overlap.plan.links import LinkModel
 
 if TYPE_CHECKING:
@@ -30,8 +31,6 @@ MAX_DEPTH = 4
 DEPTH_TOLERANCE = 0.01
 # Bucketing never leaves fewer buckets than this (when there are that many units).
 MIN_BUCKETS = 4
-# Without a budget: this share of device memory (CUDA) or of available RAM (CPU).
-BUDGET_FRACTION = 0.10
 
 
 @dataclass(frozen=True)
