@@ -17,15 +17,15 @@ from typing import Optional, Sequence
 
 from overlap.plan.budget import gathered_budget
 from overlap.plan.cost_model import Prediction, Profile, UnitCost, predict_step
-from overlap.plan.memory import ActivationShape, activation_bytes
+from overlap.plan.memory import MASTER_BYTES, ActivationShape, activation_bytes, state_copies
 from overlap.plan.prefetch import MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
 from overlap.plan.sharding import Levels, choose_sharding
 from overlap.plan.links import LinkModel
 
 GATHER_BYTES = 2       # bf16 parameters
 REDUCE_BYTES = 4       # fp32 gradient reduction
-MASTER_BYTES = 4       # fp32 master shard (what bucket sizes count)
-STATE_BYTES = 16       # fp32 master + fp32 gradient + Adam's two moments, per parameter
+# fp32 master + fp32 gradient + Adam's two moments, per parameter (bucket sizes count the master)
+STATE_BYTES = state_copies("adamw") * MASTER_BYTES
 TIMELINE_WIDTH = 72
 
 

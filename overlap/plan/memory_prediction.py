@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from overlap.base.rules import MAX_REDUCES_IN_FLIGHT
-from overlap.plan.memory import OPTIMIZERS, ActivationShape, activation_bytes
+from overlap.plan.memory import (OPTIMIZER_MOMENTS, OPTIMIZERS, ActivationShape, activation_bytes,
+                                 gathered_in_flight)
 from overlap.base.units import UnitSpec, discover_units, merge_into_buckets
 
-_STATES_PER_PARAM = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
 _STEP_COUNTER_BYTES = 4   # Adam's per-parameter `step`, a float32 scalar tensor
 _FP32 = 4                 # the loss's log-probabilities and their gradients are fp32
 MIB = 2**20
@@ -126,7 +126,7 @@ def predict_memory(model: nn.Module, world: int, *, unit_types: Union[type, Sequ
         raise ValueError(f"world={world!r} is invalid; expected an integer >= 1")
     if prefetch_depth < 0:
         raise ValueError(f"prefetch_depth={prefetch_depth!r} is invalid; expected an integer >= 0")
-    if optimizer not in _STATES_PER_PARAM:
+    if optimizer not in OPTIMIZER_MOMENTS:
         raise ValueError(f"optimizer={optimizer!r} is invalid; expected one of {', '.join(OPTIMIZERS)}")
     root, units = discover_units(model, unit_types)
     buckets = merge_into_buckets(units, None if bucket_mb is None else int(bucket_mb * MIB))
@@ -137,14 +137,11 @@ def predict_memory(model: nn.Module, world: int, *, unit_types: Union[type, Sequ
 
     weights = sum(g.shard_numel * g.master_bytes for g in every)
     gradients = sum(g.shard_numel * g.master_bytes for g in trainable)
-    states = _STATES_PER_PARAM[optimizer]
-    optimizer_state = sum(states * min(g.shard_numel, g.numel) * g.master_bytes
+    moments = OPTIMIZER_MOMENTS[optimizer]
+    optimizer_state = sum(moments * min(g.shard_numel, g.numel) * g.master_bytes
                           + (_STEP_COUNTER_BYTES * g.tensors if optimizer == "adamw" else 0) for g in trainable)
-
-    sizes = [_gathered(groups, world) for groups in unit_groups]
-    window = min(prefetch_depth + 1, len(sizes))
-    in_flight = max((sum(sizes[i:i + window]) for i in range(len(sizes) - window + 1)), default=0)
-    gathered = _gathered(root_groups, world) + in_flight
+    gathered = gathered_in_flight([_gathered(groups, world) for groups in unit_groups], prefetch_depth,
+                                  _gathered(root_groups, world))
 
     act = temporaries = None
     if activations is not None:
