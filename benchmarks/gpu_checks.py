@@ -304,19 +304,13 @@ def check_large_index(checks: Checks, rehearse: bool) -> None:
         backend.pack(srcs, dst, [11, half + 100], 1.0)
         return [dst]
 
-    def unpack_many(backend):
-        flat = randn(big + 2048, torch.bfloat16)
-        dsts = [nan(half + 5, torch.float32), nan(half + 1031, torch.float32)]
-        backend.unpack(flat, dsts, [11, half + 100])
-        return dsts
-
     def accumulate(backend):
         dst = randn(half + 3, torch.float32)
         src = randn(2 * (half + 3), torch.bfloat16)
         backend.accumulate(dst, src, 0.5, 2)
         return [dst]
 
-    ops = {"pack_one": pack_one, "pack_many": pack_many, "unpack_many": unpack_many, "accumulate": accumulate}
+    ops = {"pack_one": pack_one, "pack_many": pack_many, "accumulate": accumulate}
     names = [n for n in available_backends(device) if n != "torch" and not (rehearse and n == "triton")]
     for name in names:
         backend = get_backend(name, device)

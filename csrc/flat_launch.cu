@@ -24,7 +24,6 @@ unsigned int blocks_for(long long numel, int tensors) {
 // [source dtype][destination dtype]
 void (*const kPackOne[3][3])(const void*, void*, long long, float, int) = OVERLAP_TABLE(pack_one);
 void (*const kPackMany[3][3])(const long long*, int, void*, float, int) = OVERLAP_TABLE(pack_many);
-void (*const kUnpackMany[3][3])(const void*, const long long*, int) = OVERLAP_TABLE(unpack_many);
 // [source dtype][destination dtype], as the entry points are named
 void (*const kAccumulate[3][3])(void*, const void*, long long, int, float, int) = OVERLAP_TABLE(accumulate);
 
@@ -66,14 +65,6 @@ int launch_pack_many(int src_dtype, int dst_dtype, const long long* table, int c
   dim3 grid(blocks_for(max_numel, count), count);
   kPackMany[src_dtype][dst_dtype]<<<grid, kThreads, 0, (cudaStream_t)stream>>>(table, count, dst, scale,
                                                                                apply_scale);
-  return cudaGetLastError();
-}
-
-int launch_unpack_many(int src_dtype, int dst_dtype, const void* src, const long long* table, int count,
-                       long long max_numel, void* stream) {
-  if (count == 0 || max_numel == 0) return cudaSuccess;
-  dim3 grid(blocks_for(max_numel, count), count);
-  kUnpackMany[src_dtype][dst_dtype]<<<grid, kThreads, 0, (cudaStream_t)stream>>>(src, table, count);
   return cudaGetLastError();
 }
 

@@ -9,8 +9,6 @@ int launch_pack_one(int src_dtype, int dst_dtype, const void* src, void* dst, lo
                     int apply_scale, void* stream);
 int launch_pack_many(int src_dtype, int dst_dtype, const long long* table, int count, long long max_numel,
                      void* dst, float scale, int apply_scale, void* stream);
-int launch_unpack_many(int src_dtype, int dst_dtype, const void* src, const long long* table, int count,
-                       long long max_numel, void* stream);
 int launch_accumulate(int dst_dtype, int src_dtype, void* dst, const void* src, long long numel, int chunks,
                       float scale, int apply_scale, void* stream);
 // Quantised ops (kernels/quantized.py); `error` may be null, `bits` is 8 or 4, dtypes as above.

@@ -5,7 +5,6 @@
 // Loops convert through float one element at a time in a form the compiler vectorises;
 // the build passes -ffp-contract=off so `a + b * s` stays two roundings, as in torch.
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -143,27 +142,6 @@ void pack_cpu(at::TensorList srcs, const at::Tensor& dst, at::IntArrayRef offset
   run_jobs(jobs, static_cast<float>(scale), scale != 1.0);
 }
 
-void unpack_cpu(const at::Tensor& src, at::TensorList dsts, at::IntArrayRef offsets) {
-  check_flat(src, "unpack", "src");
-  check_regions(dsts, offsets, src, "unpack");
-  const FlatDtype src_dtype = flat_dtype(src, "unpack", "src");
-  // Strided destinations are filled through a contiguous scratch copy.
-  std::vector<at::Tensor> outputs;
-  std::vector<CopyJob> jobs;
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    const at::Tensor& dst = dsts[i];
-    outputs.push_back(dst.is_contiguous() ? dst : at::empty(dst.sizes(), dst.options()));
-    jobs.push_back({static_cast<const char*>(src.const_data_ptr()) + offsets[i] * src.element_size(),
-                    static_cast<char*>(outputs.back().mutable_data_ptr()), dst.numel(),
-                    static_cast<int64_t>(src.element_size()), static_cast<int64_t>(dst.element_size()),
-                    copy_fn(src_dtype, flat_dtype(dst, "unpack", "a destination"))});
-  }
-  run_jobs(jobs, 1.0f, false);
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    if (!dsts[i].is_same(outputs[i])) dsts[i].copy_(outputs[i]);
-  }
-}
-
 void accumulate_cpu(const at::Tensor& dst, const at::Tensor& src, double scale, int64_t num_chunks) {
   check_accumulate(dst, src, num_chunks);
   const AccumulateFn fn = accumulate_fn(flat_dtype(dst, "accumulate", "dst"), flat_dtype(src, "accumulate", "src"));
@@ -181,7 +159,6 @@ void accumulate_cpu(const at::Tensor& dst, const at::Tensor& src, double scale, 
 
 TORCH_LIBRARY_IMPL(overlap, CPU, m) {
   m.impl("pack", &pack_cpu);
-  m.impl("unpack", &unpack_cpu);
   m.impl("accumulate", &accumulate_cpu);
 }
 

@@ -89,29 +89,6 @@ void pack_cuda(at::TensorList srcs, const at::Tensor& dst, at::IntArrayRef offse
   });
 }
 
-void unpack_cuda(const at::Tensor& src, at::TensorList dsts, at::IntArrayRef offsets) {
-  check_flat(src, "unpack", "src");
-  check_regions(dsts, offsets, src, "unpack");
-  const c10::cuda::CUDAGuard guard(src.device());
-  void* stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int src_dtype = static_cast<int>(flat_dtype(src, "unpack", "src"));
-  // Strided destinations are filled through a contiguous scratch copy.
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(dsts.size());
-  for (const at::Tensor& dst : dsts) {
-    outputs.push_back(dst.is_contiguous() ? dst : at::empty(dst.sizes(), dst.options()));
-  }
-  std::vector<Region> regions;
-  for (size_t i = 0; i < outputs.size(); ++i) regions.push_back({&outputs[i], offsets[i]});
-  launch_by_dtype(regions, src.device(), "unpack", [&](int dst_dtype, const int64_t* table, int count, int64_t max_numel) {
-    check_launch(launch_unpack_many(src_dtype, dst_dtype, src.const_data_ptr(),
-                                    reinterpret_cast<const long long*>(table), count, max_numel, stream));
-  });
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    if (!dsts[i].is_same(outputs[i])) dsts[i].copy_(outputs[i]);
-  }
-}
-
 void accumulate_cuda(const at::Tensor& dst, const at::Tensor& src, double scale, int64_t num_chunks) {
   check_accumulate(dst, src, num_chunks);
   const c10::cuda::CUDAGuard guard(dst.device());
@@ -125,7 +102,6 @@ void accumulate_cuda(const at::Tensor& dst, const at::Tensor& src, double scale,
 
 TORCH_LIBRARY_IMPL(overlap, CUDA, m) {
   m.impl("pack", &pack_cuda);
-  m.impl("unpack", &unpack_cuda);
   m.impl("accumulate", &accumulate_cuda);
 }
 

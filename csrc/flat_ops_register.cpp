@@ -6,7 +6,6 @@
 
 TORCH_LIBRARY(overlap, m) {
   m.def("pack(Tensor[] srcs, Tensor(a!) dst, int[] offsets, float scale) -> ()");
-  m.def("unpack(Tensor src, Tensor(a!)[] dsts, int[] offsets) -> ()");
   m.def("accumulate(Tensor(a!) dst, Tensor src, float scale, int num_chunks) -> ()");
   m.def("quantize(Tensor src, Tensor(a!) q, Tensor(b!) scales, Tensor(c!)? error, int block, int bits) -> ()");
   m.def("dequantize_accumulate(Tensor(a!) dst, Tensor q, Tensor scales, int block, int bits, int chunks) -> ()");

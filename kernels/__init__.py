@@ -1,12 +1,11 @@
 """Flat-buffer kernels used by the sharding runtime, behind one small interface.
 
-Three operations cover every copy the runtime makes between parameters, shards and
+Two operations cover every copy the runtime makes between parameters, shards and
 collective buffers:
 
 - ``pack(srcs, dst, offsets, scale)``: many tensors into one flat buffer at element offsets,
   multiplied by ``scale`` and cast to ``dst.dtype`` (flatten at construction, the cast of a
   master shard to the all-gather dtype, pre-division of gradients by the world size).
-- ``unpack(src, dsts, offsets)``: a flat buffer back into many tensors (full state dicts).
 - ``accumulate(dst, src, scale, num_chunks)``: ``dst += scale * sum of num_chunks equal
   chunks of src`` (reduce-scatter output, or the chunks an all-to-all returns, into the fp32
   sharded gradient).
@@ -33,7 +32,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from .quantized import DEFAULT_BLOCK, empty_quantized, num_blocks, quantized_bytes  # noqa: F401
+from .quantized import DEFAULT_BLOCK, empty_quantized  # noqa: F401  (the package's public names)
 from .reference import TorchKernels
 
 BACKEND_NAMES = ("auto", "torch", "triton", "ext", "cupy")
@@ -46,8 +45,6 @@ class KernelBackend(Protocol):
 
     def pack(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int],
              scale: float = 1.0) -> None: ...
-
-    def unpack(self, src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None: ...
 
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0,
                    num_chunks: int = 1) -> None: ...

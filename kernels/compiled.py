@@ -2,7 +2,7 @@
 
 `CompiledKernels` checks every call's arguments (a compiled kernel given a bad offset writes
 out of bounds instead of raising), hands the tensors whose dtype the kernels cover to the
-backend's `_pack`/`_unpack`/`_accumulate`, `_quantize_kernel` and `_dequantize_into_kernel`,
+backend's `_pack`/`_accumulate`, `_quantize_kernel` and `_dequantize_into_kernel`,
 and leaves the rest (float64, integers) to the torch reference, whose semantics the kernels
 reproduce. Backends implement `_dequantize_accumulate` directly: its destination is always
 float32. Helpers below build the per-dtype groups and the device tables (address, numel,
@@ -91,20 +91,6 @@ class CompiledKernels(QuantizedOps):
         if ours:
             self._pack([s for s, _ in ours], dst, [o for _, o in ours], float(scale))
 
-    def unpack(self, src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-        _check_flat(src, "unpack", "src")
-        _check_regions(dsts, offsets, src, "unpack")
-        if src.dtype not in KERNEL_DTYPES:
-            _reference.unpack(src, dsts, offsets)
-            return
-        # Strided destinations (rare: the runtime unpacks into fresh tensors) go to the reference.
-        ours = [(d, o) for d, o in zip(dsts, offsets) if d.dtype in KERNEL_DTYPES and d.is_contiguous()]
-        others = [(d, o) for d, o in zip(dsts, offsets) if d.dtype not in KERNEL_DTYPES or not d.is_contiguous()]
-        if others:
-            _reference.unpack(src, [d for d, _ in others], [o for _, o in others])
-        if ours:
-            self._unpack(src, [d for d, _ in ours], [o for _, o in ours])
-
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, num_chunks: int = 1) -> None:
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise ValueError(f"accumulate: num_chunks={num_chunks!r} is invalid; expected an integer >= 1")
@@ -139,9 +125,6 @@ class CompiledKernels(QuantizedOps):
     # ---- implemented by each backend -------------------------------------------------------
 
     def _pack(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int], scale: float) -> None:
-        raise NotImplementedError
-
-    def _unpack(self, src: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
         raise NotImplementedError
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float, num_chunks: int) -> None:

@@ -87,13 +87,6 @@ class CupyKernels(CompiledKernels):
                               lambda table, count: (np.uint64(table.data_ptr()), np.int32(count),
                                                     np.uint64(dst.data_ptr()), np.float32(scale), apply_scale))
 
-    def _unpack(self, src: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
-        for dtype, (tensors, group_offsets) in group_by_dtype(dsts, offsets).items():
-            name = f"unpack_many_{_DTYPE_NAMES[src.dtype]}_{_DTYPE_NAMES[dtype]}"
-            self._launch_many(name, tensors, group_offsets, src.device,
-                              lambda table, count: (np.uint64(src.data_ptr()), np.uint64(table.data_ptr()),
-                                                    np.int32(count)))
-
     def _launch_many(self, name: str, tensors: list[torch.Tensor], offsets: list[int], device: torch.device,
                      args_for: Callable[[torch.Tensor, int], tuple]) -> None:
         for lo in range(0, len(tensors), MAX_TENSORS_PER_LAUNCH):

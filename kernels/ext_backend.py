@@ -55,12 +55,6 @@ class ExtKernels(CompiledKernels):
         except _REFUSED:
             super().pack(srcs, dst, offsets, scale)
 
-    def unpack(self, src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-        try:
-            self._ops.unpack(src, dsts, offsets)
-        except _REFUSED:
-            super().unpack(src, dsts, offsets)
-
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, num_chunks: int = 1) -> None:
         try:
             self._ops.accumulate(dst, src, float(scale), num_chunks)
@@ -101,9 +95,6 @@ class ExtKernels(CompiledKernels):
 
     def _pack(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int], scale: float) -> None:
         self._ops.pack(srcs, dst, offsets, scale)
-
-    def _unpack(self, src: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
-        self._ops.unpack(src, dsts, offsets)
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float, num_chunks: int) -> None:
         self._ops.accumulate(dst, src, scale, num_chunks)

@@ -6,7 +6,6 @@
 //
 // Semantics (the torch reference backend is the truth):
 //   pack        dst[offset_t + i] = cast(src_t[i] * scale)              for every tensor t
-//   unpack      dst_t[i] = cast(src[offset_t + i])                       for every tensor t
 //   accumulate  dst[i] = dst[i] + cast(scale * sum_c src[c * n + i])     chunks summed in order
 // Multiplies and adds use __fmul_rn/__fadd_rn so the compiler cannot fuse them into an FMA,
 // which would round differently from torch's separate ops.
@@ -116,13 +115,6 @@ __device__ void pack_many(const long long* table, int count, typename D::word* d
   copy_span<S, D>(src, dst + table[2 * count + t], table[count + t], scale, apply_scale);
 }
 
-template <typename S, typename D>
-__device__ void unpack_many(const typename S::word* src, const long long* table, int count) {
-  const int t = blockIdx.y;
-  typename D::word* dst = reinterpret_cast<typename D::word*>(table[t]);
-  copy_span<S, D>(src + table[2 * count + t], dst, table[count + t], 1.0f, 0);
-}
-
 // dst += cast(scale * sum of `chunks` rows of src); a 16-bit dst rounds the sum to its dtype
 // first, then the addition, as `dst.add_(total.to(dst.dtype))` does.
 template <typename D, typename S>
@@ -148,10 +140,6 @@ __device__ void accumulate_span(typename D::word* dst, const typename S::word* s
   extern "C" __global__ void pack_many_##SN##_##DN(const long long* table, int count, void* dst,        \
                                                     float scale, int apply_scale) {                     \
     pack_many<S, D>(table, count, static_cast<D::word*>(dst), scale, apply_scale);                      \
-  }                                                                                                     \
-  extern "C" __global__ void unpack_many_##SN##_##DN(const void* src, const long long* table,           \
-                                                      int count) {                                      \
-    unpack_many<S, D>(static_cast<const S::word*>(src), table, count);                                  \
   }                                                                                                     \
   extern "C" __global__ void accumulate_##SN##_##DN(void* dst, const void* src, long long n, int chunks, \
                                                      float scale, int apply_scale) {                    \

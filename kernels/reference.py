@@ -38,11 +38,6 @@ class TorchKernels(QuantizedOps):
                 flat = flat.to(_wide(flat.dtype)) * scale
             region.copy_(flat)
 
-    def unpack(self, src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-        """dsts[i] = src[offsets[i] : offsets[i] + dsts[i].numel()] viewed as dsts[i].shape, cast."""
-        for dst, offset in zip(dsts, offsets):
-            dst.copy_(src.narrow(0, offset, dst.numel()).view(dst.shape))
-
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, num_chunks: int = 1) -> None:
         """dst += scale * src.view(num_chunks, dst.numel()).sum(0), summed in float32 (or float64)."""
         chunks = src.view(num_chunks, dst.numel()).to(_wide(dst.dtype))

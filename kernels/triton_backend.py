@@ -68,24 +68,20 @@ def _copy_one_kernel(src, dst, n, scale, BLOCK: tl.constexpr, APPLY_SCALE: tl.co
 
 
 @triton.jit
-def _copy_many_kernel(table, count, flat, scale, OTHER_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                      PACK: tl.constexpr, APPLY_SCALE: tl.constexpr):
-    """Many tensors and one flat buffer. `table` holds int64 rows [address..., numel..., offset...]
-    of `count` tensors of dtype OTHER_DTYPE. Program (g, t) moves tensor t's full blocks
-    g, g + G, g + 2G, ... (G = programs along axis 0); program (0, t) also moves its masked tail.
-    PACK copies tensors into `flat` at their offsets, otherwise `flat` into the tensors."""
+def _pack_many_kernel(table, count, flat, scale, SRC_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                      APPLY_SCALE: tl.constexpr):
+    """Many tensors into one flat buffer. `table` holds int64 rows [address..., numel..., offset...]
+    of `count` source tensors of dtype SRC_DTYPE. Program (g, t) moves tensor t's full blocks
+    g, g + G, g + 2G, ... (G = programs along axis 0) to `flat` at its offset; program (0, t)
+    also moves its masked tail."""
     t = tl.program_id(1)
     g = tl.program_id(0)
     programs = tl.num_programs(0)
     address = tl.load(table + t)
     n = tl.load(table + count + t)
     offset = tl.load(table + 2 * count + t)
-    if PACK:
-        src = address.to(tl.pointer_type(OTHER_DTYPE))
-        dst = flat + offset
-    else:
-        src = flat + offset
-        dst = address.to(tl.pointer_type(OTHER_DTYPE))
+    src = address.to(tl.pointer_type(SRC_DTYPE))
+    dst = flat + offset
     full = (n // BLOCK) * BLOCK
     for start in range(g * BLOCK, full, programs * BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -272,15 +268,7 @@ class TritonKernels(CompiledKernels):
             self._copy_one(src.reshape(-1), dst[offsets[0]:offsets[0] + src.numel()], scale)
             return
         for dtype, (tensors, group_offsets) in group_by_dtype(srcs, offsets).items():
-            self._copy_many(tensors, group_offsets, dst, dtype, scale, pack=True)
-
-    def _unpack(self, src: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
-        if len(dsts) == 1:
-            dst = dsts[0]
-            self._copy_one(src[offsets[0]:offsets[0] + dst.numel()], dst.view(-1), 1.0)
-            return
-        for dtype, (tensors, group_offsets) in group_by_dtype(dsts, offsets).items():
-            self._copy_many(tensors, group_offsets, src, dtype, 1.0, pack=False)
+            self._pack_many(tensors, group_offsets, dst, dtype, scale)
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, scale: float, num_chunks: int) -> None:
         n = dst.numel()
@@ -296,8 +284,8 @@ class TritonKernels(CompiledKernels):
             _copy_one_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, scale, BLOCK=BLOCK, APPLY_SCALE=scale != 1.0,
                                                        **self._options)
 
-    def _copy_many(self, tensors: list[torch.Tensor], offsets: list[int], flat: torch.Tensor, dtype: torch.dtype,
-                   scale: float, pack: bool) -> None:
+    def _pack_many(self, tensors: list[torch.Tensor], offsets: list[int], flat: torch.Tensor, dtype: torch.dtype,
+                   scale: float) -> None:
         for lo in range(0, len(tensors), MAX_TENSORS_PER_LAUNCH):
             batch, batch_offsets = tensors[lo:lo + MAX_TENSORS_PER_LAUNCH], offsets[lo:lo + MAX_TENSORS_PER_LAUNCH]
             largest = max(t.numel() for t in batch)
@@ -306,9 +294,8 @@ class TritonKernels(CompiledKernels):
             table = device_table(batch, batch_offsets, flat.device)
             programs = max(1, min(triton.cdiv(largest, BLOCK), MAX_PROGRAMS // len(batch)))
             with _on(flat.device):
-                _copy_many_kernel[(programs, len(batch))](table, len(batch), flat, scale, OTHER_DTYPE=_TL_DTYPES[dtype],
-                                                          BLOCK=BLOCK, PACK=pack, APPLY_SCALE=scale != 1.0,
-                                                          **self._options)
+                _pack_many_kernel[(programs, len(batch))](table, len(batch), flat, scale, SRC_DTYPE=_TL_DTYPES[dtype],
+                                                          BLOCK=BLOCK, APPLY_SCALE=scale != 1.0, **self._options)
 
     def _quantize_kernel(self, src: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                          error: Optional[torch.Tensor], block: int, bits: int) -> None:

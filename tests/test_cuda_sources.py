@@ -74,9 +74,9 @@ sources = {
     "copy_one": ASTSource(k._copy_one_kernel, constexprs=common, signature={
         "src": "*fp32", "dst": "*bf16", "n": "i64", "scale": "fp32", "BLOCK": "constexpr",
         "APPLY_SCALE": "constexpr"}),
-    "copy_many": ASTSource(k._copy_many_kernel, constexprs={**common, "OTHER_DTYPE": tl.float16, "PACK": True},
-        signature={"table": "*i64", "count": "i32", "flat": "*bf16", "scale": "fp32", "OTHER_DTYPE": "constexpr",
-                   "BLOCK": "constexpr", "PACK": "constexpr", "APPLY_SCALE": "constexpr"}),
+    "pack_many": ASTSource(k._pack_many_kernel, constexprs={**common, "SRC_DTYPE": tl.float16},
+        signature={"table": "*i64", "count": "i32", "flat": "*bf16", "scale": "fp32", "SRC_DTYPE": "constexpr",
+                   "BLOCK": "constexpr", "APPLY_SCALE": "constexpr"}),
     "accumulate": ASTSource(k._accumulate_kernel, constexprs=common, signature={
         "dst": "*fp32", "src": "*bf16", "n": "i64", "chunks": "i32", "scale": "fp32", "BLOCK": "constexpr",
         "APPLY_SCALE": "constexpr"}),
@@ -100,5 +100,5 @@ def test_triton_kernels_compile_for_cuda(arch):
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(arch)], capture_output=True, text=True,
                             timeout=240, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split() == ["copy_one", "ok", "copy_many", "ok", "accumulate", "ok",
+    assert result.stdout.split() == ["copy_one", "ok", "pack_many", "ok", "accumulate", "ok",
                                     "accumulate_i32", "ok"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from overlap.cli import estimate as estimate_cli
-from overlap.plan.memory import (MODEL_STATE_CATEGORIES, STAGES, ActivationShape, activation_bytes, estimate, gathered_buffer_bytes, layer_activation_bytes, state_bytes)
+from overlap.plan.memory import (MODEL_STATE_CATEGORIES, STAGES, ActivationShape, activation_bytes, estimate, gathered_in_flight, layer_activation_bytes, state_bytes)
 from distributed import run_distributed  # tests/ is on sys.path under pytest
 from models import language_model_step
 
@@ -58,7 +58,10 @@ def test_zero3_is_sixteen_psi_over_n_and_gathers_units():
     assert result.total == pytest.approx(result.model_states + result.activations + result.gathered_buffers)
     assert estimate(1e8, 16, stage="zero2", activations=shape).gathered_buffers == 0
     # prefetching further than there are units gathers each unit once
-    assert gathered_buffer_bytes(10.0, prefetch_depth=5, num_units=3) == 30.0
+    assert gathered_in_flight([10.0] * 3, prefetch_depth=5) == 30.0
+    # the largest run of depth + 1 consecutive units, and the root beside them
+    assert gathered_in_flight([1, 5, 2, 4, 3], prefetch_depth=1, root_bytes=10) == 17
+    assert gathered_in_flight([], prefetch_depth=1, root_bytes=10) == 10
 
 
 def test_activation_formula():

@@ -7,6 +7,7 @@ from typing import Optional
 import pytest
 import torch
 
+from overlap.base.layout import FlatLayout, group_by_kind
 from overlap.plan.memory import ActivationShape
 from overlap.plan.memory_prediction import PREDICTED_CATEGORIES, predict_memory
 from overlap.models import GPT, Block, GPTConfig
@@ -86,6 +87,29 @@ def test_shards_are_padded_to_the_world_size():
     assert predicted.optimizer_state == (4 + 3) * 4
     assert predicted.gathered_buffers == (12 + 9) * 4   # depth 1: both units at once
     assert predicted.activations is None and predicted.temporaries is None
+
+
+def test_flat_layout_gives_every_element_to_exactly_one_rank():
+    """The layout both the runtime and the prediction use: parts of each parameter on the
+    ranks tile it in order, and the padding is what is left of the last shard."""
+    layout = FlatLayout((5, 0, 7, 1), world=3)      # 13 elements -> 5 per rank, 2 of padding
+    assert layout.offsets == (0, 5, 5, 12) and layout.shard_numel == 5 and layout.padded_numel == 15
+    assert layout.split_sizes == [5, 0, 7, 1, 2]
+    for index, numel in enumerate(layout.numels):
+        parts = [layout.part_on(index, rank) for rank in range(3)]
+        assert sum(end - start for start, end in parts) == numel
+        covered = [i for start, end in parts for i in range(start, end)]
+        assert covered == list(range(numel)), (index, parts)
+    assert [layout.held_numel(rank) for rank in range(3)] == [5, 5, 3]
+    assert FlatLayout((), world=4).shard_numel == 1      # every rank holds a shard, even of nothing
+
+
+def test_groups_follow_dtype_and_gradient_flag_in_order_of_appearance():
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float16)),
+              torch.nn.Parameter(torch.zeros(3), requires_grad=False), torch.nn.Parameter(torch.zeros(1))]
+    groups = group_by_kind(params, lambda p: p)
+    assert list(groups) == [(torch.float32, True), (torch.float16, True), (torch.float32, False)]
+    assert [p.numel() for p in groups[(torch.float32, True)]] == [2, 1]
 
 
 @pytest.mark.parametrize("kwargs, named", [

@@ -2,12 +2,9 @@
 every rank applies the same plan (at start-up and after a re-plan)."""
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib.util
 import io
 import os
-import pathlib
 import re
 
 import pytest
@@ -121,6 +118,14 @@ def test_bucket_respects_the_memory_budget():
     tiny = [UnitCost(f"t{i}", MB, MB, MB) for i in range(64)]
     link = LinkModel("ethernet", 5e-3, 1e9)
     assert choose_bucket_bytes(tiny, link, 2, memory_budget_bytes=8 * MB) <= 4 * MB
+
+
+def test_every_link_class_has_a_default_model():
+    from overlap.base.choices import LINK_CLASSES
+    from overlap.plan.links import LINK_DEFAULTS
+
+    assert tuple(LINK_DEFAULTS) == LINK_CLASSES
+    assert all(LINK_DEFAULTS[name].link == name for name in LINK_CLASSES)
 
 
 def test_drift_needs_a_material_change():

@@ -300,7 +300,7 @@ def test_int4_packs_two_values_per_byte_low_nibble_first(name, device):
     q, scales = _quantize(backend, 4, src, 8)
     assert scales.tolist() == [1.0]
     assert q.tolist() == [0x97, 0xF1, 0x30, 0x07]
-    q8, scales8 = _quantize(backend, 8, src * (127 / 7), 8)
+    q8, _ = _quantize(backend, 8, src * (127 / 7), 8)
     assert q8.tolist() == [127, -127, 18, -18, 0, 54, 127]  # 1 * 127 / 7 = 18.14, 3 * 127 / 7 = 54.43
 
 

@@ -12,14 +12,10 @@ import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
+from overlap.base.choices import COMPRESS_CHOICES, KERNEL_CHOICES, LINK_CHOICES, SHARDING_CHOICES
 from overlap.kernels.quantized import DEFAULT_BLOCK, MAX_BLOCK
 
-KERNEL_CHOICES = ("auto", "torch", "triton", "ext", "cupy")
-LINK_CHOICES = ("auto", "nvlink", "infiniband", "ethernet", "loopback")
 LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-SHARDING_CHOICES = ("full", "hybrid", "hpz", "auto")
-# What crosses the wire quantised (see overlap.runtime.compression): weights / gradients.
-COMPRESS_CHOICES = ("none", "int8", "int8-int4", "auto")
 
 # name -> (accepted values as users read them, description) for the README and error messages.
 ENV_VARS: dict[str, tuple[str, str]] = {

@@ -15,16 +15,17 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from overlap.plan.budget import gathered_budget
 from overlap.plan.cost_model import Prediction, Profile, UnitCost, predict_step
-from overlap.plan.memory import ActivationShape, activation_bytes
-from overlap.plan.prefetch import BUDGET_FRACTION, MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
+from overlap.plan.memory import MASTER_BYTES, ActivationShape, activation_bytes, state_copies
+from overlap.plan.prefetch import MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
 from overlap.plan.sharding import Levels, choose_sharding
 from overlap.plan.links import LinkModel
 
 GATHER_BYTES = 2       # bf16 parameters
 REDUCE_BYTES = 4       # fp32 gradient reduction
-MASTER_BYTES = 4       # fp32 master shard (what bucket sizes count)
-STATE_BYTES = 16       # fp32 master + fp32 gradient + Adam's two moments, per parameter
+# fp32 master + fp32 gradient + Adam's two moments, per parameter (bucket sizes count the master)
+STATE_BYTES = state_copies("adamw") * MASTER_BYTES
 TIMELINE_WIDTH = 72
 
 
@@ -176,7 +177,7 @@ def planned(profile: Profile, cluster: ClusterPreset, model: ModelPreset, batch:
             checkpointing: bool = False) -> Point:
     """The configuration the planner picks for this profile and cluster, evaluated."""
     link = cluster.link()
-    budget = int(BUDGET_FRACTION * cluster.memory_bytes)
+    budget = gathered_budget(cluster.memory_bytes)
     bucket = choose_bucket_bytes(profile.units, link, cluster.ranks, budget)
     depth, _, _ = choose_depths(
         Profile(tuple(merge_costs(profile.units, bucket)), profile.world_size, profile.root, profile.other_s), link,
@@ -233,7 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cluster = replace(cluster, nodes=args.nodes)
     link = cluster.link()
     profile = build_profile(model, cluster, args.batch, args.mfu)
-    budget = int(BUDGET_FRACTION * cluster.memory_bytes)
+    budget = gathered_budget(cluster.memory_bytes)
 
     pick = planned(profile, cluster, model, args.batch, args.checkpointing)
     bucket_pick, depth_pick = pick.bucket_bytes, pick.depth
@@ -284,7 +285,7 @@ def sharding_table(profile: Profile, cluster: ClusterPreset, model: ModelPreset,
     """Full, hybrid and hpZ sharding on the cluster's two levels, each with the planner's
     bucket and depth, and the option `sharding="auto"` would take (`overlap.plan.sharding`)."""
     levels = cluster.levels()
-    budget = int(BUDGET_FRACTION * cluster.memory_bytes)
+    budget = gathered_budget(cluster.memory_bytes)
     acts = activations(model, batch, checkpointing)
     largest_reduce = max(u.reduce_bytes for u in profile.units)
     choice = choose_sharding(profile.units, levels, budget, int(cluster.memory_bytes - acts - largest_reduce),

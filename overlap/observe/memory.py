@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from overlap.plan.memory import (MODEL_STATE_CATEGORIES, ActivationShape, MemoryEstimate, StateBytes, activation_bytes, gathered_buffer_bytes, model_state_bytes)
+from overlap.plan.memory import (MODEL_STATE_CATEGORIES, ActivationShape, MemoryEstimate, StateBytes, activation_bytes, gathered_in_flight, model_state_bytes)
 
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.scheduler import Scheduler
@@ -71,10 +71,8 @@ def estimate_sharded(model: ShardedModel, optimizer: Optional[torch.optim.Optimi
                 totals[category] += value
     root_bytes = scheduler.root.gathered_nbytes if scheduler.root is not None else 0
     unit_bytes = [unit.gathered_nbytes for unit in scheduler.units]
-    if not unit_bytes:
-        gathered = float(root_bytes)
-    elif scheduler.reshard_after_forward:
-        gathered = gathered_buffer_bytes(max(unit_bytes), scheduler.prefetch_depth, len(unit_bytes), root_bytes)
+    if scheduler.reshard_after_forward:
+        gathered = float(gathered_in_flight(unit_bytes, scheduler.prefetch_depth, root_bytes))
     else:
         gathered = float(sum(unit_bytes) + root_bytes)
     act = None

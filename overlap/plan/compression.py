@@ -16,13 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from overlap.base.choices import COMPRESSION_BITS
 from overlap.plan.cost_model import Prediction, Profile, UnitCost, predict_step
 from overlap.plan.links import LinkModel
 
 EXPOSED_SHARE = 0.10
 MIN_GAIN = 0.05
 # Modes `auto` considers, cheapest in accuracy first: (name, weight bits, gradient bits).
-CANDIDATES = (("int8", 8, 8), ("int8-int4", 8, 4))
+CANDIDATES = tuple((mode, weight_bits, grad_bits) for mode, (weight_bits, grad_bits) in COMPRESSION_BITS.items()
+                   if mode != "none")
 
 
 @dataclass(frozen=True)

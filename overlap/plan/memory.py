@@ -36,18 +36,21 @@ adds the final layer norm's input and output (2·e·s·b·h) and the fp32 log-pr
 loss keeps (4·s·b·V).
 
 Gathered buffers (ZeRO-3 only): while a unit computes, the next `prefetch_depth` units are
-already being gathered, so (prefetch_depth + 1) × the largest unit in the gather dtype are
-alive, plus the root unit (parameters outside every unit, gathered for the whole step).
-Without resharding after forward every unit stays gathered until its backward.
+already being gathered, so the largest run of prefetch_depth + 1 consecutive units in the
+gather dtype is alive (at most (prefetch_depth + 1) × the largest unit), plus the root unit
+(parameters outside every unit, gathered for the whole step). Without resharding after
+forward every unit stays gathered until its backward.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 STAGES = ("dp", "zero1", "zero2", "zero3")
 PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "sgd-momentum", "sgd")
+# Tensors of a parameter's size each optimizer keeps: Adam's two moments, SGD's momentum.
+OPTIMIZER_MOMENTS = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
+OPTIMIZERS = tuple(OPTIMIZER_MOMENTS)
 MODEL_STATE_CATEGORIES = ("weights", "gradients", "optimizer_state")
 
 # Model-state categories each stage divides by the world size.
@@ -58,7 +61,6 @@ SHARDED_BY_STAGE: dict[str, frozenset[str]] = {
     "zero3": frozenset(MODEL_STATE_CATEGORIES),
 }
 _ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_STATES_PER_PARAM = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
 MASTER_BYTES = 4  # fp32 master weights of mixed-precision training
 _LSE_BYTES = 4     # fp32 log-sum-exp a fused attention kernel keeps per head and token
 _LOSS_BYTES = 4    # fp32 log-probabilities the cross-entropy loss keeps
@@ -78,12 +80,19 @@ def state_bytes(precision: str, optimizer: str) -> StateBytes:
     optimizer state under mixed precision; one fp32 copy of everything under fp32)."""
     if precision not in _ELEMENT_BYTES:
         raise ValueError(f"precision={precision!r} is invalid; expected one of {', '.join(PRECISIONS)}")
-    if optimizer not in _STATES_PER_PARAM:
+    if optimizer not in OPTIMIZER_MOMENTS:
         raise ValueError(f"optimizer={optimizer!r} is invalid; expected one of {', '.join(OPTIMIZERS)}")
     element = _ELEMENT_BYTES[precision]
-    moments = _STATES_PER_PARAM[optimizer] * 4  # optimizer moments are fp32 in both regimes
+    moments = OPTIMIZER_MOMENTS[optimizer] * 4  # optimizer moments are fp32 in both regimes
     master = MASTER_BYTES if element < MASTER_BYTES else 0
     return StateBytes(element, element, master + moments)
+
+
+def state_copies(optimizer: str) -> int:
+    """Model-state bytes per byte of master parameters in overlap's own layout: the shard, its
+    gradient and the optimizer's moments, all in the master dtype (see [Note: how overlap's
+    own layout maps onto these categories]); 4 with Adam, the 16Ψ/N of fp32 ZeRO-3."""
+    return 2 + OPTIMIZER_MOMENTS[optimizer]
 
 
 @dataclass(frozen=True)
@@ -129,12 +138,15 @@ def activation_bytes(shape: ActivationShape, element_bytes: int, checkpointing: 
     return layers + head
 
 
-def gathered_buffer_bytes(largest_unit_bytes: float, prefetch_depth: int, num_units: int,
-                          root_bytes: float = 0.0) -> float:
-    """Gathered full parameters alive at once under ZeRO-3 with resharding after forward."""
+def gathered_in_flight(unit_bytes: Sequence[float], prefetch_depth: int, root_bytes: float = 0.0) -> float:
+    """Gathered full parameters alive at once under ZeRO-3 with resharding after forward: the
+    root unit, gathered for the whole step, and the largest sum of `prefetch_depth + 1`
+    consecutive units (the one computing and those prefetched), units given in order."""
     if prefetch_depth < 0:
         raise ValueError(f"prefetch_depth={prefetch_depth!r} is invalid; expected an integer >= 0")
-    return min(prefetch_depth + 1, num_units) * largest_unit_bytes + root_bytes
+    window = min(prefetch_depth + 1, len(unit_bytes))
+    return root_bytes + max((sum(unit_bytes[i:i + window]) for i in range(len(unit_bytes) - window + 1)),
+                            default=0)
 
 
 def wrap_peak_bytes(params: float, world: int, largest_unit_params: float, on_meta: bool,
@@ -208,7 +220,7 @@ def estimate(params: float, world: int, *, stage: str = "zero3", precision: str 
     if stage == "zero3":
         layers = activations.layers if activations is not None else None
         largest = largest_unit_params if largest_unit_params is not None else (params / layers if layers else None)
-        gathered = None if largest is None else gathered_buffer_bytes(
-            largest * element, prefetch_depth, layers or prefetch_depth + 1, root_params * element)
+        gathered = None if largest is None else gathered_in_flight(
+            [largest * element] * (layers or prefetch_depth + 1), prefetch_depth, root_params * element)
     act = None if activations is None else activation_bytes(activations, element, checkpointing)
     return MemoryEstimate(**states, activations=act, gathered_buffers=gathered)

@@ -2,11 +2,11 @@
 
 `memory_model.estimate` works from a parameter count alone; this prediction walks the
 unwrapped model instead: the same unit discovery and bucket merge rule the runtime uses
-(`overlap.base.units`), each unit's parameters grouped by dtype and gradient flag and padded to a
-multiple of the world size as the flat layout pads them, and the settings (bucket size,
-prefetch depth, mixed precision, optimizer, batch and sequence). Nothing is read from a
-wrapped module or a process group, so the prediction can be checked against a measurement
-of the same run (tests/test_memory_prediction.py).
+(`overlap.base.units`), each unit's parameters grouped and padded by the runtime's flat
+layout (`overlap.base.layout`), and the settings (bucket size, prefetch depth, mixed
+precision, optimizer, batch and sequence). Nothing is read from a wrapped module or a process
+group, so the prediction can be checked against a measurement of the same run
+(tests/test_memory_prediction.py).
 
 Categories, as torch's MemTracker files them on the measured run (rank 0):
 - weights: the fp32 master shards (the parameters are views of them).
@@ -33,34 +33,42 @@ fragmentation; resharding after forward is assumed (the default).
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from overlap.base.layout import FlatLayout, group_by_kind
+from overlap.base.mixed_precision import MixedPrecision
 from overlap.base.rules import MAX_REDUCES_IN_FLIGHT
-from overlap.plan.memory import OPTIMIZERS, ActivationShape, activation_bytes
+from overlap.plan.memory import (OPTIMIZER_MOMENTS, OPTIMIZERS, ActivationShape, activation_bytes,
+                                 gathered_in_flight)
 from overlap.base.units import UnitSpec, discover_units, merge_into_buckets
 
-_STATES_PER_PARAM = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
 _STEP_COUNTER_BYTES = 4   # Adam's per-parameter `step`, a float32 scalar tensor
 _FP32 = 4                 # the loss's log-probabilities and their gradients are fp32
 MIB = 2**20
 
 
 @dataclass(frozen=True)
-class GroupLayout:
-    """One flat group of a unit: parameters of one dtype and gradient flag."""
+class GroupSizes:
+    """One flat group of a unit: its layout and the bytes per element of its master shard,
+    its gathered buffer and its reduced gradient."""
 
-    numel: int
-    shard_numel: int
+    layout: FlatLayout
     master_bytes: int
     gather_bytes: int
     reduce_bytes: int
     requires_grad: bool
-    tensors: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def gathered(self) -> int:
+        return self.layout.padded_numel * self.gather_bytes
 
 
 @dataclass(frozen=True)
@@ -82,26 +90,15 @@ class PredictedMemory:
 PREDICTED_CATEGORIES = ("weights", "gradients", "optimizer_state", "gathered_buffers", "activations", "temporaries")
 
 
-def _groups(spec: UnitSpec, world: int, param_dtype: Optional[torch.dtype],
-            reduce_dtype: Optional[torch.dtype]) -> list[GroupLayout]:
-    """The flat groups `ShardedModule` builds for one unit, with their padded shard sizes."""
-    by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = defaultdict(list)
-    for _, param, _ in spec.params:
-        by_kind[(param.dtype, param.requires_grad)].append(param)
-    groups = []
-    for (dtype, requires_grad), params in by_kind.items():
-        numel = sum(p.numel() for p in params)
-        floating = dtype.is_floating_point
-        gather = param_dtype if floating and param_dtype is not None else dtype
-        reduce = (reduce_dtype or param_dtype or dtype) if floating else dtype
-        groups.append(GroupLayout(numel=numel, shard_numel=-(-max(numel, 1) // world),
-                                  master_bytes=dtype.itemsize, gather_bytes=gather.itemsize,
-                                  reduce_bytes=reduce.itemsize, requires_grad=requires_grad, tensors=len(params)))
-    return groups
+def _groups(spec: UnitSpec, world: int, mp: MixedPrecision) -> list[GroupSizes]:
+    """The flat groups `ShardedModule` builds for one unit."""
+    return [GroupSizes(FlatLayout(tuple(param.numel() for _, param, _ in entries), world), dtype.itemsize,
+                       mp.gather_dtype(dtype).itemsize, mp.grad_reduce_dtype(dtype).itemsize, requires_grad)
+            for (dtype, requires_grad), entries in group_by_kind(spec.params, lambda entry: entry[1]).items()]
 
 
-def _gathered(groups: Sequence[GroupLayout], world: int) -> int:
-    return sum(g.shard_numel * world * g.gather_bytes for g in groups)
+def _gathered(groups: Sequence[GroupSizes]) -> int:
+    return sum(g.gathered for g in groups)
 
 
 def loss_transient_bytes(shape: ActivationShape, element_bytes: int) -> float:
@@ -126,25 +123,24 @@ def predict_memory(model: nn.Module, world: int, *, unit_types: Union[type, Sequ
         raise ValueError(f"world={world!r} is invalid; expected an integer >= 1")
     if prefetch_depth < 0:
         raise ValueError(f"prefetch_depth={prefetch_depth!r} is invalid; expected an integer >= 0")
-    if optimizer not in _STATES_PER_PARAM:
+    if optimizer not in OPTIMIZER_MOMENTS:
         raise ValueError(f"optimizer={optimizer!r} is invalid; expected one of {', '.join(OPTIMIZERS)}")
     root, units = discover_units(model, unit_types)
     buckets = merge_into_buckets(units, None if bucket_mb is None else int(bucket_mb * MIB))
-    root_groups = _groups(root, world, param_dtype, reduce_dtype) if root.params else []
-    unit_groups = [_groups(b, world, param_dtype, reduce_dtype) for b in buckets]
+    mp = MixedPrecision(param_dtype, reduce_dtype)
+    root_groups = _groups(root, world, mp) if root.params else []
+    unit_groups = [_groups(b, world, mp) for b in buckets]
     every = root_groups + [g for groups in unit_groups for g in groups]
     trainable = [g for g in every if g.requires_grad]
 
     weights = sum(g.shard_numel * g.master_bytes for g in every)
     gradients = sum(g.shard_numel * g.master_bytes for g in trainable)
-    states = _STATES_PER_PARAM[optimizer]
-    optimizer_state = sum(states * min(g.shard_numel, g.numel) * g.master_bytes
-                          + (_STEP_COUNTER_BYTES * g.tensors if optimizer == "adamw" else 0) for g in trainable)
-
-    sizes = [_gathered(groups, world) for groups in unit_groups]
-    window = min(prefetch_depth + 1, len(sizes))
-    in_flight = max((sum(sizes[i:i + window]) for i in range(len(sizes) - window + 1)), default=0)
-    gathered = _gathered(root_groups, world) + in_flight
+    moments = OPTIMIZER_MOMENTS[optimizer]
+    optimizer_state = sum(moments * g.layout.held_numel(0) * g.master_bytes
+                          + (_STEP_COUNTER_BYTES * len(g.layout.numels) if optimizer == "adamw" else 0)
+                          for g in trainable)
+    gathered = gathered_in_flight([_gathered(groups) for groups in unit_groups], prefetch_depth,
+                                  _gathered(root_groups))
 
     act = temporaries = None
     if activations is not None:
@@ -161,21 +157,21 @@ def _loss_backward_bytes(shape: ActivationShape) -> float:
     return 2 * _FP32 * shape.seq * shape.batch * shape.vocab
 
 
-def _unit_backward_bytes(buckets: list[UnitSpec], unit_groups: list[list[GroupLayout]],
-                         root_groups: list[GroupLayout], world: int, shape: ActivationShape,
+def _unit_backward_bytes(buckets: list[UnitSpec], unit_groups: list[list[GroupSizes]],
+                         root_groups: list[GroupSizes], world: int, shape: ActivationShape,
                          compute_bytes: int) -> float:
     """Temporaries while the largest unit's gradient is concatenated into its flat buffer."""
     if not unit_groups:
         return 0.0
-    index = max(range(len(unit_groups)), key=lambda i: _gathered(unit_groups[i], world))
+    index = max(range(len(unit_groups)), key=lambda i: _gathered(unit_groups[i]))
     trainable = [g for g in unit_groups[index] if g.requires_grad]
     # This unit's per-parameter gradients and their flat concatenation, in the gather dtype,
     # and in a bucket of several modules the flat gradient of the members done before.
     copies = 3 if len(buckets[index].modules) > 1 else 2
-    this_unit = copies * sum(g.shard_numel * world * g.gather_bytes for g in trainable)
+    this_unit = copies * _gathered(trainable)
     # The previous unit's gradient in flight, in the reduce dtype, with the chunks rank 0
     # receives: gloo's reduction is an all-to-all in which the first rank keeps its own chunk.
     previous = MAX_REDUCES_IN_FLIGHT * sum((2 * world - 1) * g.shard_numel * g.reduce_bytes for g in trainable)
-    root = sum(g.shard_numel * world * g.gather_bytes for g in root_groups if g.requires_grad)
+    root = _gathered([g for g in root_groups if g.requires_grad])
     hidden_grad = shape.batch * shape.seq * shape.hidden * compute_bytes
     return this_unit + previous + root + hidden_grad

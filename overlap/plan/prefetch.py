@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from overlap.plan.cost_model import CommLayout, Prediction, Profile, UnitCost, predict_step, wire_bytes
 from overlap.base.rules import bucket_name, bucket_runs
 from overlap.base.mixed_precision import MixedPrecision
+from overlap.plan.budget import BUDGET_FRACTION  # noqa: F401  (overlap.control.startup_plan imports it from here)
 from overlap.plan.links import LinkModel
+from overlap.plan.memory import gathered_in_flight
 
 if TYPE_CHECKING:
     from overlap.base.units import UnitSpec
@@ -30,8 +32,6 @@ MAX_DEPTH = 4
 DEPTH_TOLERANCE = 0.01
 # Bucketing never leaves fewer buckets than this (when there are that many units).
 MIN_BUCKETS = 4
-# Without a budget: this share of device memory (CUDA) or of available RAM (CPU).
-BUDGET_FRACTION = 0.10
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,19 @@ def choose_depths(profile: Profile, link: "LinkModel | CommLayout", memory_budge
     return best
 
 
+def _gathered_at_most(largest_gather_bytes: int, depth: int) -> float:
+    """Gathered bytes in flight at `depth` when every unit is as large as the largest."""
+    return gathered_in_flight([largest_gather_bytes] * (depth + 1), depth)
+
+
 def depth_within_budget(largest_gather_bytes: int, memory_budget_bytes: Optional[int], wanted: int) -> int:
     """`wanted`, lowered until the computing unit plus the prefetched ones fit the budget."""
     if memory_budget_bytes is None or largest_gather_bytes <= 0:
         return wanted
-    return max(0, min(wanted, memory_budget_bytes // largest_gather_bytes - 1))
+    depth = max(wanted, 0)
+    while depth > 0 and _gathered_at_most(largest_gather_bytes, depth) > memory_budget_bytes:
+        depth -= 1
+    return depth
 
 
 def initial_plan(units: Sequence[UnitCost], link: LinkModel, world_size: int,
@@ -131,7 +139,7 @@ def initial_plan(units: Sequence[UnitCost], link: LinkModel, world_size: int,
     budget = "no budget" if memory_budget_bytes is None else f"{memory_budget_bytes / 2**20:.0f} MB budget"
     reason = (f"{link.describe()}; {len(units)} units in {len(buckets)} buckets, largest gather "
               f"{gather_s * 1e3:.1f} ms → depth {depth}, bucket {bucket / 2**20:.3g} MB, peak gathered "
-              f"{(depth + 1) * largest / 2**20:.1f} MB of {budget} (until compute is measured)")
+              f"{_gathered_at_most(largest, depth) / 2**20:.1f} MB of {budget} (until compute is measured)")
     return Plan(depth, depth, bucket, reason)
 
 

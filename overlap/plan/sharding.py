@@ -3,24 +3,26 @@ on both link levels and the memory each option holds per rank. Arithmetic only: 
 (`overlap.control.auto_sharding`) and `overlap simulate` feed it their own link models.
 
 Per rank, each option holds its share of the model states, `STATE_COPIES` times the master
-parameters (the parameters, their gradient and Adam's two moments), plus the gathered units
-in flight (the replay's peak). Full sharding and hpZ spread the states over every rank, hybrid
-sharding over the ranks of a node only; hpZ also keeps a node copy of every unit between its
-forward and its backward (1/LOCAL_WORLD_SIZE of the gathered model). Among the options that
-fit the memory limit, the fastest predicted step wins; one within `STEP_TOLERANCE` of it that
-holds less memory wins instead (the model cannot tell them apart, and memory is certain).
+parameters (the parameters, their gradient and Adam's two moments; `overlap.plan.memory`),
+plus the gathered units in flight (the replay's peak). Full sharding and hpZ spread the states
+over every rank, hybrid sharding over the ranks of a node only; hpZ also keeps a node copy of
+every unit between its forward and its backward (1/LOCAL_WORLD_SIZE of the gathered model).
+Among the options that fit the memory limit, the fastest predicted step wins; one within
+`STEP_TOLERANCE` of it that holds less memory wins instead (the model cannot tell them apart,
+and memory is certain).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from overlap.base.choices import SHARDINGS
 from overlap.plan.cost_model import CommLayout, GroupLink, Prediction, Profile, UnitCost
+from overlap.plan.memory import state_copies
 from overlap.plan.prefetch import choose_bucket_bytes, choose_depths, merge_costs
 from overlap.plan.links import LinkModel
 
-SHARDINGS = ("full", "hybrid", "hpz")
-STATE_COPIES = 4
+STATE_COPIES = state_copies("adamw")
 STEP_TOLERANCE = 0.05
 
 

@@ -1,9 +1,9 @@
 """One group of a unit's parameters (same dtype, same requires_grad) stored as a flat shard.
 
-Layout: the group's parameters are flattened in a fixed order into one buffer of
-`padded_numel = world_size * shard_numel` elements (zero padding at the end); rank r keeps
-elements [r * shard_numel, (r + 1) * shard_numel) as its master shard, a plain tensor in the
-parameters' own dtype. The user's parameters are 1-D views into that shard (see [Note:
+Layout (`overlap.base.layout`): the group's parameters are flattened in a fixed order into one
+buffer of `padded_numel = world_size * shard_numel` elements (zero padding at the end); rank r
+keeps elements [r * shard_numel, (r + 1) * shard_numel) as its master shard, a plain tensor in
+the parameters' own dtype. The user's parameters are 1-D views into that shard (see [Note:
 original parameters are views of the flat shard]). To compute, the shards are all-gathered
 into `full`, a leaf tensor in the gather dtype whose views stand in for the original
 parameters on their modules. Autograd accumulates the gradients of all those views into
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from overlap.base.layout import FlatLayout
 from overlap.runtime.sharded_tensors import as_sharded_tensor
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.node_copy import NodeCopy
@@ -50,14 +51,6 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     numel: int
-
-    def part_on(self, rank: int, shard_numel: int) -> tuple[int, int]:
-        """The element range [start, end) of the flattened parameter that `rank` keeps
-        (empty, start == end, when the rank's shard misses the parameter)."""
-        shard_start = rank * shard_numel
-        start = min(max(shard_start - self.offset, 0), self.numel)
-        end = max(min(shard_start + shard_numel - self.offset, self.numel), start)
-        return start, end
 
 
 class FlatGroup:
@@ -75,15 +68,13 @@ class FlatGroup:
         self.gather_dtype = gather_dtype
         self.reduce_dtype = reduce_dtype
 
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for name, param, owners in params:
-            self.slots.append(ParamSlot(name, owners, param.shape, offset, param.numel()))
-            offset += param.numel()
-        self.numel = offset
-        self.shard_numel = -(-max(offset, 1) // world)
-        self.padded_numel = self.shard_numel * world
-        self._split_sizes = [s.numel for s in self.slots] + [self.padded_numel - self.numel]
+        self.layout = FlatLayout(tuple(param.numel() for _, param, _ in params), world)
+        self.slots = [ParamSlot(name, owners, param.shape, offset, param.numel())
+                      for (name, param, owners), offset in zip(params, self.layout.offsets)]
+        self.numel = self.layout.numel
+        self.shard_numel = self.layout.shard_numel
+        self.padded_numel = self.layout.padded_numel
+        self._split_sizes = self.layout.split_sizes
 
         on_meta = any(p.is_meta for _, p, _ in params)
         if on_meta:
@@ -105,7 +96,7 @@ class FlatGroup:
                 dist.broadcast(self.shard, src=dist.get_global_rank(replicate, 0), group=replicate)
         # This rank's part of each original parameter, as a view of the shard. See [Note:
         # original parameters are views of the flat shard].
-        self.parts = [slot.part_on(rank, self.shard_numel) for slot in self.slots]
+        self.parts = self.layout.parts_on(rank)
         self.params = [nn.Parameter(self._shard_view(self.shard, slot, part), requires_grad=self.requires_grad)
                        for slot, part in zip(self.slots, self.parts)]
         if on_meta:
@@ -235,7 +226,7 @@ class FlatGroup:
         """`part` (shaped like this rank's part of parameter `index`: the parameter itself, or
         optimizer state of the same shape) as a ShardedTensor of the parameter's full shape."""
         slot = self.slots[index]
-        parts = [slot.part_on(rank, self.shard_numel) for rank in range(self.collectives.world_size)]
+        parts = [self.layout.part_on(index, rank) for rank in range(self.collectives.world_size)]
         return as_sharded_tensor(part, slot.shape, parts, self.collectives.group)
 
     def write_part(self, index: int, value: torch.Tensor) -> None:

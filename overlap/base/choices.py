@@ -1,0 +1,31 @@
+"""The names a user chooses among, one definition each: the settings validate against these,
+the command line offers them, the runtime and the planner look their meaning up here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from overlap.kernels import BACKEND_NAMES
+
+# Flat-buffer kernel backends; defined beside the backends themselves (overlap.kernels).
+KERNEL_CHOICES = BACKEND_NAMES
+
+# Link classes the planner has a latency-bandwidth model for (overlap.plan.links).
+LINK_CLASSES = ("nvlink", "infiniband", "ethernet", "loopback")
+LINK_CHOICES = ("auto", *LINK_CLASSES)
+
+# Shard over every rank; inside each node, replicated across nodes; or over every rank with a
+# node-local copy for backward (ZeRO++ hpZ). "auto": the planner chooses among them.
+SHARDINGS = ("full", "hybrid", "hpz")
+SHARDING_CHOICES = (*SHARDINGS, "auto")
+
+# What crosses the wire quantised (overlap.runtime.compression): mode -> (bits of gathered
+# weights, bits of reduced gradients), None where it is not compressed. Listed cheapest in
+# accuracy first, the order in which `auto` considers them.
+COMPRESSION_BITS: dict[str, tuple[Optional[int], Optional[int]]] = {
+    "none": (None, None),
+    "int8": (8, 8),
+    "int8-int4": (8, 4),
+}
+COMPRESSION_MODES = tuple(COMPRESSION_BITS)
+COMPRESS_CHOICES = (*COMPRESSION_MODES, "auto")
