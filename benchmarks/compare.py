@@ -215,7 +215,7 @@ def run_worker(args: argparse.Namespace) -> None:
             from overlap.control.compression_auto import CompressionChooser
 
             quantized = model.collectives.quantized
-            chooser = [c for c in model.scheduler.step_end_callbacks if isinstance(c, CompressionChooser)]
+            chooser = [c for c in model.step_end.controllers if isinstance(c, CompressionChooser)]
             settings = dict(prefetch_depth=model.overlap_config.prefetch_depth, bucket_mb=model.overlap_config.bucket_mb,
                             units=len(model.scheduler.units),
                             compression="none" if quantized is None else quantized.settings.mode,

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -14,83 +12,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils._pytree import tree_map
 
-from overlap.control.auto_sharding import sharding_at_startup
-from overlap.runtime.collectives import Collectives
-from overlap.runtime.process_group import device_backend
-from overlap.runtime.compression import Compression, QuantizedCollectives
-from overlap.control.compression_auto import chooser_for
-from overlap.base.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env, validate_bucket_mb, validate_compress, validate_prefetch_depth, validate_sharding)
-from overlap.runtime.flat_group import FlatGroup
-from overlap.kernels import BackendUnavailable, get_backend
-from overlap.runtime.materialize import check_same_values, materialize, meta_places
-from overlap.runtime.mesh import sharding_error
+from overlap.base.config import Config
 from overlap.base.mixed_precision import MixedPrecision
-from overlap.control.startup_plan import plan_at_startup
-from overlap.control.replanner import replanner_for
-from overlap.base.profiling import enable_nvtx
-from overlap.observe.report import OverlapMonitor, OverlapReport
-from overlap.runtime.scheduler import Scheduler
-from overlap.control.topology import detect_link
-from overlap.runtime.unit import Unit
-from overlap.base.units import UnitSpec, discover_units, merge_into_buckets
+from overlap.control.settings import StartupRequest
+from overlap.control.startup import start_up
+from overlap.observe.report import OverlapReport
+from overlap.runtime.flat_group import FlatGroup
 
 if TYPE_CHECKING:
-    from overlap.plan.memory import ActivationShape
     from overlap.observe.memory import MemoryReport
-
-logger = logging.getLogger("overlap")
-
-
-def _device_for(group: dist.ProcessGroup) -> torch.device:
-    """Where shards and gathered buffers live: CUDA when the group runs CUDA tensors on NCCL
-    (`init_process_group()` on a GPU machine, "nccl", "cpu:gloo,cuda:nccl"), else the CPU.
-
-    The CUDA device is the one the group is bound to (`init_process_group(device_id=...)`),
-    else the current one, which must be LOCAL_RANK's when the launcher set it: a missing
-    `torch.cuda.set_device(local_rank)` would otherwise put every rank on GPU 0.
-    """
-    if device_backend(group, "cuda") != "nccl" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    bound = group.bound_device_id
-    if bound is not None:
-        return torch.device("cuda", torch.cuda.current_device() if bound.index is None else bound.index)
-    index = torch.cuda.current_device()
-    local_rank = local_rank_from_env()
-    if local_rank is not None and local_rank < torch.cuda.device_count() and local_rank != index:
-        raise ValueError(f"ShardedModule: rank {dist.get_rank()}: the current CUDA device is cuda:{index} but "
-                         f"LOCAL_RANK is {local_rank}; call torch.cuda.set_device({local_rank}) before wrapping, "
-                         "or pass device_id to init_process_group")
-    return torch.device("cuda", index)
-
-
-def _signature(root: UnitSpec, units: list[UnitSpec]) -> list[tuple]:
-    return [(spec.name or "<root>", [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
-                                     for name, p, _ in spec.params]) for spec in [root, *units]]
-
-
-def _agree(group: dist.ProcessGroup, error: Optional[str], signature: list[tuple], config: Config) -> None:
-    """Raise the same error on every rank if any rank failed to configure or sees another model."""
-    world = dist.get_world_size(group)
-    reports: list[Any] = [None] * world
-    dist.all_gather_object(reports, (error, signature, config), group=group)
-    for rank, (rank_error, _, _) in enumerate(reports):
-        if rank_error is not None:
-            raise ValueError(f"ShardedModule: rank {rank}: {rank_error}")
-    _, ref_signature, ref_config = reports[0]
-    for rank, (_, rank_signature, rank_config) in enumerate(reports):
-        if rank_signature != ref_signature:
-            names = [u[0] for u in ref_signature], [u[0] for u in rank_signature]
-            if names[0] != names[1]:
-                detail = f"units {names[1]} vs rank 0's {names[0]}"
-            else:
-                unit = next(a for a, b in zip(ref_signature, rank_signature) if a != b)
-                other = dict(rank_signature)[unit[0]]
-                diff = next((a, b) for a, b in zip(unit[1] + [None], other + [None]) if a != b)
-                detail = f"unit {unit[0]!r}: parameter {diff[1]} vs rank 0's {diff[0]}"
-            raise ValueError(f"ShardedModule: rank {rank} wraps a different model than rank 0: {detail}")
-        if rank_config != ref_config:
-            raise ValueError(f"ShardedModule: rank {rank} has settings {rank_config} but rank 0 has {ref_config}; "
-                             "OVERLAP_* variables and arguments must match on every rank")
+    from overlap.plan.memory import ActivationShape
+    from overlap.plan.sharding import ShardingChoice
+    from overlap.runtime.mesh import ShardingGroups
 
 
 class ShardedModule(nn.Module):
@@ -132,107 +65,44 @@ class ShardedModule(nn.Module):
                  mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None,
                  compression: Optional[str] = None) -> None:
         super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError("ShardedModule needs torch.distributed to be initialised "
-                               "(dist.init_process_group(), launched with torchrun)")
-        all_group = process_group if process_group is not None else dist.group.WORLD
-        device = _device_for(all_group)
-        mp = mixed_precision or MixedPrecision()
-
-        error: Optional[str] = None
-        config = Config()
-        local_world_size: Optional[int] = None
-        try:
-            config = config_from_env().with_overrides(
-                prefetch_depth=None if prefetch_depth is None else validate_prefetch_depth(prefetch_depth),
-                bucket_mb=None if bucket_mb is None else validate_bucket_mb(bucket_mb),
-                sharding=None if sharding is None else validate_sharding(sharding),
-                compress=None if compression is None else validate_compress(compression))
-            local_world_size = local_world_size_from_env()
-            error = sharding_error(process_group, mesh, config.sharding, local_world_size)
-            kernels = get_backend(config.kernels, device)
-        except (ValueError, BackendUnavailable) as exc:
-            error = str(exc)
-        if any(isinstance(m, ShardedModule) for m in module.modules()):
-            error = ("the module already contains a ShardedModule; wrap the model once, at its root, "
-                     "and choose units with unit_types")
-        root_spec, unit_specs = discover_units(module, unit_types)
-        _agree(all_group, error, _signature(root_spec, unit_specs), config)
-        self.sharding, auto = sharding_at_startup(process_group, mesh, config, local_world_size, device, unit_specs, mp)
-        # sharding="auto" on several nodes: the options compared and the one taken.
-        self.sharding_choice = None if auto is None else auto.choice
-        group = self.sharding.shard
-        logger.info("%s", self.sharding.describe())
-
-        enable_nvtx(config.nvtx)
-        self.link = detect_link(group, config.link, local_world_size) if auto is None else auto.link.link
-        startup = plan_at_startup(group, device, self.link, config, unit_specs, mp, auto)
-        self.overlap_config = config.with_overrides(
-            prefetch_depth=startup.plan.forward_depth if config.prefetch_depth is None else None,
-            bucket_mb=startup.plan.bucket_mb if config.bucket_mb is None else None,
-            memory_budget_mb=startup.memory_budget_bytes / 2**20 if config.memory_budget_mb is None else None)
-        if self.sharding.replicate is not None:
-            # Each shard group planned on its own link measurements; replicas must hold the
-            # same layout (their gradient shards are summed element by element), so every
-            # rank takes rank 0's plan.
-            plan = [self.overlap_config]
-            dist.broadcast_object_list(plan, src=dist.get_global_rank(all_group, 0), group=all_group)
-            self.overlap_config = plan[0]
-        logger.info("plan: %s; using depth %d, bucket %.3g MB", startup.plan.reason, self.overlap_config.prefetch_depth,
-                    self.overlap_config.bucket_mb)
-
-        for sub in module.modules():
-            for name, buf in sub._buffers.items():
-                if buf is not None and not buf.is_meta:
-                    sub._buffers[name] = buf.to(device)
-        on_meta = meta_places(module)
-        # State-dict keys in the module's own order, read before parameters leave their modules.
-        keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
-
-        self.collectives = Collectives(group, device, kernels, self.sharding.replicate, all_group)
-        if config.compress != "none":
-            # "auto" starts uncompressed; overlap.plan.compression switches it on if worth it.
-            mode = "none" if config.compress == "auto" else config.compress
-            self.collectives.quantized = QuantizedCollectives(self.collectives, Compression(mode, config.compress_block))
-        self.mixed_precision = mp
+        started = start_up(module, StartupRequest(
+            unit_types=unit_types, process_group=process_group, mixed_precision=mixed_precision,
+            prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, reshard_after_forward=reshard_after_forward,
+            param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression,
+            nested=any(isinstance(m, ShardedModule) for m in module.modules())))
         self.module = module
-        self._slot_of: dict[int, tuple[FlatGroup, int]] = {}
-        buckets = merge_into_buckets(unit_specs, int(self.overlap_config.bucket_mb * 2**20))
-        root = self._build_unit(root_spec, "root", modules=[]) if root_spec.params else None
-        units = [self._build_unit(spec, f"unit{i}", spec.modules) for i, spec in enumerate(buckets)]
-        if on_meta or any(b.is_meta for b in module.buffers()):
-            check_same_values(materialize(module, on_meta, self._slot_of, device, param_init_fn), all_group)
-        budget = None if self.overlap_config.memory_budget_mb is None else int(self.overlap_config.memory_budget_mb * 2**20)
-        self.scheduler = Scheduler(root, units, self.collectives, self.overlap_config.prefetch_depth, budget,
-                                   reshard_after_forward)
-        if config.prefetch_depth is None:
-            # Depth follows measured steps; see overlap.control.replanner.Replanner.
-            self.scheduler.step_end_callbacks.append(
-                replanner_for(self.scheduler, startup, int(self.overlap_config.bucket_mb * 2**20), group, device))
-        if config.compress == "auto":
-            # Every rank, replicas included, must compress alike: the choice is rank 0's.
-            self.scheduler.step_end_callbacks.append(
-                chooser_for(self.collectives.quantized, self.scheduler, startup, all_group))
-        # Per-step timings of compute and communication for `overlap_report()`.
-        self.overlap_monitor = OverlapMonitor()
-        self.scheduler.step_end_callbacks.append(self.overlap_monitor.on_step_end)
+        # Sharding groups, link, plan and settings, the same on every rank; see overlap.control.startup.
+        self.startup = started.decision
+        self.collectives, self.scheduler = started.collectives, started.scheduler
+        # Called in order after every step: the re-planner, the compression chooser, then
+        # `overlap_monitor`, which measures for `overlap_report()`.
+        self.step_end, self.overlap_monitor = started.step_end, started.monitor
+        # key -> (group, slot index) for parameters, None for buffers and extra state.
+        self._state_dict_layout = started.state_dict_layout
         module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         module.register_forward_hook(self._root_post_forward)
-        # key -> (group, slot index) for parameters, None for buffers and extra state.
-        self._state_dict_layout = [(key, self._slot_of.get(ident)) for key, ident in keys]
 
-    def _build_unit(self, spec: UnitSpec, key: str, modules: list[nn.Module]) -> Unit:
-        by_kind: dict[tuple[torch.dtype, bool], list] = defaultdict(list)
-        for entry in spec.params:
-            by_kind[(entry[1].dtype, entry[1].requires_grad)].append(entry)
-        groups = []
-        for (dtype, requires_grad), entries in by_kind.items():
-            group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
-                              self.mixed_precision.grad_reduce_dtype(dtype), self.sharding.node)
-            for index, (_, param, _) in enumerate(entries):
-                self._slot_of[id(param)] = (group, index)
-            groups.append(group)
-        return Unit(spec.name or "<root>", modules, groups)
+    @property
+    def sharding(self) -> "ShardingGroups":
+        return self.startup.sharding
+
+    @property
+    def sharding_choice(self) -> Optional["ShardingChoice"]:
+        """sharding="auto" on several nodes: the options compared and the one taken."""
+        return self.startup.sharding_choice
+
+    @property
+    def link(self) -> str:
+        return self.startup.link
+
+    @property
+    def overlap_config(self) -> Config:
+        """The settings in use: argument > OVERLAP_* > the planner's choice."""
+        return self.startup.config
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self.startup.mixed_precision
 
     # ---- public API -----------------------------------------------------------------------
 

@@ -228,7 +228,7 @@ def _auto(rank: int, world: int) -> tuple[str, str, str]:
     chooser = {}
 
     def read(model: ShardedModule) -> None:
-        (found,) = [c for c in model.scheduler.step_end_callbacks if isinstance(c, CompressionChooser)]
+        (found,) = [c for c in model.step_end.controllers if isinstance(c, CompressionChooser)]
         chooser.update(decided=found.decided, reason=found.reason, mode=model.collectives.quantized.settings.mode)
 
     train(dataclasses.replace(case, wrap={"compression": "auto"}), rank, world, sharded=True, after=read)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from overlap.runtime.collectives import Pending
-from overlap.sharded_module import _device_for
+from overlap.control.settings import device_for
 from overlap.runtime.timing import CollectiveStamps, HostClock
 
 FORMS = {"init_process_group()": "undefined", "nccl": "nccl", "cpu:gloo,cuda:nccl": "cpu:gloo,cuda:nccl",
@@ -41,36 +41,36 @@ UNBOUND = SimpleNamespace(bound_device_id=None)
 @pytest.mark.parametrize("form", ["init_process_group()", "nccl", "cpu:gloo,cuda:nccl"])
 def test_nccl_for_cuda_puts_shards_on_the_current_gpu(monkeypatch, form):
     _gpu_machine(monkeypatch, form)
-    assert _device_for(UNBOUND) == torch.device("cuda", 2)
+    assert device_for(UNBOUND) == torch.device("cuda", 2)
 
 
 def test_gloo_keeps_shards_on_the_cpu(monkeypatch):
     _gpu_machine(monkeypatch, "gloo")
-    assert _device_for(UNBOUND) == torch.device("cpu")
+    assert device_for(UNBOUND) == torch.device("cpu")
 
 
 def test_bound_device_wins(monkeypatch):
     _gpu_machine(monkeypatch, "init_process_group()", current=0, local_rank="5")
-    assert _device_for(SimpleNamespace(bound_device_id=torch.device("cuda", 5))) == torch.device("cuda", 5)
+    assert device_for(SimpleNamespace(bound_device_id=torch.device("cuda", 5))) == torch.device("cuda", 5)
 
 
 def test_current_device_must_be_local_ranks(monkeypatch):
     _gpu_machine(monkeypatch, "nccl", current=0, local_rank="3")
     with pytest.raises(ValueError, match=r"cuda:0 but LOCAL_RANK is 3; call torch.cuda.set_device\(3\)"):
-        _device_for(UNBOUND)
+        device_for(UNBOUND)
     # One GPU visible per process (CUDA_VISIBLE_DEVICES set per rank): cuda:0 is right.
     _gpu_machine(monkeypatch, "nccl", current=0, local_rank="3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert _device_for(UNBOUND) == torch.device("cuda", 0)
+    assert device_for(UNBOUND) == torch.device("cuda", 0)
     _gpu_machine(monkeypatch, "nccl", current=4, local_rank=None)
-    assert _device_for(UNBOUND) == torch.device("cuda", 4)
+    assert device_for(UNBOUND) == torch.device("cuda", 4)
 
 
 def test_cpu_machine_uses_the_cpu(monkeypatch):
     monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cpu"))
     config = str(c10d.BackendConfig(c10d.Backend("undefined")))          # init_process_group() without a GPU
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
-    assert config == "cpu:gloo" and _device_for(UNBOUND) == torch.device("cpu")
+    assert config == "cpu:gloo" and device_for(UNBOUND) == torch.device("cpu")
 
 
 def test_wait_orders_the_collectives_own_device(monkeypatch):

@@ -111,3 +111,38 @@ def test_unit_types_one_class_or_a_type_error() -> None:
     for units, message in run_distributed(_unit_types, 2, timeout=120):
         assert units == ["0", "2"]
         assert "unit_types='Block' is invalid" in message and "expected a module class" in message
+
+
+def _rank0_decides(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    from overlap.control.agreement import decided_by_rank0
+
+    class Unpicklable(Exception):
+        def __init__(self, a: int, b: int) -> None:
+            super().__init__(f"needs {a} and {b}")
+
+    def fail(exc: Exception):
+        def decide():
+            if rank == 0:
+                raise exc
+            raise AssertionError("decide ran on another rank than 0")
+        return decide
+
+    seen = [repr(decided_by_rank0(dist.group.WORLD, lambda: ("rank", rank)))]
+    for exc in (KeyError("no such key"), Unpicklable(1, 2)):
+        try:
+            decided_by_rank0(dist.group.WORLD, fail(exc))
+        except Exception as raised:
+            seen.append(f"{type(raised).__name__}: {raised}")
+    return seen
+
+
+@pytest.mark.timeout(150)
+def test_rank0_decides_and_its_error_is_raised_on_every_rank() -> None:
+    results = run_distributed(_rank0_decides, 2, timeout=120)
+    assert results[0][0] == results[1][0] == "('rank', 0)"
+    assert results[0][1] == results[1][1] == "KeyError: 'no such key'"
+    # An exception that cannot cross to the other ranks arrives there as a RuntimeError naming it.
+    assert results[0][2] == "Unpicklable: needs 1 and 2"
+    assert results[1][2] == "RuntimeError: Unpicklable: needs 1 and 2"

@@ -247,7 +247,7 @@ def _overrides_and_probe(rank: int, world: int, cache: str):
     for _ in range(3):
         fixed(x).sum().backward()
     fixed_state = (fixed.overlap_config.prefetch_depth, fixed.overlap_config.bucket_mb, fixed.scheduler.prefetch_depth,
-                   any(isinstance(c, Replanner) for c in fixed.scheduler.step_end_callbacks))
+                   any(isinstance(c, Replanner) for c in fixed.step_end.controllers))
     argument_wins = ShardedModule(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
                                   prefetch_depth=1).overlap_config.prefetch_depth
     group = dist.group.WORLD
@@ -303,7 +303,7 @@ def _replan(rank: int, world: int, evaluate: bool):
 
     torch.manual_seed(0)
     model = ShardedModule(Net())
-    replanner = next(c for c in model.scheduler.step_end_callbacks if isinstance(c, Replanner))
+    replanner = next(c for c in model.step_end.controllers if isinstance(c, Replanner))
     if not evaluate:
         replanner.every = 3
     x = torch.randn(16, 256)

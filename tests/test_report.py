@@ -179,7 +179,7 @@ def _train_and_report(rank: int, world_size: int, prefetch_depth: int):
                           unit_types=(Block,), bucket_mb=0.001, prefetch_depth=prefetch_depth)
     monitor = OverlapMonitor()
     records = []
-    model.scheduler.step_end_callbacks.append(monitor.on_step_end)
+    model.step_end.controllers.append(monitor)
     model.scheduler.step_end_callbacks.append(lambda s: records.append(s.last_step))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)

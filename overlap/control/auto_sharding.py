@@ -20,10 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from overlap.base.config import Config
 from overlap.plan.cost_model import CommLayout
-from overlap.runtime.mesh import ShardingGroups, groups_on_mesh, resolve_sharding
+from overlap.runtime.mesh import ShardingGroups, groups_on_mesh
 from overlap.base.mixed_precision import MixedPrecision
-from overlap.plan.prefetch import cost_of_spec
-from overlap.control.startup_plan import default_memory_budget
+from overlap.plan.prefetch import cost_of_spec, initial_plan
+from overlap.control.agreement import decided_by_rank0
+from overlap.control.startup_plan import StartupPlan, default_memory_budget
 from overlap.control.probe import probe_link
 from overlap.plan.sharding import Levels, ShardingChoice, choose_sharding, layout_for
 from overlap.plan.links import LINK_DEFAULTS, LinkModel
@@ -58,6 +59,12 @@ class AutoSharding:
         """The link of the chosen option's forward all-gathers, which set its bucket size."""
         return self.layout.gather.link
 
+    def startup_plan(self, unit_specs: Sequence["UnitSpec"], mp: MixedPrecision) -> StartupPlan:
+        """The initial plan on the chosen option's gather link, within the budget rank 0 chose."""
+        costs = [cost_of_spec(spec, mp) for spec in unit_specs]
+        plan = initial_plan(costs, self.link, dist.get_world_size(self.groups.shard), self.gathered_budget)
+        return StartupPlan(plan, self.link, self.gathered_budget, self.layout)
+
 
 def memory_limit(device: torch.device, local_world_size: int) -> int:
     """MEMORY_SHARE of the device's memory, or of the RAM available now shared by a node's ranks."""
@@ -78,31 +85,29 @@ def _levels(mesh: DeviceMesh, device: torch.device, config: Config, local: int) 
     return Levels(dist.get_world_size() // local, local, node, network, world)
 
 
+def wants_auto_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], config: Config,
+                        local_world_size: Optional[int]) -> bool:
+    """Whether the planner chooses the sharding: sharding="auto" over every rank of several
+    nodes. Elsewhere "auto" is full sharding (`overlap.runtime.mesh.resolve_sharding`)."""
+    several_nodes = local_world_size is not None and dist.get_world_size() > local_world_size
+    return config.sharding == "auto" and mesh is None and process_group is None and several_nodes
+
+
 def choose_at_startup(device: torch.device, config: Config, local: int, unit_specs: Sequence["UnitSpec"],
                       mp: MixedPrecision) -> AutoSharding:
     """Probe, choose on rank 0, and build the chosen groups on every rank (collective)."""
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
     levels = _levels(mesh, device, config, local)
-    gathered = int(config.memory_budget_mb * 2**20) if config.memory_budget_mb is not None \
-        else default_memory_budget(device)
     units = [cost_of_spec(spec, mp) for spec in unit_specs]
-    decision = [(choose_sharding(units, levels, gathered, memory_limit(device, local)), gathered)]
-    dist.broadcast_object_list(decision, src=0)
-    choice, gathered = decision[0]
+
+    def decide() -> tuple[ShardingChoice, int]:
+        gathered = int(config.memory_budget_mb * 2**20) if config.memory_budget_mb is not None \
+            else default_memory_budget(device)
+        return choose_sharding(units, levels, gathered, memory_limit(device, local)), gathered
+
+    choice, gathered = decided_by_rank0(dist.group.WORLD, decide)
     groups = groups_on_mesh(choice.pick.sharding, mesh)
     logger.info("%s; compute not measured before the first step: taken as zero, so each step "
                 "predicted is its communication alone", choice.describe())
     return AutoSharding(groups, choice.levels, choice, gathered)
-
-
-def sharding_at_startup(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], config: Config,
-                        local_world_size: Optional[int], device: torch.device, unit_specs: Sequence["UnitSpec"],
-                        mp: MixedPrecision) -> tuple[ShardingGroups, Optional[AutoSharding]]:
-    """The groups `ShardedModule` shards over: the planner's choice for sharding="auto" on
-    several nodes, else as `overlap.runtime.mesh.resolve_sharding` builds them (one node: full)."""
-    several_nodes = local_world_size is not None and dist.get_world_size() > local_world_size
-    if config.sharding == "auto" and mesh is None and process_group is None and several_nodes:
-        auto = choose_at_startup(device, config, local_world_size, unit_specs, mp)
-        return auto.groups, auto
-    return resolve_sharding(process_group, mesh, config.sharding, local_world_size, device.type), None

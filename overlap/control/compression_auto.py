@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,10 +14,12 @@ import torch.distributed as dist
 from overlap.runtime.compression import Compression, QuantizedCollectives
 from overlap.plan.compression import CodecCost, choose_compression
 from overlap.plan.cost_model import Profile
+from overlap.control.agreement import decided_by_rank0
 from overlap.control.startup_plan import StartupPlan
-from overlap.control.replanner import FIRST_DECISION_STEP, base_profile, measure_profile
-from overlap.runtime.scheduler import Scheduler
-from overlap.base.step_record import StepKind
+from overlap.control.replanner import FIRST_DECISION_STEP, measure_profile
+from overlap.control.step_end import PrefetchDepths
+from overlap.observe.report import ClosedStep
+from overlap.runtime.unit import Unit
 
 logger = logging.getLogger("overlap")
 
@@ -50,46 +52,48 @@ def measure_codec(quantized: QuantizedCollectives, gather_itemsize: int, reduce_
 
 @dataclass
 class CompressionChooser:
-    """Step-end callback: from FIRST_DECISION_STEP on, rank 0 proposes a mode once it has a
-    measured training step (None until then); the proposal is broadcast at every step until
-    one is taken, so every rank switches at the same step and then stops asking."""
+    """Step-end controller (`overlap.control.step_end`): from FIRST_DECISION_STEP on, rank 0
+    proposes a mode once it has a measured training step (None until then); the proposal is
+    broadcast at every step until one is taken, so every rank switches at the same step and
+    then stops asking."""
 
     quantized: QuantizedCollectives
     base: Profile
     startup: StartupPlan
     group: dist.ProcessGroup
+    depths: PrefetchDepths
+    # Widest element each side of the wire carries uncompressed: gathered, reduced (bytes).
+    itemsizes: tuple[int, int]
     decided: Optional[str] = None
     reason: str = ""
 
-    def __call__(self, scheduler: Scheduler) -> None:
-        if self.decided is not None or scheduler.step < FIRST_DECISION_STEP:
+    def on_step_end(self, step: ClosedStep) -> None:
+        if self.decided is not None or step.record.step < FIRST_DECISION_STEP:
             return
-        proposal = None
-        record = scheduler.last_step
-        if dist.get_rank(self.group) == 0 and record is not None and record.kind is StepKind.TRAIN:
-            profile = measure_profile(record, self.base)
-            if profile is not None:
-                proposal = self.propose(profile, scheduler)
-        message = [proposal]
-        if dist.get_world_size(self.group) > 1:
-            dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
-        if message[0] is None:
+        choice = decided_by_rank0(self.group, lambda: self.propose(step))
+        if choice is None:
             return
-        self.decided, self.reason = message[0]
+        self.decided, self.reason = choice
         self.quantized.settings = Compression(self.decided, self.quantized.settings.block)
-        logger.info("plan at step %d: %s", scheduler.step, self.reason)
+        logger.info("plan at step %d: %s", step.record.step, self.reason)
 
-    def propose(self, profile: Profile, scheduler: Scheduler) -> tuple[str, str]:
-        units = scheduler.all_units
-        gathered = [g for u in units for g in u.groups]
-        reduced = [g for u in units for g in u.trainable_groups]
-        codec = measure_codec(self.quantized, max((g.gather_dtype.itemsize for g in gathered), default=4),
-                              max((g.reduce_dtype.itemsize for g in reduced), default=4))
-        choice = choose_compression(profile, self.startup.link, codec, scheduler.prefetch_depth,
-                                    scheduler.backward_depth, self.startup.memory_budget_bytes)
+    def propose(self, step: ClosedStep) -> Optional[tuple[str, str]]:
+        """Rank 0's (mode, reason) from a measured training step, or None without one."""
+        profile = measure_profile(step, self.base)
+        if profile is None:
+            return None
+        codec = measure_codec(self.quantized, *self.itemsizes)
+        forward_depth, backward_depth = self.depths.current
+        choice = choose_compression(profile, self.startup.link, codec, forward_depth, backward_depth,
+                                    self.startup.memory_budget_bytes)
         return choice.mode, choice.reason
 
 
-def chooser_for(quantized: QuantizedCollectives, scheduler: Scheduler, startup: StartupPlan,
-                group: dist.ProcessGroup) -> CompressionChooser:
-    return CompressionChooser(quantized, base_profile(scheduler, group), startup, group)
+def chooser_for(quantized: QuantizedCollectives, units: Sequence[Unit], base: Profile, startup: StartupPlan,
+                group: dist.ProcessGroup, depths: PrefetchDepths) -> CompressionChooser:
+    """`units`: every unit, the root included."""
+    gathered = [g for u in units for g in u.groups]
+    reduced = [g for u in units for g in u.trainable_groups]
+    itemsizes = (max((g.gather_dtype.itemsize for g in gathered), default=4),
+                 max((g.reduce_dtype.itemsize for g in reduced), default=4))
+    return CompressionChooser(quantized, base, startup, group, depths, itemsizes)

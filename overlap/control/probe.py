@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from overlap.control.agreement import decided_by_rank0
 from overlap.runtime.process_group import all_gather_flat, device_backend, reduce_scatter_flat
 from overlap.plan.links import LinkModel
 
@@ -151,21 +152,19 @@ def probe_link(group: dist.ProcessGroup, device: torch.device, default: LinkMode
     if dist.get_world_size(group) == 1:
         return default
     key = _cache_key(default.link, group, device, level)
-    src = dist.get_global_rank(group, 0)
-    is_rank0 = dist.get_rank(group) == 0
-    cached = _read_cache(cache_path, key) if is_rank0 else None
-    found = [cached]
-    dist.broadcast_object_list(found, src=src, group=group)
-    if found[0] is not None:
-        alpha, beta = found[0]
+    cached = decided_by_rank0(group, lambda: _read_cache(cache_path, key))
+    if cached is not None:
+        alpha, beta = cached
         return LinkModel(default.link, alpha, beta, "cache")
     start = time.perf_counter()
     samples = _measure(group, device, budget_s)
-    answer = [fit_alpha_beta(samples, default) if is_rank0 else None]
-    dist.broadcast_object_list(answer, src=src, group=group)
-    alpha, beta = answer[0]
-    if is_rank0:
+
+    def fit() -> tuple[float, float]:
+        alpha, beta = fit_alpha_beta(samples, default)
         _write_cache(cache_path, key, alpha, beta)
+        return alpha, beta
+
+    alpha, beta = decided_by_rank0(group, fit)
     logger.debug("probe: %d samples in %.2f s -> α=%.0fµs β=%.3fGB/s", len(samples),
                  time.perf_counter() - start, alpha * 1e6, beta / 1e9)
     return LinkModel(default.link, alpha, beta, "probe")

@@ -5,15 +5,16 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 from overlap.plan.cost_model import CommLayout, Profile, predict_step
 from overlap.plan.prefetch import Plan, choose_depths, explain
+from overlap.control.agreement import decided_by_rank0
 from overlap.control.startup_plan import StartupPlan, cost_of_unit
-from overlap.observe.report import analyse_step
-from overlap.runtime.scheduler import Scheduler
-from overlap.base.step_record import StepKind, StepRecord
+from overlap.control.step_end import PrefetchDepths
+from overlap.observe.report import ClosedStep
+from overlap.runtime.unit import Unit
+from overlap.base.step_record import StepKind
 from overlap.plan.links import LinkModel
 
 logger = logging.getLogger("overlap")
@@ -29,29 +30,27 @@ DRIFT = 0.20
 MIN_GAIN = 0.03
 
 
-def base_profile(scheduler: Scheduler, group: dist.ProcessGroup) -> Profile:
-    """The scheduler's units and root with their sizes and no compute times yet."""
-    return Profile(tuple(cost_of_unit(u) for u in scheduler.units), dist.get_world_size(group),
-                   cost_of_unit(scheduler.root) if scheduler.root is not None else None,
-                   reshard_after_forward=scheduler.reshard_after_forward)
+def base_profile(root: Optional[Unit], units: Sequence[Unit], world_size: int, reshard_after_forward: bool) -> Profile:
+    """The built units and root with their sizes and no compute times yet."""
+    return Profile(tuple(cost_of_unit(u) for u in units), world_size,
+                   cost_of_unit(root) if root is not None else None, reshard_after_forward=reshard_after_forward)
 
 
-def replanner_for(scheduler: Scheduler, startup: StartupPlan, bucket_bytes: int, group: dist.ProcessGroup,
-                  device: torch.device) -> "Replanner":
-    return Replanner(base_profile(scheduler, group), startup.layout or startup.link, bucket_bytes,
-                     startup.memory_budget_bytes, group, device)
+def replanner_for(base: Profile, startup: StartupPlan, bucket_bytes: int, group: dist.ProcessGroup,
+                  depths: PrefetchDepths) -> "Replanner":
+    return Replanner(base, startup.layout or startup.link, bucket_bytes, startup.memory_budget_bytes, group, depths)
 
 
 # ---- measurement and re-planning at run time ---------------------------------------------------
 
-def measure_profile(record: StepRecord, base: Profile) -> Optional[Profile]:
+def measure_profile(step: ClosedStep, base: Profile) -> Optional[Profile]:
     """`base` with the compute times of a training step of one forward and one backward
     (None for other steps, or when a unit did not run): each unit's forward and backward
     compute as the overlap report measures them, and as `other_s` the rest of the step that
     is not a wait (the root's compute and the runtime's own work)."""
-    if record.kind is not StepKind.TRAIN or (record.forwards, record.backwards) != (1, 1):
+    record, stats = step.record, step.stats
+    if stats is None or (record.forwards, record.backwards) != (1, 1):
         return None
-    stats = analyse_step(record)
     measured = {u.unit: u for u in stats.units}
     if any(unit.name not in measured for unit in base.units):
         return None
@@ -93,8 +92,8 @@ class Decision:
 
 @dataclass
 class Replanner:
-    """Step-end callback that sets the scheduler's forward and backward prefetch depths
-    from measured steps.
+    """Step-end controller (`overlap.control.step_end`) that sets the forward and backward
+    prefetch depths from measured steps.
 
     Rank 0 decides; the decision is broadcast at fixed steps (FIRST_DECISION_STEP, then every
     REPLAN_EVERY), so every rank makes the same collective calls at the same points whether
@@ -107,8 +106,7 @@ class Replanner:
     bucket_bytes: int
     memory_budget_bytes: Optional[int]
     group: dist.ProcessGroup
-    device: torch.device
-    shared_depth: bool = False
+    depths: PrefetchDepths
     first_step: int = FIRST_DECISION_STEP
     every: int = REPLAN_EVERY
     history: list[Decision] = field(default_factory=list)
@@ -119,27 +117,24 @@ class Replanner:
     def is_decision_step(self, step: int) -> bool:
         return step == self.first_step or (step > self.first_step and (step - self.first_step) % self.every == 0)
 
-    def __call__(self, scheduler: Scheduler) -> None:
-        record = scheduler.last_step
-        if record is not None and record.kind is StepKind.TRAIN:
+    def on_step_end(self, step: ClosedStep) -> None:
+        if step.record.kind is StepKind.TRAIN:
             self._trained += 1
-            measured = measure_profile(record, self.base) if self._trained > 1 or self.first_step == 1 else None
+            measured = measure_profile(step, self.base) if self._trained > 1 or self.first_step == 1 else None
             if measured is not None:
                 self._measured.append(measured)
-        if not self.is_decision_step(scheduler.step):
+        number = step.record.step
+        if not self.is_decision_step(number):
             return
-        current = (scheduler.prefetch_depth, scheduler.backward_depth)
-        proposal = self.decide(current) if dist.get_rank(self.group) == 0 else None
-        message = [proposal]
-        dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
+        current = self.depths.current
+        proposal = decided_by_rank0(self.group, lambda: self.decide(current))
         self._measured = []
-        if message[0] is None:
+        if proposal is None:
             return
-        forward_depth, backward_depth, reason = message[0]
-        scheduler.prefetch_depth = forward_depth
-        scheduler.backward_prefetch_depth = backward_depth
-        self.history.append(Decision(scheduler.step, forward_depth, backward_depth, reason))
-        logger.info("plan at step %d: %s", scheduler.step, reason)
+        forward_depth, backward_depth, reason = proposal
+        self.depths.set(forward_depth, backward_depth)
+        self.history.append(Decision(number, forward_depth, backward_depth, reason))
+        logger.info("plan at step %d: %s", number, reason)
 
     def decide(self, current: tuple[int, int]) -> Optional[tuple[int, int, str]]:
         """Rank 0's proposal from its measurements, or None to keep the current depths."""
@@ -150,7 +145,7 @@ class Replanner:
         if not first and not drifted(self._planned_on, profile):
             return None
         forward_depth, backward_depth, prediction = choose_depths(
-            profile, self.link, self.memory_budget_bytes, shared=self.shared_depth)
+            profile, self.link, self.memory_budget_bytes, shared=False)
         self._planned_on = profile
         cause = "measured" if first else "drift, re-planned"
         if not first and (forward_depth, backward_depth) != current:

@@ -15,11 +15,11 @@ from overlap.base.config import Config
 from overlap.plan.cost_model import CommLayout, UnitCost
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.plan.prefetch import BUDGET_FRACTION, Plan, cost_of_spec, initial_plan
+from overlap.control.agreement import decided_by_rank0
 from overlap.control.probe import probe_link
 from overlap.plan.links import LINK_DEFAULTS, LinkModel
 
 if TYPE_CHECKING:
-    from overlap.control.auto_sharding import AutoSharding
     from overlap.runtime.unit import Unit
     from overlap.base.units import UnitSpec
 
@@ -48,23 +48,16 @@ class StartupPlan:
 
 
 def plan_at_startup(group: dist.ProcessGroup, device: torch.device, link: str, config: Config,
-                    unit_specs: Sequence["UnitSpec"], mp: MixedPrecision,
-                    auto: Optional["AutoSharding"] = None) -> StartupPlan:
-    """Link model (probed unless OVERLAP_PROBE=0 or both knobs are fixed, or already probed
-    by `auto`), memory budget (rank 0's, so that every rank plans alike) and the initial plan."""
-    if auto is not None:
-        costs = [cost_of_spec(spec, mp) for spec in unit_specs]
-        budget = auto.gathered_budget
-        plan = initial_plan(costs, auto.link, dist.get_world_size(group), budget)
-        return StartupPlan(plan, auto.link, budget, auto.layout)
+                    unit_specs: Sequence["UnitSpec"], mp: MixedPrecision) -> StartupPlan:
+    """Link model (probed unless OVERLAP_PROBE=0 or both knobs are fixed), memory budget
+    (rank 0's, so that every rank plans alike) and the initial plan. sharding="auto" plans
+    with what it probed instead (`overlap.control.auto_sharding.AutoSharding.startup_plan`)."""
     model = LINK_DEFAULTS[link]
     if config.probe and (config.prefetch_depth is None or config.bucket_mb is None):
         model = probe_link(group, device, model, config.probe_cache)
     if config.memory_budget_mb is not None:
         budget = int(config.memory_budget_mb * 2**20)
     else:
-        shared = [default_memory_budget(device)]
-        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
-        budget = shared[0]
+        budget = decided_by_rank0(group, lambda: default_memory_budget(device))
     costs = [cost_of_spec(spec, mp) for spec in unit_specs]
     return StartupPlan(initial_plan(costs, model, dist.get_world_size(group), budget), model, budget)

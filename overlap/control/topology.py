@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from overlap.control.agreement import decided_by_rank0
+
 INFINIBAND_SYSFS = "/sys/class/infiniband"
 
 
@@ -48,9 +50,8 @@ def level_links(forced: str, group: dist.ProcessGroup) -> tuple[str, str]:
         return levels
     hosts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, os.uname().nodename, group=group)
-    decision = [(_local_link(), _local_link() if len(set(hosts)) == 1 else _network_link())]
-    dist.broadcast_object_list(decision, src=dist.get_global_rank(group, 0), group=group)
-    return decision[0]
+    one_host = len(set(hosts)) == 1
+    return decided_by_rank0(group, lambda: (_local_link(), _local_link() if one_host else _network_link()))
 
 
 def detect_link(group: dist.ProcessGroup, forced: str = "auto", local_world_size: Optional[int] = None) -> str:

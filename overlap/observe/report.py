@@ -52,16 +52,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from overlap.base.intervals import Interval, length, overlap, subtract, union
 from overlap.base.step_record import Mark, StepKind, StepRecord, UnitEvent
 
 # Gradient reductions: the reduce-scatter, and with hybrid sharding the all-reduce across replicas.
 REDUCTION_KINDS = ("reduce_scatter", "all_reduce")
-
-if TYPE_CHECKING:
-    from overlap.runtime.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -263,6 +260,19 @@ def analyse_step(record: StepRecord) -> StepStats:
     )
 
 
+@dataclass(frozen=True)
+class ClosedStep:
+    """What every step-end controller and observer is handed when a step ends: its record, and
+    for a training step its statistics, analysed once for all of them."""
+
+    record: StepRecord
+    stats: Optional[StepStats]          # None when the step is not a training step
+
+    @classmethod
+    def of(cls, record: StepRecord) -> "ClosedStep":
+        return cls(record, analyse_step(record) if record.kind is StepKind.TRAIN else None)
+
+
 def _mean(items: Sequence, **fixed):
     """Field-by-field mean of numeric dataclass fields (the others taken from `fixed`)."""
     kind = type(items[0])
@@ -356,8 +366,8 @@ class OverlapReport:
 
 
 class OverlapMonitor:
-    """Collects an overlap report from a scheduler: add `on_step_end` to
-    `scheduler.step_end_callbacks`. Training steps only (see [Note: what a step is]); the
+    """Collects an overlap report from the closed steps it is handed (a step-end observer,
+    see `overlap.control.step_end`). Training steps only (see [Note: what a step is]); the
     last `history` of them are kept."""
 
     def __init__(self, history: int = 1000, warmup_steps: int = 1) -> None:
@@ -366,12 +376,11 @@ class OverlapMonitor:
         self.warmup_steps = warmup_steps
         self.last: Optional[StepStats] = None
 
-    def on_step_end(self, scheduler: "Scheduler") -> None:
-        record = scheduler.last_step
-        if record is None or record.kind is not StepKind.TRAIN:
+    def on_step_end(self, step: ClosedStep) -> None:
+        if step.stats is None:
             return
         self._seen += 1
-        self.last = analyse_step(record)
+        self.last = step.stats
         self._steps.append(self.last)
 
     def report(self) -> OverlapReport:

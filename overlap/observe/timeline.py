@@ -13,17 +13,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from overlap.observe.report import Segment, analyse_step, segments
-from overlap.base.step_record import Collective, StepKind, StepRecord
-
-if TYPE_CHECKING:
-    from overlap.runtime.scheduler import Scheduler
+from overlap.observe.report import ClosedStep, Segment, segments
+from overlap.base.step_record import Collective
 
 logger = logging.getLogger("overlap")
 
@@ -41,9 +38,10 @@ class CapturedStep:
     summary: str
 
 
-def capture(rank: int, record: StepRecord) -> CapturedStep:
+def capture(rank: int, step: ClosedStep) -> CapturedStep:
+    """A training step's segments and collectives in seconds from its start, with its summary."""
+    record, stats = step.record, step.stats
     shifted = record.shifted(record.bounds()[0])
-    stats = analyse_step(shifted)
     summary = (f"compute {stats.compute_s * 1e3:.0f} ms, communication {stats.comm_s * 1e3:.0f} ms, "
                f"{100 * stats.hidden_fraction:.0f}% hidden")
     return CapturedStep(rank, segments(shifted), shifted.collectives, summary)
@@ -133,11 +131,10 @@ class TraceRecorder:
         )
         self._profiler.start()
 
-    def on_step_end(self, scheduler: "Scheduler") -> None:
-        """A scheduler step-end callback: keeps the captured training step's record."""
-        record = scheduler.last_step
-        if self.iteration == self.capture_step and record is not None and record.kind is StepKind.TRAIN:
-            self.captured = capture(self.rank, record)
+    def on_step_end(self, step: ClosedStep) -> None:
+        """A step-end observer (see `overlap.control.step_end`): keeps the captured training step."""
+        if self.iteration == self.capture_step and step.stats is not None:
+            self.captured = capture(self.rank, step)
 
     def step(self) -> None:
         self._profiler.step()

@@ -331,7 +331,7 @@ def run_rank(args: argparse.Namespace) -> int:
         tracer = None
         if args.trace is not None:
             tracer = TraceRecorder(args.trace, capture_step=min(2, args.steps - first_step - 1), device=device)
-            model.scheduler.step_end_callbacks.append(tracer.on_step_end)
+            model.step_end.controllers.append(tracer)
         saver = _Saver(args, model, optimizer, name) if args.checkpoint_dir is not None else None
 
         bar = tqdm(range(first_step, args.steps), initial=first_step, total=args.steps, disable=rank != 0,

@@ -1,0 +1,97 @@
+"""What each rank resolves on its own at start-up, before any collective: the device the shards
+live on, the settings (argument > OVERLAP_* variable > planner), the kernel backend, and
+what is wrong with any of them, kept as text so that every rank can report it
+(`overlap.control.agreement.check_ranks_agree`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from overlap.base.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
+                                 validate_bucket_mb, validate_compress, validate_prefetch_depth, validate_sharding)
+from overlap.base.mixed_precision import MixedPrecision
+from overlap.kernels import BackendUnavailable, KernelBackend, get_backend
+from overlap.runtime.mesh import sharding_error
+from overlap.runtime.process_group import device_backend
+
+
+@dataclass(frozen=True)
+class StartupRequest:
+    """`ShardedModule`'s arguments as the user gave them (see its docstring)."""
+
+    unit_types: Optional[Sequence[type]] = None
+    process_group: Optional[dist.ProcessGroup] = None
+    mixed_precision: Optional[MixedPrecision] = None
+    prefetch_depth: Optional[int] = None
+    bucket_mb: Optional[float] = None
+    reshard_after_forward: bool = True
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None
+    mesh: Optional[DeviceMesh] = None
+    sharding: Optional[str] = None
+    compression: Optional[str] = None
+    nested: bool = False                 # the module already contains a ShardedModule
+
+    @property
+    def all_group(self) -> dist.ProcessGroup:
+        """Every rank taking part: the process group, or the world."""
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """One rank's view before the ranks agree; `error` is None when nothing is wrong."""
+
+    device: torch.device
+    config: Config
+    local_world_size: Optional[int]
+    kernels: Optional[KernelBackend]
+    error: Optional[str]
+
+
+def device_for(group: dist.ProcessGroup) -> torch.device:
+    """Where shards and gathered buffers live: CUDA when the group runs CUDA tensors on NCCL
+    (`init_process_group()` on a GPU machine, "nccl", "cpu:gloo,cuda:nccl"), else the CPU.
+
+    The CUDA device is the one the group is bound to (`init_process_group(device_id=...)`),
+    else the current one, which must be LOCAL_RANK's when the launcher set it: a missing
+    `torch.cuda.set_device(local_rank)` would otherwise put every rank on GPU 0.
+    """
+    if device_backend(group, "cuda") != "nccl" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    bound = group.bound_device_id
+    if bound is not None:
+        return torch.device("cuda", torch.cuda.current_device() if bound.index is None else bound.index)
+    index = torch.cuda.current_device()
+    local_rank = local_rank_from_env()
+    if local_rank is not None and local_rank < torch.cuda.device_count() and local_rank != index:
+        raise ValueError(f"ShardedModule: rank {dist.get_rank()}: the current CUDA device is cuda:{index} but "
+                         f"LOCAL_RANK is {local_rank}; call torch.cuda.set_device({local_rank}) before wrapping, "
+                         "or pass device_id to init_process_group")
+    return torch.device("cuda", index)
+
+
+def resolve_settings(request: StartupRequest) -> RankSettings:
+    """This rank's device, settings and kernels; a bad value becomes `error`, not an exception."""
+    device = device_for(request.all_group)
+    config, local_world_size, kernels, error = Config(), None, None, None
+    try:
+        config = config_from_env().with_overrides(
+            prefetch_depth=None if request.prefetch_depth is None else validate_prefetch_depth(request.prefetch_depth),
+            bucket_mb=None if request.bucket_mb is None else validate_bucket_mb(request.bucket_mb),
+            sharding=None if request.sharding is None else validate_sharding(request.sharding),
+            compress=None if request.compression is None else validate_compress(request.compression))
+        local_world_size = local_world_size_from_env()
+        error = sharding_error(request.process_group, request.mesh, config.sharding, local_world_size)
+        kernels = get_backend(config.kernels, device)
+    except (ValueError, BackendUnavailable) as exc:
+        error = str(exc)
+    if request.nested:
+        error = ("the module already contains a ShardedModule; wrap the model once, at its root, "
+                 "and choose units with unit_types")
+    return RankSettings(device, config, local_world_size, kernels, error)

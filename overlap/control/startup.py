@@ -1,0 +1,140 @@
+"""`ShardedModule`'s start-up, in order:
+
+1. resolve: each rank reads its settings (argument > OVERLAP_* > planner), device and kernels;
+2. agree: every rank checks it wraps rank 0's model with rank 0's settings, and any rank's
+   error is raised on every rank, before anything else communicates;
+3. decide: choose the sharding (the planner's, for sharding="auto" on several nodes), detect
+   and probe the link, plan the prefetch depth, bucket size and memory budget, frozen in one
+   `StartupDecision`;
+4. build: the units over flat shards, the collectives and the scheduler;
+5. attach: the step-end controllers (depth re-planner, automatic compression) and the overlap
+   report, behind one step-end callback (`overlap.control.step_end`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from overlap.base.mixed_precision import MixedPrecision
+from overlap.base.profiling import enable_nvtx
+from overlap.base.units import UnitSpec, discover_units
+from overlap.control.agreement import check_ranks_agree, decided_by_rank0, model_signature
+from overlap.control.auto_sharding import AutoSharding, choose_at_startup, wants_auto_sharding
+from overlap.control.compression_auto import chooser_for
+from overlap.control.decision import StartupDecision
+from overlap.control.replanner import base_profile, replanner_for
+from overlap.control.settings import RankSettings, StartupRequest, resolve_settings
+from overlap.control.startup_plan import plan_at_startup
+from overlap.control.step_end import PrefetchDepths, StepEndController, StepEndControllers
+from overlap.control.topology import detect_link
+from overlap.control.unit_builder import BuiltUnits, StateDictLayout, build_units
+from overlap.observe.report import OverlapMonitor
+from overlap.runtime.collectives import Collectives
+from overlap.runtime.compression import Compression, QuantizedCollectives
+from overlap.runtime.mesh import ShardingGroups, resolve_sharding
+from overlap.runtime.scheduler import Scheduler
+
+logger = logging.getLogger("overlap")
+
+
+@dataclass(frozen=True)
+class Started:
+    """What start-up made: its decision and the runtime built on it."""
+
+    decision: StartupDecision
+    collectives: Collectives
+    scheduler: Scheduler
+    step_end: StepEndControllers            # the controllers and observers, in the order called
+    monitor: OverlapMonitor                 # the overlap report's measurements
+    state_dict_layout: StateDictLayout
+
+
+def start_up(module: nn.Module, request: StartupRequest) -> Started:
+    """Shard `module` as `request` asks (collective: every rank of the group calls it)."""
+    if not dist.is_initialized():
+        raise RuntimeError("ShardedModule needs torch.distributed to be initialised "
+                           "(dist.init_process_group(), launched with torchrun)")
+    settings = resolve_settings(request)
+    root_spec, unit_specs = discover_units(module, request.unit_types)
+    check_ranks_agree(request.all_group, settings.error, model_signature(root_spec, unit_specs), settings.config)
+    decision = decide(request, settings, unit_specs)
+    collectives = _collectives(decision)
+    built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn)
+    scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
+                          decision.memory_budget_bytes, request.reshard_after_forward)
+    # Per-step timings of compute and communication for `overlap_report()`.
+    monitor = OverlapMonitor()
+    controllers = _controllers(decision, built, collectives, PrefetchDepths(scheduler), request.reshard_after_forward)
+    step_end = StepEndControllers([*controllers, monitor])
+    scheduler.step_end_callbacks.append(step_end)
+    return Started(decision, collectives, scheduler, step_end, monitor, built.state_dict_layout)
+
+
+def decide(request: StartupRequest, settings: RankSettings, unit_specs: list[UnitSpec]) -> StartupDecision:
+    """Sharding, link and plan, once the ranks agree on `settings` (collective)."""
+    config, device, mp = settings.config, settings.device, request.mixed_precision or MixedPrecision()
+    sharding, auto = _sharding(request, settings, unit_specs, mp)
+    logger.info("%s", sharding.describe())
+    enable_nvtx(config.nvtx)
+    if auto is not None:
+        link, startup = auto.link.link, auto.startup_plan(unit_specs, mp)
+    else:
+        link = detect_link(sharding.shard, config.link, settings.local_world_size)
+        startup = plan_at_startup(sharding.shard, device, link, config, unit_specs, mp)
+    planned = config.with_overrides(
+        prefetch_depth=startup.plan.forward_depth if config.prefetch_depth is None else None,
+        bucket_mb=startup.plan.bucket_mb if config.bucket_mb is None else None,
+        memory_budget_mb=startup.memory_budget_bytes / 2**20 if config.memory_budget_mb is None else None)
+    if sharding.replicate is not None:
+        # Each shard group planned on its own link measurements; replicas must hold the
+        # same layout (their gradient shards are summed element by element), so every
+        # rank takes rank 0's plan.
+        planned = decided_by_rank0(request.all_group, lambda: planned)
+    logger.info("plan: %s; using depth %d, bucket %.3g MB", startup.plan.reason, planned.prefetch_depth,
+                planned.bucket_mb)
+    return StartupDecision(request.all_group, device, settings.kernels, mp, sharding,
+                           None if auto is None else auto.choice, link, startup, planned,
+                           replan_depth=config.prefetch_depth is None)
+
+
+def _sharding(request: StartupRequest, settings: RankSettings, unit_specs: list[UnitSpec],
+              mp: MixedPrecision) -> tuple[ShardingGroups, Optional[AutoSharding]]:
+    """The groups to shard over: the planner's choice for sharding="auto" on several nodes
+    (with what it probed), else as `overlap.runtime.mesh.resolve_sharding` builds them."""
+    config, local = settings.config, settings.local_world_size
+    if wants_auto_sharding(request.process_group, request.mesh, config, local):
+        auto = choose_at_startup(settings.device, config, local, unit_specs, mp)
+        return auto.groups, auto
+    return resolve_sharding(request.process_group, request.mesh, config.sharding, local, settings.device.type), None
+
+
+def _collectives(decision: StartupDecision) -> Collectives:
+    sharding, config = decision.sharding, decision.config
+    collectives = Collectives(sharding.shard, decision.device, decision.kernels, sharding.replicate,
+                              decision.all_group)
+    if config.compress != "none":
+        # "auto" starts uncompressed; overlap.plan.compression switches it on if worth it.
+        mode = "none" if config.compress == "auto" else config.compress
+        collectives.quantized = QuantizedCollectives(collectives, Compression(mode, config.compress_block))
+    return collectives
+
+
+def _controllers(decision: StartupDecision, built: BuiltUnits, collectives: Collectives, depths: PrefetchDepths,
+                 reshard_after_forward: bool) -> list[StepEndController]:
+    controllers: list[StepEndController] = []
+    if decision.replan_depth:
+        # Depth follows measured steps; see overlap.control.replanner.Replanner.
+        group = decision.sharding.shard
+        base = base_profile(built.root, built.units, dist.get_world_size(group), reshard_after_forward)
+        controllers.append(replanner_for(base, decision.startup_plan, decision.bucket_bytes, group, depths))
+    if decision.config.compress == "auto":
+        # Every rank, replicas included, must compress alike: the choice is rank 0's.
+        group = decision.all_group
+        base = base_profile(built.root, built.units, dist.get_world_size(group), reshard_after_forward)
+        controllers.append(chooser_for(collectives.quantized, built.all_units, base, decision.startup_plan, group,
+                                       depths))
+    return controllers

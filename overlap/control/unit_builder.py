@@ -1,0 +1,76 @@
+"""The runtime's units built from the discovered ones: consecutive units merged into buckets,
+each unit's parameters packed into one flat group per (dtype, trainable), parameters built on
+the meta device given values in place, and the state-dict layout (which key is which flat
+group's slot) recorded before parameters leave their modules.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from overlap.base.units import UnitSpec, merge_into_buckets
+from overlap.control.decision import StartupDecision
+from overlap.runtime.collectives import Collectives
+from overlap.runtime.flat_group import FlatGroup
+from overlap.runtime.materialize import check_same_values, materialize, meta_places
+from overlap.runtime.unit import Unit
+
+# State-dict key -> (flat group, slot index) for a parameter, None for buffers and extra state.
+StateDictLayout = list[tuple[str, Optional[tuple[FlatGroup, int]]]]
+
+
+@dataclass(frozen=True)
+class BuiltUnits:
+    root: Optional[Unit]            # parameters outside every unit; None when there are none
+    units: list[Unit]
+    state_dict_layout: StateDictLayout
+
+    @property
+    def all_units(self) -> list[Unit]:
+        return ([self.root] if self.root is not None else []) + self.units
+
+
+class _FlatGroups:
+    """Packs units' parameters into flat groups, remembering each parameter's slot."""
+
+    def __init__(self, collectives: Collectives, decision: StartupDecision) -> None:
+        self.collectives = collectives
+        self.mixed_precision = decision.mixed_precision
+        self.node = decision.sharding.node
+        self.slot_of: dict[int, tuple[FlatGroup, int]] = {}
+
+    def unit(self, spec: UnitSpec, modules: list[nn.Module]) -> Unit:
+        by_kind: dict[tuple[torch.dtype, bool], list] = defaultdict(list)
+        for entry in spec.params:
+            by_kind[(entry[1].dtype, entry[1].requires_grad)].append(entry)
+        groups = []
+        for (dtype, requires_grad), entries in by_kind.items():
+            group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
+                              self.mixed_precision.grad_reduce_dtype(dtype), self.node)
+            for index, (_, param, _) in enumerate(entries):
+                self.slot_of[id(param)] = (group, index)
+            groups.append(group)
+        return Unit(spec.name or "<root>", modules, groups)
+
+
+def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpec], collectives: Collectives,
+                decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]]) -> BuiltUnits:
+    """Units over `module`'s parameters, which become views of this rank's flat shards."""
+    device = decision.device
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta:
+                sub._buffers[name] = buf.to(device)
+    on_meta = meta_places(module)
+    # State-dict keys in the module's own order, read before parameters leave their modules.
+    keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
+    flat = _FlatGroups(collectives, decision)
+    root = flat.unit(root_spec, modules=[]) if root_spec.params else None
+    units = [flat.unit(spec, spec.modules) for spec in merge_into_buckets(unit_specs, decision.bucket_bytes)]
+    if on_meta or any(b.is_meta for b in module.buffers()):
+        check_same_values(materialize(module, on_meta, flat.slot_of, device, param_init_fn), decision.all_group)
+    return BuiltUnits(root, units, [(key, flat.slot_of.get(ident)) for key, ident in keys])
