@@ -10,7 +10,6 @@ the sharding is not.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -19,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from overlap.base.config import Config
+from overlap.base.device_memory import device_memory_bytes
+from overlap.plan import budget as budget_rule
 from overlap.plan.cost_model import CommLayout
 from overlap.runtime.mesh import ShardingGroups, groups_on_mesh
 from overlap.base.mixed_precision import MixedPrecision
@@ -38,9 +39,6 @@ logger = logging.getLogger("overlap")
 # Three groups are probed (a node's ranks, one rank per node, all ranks): each gets this
 # budget, so that the three together cost about what one probe at the full budget does.
 LEVEL_PROBE_BUDGET_S = 0.3
-# Share of a rank's memory the model states, gathered units and node copies may take; the
-# rest is left to activations and the allocator.
-MEMORY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -67,10 +65,8 @@ class AutoSharding:
 
 
 def memory_limit(device: torch.device, local_world_size: int) -> int:
-    """MEMORY_SHARE of the device's memory, or of the RAM available now shared by a node's ranks."""
-    if device.type == "cuda":
-        return int(MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory)
-    return int(MEMORY_SHARE * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / local_world_size)
+    """`overlap.plan.budget`'s memory limit for a rank sharing its host with a node's ranks."""
+    return budget_rule.memory_limit(device_memory_bytes(device, local_world_size))
 
 
 def _levels(mesh: DeviceMesh, device: torch.device, config: Config, local: int) -> Levels:

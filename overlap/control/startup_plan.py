@@ -4,7 +4,6 @@ the memory budget every rank shares (rank 0's), and the initial prefetch depth a
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -14,7 +13,9 @@ import torch.distributed as dist
 from overlap.base.config import Config
 from overlap.plan.cost_model import CommLayout, UnitCost
 from overlap.base.mixed_precision import MixedPrecision
-from overlap.plan.prefetch import BUDGET_FRACTION, Plan, cost_of_spec, initial_plan
+from overlap.base.device_memory import device_memory_bytes
+from overlap.plan.budget import gathered_budget
+from overlap.plan.prefetch import Plan, cost_of_spec, initial_plan
 from overlap.control.agreement import decided_by_rank0
 from overlap.control.probe import probe_link
 from overlap.plan.links import LINK_DEFAULTS, LinkModel
@@ -25,10 +26,8 @@ if TYPE_CHECKING:
 
 
 def default_memory_budget(device: torch.device) -> int:
-    """BUDGET_FRACTION of the device's memory (CUDA) or of the RAM available now (CPU)."""
-    if device.type == "cuda":
-        return int(BUDGET_FRACTION * torch.cuda.get_device_properties(device).total_memory)
-    return int(BUDGET_FRACTION * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    """The gathered-parameter budget of `overlap.plan.budget` for this rank's memory."""
+    return gathered_budget(device_memory_bytes(device))
 
 
 def cost_of_unit(unit: "Unit") -> UnitCost:

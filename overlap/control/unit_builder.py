@@ -5,14 +5,13 @@ group's slot) recorded before parameters leave their modules.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 from torch import nn
 
 from overlap.base.units import UnitSpec, merge_into_buckets
+from overlap.base.layout import group_by_kind
 from overlap.control.decision import StartupDecision
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.flat_group import FlatGroup
@@ -44,11 +43,8 @@ class _FlatGroups:
         self.slot_of: dict[int, tuple[FlatGroup, int]] = {}
 
     def unit(self, spec: UnitSpec, modules: list[nn.Module]) -> Unit:
-        by_kind: dict[tuple[torch.dtype, bool], list] = defaultdict(list)
-        for entry in spec.params:
-            by_kind[(entry[1].dtype, entry[1].requires_grad)].append(entry)
         groups = []
-        for (dtype, requires_grad), entries in by_kind.items():
+        for (dtype, _), entries in group_by_kind(spec.params, lambda entry: entry[1]).items():
             group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
                               self.mixed_precision.grad_reduce_dtype(dtype), self.node)
             for index, (_, param, _) in enumerate(entries):

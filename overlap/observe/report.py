@@ -141,7 +141,7 @@ def segments(record: StepRecord) -> list[Segment]:
 
 def peak_gathered_bytes(record: StepRecord) -> int:
     """Replay gathers and frees: the most gathered bytes held at once in the step."""
-    unit_bytes, root = record.unit_bytes, record.root
+    unit_bytes = record.unit_bytes
     held: set[str] = set()
     peak = current = 0
     for event in record.events:

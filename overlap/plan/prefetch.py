@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from overlap.plan.cost_model import CommLayout, Prediction, Profile, UnitCost, predict_step, wire_bytes
 from overlap.base.rules import bucket_name, bucket_runs
 from overlap.base.mixed_precision import MixedPrecision
-from overlap.plan.budget import BUDGET_FRACTION  # noqa: F401  (overlap.control.startup_plan imports it from here)
 from overlap.plan.links import LinkModel
 from overlap.plan.memory import gathered_in_flight
 

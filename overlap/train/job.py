@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from overlap.base.choices import COMPRESS_CHOICES
+
 DEFAULT_TEXT = "coriolanus.txt"
 VOCAB_SIZE = 256          # byte-level tokens: any text works, nothing to download
 VAL_FRACTION = 0.1
@@ -90,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     runtime.add_argument("--eager-init", action="store_true",
                          help="build the whole model on every rank before sharding it (default: build on the "
                               "meta device and materialise only each rank's parts; same values)")
-    runtime.add_argument("--compress", choices=("none", "int8", "int8-int4", "auto"), default=None,
+    runtime.add_argument("--compress", choices=COMPRESS_CHOICES, default=None,
                          help="quantise weights / gradients on the wire (default: OVERLAP_COMPRESS, else none)")
     runtime.add_argument("--prefetch-depth", type=_non_negative_int, default=None,
                          help="units gathered ahead (default: the planner's choice)")
