@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 from overlap.control.auto_sharding import sharding_at_startup
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.process_group import device_backend
-from overlap.runtime.compression import Compression, QuantizedCollectives
+from overlap.runtime.compression import Compression, QuantizedCodec
 from overlap.control.compression_auto import chooser_for
 from overlap.base.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env, validate_bucket_mb, validate_compress, validate_prefetch_depth, validate_sharding)
 from overlap.runtime.flat_group import FlatGroup
@@ -189,11 +189,12 @@ class ShardedModule(nn.Module):
         # State-dict keys in the module's own order, read before parameters leave their modules.
         keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
 
-        self.collectives = Collectives(group, device, kernels, self.sharding.replicate, all_group)
+        codec = None
         if config.compress != "none":
             # "auto" starts uncompressed; overlap.plan.compression switches it on if worth it.
             mode = "none" if config.compress == "auto" else config.compress
-            self.collectives.quantized = QuantizedCollectives(self.collectives, Compression(mode, config.compress_block))
+            codec = QuantizedCodec(Compression(mode, config.compress_block), kernels)
+        self.collectives = Collectives(group, device, kernels, self.sharding.replicate, all_group, codec=codec)
         self.mixed_precision = mp
         self.module = module
         self._slot_of: dict[int, tuple[FlatGroup, int]] = {}
@@ -212,7 +213,7 @@ class ShardedModule(nn.Module):
         if config.compress == "auto":
             # Every rank, replicas included, must compress alike: the choice is rank 0's.
             self.scheduler.step_end_callbacks.append(
-                chooser_for(self.collectives.quantized, self.scheduler, startup, all_group))
+                chooser_for(codec, self.scheduler, startup, all_group))
         # Per-step timings of compute and communication for `overlap_report()`.
         self.overlap_monitor = OverlapMonitor()
         self.scheduler.step_end_callbacks.append(self.overlap_monitor.on_step_end)

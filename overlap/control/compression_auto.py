@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from overlap.runtime.compression import Compression, QuantizedCollectives
+from overlap.runtime.compression import QuantizedCodec
 from overlap.plan.compression import CodecCost, choose_compression
 from overlap.plan.cost_model import Profile
 from overlap.control.startup_plan import StartupPlan
@@ -25,9 +25,10 @@ logger = logging.getLogger("overlap")
 CODEC_PROBE_NUMEL = 1 << 20
 
 
-def measure_codec(quantized: QuantizedCollectives, gather_itemsize: int, reduce_itemsize: int) -> CodecCost:
-    """Seconds per element of int8 quantise and dequantise-accumulate with this rank's kernels."""
-    kernels, device, block = quantized.collectives.kernels, quantized.collectives.device, quantized.settings.block
+def measure_codec(codec: QuantizedCodec, device: torch.device, gather_itemsize: int, reduce_itemsize: int
+                  ) -> CodecCost:
+    """Seconds per element of int8 quantise and dequantise-accumulate with the codec's kernels."""
+    kernels, block = codec.kernels, codec.settings.block
     src = torch.randn(CODEC_PROBE_NUMEL, device=device)
     values = torch.empty(CODEC_PROBE_NUMEL, dtype=torch.int8, device=device)
     scales = torch.empty(-(-CODEC_PROBE_NUMEL // block), dtype=torch.float32, device=device)
@@ -54,7 +55,7 @@ class CompressionChooser:
     measured training step (None until then); the proposal is broadcast at every step until
     one is taken, so every rank switches at the same step and then stops asking."""
 
-    quantized: QuantizedCollectives
+    codec: QuantizedCodec
     base: Profile
     startup: StartupPlan
     group: dist.ProcessGroup
@@ -76,20 +77,20 @@ class CompressionChooser:
         if message[0] is None:
             return
         self.decided, self.reason = message[0]
-        self.quantized.settings = Compression(self.decided, self.quantized.settings.block)
+        self.codec.set_mode(self.decided)
         logger.info("plan at step %d: %s", scheduler.step, self.reason)
 
     def propose(self, profile: Profile, scheduler: Scheduler) -> tuple[str, str]:
         units = scheduler.all_units
         gathered = [g for u in units for g in u.groups]
         reduced = [g for u in units for g in u.trainable_groups]
-        codec = measure_codec(self.quantized, max((g.gather_dtype.itemsize for g in gathered), default=4),
+        codec = measure_codec(self.codec, scheduler.collectives.device, max((g.gather_dtype.itemsize for g in gathered), default=4),
                               max((g.reduce_dtype.itemsize for g in reduced), default=4))
         choice = choose_compression(profile, self.startup.link, codec, scheduler.prefetch_depth,
                                     scheduler.backward_depth, self.startup.memory_budget_bytes)
         return choice.mode, choice.reason
 
 
-def chooser_for(quantized: QuantizedCollectives, scheduler: Scheduler, startup: StartupPlan,
+def chooser_for(codec: QuantizedCodec, scheduler: Scheduler, startup: StartupPlan,
                 group: dist.ProcessGroup) -> CompressionChooser:
-    return CompressionChooser(quantized, base_profile(scheduler, group), startup, group)
+    return CompressionChooser(codec, base_profile(scheduler, group), startup, group)
