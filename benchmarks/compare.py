@@ -214,11 +214,11 @@ def run_worker(args: argparse.Namespace) -> None:
         if impl in peers.SHARDED_MODULE:
             from overlap.control.compression_auto import CompressionChooser
 
-            quantized = model.collectives.quantized
+            codec = model.collectives.codec
             chooser = [c for c in model.step_end.controllers if isinstance(c, CompressionChooser)]
             settings = dict(prefetch_depth=model.overlap_config.prefetch_depth, bucket_mb=model.overlap_config.bucket_mb,
                             units=len(model.scheduler.units),
-                            compression="none" if quantized is None else quantized.settings.mode,
+                            compression="none" if codec is None else codec.settings.mode,
                             compression_reason=chooser[0].reason if chooser else None)
         write_json(args.result, dict(impl=impl, world_size=world, params=params, root_params=root_params,
                                      block_params=block_params, settings=settings, ranks=ranks,

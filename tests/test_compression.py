@@ -120,12 +120,11 @@ def _collectives(mode: str, block: int = 128):
     import torch.distributed as dist
 
     from overlap.runtime.collectives import Collectives
-    from overlap.runtime.compression import Compression, QuantizedCollectives
+    from overlap.runtime.compression import Compression, QuantizedCodec
     from overlap.kernels import get_backend
 
-    collectives = Collectives(dist.group.WORLD, torch.device("cpu"), get_backend("torch", torch.device("cpu")))
-    collectives.quantized = QuantizedCollectives(collectives, Compression(mode, block))
-    return collectives
+    kernels = get_backend("torch", torch.device("cpu"))
+    return Collectives(dist.group.WORLD, torch.device("cpu"), kernels, codec=QuantizedCodec(Compression(mode, block), kernels))
 
 
 def _gather_representable(rank: int, world: int, numel: int, dtype: torch.dtype) -> bool:
@@ -166,7 +165,7 @@ def _accumulated_error(rank: int, world: int, steps: int) -> tuple[float, float,
         shard_grad = total           # the runtime's shard gradient: the same tensor every step
         collectives.reduce_scatter(grads[rank].clone(), shard_grad, torch.float32, "unit").wait()
         errors.append(((total - exact * (len(errors) + 1)).norm() / exact.norm()).item())
-    return errors[-1], errors[0], collectives.quantized.error_bytes
+    return errors[-1], errors[0], collectives.codec.error_bytes
 
 
 @pytest.mark.timeout(150)
@@ -229,7 +228,7 @@ def _auto(rank: int, world: int) -> tuple[str, str, str]:
 
     def read(model: ShardedModule) -> None:
         (found,) = [c for c in model.step_end.controllers if isinstance(c, CompressionChooser)]
-        chooser.update(decided=found.decided, reason=found.reason, mode=model.collectives.quantized.settings.mode)
+        chooser.update(decided=found.decided, reason=found.reason, mode=model.collectives.codec.settings.mode)
 
     train(dataclasses.replace(case, wrap={"compression": "auto"}), rank, world, sharded=True, after=read)
     return chooser["decided"], chooser["mode"], chooser["reason"]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from overlap.runtime.collectives import Pending
+from overlap.runtime.pending import Pending, StreamHandoff
 from overlap.control.settings import device_for
 from overlap.runtime.timing import CollectiveStamps, HostClock
 
@@ -85,8 +85,8 @@ def test_wait_orders_the_collectives_own_device(monkeypatch):
             waited.append((self.device, event))
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
-    Pending(CollectiveStamps("all_gather", "u", 0, 0.0), HostClock(), event="done",
-            device=torch.device("cuda", 3)).wait()
+    Pending(CollectiveStamps("all_gather", "u", 0, 0.0), HostClock(),
+            StreamHandoff("done", torch.device("cuda", 3), ())).wait()
     assert waited == [(torch.device("cuda", 3), "done")]
 
 

@@ -1,8 +1,11 @@
 """hpZ (primary shards over every rank, a node-local copy for backward's gathers) on one host
 whose 4 ranks are told they form 2 nodes of 2 (LOCAL_WORLD_SIZE=2): training equals one
-process on the same global batches, and backward gathers from the node copies."""
+process on the same global batches, with compression too, and backward gathers from the node
+copies."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 from distributed import RankError, run_distributed
 from parity import train
 from parity_cases import CASES
+from test_compression import LOSS_RTOL, UPDATE_RTOL
 
 HPZ_CASES = ["features_bucketed", "gpt_adamw_groups", "gpt_no_sync"]
 
@@ -35,6 +39,39 @@ def test_hpz_trains_like_one_process() -> None:
         torch.testing.assert_close(torch.tensor(got[name]["losses"]), torch.tensor(ref["losses"]), **tol)
         for key, expected in ref["state"].items():
             torch.testing.assert_close(got[name]["state"][key], expected, **tol, msg=lambda m: f"{name} {key}: {m}")
+
+
+# SGD with no_sync micro-batches. Measured at 4 ranks against one process: losses within
+# 0.06%, updates within 12% (int8) and 13% (int8-int4); gpt_adamw_groups' int8 update was 29.6%
+# off, at its 30% bound.
+COMPRESSED_CASE = "gpt_no_sync"
+COMPRESSION_MODES = ("int8", "int8-int4")
+
+
+def _train_hpz_compressed(rank: int, world: int) -> dict:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    case = CASES[COMPRESSED_CASE]
+    return {mode: train(dataclasses.replace(case, wrap={"sharding": "hpz", "compression": mode}), rank, world,
+                        sharded=True)
+            for mode in COMPRESSION_MODES}
+
+
+@pytest.mark.timeout(400)
+def test_hpz_with_compression_trains_like_one_process() -> None:
+    """The node copy is taken from the dequantised gathered weights: training stays as close
+    to one process as compressed training does (tests/test_compression.py's bounds)."""
+    got = run_distributed(_train_hpz_compressed, 4, timeout=360)[0]
+    ref = train(CASES[COMPRESSED_CASE])
+    torch.manual_seed(0)
+    initial = {k: v.detach().clone() for k, v in CASES[COMPRESSED_CASE].build().state_dict().items()}
+    moved = [k for k in ref["state"] if not torch.equal(ref["state"][k], initial[k])]
+    delta_ref = torch.cat([(ref["state"][k] - initial[k]).flatten().float() for k in moved])
+    for mode in COMPRESSION_MODES:
+        losses, ref_losses = got[mode]["losses"], torch.tensor(ref["losses"])
+        assert all(math.isfinite(loss) for loss in losses), (mode, losses)
+        assert ((torch.tensor(losses) - ref_losses).abs() / ref_losses.abs()).max() <= LOSS_RTOL[mode], mode
+        delta = torch.cat([(got[mode]["state"][k] - initial[k]).flatten().float() for k in moved])
+        assert (delta - delta_ref).norm() / delta_ref.norm() <= UPDATE_RTOL[mode], mode
 
 
 def _gathers_per_step(rank: int, world: int) -> list[list[tuple[str, int]]]:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap.runtime.compression import Compression, QuantizedCollectives
+from overlap.runtime.compression import QuantizedCodec
 from overlap.plan.compression import CodecCost, choose_compression
 from overlap.plan.cost_model import Profile
 from overlap.control.agreement import decided_by_rank0
@@ -27,9 +27,10 @@ logger = logging.getLogger("overlap")
 CODEC_PROBE_NUMEL = 1 << 20
 
 
-def measure_codec(quantized: QuantizedCollectives, gather_itemsize: int, reduce_itemsize: int) -> CodecCost:
-    """Seconds per element of int8 quantise and dequantise-accumulate with this rank's kernels."""
-    kernels, device, block = quantized.collectives.kernels, quantized.collectives.device, quantized.settings.block
+def measure_codec(codec: QuantizedCodec, device: torch.device, gather_itemsize: int, reduce_itemsize: int
+                  ) -> CodecCost:
+    """Seconds per element of int8 quantise and dequantise-accumulate with the codec's kernels."""
+    kernels, block = codec.kernels, codec.settings.block
     src = torch.randn(CODEC_PROBE_NUMEL, device=device)
     values = torch.empty(CODEC_PROBE_NUMEL, dtype=torch.int8, device=device)
     scales = torch.empty(-(-CODEC_PROBE_NUMEL // block), dtype=torch.float32, device=device)
@@ -57,13 +58,14 @@ class CompressionChooser:
     broadcast at every step until one is taken, so every rank switches at the same step and
     then stops asking."""
 
-    quantized: QuantizedCollectives
+    codec: QuantizedCodec
     base: Profile
     startup: StartupPlan
     group: dist.ProcessGroup
     depths: PrefetchDepths
     # Widest element each side of the wire carries uncompressed: gathered, reduced (bytes).
     itemsizes: tuple[int, int]
+    device: torch.device
     decided: Optional[str] = None
     reason: str = ""
 
@@ -74,7 +76,7 @@ class CompressionChooser:
         if choice is None:
             return
         self.decided, self.reason = choice
-        self.quantized.settings = Compression(self.decided, self.quantized.settings.block)
+        self.codec.set_mode(self.decided)
         logger.info("plan at step %d: %s", step.record.step, self.reason)
 
     def propose(self, step: ClosedStep) -> Optional[tuple[str, str]]:
@@ -82,18 +84,18 @@ class CompressionChooser:
         profile = measure_profile(step, self.base)
         if profile is None:
             return None
-        codec = measure_codec(self.quantized, *self.itemsizes)
+        codec = measure_codec(self.codec, self.device, *self.itemsizes)
         forward_depth, backward_depth = self.depths.current
         choice = choose_compression(profile, self.startup.link, codec, forward_depth, backward_depth,
                                     self.startup.memory_budget_bytes)
         return choice.mode, choice.reason
 
 
-def chooser_for(quantized: QuantizedCollectives, units: Sequence[Unit], base: Profile, startup: StartupPlan,
-                group: dist.ProcessGroup, depths: PrefetchDepths) -> CompressionChooser:
+def chooser_for(codec: QuantizedCodec, units: Sequence[Unit], base: Profile, startup: StartupPlan,
+                group: dist.ProcessGroup, depths: PrefetchDepths, device: torch.device) -> CompressionChooser:
     """`units`: every unit, the root included."""
     gathered = [g for u in units for g in u.groups]
     reduced = [g for u in units for g in u.trainable_groups]
     itemsizes = (max((g.gather_dtype.itemsize for g in gathered), default=4),
                  max((g.reduce_dtype.itemsize for g in reduced), default=4))
-    return CompressionChooser(quantized, base, startup, group, depths, itemsizes)
+    return CompressionChooser(codec, base, startup, group, depths, itemsizes, device)

@@ -34,7 +34,7 @@ from overlap.control.topology import detect_link
 from overlap.control.unit_builder import BuiltUnits, StateDictLayout, build_units
 from overlap.observe.report import OverlapMonitor
 from overlap.runtime.collectives import Collectives
-from overlap.runtime.compression import Compression, QuantizedCollectives
+from overlap.runtime.compression import Compression, QuantizedCodec
 from overlap.runtime.mesh import ShardingGroups, resolve_sharding
 from overlap.runtime.scheduler import Scheduler
 
@@ -114,13 +114,13 @@ def _sharding(request: StartupRequest, settings: RankSettings, unit_specs: list[
 
 def _collectives(decision: StartupDecision) -> Collectives:
     sharding, config = decision.sharding, decision.config
-    collectives = Collectives(sharding.shard, decision.device, decision.kernels, sharding.replicate,
-                              decision.all_group)
+    codec = None
     if config.compress != "none":
         # "auto" starts uncompressed; overlap.plan.compression switches it on if worth it.
         mode = "none" if config.compress == "auto" else config.compress
-        collectives.quantized = QuantizedCollectives(collectives, Compression(mode, config.compress_block))
-    return collectives
+        codec = QuantizedCodec(Compression(mode, config.compress_block), decision.kernels)
+    return Collectives(sharding.shard, decision.device, decision.kernels, sharding.replicate, decision.all_group,
+                       codec=codec)
 
 
 def _controllers(decision: StartupDecision, built: BuiltUnits, collectives: Collectives, depths: PrefetchDepths,
@@ -135,6 +135,6 @@ def _controllers(decision: StartupDecision, built: BuiltUnits, collectives: Coll
         # Every rank, replicas included, must compress alike: the choice is rank 0's.
         group = decision.all_group
         base = base_profile(built.root, built.units, dist.get_world_size(group), reshard_after_forward)
-        controllers.append(chooser_for(collectives.quantized, built.all_units, base, decision.startup_plan, group,
-                                       depths))
+        controllers.append(chooser_for(collectives.codec, built.all_units, base, decision.startup_plan, group,
+                                       depths, decision.device))
     return controllers

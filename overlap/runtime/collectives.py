@@ -1,94 +1,50 @@
 """The two collectives of ZeRO-3 (all-gather of parameters, reduce-scatter of gradients),
-issued so that they run under compute, with the bytes and times of each recorded.
+issued so that they run under compute (overlap.runtime.issue), uncompressed or through a
+codec (overlap.runtime.codec), with the bytes and times of each recorded.
 
 On CUDA each collective is issued on a side stream and completes by an event the compute
 stream waits on. On CPU (gloo) each is an asynchronous work handle that gloo's own threads
 complete while the caller computes.
+
+[Note: reducing a gradient]
+Every reduction is the same three steps, whatever carries it: the full gradient is
+pre-divided by every rank taking part, folded into the cast to the reduce dtype so that
+low-precision sums do not overflow; a collective inside the shard group (reduce-scatter,
+gloo's all-to-all, or the codec's all-to-all) leaves this rank's summed chunk in a buffer;
+with hybrid sharding an all-reduce across the replicas sums that buffer before it is added
+into the shard gradient. Where nothing follows the sum on gloo, it goes straight into the
+shard gradient.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from overlap.kernels import KernelBackend
+from overlap.runtime.codec import Codec, WireFormat
+from overlap.runtime.issue import CollectiveCall, issue
+from overlap.runtime.pending import Pending, wait_watched
 from overlap.runtime.process_group import all_gather_flat, device_backend, reduce_scatter_flat
-from overlap.base.profiling import phase
-from overlap.runtime.timing import CollectiveStamps, HostClock, CudaClock, StepLog, clock_for, polling
+from overlap.runtime.timing import StepLog, clock_for, polling
 
 if TYPE_CHECKING:
-    from overlap.runtime.compression import QuantizedCollectives
     from overlap.runtime.order_check import OrderCheck
 
-@dataclass
-class Pending:
-    """An issued collective: its completion signal and the tensors it must keep alive.
-
-    `keep_alive` holds the input (and on CUDA, every buffer the side stream touches) until the
-    consumer has waited, so the caching allocator cannot hand the memory to another stream
-    while the collective still reads or writes it; no `record_stream` is needed.
-    """
-
-    record: CollectiveStamps
-    clock: HostClock | CudaClock
-    work: Optional[dist.Work] = None
-    # Set from gloo's thread when `work` completes, so that a wait can give up on it in time.
-    finished: Optional[threading.Event] = None
-    event: Optional[torch.cuda.Event] = None
-    # The device whose compute stream (its current stream) waits on `event`: the collective's
-    # own, whichever device is current when the wait runs.
-    device: Optional[torch.device] = None
-    keep_alive: tuple = ()
-    on_complete: Optional[Callable[[], None]] = None
-    # Output whose autograd version counter must not move (see flat_group.py's note), with
-    # its version before the collective was issued: gloo bumps it from its own thread when
-    # the work completes, so it is set back after the wait.
-    preserve_version_of: Optional[tuple[torch.Tensor, int]] = None
-    # Turns a wait that never ends because ranks diverged into an error (overlap.runtime.order_check).
-    watch: Optional["OrderCheck"] = None
-    # A second collective to issue once this one has completed (hybrid sharding's all-reduce
-    # across replicas after the reduce-scatter); `wait()` issues it and leaves it in
-    # `follow_up` for the caller to wait on later.
-    then: Optional[Callable[[], "Pending"]] = None
-    follow_up: Optional["Pending"] = None
-    done: bool = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        self.record.wait_start = self.clock.stamp()
-        if self.work is not None:
-            if self.watch is not None and self.finished is not None:
-                self.watch.block(self.finished.is_set, self.finished.wait)
-            try:
-                self.work.wait()
-            except RuntimeError:
-                if self.watch is not None:
-                    self.watch.after_error()
-                raise
-            if self.preserve_version_of is not None:
-                tensor, version = self.preserve_version_of
-                torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
-        if self.on_complete is not None:
-            self.on_complete()
-        if self.then is not None:
-            self.follow_up = self.then()
-        self.record.wait_end = self.clock.stamp()
-        self.keep_alive = ()
-        self.done = True
+# The scheduler, units and flat groups take `Pending` and `all_gather_flat` from here.
+__all__ = ["Collectives", "Pending", "all_gather_flat"]
 
 
 class Collectives:
-    """All-gather and reduce-scatter over one process group, on the right streams."""
+    """All-gather and reduce-scatter over one process group, on the right streams, through
+    `codec` where it compresses a buffer."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, kernels: KernelBackend,
                  replicate_group: Optional[dist.ProcessGroup] = None,
-                 all_group: Optional[dist.ProcessGroup] = None) -> None:
+                 all_group: Optional[dist.ProcessGroup] = None, codec: Optional[Codec] = None) -> None:
         self.group = group                      # the ranks whose shards make up the parameters
         # Hybrid sharding: ranks holding the same shard, whose reduced gradients are averaged.
         self.replicate_group = replicate_group
@@ -99,17 +55,19 @@ class Collectives:
         self.backend = device_backend(group, device.type)
         self.device = device
         self.kernels = kernels
+        self.codec = codec
         # This step's collectives, with the scheduler's marks (see overlap.base.step_record).
         self.log = StepLog(clock_for(device))
         # Set by the scheduler when ranks can diverge (world size > 1).
         self.watch: Optional["OrderCheck"] = None
-        # Set by ShardedModule when compression is on: it takes the buffers it compresses.
-        self.quantized: Optional["QuantizedCollectives"] = None
         # gloo has no native reduce-scatter: it emulates one, slower than an all-to-all of
         # the gradient chunks followed by a local sum (measured in benchmarks/collectives.py),
         # and the all-to-all moves the same (N-1)/N bytes a ring reduce-scatter does.
         self.reduce_with_all_to_all = self.backend == "gloo"
         self.use_streams = device.type == "cuda"
+        # None on CPU: gloo's work runs on its own threads.
+        self.all_gather_stream: Optional[torch.cuda.Stream] = None
+        self.reduce_scatter_stream: Optional[torch.cuda.Stream] = None
         if self.use_streams:
             # All-gathers of upcoming units run here so they overlap the unit computing on the
             # default stream (prefetch).
@@ -118,123 +76,138 @@ class Collectives:
             # they overlap the rest of backward.
             self.reduce_scatter_stream = torch.cuda.Stream(device=device, priority=-1)
 
-    def _pending(self, record: CollectiveStamps, work: Optional[dist.Work], **fields) -> Pending:
-        """A host-side collective (gloo); gloo's thread stamps its completion."""
-        if work is None:
-            return Pending(record, self.log.clock, **fields)
-        finished = threading.Event()
-        clock = self.log.clock
+    def reset_compression_errors(self) -> None:
+        """Forget the codec's state kept across steps (int4 error feedback): call it after a
+        step skipped for non-finite gradients. Nothing to do without a codec."""
+        if self.codec is not None:
+            self.codec.reset_errors()
 
-        def stamp(_future) -> None:
-            record.end = clock.stamp()
-            finished.set()
+    def _issue(self, kind: str, unit: str, nbytes: int, stream: Optional[torch.cuda.Stream],
+               uncompressed: Optional[int] = None) -> contextlib.AbstractContextManager[CollectiveCall]:
+        return issue(self.log, self.device, kind, unit, nbytes, stream, self.watch, uncompressed)
 
-        pending = Pending(record, clock, work=work, finished=finished, watch=self.watch, **fields)
-        work.get_future().add_done_callback(stamp)
-        return pending
+    # ---- all-gather -----------------------------------------------------------------------
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str,
                    group: Optional[dist.ProcessGroup] = None) -> Pending:
         """Gather every rank's `shard` into `out` (world_size * shard.numel() elements), casting
         the shard to out.dtype first; over `group` instead of the shard group if given (hpZ's
         node copies, see overlap.runtime.node_copy: those stay uncompressed, inside the node)."""
-        if group is None and self.quantized is not None and self.quantized.gathers(out):
-            return self.quantized.all_gather(out, shard, unit)
+        if group is None and self.codec is not None and self.codec.gathers(out):
+            return self._all_gather_encoded(out, shard, unit)
         group = self.group if group is None else group
         world = dist.get_world_size(group)
         nbytes = out.numel() * out.element_size() * (world - 1) // world
-        with phase(f"overlap::all_gather::{unit}"):
-            if self.use_streams:
-                # The gather may only start once the optimizer has written the shard and the
-                # output memory's previous user has finished: both are on the current stream.
-                stream = self.all_gather_stream
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    record = self.log.collective("all_gather", unit, nbytes, stream)
-                    source = self._cast(shard, out.dtype)
-                    all_gather_flat(out, source, group=group)
-                    record.end = self.log.clock.stamp(stream)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                return Pending(record, self.log.clock, event=event, device=self.device,
-                               keep_alive=(source, shard, out))
-            record = self.log.collective("all_gather", unit, nbytes)
+        with self._issue("all_gather", unit, nbytes, self.all_gather_stream) as call:
             source = self._cast(shard, out.dtype)
             version = out._version
-            work = all_gather_flat(out, source, group=group, async_op=True)
-            return self._pending(record, work, keep_alive=(source,), preserve_version_of=(out, version))
+            call.launch(lambda async_op: all_gather_flat(out, source, group=group, async_op=async_op))
+            # gloo bumps `out`'s autograd version from its own thread when the work completes:
+            # set it back (see flat_group.py's note on freeing `full`). On CUDA the bump
+            # happened at the launch and this changes nothing.
+            call.then_run(lambda: torch._C._autograd._unsafe_set_version_counter((out,), (version,)))
+            call.keep(source, shard, out)
+        return call.pending
+
+    def _cast(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if shard.dtype == dtype:
+            return shard.detach()
+        out = torch.empty(shard.numel(), dtype=dtype, device=shard.device)
+        self.kernels.pack([shard.detach()], out, [0])
+        return out
+
+    def _all_gather_encoded(self, out: torch.Tensor, shard: torch.Tensor, unit: str) -> Pending:
+        """As `all_gather`, each rank's shard encoded by the codec and every part decoded into
+        `out`: every rank, the shard's owner included, computes with the decoded values."""
+        codec, world = self.codec, self.world_size
+        wire = codec.gather_format(shard.numel())
+        uncompressed = out.numel() * out.element_size() * (world - 1) // world
+        with self._issue("all_gather", unit, wire.nbytes * (world - 1), self.all_gather_stream, uncompressed) as call:
+            send = torch.empty(wire.nbytes, dtype=torch.uint8, device=self.device)
+            received = torch.empty(wire.nbytes * world, dtype=torch.uint8, device=self.device)
+            codec.encode_shard(shard, send, wire)
+            call.launch(lambda async_op: all_gather_flat(received, send, group=self.group, async_op=async_op))
+            call.then_run(lambda: codec.decode_gathered(out, received, wire, world))
+            call.keep(send, received, shard, out)
+        return call.pending
+
+    # ---- reduce-scatter: see [Note: reducing a gradient] ------------------------------------
 
     def reduce_scatter(self, grad_full: torch.Tensor, shard_grad: torch.Tensor, reduce_dtype: torch.dtype,
                        unit: str) -> Pending:
-        """Average `grad_full` over ranks and add this rank's chunk into `shard_grad` (fp32).
-
-        The average is a pre-division by the world size folded into the cast to
-        `reduce_dtype`, so low-precision reductions do not overflow.
-        """
-        if self.quantized is not None and self.quantized.reduces(grad_full):
-            return self.quantized.reduce_scatter(grad_full, shard_grad, reduce_dtype, unit)
+        """Average `grad_full` over ranks and add this rank's chunk into `shard_grad` (fp32),
+        in `reduce_dtype` on the wire, or through the codec where it compresses `grad_full`."""
         world = self.world_size
-        nbytes = grad_full.numel() * reduce_dtype.itemsize * (world - 1) // world
-        # Pre-divided by every rank taking part: the reduce-scatter sums over the shard group,
-        # the all-reduce across replicas (hybrid sharding) over the replicas.
-        scale = 1.0 / (world * self.replicas)
-        with phase(f"overlap::reduce_scatter::{unit}"):
-            if self.use_streams:
-                stream = self.reduce_scatter_stream
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    record = self.log.collective("reduce_scatter", unit, nbytes, stream)
-                    source = self._scaled(grad_full, reduce_dtype, scale)
-                    out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
-                    reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group)
-                    event = self.finish_on_stream(record, out, shard_grad, unit, stream)
-                return Pending(record, self.log.clock, event=event, device=self.device,
-                               keep_alive=(grad_full, source, out, shard_grad))
-            record = self.log.collective("reduce_scatter", unit, nbytes)
-            source = self._scaled(grad_full, reduce_dtype, scale)
-            # With replicas the reduced chunk goes to a buffer of its own, all-reduced across
-            # them before it is added to the shard gradient.
-            target = shard_grad if self.replicate_group is None else torch.zeros_like(shard_grad)
-            if self.reduce_with_all_to_all:
-                pending = self._reduce_by_all_to_all(record, source, target)
+        nbytes = uncompressed = grad_full.numel() * reduce_dtype.itemsize * (world - 1) // world
+        wire = None
+        if self.codec is not None and self.codec.reduces(grad_full):
+            wire = self.codec.reduce_format(shard_grad.numel())
+            nbytes = wire.nbytes * (world - 1)
+        with self._issue("reduce_scatter", unit, nbytes, self.reduce_scatter_stream,
+                         None if wire is None else uncompressed) as call:
+            source = self._pre_divided(grad_full, reduce_dtype)
+            call.keep(grad_full, source, shard_grad)
+            if wire is not None:
+                reduced = self._reduce_encoded(call, source, shard_grad, wire)
+            elif self.reduce_with_all_to_all and not call.on_stream:
+                reduced = self._reduce_by_all_to_all(call, source, shard_grad)
             else:
-                out = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
-                work = reduce_scatter_flat(out, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                pending = self._pending(record, work, keep_alive=(source, out),
-                                        on_complete=lambda: self.kernels.accumulate(target, out))
-            if self.replicate_group is not None:
-                pending.then = lambda: self._all_reduce_into(target, shard_grad, unit)
-            return pending
+                reduced = torch.empty(shard_grad.numel(), dtype=reduce_dtype, device=self.device)
+                call.launch(lambda async_op: reduce_scatter_flat(reduced, source, op=dist.ReduceOp.SUM,
+                                                                 group=self.group, async_op=async_op))
+                call.keep(reduced)
+            self._add_into_shard_grad(call, reduced, shard_grad)
+        return call.pending
 
-    def finish_on_stream(self, record: CollectiveStamps, reduced: torch.Tensor, shard_grad: torch.Tensor, unit: str,
-                         stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """On `stream`, after a reduction into `reduced`: sum it across replicas (hybrid
-        sharding), add it into `shard_grad`, stamp the end; the event that marks it done."""
-        if self.replicate_group is not None:
-            across = self.log.collective("all_reduce", unit, self._all_reduce_bytes(reduced), stream)
-            dist.all_reduce(reduced, group=self.replicate_group)
-            across.end = self.log.clock.stamp(stream)
-        self.kernels.accumulate(shard_grad, reduced)
-        record.end = self.log.clock.stamp(stream)
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
+    def _pre_divided(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`grad` / (every rank taking part) in `dtype`: the reduce-scatter sums over the shard
+        group, the all-reduce across replicas (hybrid sharding) over the replicas."""
+        scale = 1.0 / (self.world_size * self.replicas)
+        if grad.dtype == dtype:
+            # The full gradient is the runtime's own buffer: divide it in place.
+            self.kernels.pack([grad], grad, [0], scale)
+            return grad
+        out = torch.empty(grad.numel(), dtype=dtype, device=grad.device)
+        self.kernels.pack([grad], out, [0], scale)
+        return out
 
-    def _all_reduce_bytes(self, tensor: torch.Tensor) -> int:
-        return 2 * tensor.numel() * tensor.element_size() * (self.replicas - 1) // self.replicas
+    def _sum_target(self, call: CollectiveCall, shard_grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Where this rank's chunk is summed: `shard_grad` itself where nothing follows the sum
+        (gloo, no replicas, the same dtype), else a zeroed buffer of `dtype`."""
+        if not call.on_stream and self.replicate_group is None and shard_grad.dtype == dtype:
+            return shard_grad
+        target = torch.zeros(shard_grad.numel(), dtype=dtype, device=self.device)
+        call.keep(target)
+        return target
 
-    def _all_reduce_into(self, partial: torch.Tensor, shard_grad: torch.Tensor, unit: str) -> Pending:
-        """Sum `partial` over the replicas, asynchronously, then add it into `shard_grad`."""
-        record = self.log.collective("all_reduce", unit, self._all_reduce_bytes(partial))
-        with phase(f"overlap::all_reduce::{unit}"):
-            work = dist.all_reduce(partial, group=self.replicate_group, async_op=True)
-        return self._pending(record, work, keep_alive=(partial,),
-                             on_complete=lambda: self.kernels.accumulate(shard_grad, partial))
+    def _add_into_shard_grad(self, call: CollectiveCall, reduced: torch.Tensor, shard_grad: torch.Tensor) -> None:
+        """After the reduction into `reduced`: with replicas, sum it across them; then add it
+        into `shard_grad` (unless the reduction summed into it already)."""
+        if reduced is shard_grad:
+            return
 
-    def _reduce_by_all_to_all(self, record: CollectiveStamps, source: torch.Tensor,
-                              shard_grad: torch.Tensor) -> Pending:
+        def add() -> None:
+            self.kernels.accumulate(shard_grad, reduced)
+
+        if self.replicate_group is None:
+            call.then_run(add)
+            return
+        nbytes = 2 * reduced.numel() * reduced.element_size() * (self.replicas - 1) // self.replicas
+        call.then_collective("all_reduce", nbytes,
+                             lambda async_op: dist.all_reduce(reduced, group=self.replicate_group, async_op=async_op),
+                             add, keep=(reduced, shard_grad))
+
+    def _all_to_all(self, received: torch.Tensor, send: torch.Tensor, sizes: list[int],
+                    async_op: bool) -> Optional[dist.Work]:
+        if self.world_size == 1:
+            return None
+        return dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
+                                      group=self.group, async_op=async_op)
+
+    def _reduce_by_all_to_all(self, call: CollectiveCall, source: torch.Tensor,
+                              shard_grad: torch.Tensor) -> torch.Tensor:
         """Each rank sends every other rank that rank's chunk of `source` and sums what it
-        receives with its own chunk.
+        receives with its own chunk; returns where the sum goes.
 
         The all-to-all sends contiguous runs of `source`, so the first and the last rank can
         leave their own chunk out of it (they read it in place) and receive (N-1)/N of the
@@ -246,18 +219,43 @@ class Collectives:
         sizes = [0 if r == rank and keeps_own else shard for r in range(world)]
         received = torch.empty(sum(sizes), dtype=source.dtype, device=source.device)
         send = source.narrow(0, shard if rank == 0 else 0, sum(sizes)) if keeps_own else source
+        call.launch(lambda async_op: self._all_to_all(received, send, sizes, async_op))
+        target = self._sum_target(call, shard_grad, shard_grad.dtype)
 
-        def finish() -> None:
+        def add_chunks() -> None:
             if keeps_own:
-                self.kernels.accumulate(shard_grad, own)
+                self.kernels.accumulate(target, own)
             if received.numel():
-                self.kernels.accumulate(shard_grad, received, 1.0, received.numel() // shard)
+                self.kernels.accumulate(target, received, 1.0, received.numel() // shard)
 
-        work = None
-        if world > 1:
-            work = dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
-                                          group=self.group, async_op=True)
-        return self._pending(record, work, keep_alive=(source, received), on_complete=finish)
+        call.then_run(add_chunks)
+        call.keep(received)
+        return target
+
+    def _reduce_encoded(self, call: CollectiveCall, source: torch.Tensor, shard_grad: torch.Tensor,
+                        wire: WireFormat) -> torch.Tensor:
+        """The codec's reduction: each rank encodes the chunk of `source` destined to every
+        other rank, an all-to-all delivers them, and the receiver sums its own exact chunk and
+        the decoded ones in fp32; returns where the sum goes."""
+        world, rank, shard = self.world_size, self.rank, shard_grad.numel()
+        sizes = [0 if r == rank else wire.nbytes for r in range(world)]
+        send = torch.empty(wire.nbytes * (world - 1), dtype=torch.uint8, device=self.device)
+        self.codec.encode_chunks(source, send, wire, rank, world, shard_grad)
+        received = torch.empty_like(send)
+        call.launch(lambda async_op: self._all_to_all(received, send, sizes, async_op))
+        # fp32, as the fused decode-accumulate wants.
+        target = self._sum_target(call, shard_grad, torch.float32)
+        codec = self.codec
+
+        def add_chunks() -> None:
+            self.kernels.accumulate(target, source.narrow(0, rank * shard, shard))
+            codec.decode_accumulate(target, received, wire, world - 1)
+
+        call.then_run(add_chunks)
+        call.keep(send, received)
+        return target
+
+    # ---- the flags of the end of backward -------------------------------------------------
 
     def any_rank(self, flags: list[bool], words: list[int] = ()
                  ) -> Callable[[], tuple[list[bool], list[int], list[int]]]:
@@ -282,32 +280,9 @@ class Collectives:
             done, sleep = finished.is_set, finished.wait
 
         def result() -> tuple[list[bool], list[int], list[int]]:
-            if self.watch is not None:
-                self.watch.block(done, sleep)
-            try:
-                work.wait()
-            except RuntimeError:
-                if self.watch is not None:
-                    self.watch.after_error()
-                raise
+            wait_watched(work, self.watch, done, sleep)
             out = tensor.tolist()
             n, k = len(flags), len(words)
             return [bool(v) for v in out[:n]], out[n:n + k], [-v for v in out[n + k:]]
 
         return result
-
-    def _cast(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if shard.dtype == dtype:
-            return shard.detach()
-        out = torch.empty(shard.numel(), dtype=dtype, device=shard.device)
-        self.kernels.pack([shard.detach()], out, [0])
-        return out
-
-    def _scaled(self, grad: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-        if grad.dtype == dtype:
-            # The full gradient is the runtime's own buffer: divide it in place.
-            self.kernels.pack([grad], grad, [0], scale)
-            return grad
-        out = torch.empty(grad.numel(), dtype=dtype, device=grad.device)
-        self.kernels.pack([grad], out, [0], scale)
-        return out

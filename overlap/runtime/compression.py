@@ -1,6 +1,7 @@
 """Compressed communication: weights all-gathered as int8, gradients reduced as int8 or int4
 through an all-to-all of quantised chunks (ZeRO++'s qwZ and qgZ), on the kernels of
-:mod:`overlap.kernels.quantized`.
+:mod:`overlap.kernels.quantized`. `QuantizedCodec` is the codec (overlap.runtime.codec) that
+`Collectives` issues them with.
 
 Only what crosses the wire is quantised. Master shards, optimizer state and the sharded
 gradient stay exact; a rank's own chunk of a gradient never leaves it and is added exact.
@@ -22,12 +23,6 @@ over k steps differs from the sum of the true gradients by one step's error, not
 more than the model states themselves), so it is used only where int4 needs it; int8
 gradients go without. A block whose gradient overflowed leaves NaN in its error (see [Note:
 non-finite values] in overlap.kernels.quantized): `reset_errors()` clears them.
-
-[Note: callbacks drop their buffers]
-A gloo collective's completion callback reads the received records; the `Pending` that holds
-the callback lives until the unit's next collective. The callback drops its references once
-it has run, so the records are freed when the wait ends rather than a step later (measured:
-the int8 step's peak memory stayed 4.6 MiB above the uncompressed one's without this).
 """
 from __future__ import annotations
 
@@ -35,12 +30,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
+from overlap.kernels import KernelBackend
 from overlap.kernels.quantized import DEFAULT_BLOCK, num_blocks, quantized_bytes
-from overlap.base.profiling import phase
 
 # mode -> (bits of gathered weights, bits of reduced gradients); None: not compressed.
 MODES: dict[str, tuple[Optional[int], Optional[int]]] = {
@@ -96,23 +89,32 @@ class RecordLayout:
         return values, record.narrow(0, self.value_bytes, self.nbytes - self.value_bytes).view(torch.float32)
 
 
-class QuantizedCollectives:
-    """The compressed all-gather and reduce-scatter of one `Collectives`, which calls them
-    when `settings` compress that kind of buffer. Set `settings` to change mode (the
-    planner's `auto` does, at the same step on every rank)."""
+class QuantizedCodec:
+    """Block-quantised messages for `Collectives` (see overlap.runtime.codec for what each
+    step does), in the mode of `settings`. `set_mode` changes it (`compression="auto"` does,
+    at the same step on every rank)."""
 
-    def __init__(self, collectives: Collectives, settings: Compression) -> None:
-        self.collectives = collectives
-        self.settings = settings
+    def __init__(self, settings: Compression, kernels: KernelBackend) -> None:
+        self._settings = settings
+        self.kernels = kernels
         # Error feedback, per shard gradient (one per trainable flat group), kept as long as
         # that gradient. See [Note: error feedback].
         self._errors = WeakIdKeyDictionary()
 
+    @property
+    def settings(self) -> Compression:
+        return self._settings
+
+    def set_mode(self, mode: str) -> None:
+        """Compress as `mode` ("none", "int8", "int8-int4") from the next collective on; every
+        rank must switch at the same step."""
+        self._settings = Compression(mode, self._settings.block)
+
     def gathers(self, out: torch.Tensor) -> bool:
-        return self.settings.weight_bits is not None and out.is_floating_point()
+        return self._settings.weight_bits is not None and out.is_floating_point()
 
     def reduces(self, grad: torch.Tensor) -> bool:
-        return self.settings.grad_bits is not None and grad.is_floating_point()
+        return self._settings.grad_bits is not None and grad.is_floating_point()
 
     @property
     def error_bytes(self) -> int:
@@ -120,146 +122,53 @@ class QuantizedCollectives:
         return sum(e.numel() * e.element_size() for e in self._errors.values())
 
     def reset_errors(self) -> None:
-        """Forget the kept quantisation errors (after a step skipped for non-finite gradients)."""
+        """Forget the kept quantisation errors (after a step skipped for non-finite gradients:
+        see [Note: error feedback])."""
         for error in self._errors.values():
             error.zero_()
 
-    # ---- all-gather -----------------------------------------------------------------------
+    # ---- all-gather: int8 weights -----------------------------------------------------------
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str) -> Pending:
-        """As `Collectives.all_gather`, with every rank's shard quantised to int8 and the
-        gathered records dequantised into `out`. Every rank, the shard's owner included,
-        computes with the dequantised values, so that all ranks run the same weights."""
-        c = self.collectives
-        layout = RecordLayout(shard.numel(), self.settings.block, 8)
-        nbytes = layout.nbytes * (c.world_size - 1)
-        uncompressed = out.numel() * out.element_size() * (c.world_size - 1) // c.world_size
-        with phase(f"overlap::all_gather::{unit}"):
-            if c.use_streams:
-                stream = c.all_gather_stream
-                stream.wait_stream(torch.cuda.current_stream(c.device))
-                with torch.cuda.stream(stream):
-                    record = c.log.collective("all_gather", unit, nbytes, stream, uncompressed=uncompressed)
-                    send, received = self._quantize_shard(shard, layout)
-                    all_gather_flat(received, send, group=c.group)
-                    self._dequantize_gathered(out, received, layout)
-                    record.end = c.log.clock.stamp(stream)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                return Pending(record, c.log.clock, event=event, device=c.device,
-                               keep_alive=(send, received, shard, out))
-            record = c.log.collective("all_gather", unit, nbytes, uncompressed=uncompressed)
-            send, received = self._quantize_shard(shard, layout)
-            work = all_gather_flat(received, send, group=c.group, async_op=True)
-            held = [received]       # See [Note: callbacks drop their buffers].
+    def gather_format(self, numel: int) -> RecordLayout:
+        return RecordLayout(numel, self._settings.block, self._settings.weight_bits)
 
-            def finish() -> None:
-                self._dequantize_gathered(out, held.pop(), layout)
+    def encode_shard(self, shard: torch.Tensor, send: torch.Tensor, wire: RecordLayout) -> None:
+        values, scales = wire.views(send, 0)
+        self.kernels.quantize_int8(shard.detach(), values, scales, wire.block)
 
-            return c._pending(record, work, keep_alive=(send, received), on_complete=finish)
-
-    def _quantize_shard(self, shard: torch.Tensor, layout: RecordLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.collectives
-        send = torch.empty(layout.nbytes, dtype=torch.uint8, device=c.device)
-        received = torch.empty(layout.nbytes * c.world_size, dtype=torch.uint8, device=c.device)
-        values, scales = layout.views(send, 0)
-        c.kernels.quantize_int8(shard.detach(), values, scales, layout.block)
-        return send, received
-
-    def _dequantize_gathered(self, out: torch.Tensor, received: torch.Tensor, layout: RecordLayout) -> None:
+    def decode_gathered(self, out: torch.Tensor, received: torch.Tensor, wire: RecordLayout, world: int) -> None:
         # `out` is the gathered leaf's storage: writing it must not look like an in-place
         # change to autograd (see flat_group.py's note on freeing `full`).
         with torch.autograd._unsafe_preserve_version_counter(out):
-            for rank in range(self.collectives.world_size):
-                values, scales = layout.views(received, rank)
-                self.collectives.kernels.dequantize_into(out.narrow(0, rank * layout.numel, layout.numel),
-                                                         values, scales, layout.block, 8)
+            for rank in range(world):
+                values, scales = wire.views(received, rank)
+                self.kernels.dequantize_into(out.narrow(0, rank * wire.numel, wire.numel),
+                                             values, scales, wire.block, wire.bits)
 
-    # ---- reduce-scatter -------------------------------------------------------------------
+    # ---- reduce-scatter: int8 or int4 gradient chunks -----------------------------------------
 
-    def reduce_scatter(self, grad_full: torch.Tensor, shard_grad: torch.Tensor, reduce_dtype: torch.dtype,
-                       unit: str) -> Pending:
-        """As `Collectives.reduce_scatter`: each rank quantises the chunk of `grad_full`
-        (pre-divided, in `reduce_dtype`) destined to every other rank, an all-to-all delivers
-        them, and the receiver sums its own exact chunk and the dequantised ones in fp32.
-        Hybrid sharding's all-reduce across replicas then runs uncompressed on that sum."""
-        c = self.collectives
-        world, rank, shard = c.world_size, c.rank, shard_grad.numel()
-        layout = RecordLayout(shard, self.settings.block, self.settings.grad_bits)
-        nbytes = layout.nbytes * (world - 1)
-        uncompressed = grad_full.numel() * reduce_dtype.itemsize * (world - 1) // world
-        scale = 1.0 / (world * c.replicas)
-        sizes = [0 if r == rank else layout.nbytes for r in range(world)]
-        with phase(f"overlap::reduce_scatter::{unit}"):
-            if c.use_streams:
-                stream = c.reduce_scatter_stream
-                stream.wait_stream(torch.cuda.current_stream(c.device))
-                with torch.cuda.stream(stream):
-                    record = c.log.collective("reduce_scatter", unit, nbytes, stream, uncompressed=uncompressed)
-                    source = c._scaled(grad_full, reduce_dtype, scale)
-                    send = self._quantize_chunks(source, shard_grad, layout)
-                    received = torch.empty_like(send)
-                    if world > 1:
-                        dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
-                                               group=c.group)
-                    summed = torch.zeros(shard, dtype=torch.float32, device=c.device)
-                    self._sum_chunks(summed, source, received, layout)
-                    event = c.finish_on_stream(record, summed, shard_grad, unit, stream)
-                return Pending(record, c.log.clock, event=event, device=c.device,
-                               keep_alive=(grad_full, source, send, received, summed, shard_grad))
-            record = c.log.collective("reduce_scatter", unit, nbytes, uncompressed=uncompressed)
-            source = c._scaled(grad_full, reduce_dtype, scale)
-            send = self._quantize_chunks(source, shard_grad, layout)
-            received = torch.empty_like(send)
-            # fp32, as the fused dequantise-accumulate wants; with replicas, a buffer of its own
-            # that the all-reduce across them sums before it joins the shard gradient.
-            direct = shard_grad.dtype == torch.float32 and c.replicate_group is None
-            target = shard_grad if direct else torch.zeros(shard, dtype=torch.float32, device=c.device)
+    def reduce_format(self, numel: int) -> RecordLayout:
+        return RecordLayout(numel, self._settings.block, self._settings.grad_bits)
 
-            held = [source, received]       # See [Note: callbacks drop their buffers].
-
-            def finish() -> None:
-                self._sum_chunks(target, *held, layout)
-                held.clear()
-                if not direct and c.replicate_group is None:
-                    c.kernels.accumulate(shard_grad, target)
-
-            work = None
-            if world > 1:
-                work = dist.all_to_all_single(received, send, output_split_sizes=sizes, input_split_sizes=sizes,
-                                              group=c.group, async_op=True)
-            pending = c._pending(record, work, keep_alive=(source, send, received), on_complete=finish)
-            if c.replicate_group is not None:
-                pending.then = lambda: c._all_reduce_into(target, shard_grad, unit)
-            return pending
-
-    def _quantize_chunks(self, source: torch.Tensor, shard_grad: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
-        """Records of `source`'s chunks for every other rank, in rank order (see [Note: error
-        feedback] for the kept error)."""
-        c = self.collectives
-        world, rank, shard, bits = c.world_size, c.rank, layout.numel, layout.bits
-        send = torch.empty(layout.nbytes * (world - 1), dtype=torch.uint8, device=c.device)
-        error = self._error_for(shard_grad, (world - 1) * shard) if self.settings.error_feedback else None
-        quantize = c.kernels.quantize_int8 if bits == 8 else c.kernels.quantize_int4
+    def encode_chunks(self, source: torch.Tensor, send: torch.Tensor, wire: RecordLayout, rank: int, world: int,
+                      reduced_into: torch.Tensor) -> None:
+        """See [Note: error feedback] for the error kept per `reduced_into`."""
+        shard = wire.numel
+        error = self._error_for(reduced_into, (world - 1) * shard) if self._settings.error_feedback else None
+        quantize = self.kernels.quantize_int8 if wire.bits == 8 else self.kernels.quantize_int4
         for index, dest in enumerate(r for r in range(world) if r != rank):
-            values, scales = layout.views(send, index)
+            values, scales = wire.views(send, index)
             chunk_error = None if error is None else error.narrow(0, index * shard, shard)
-            quantize(source.narrow(0, dest * shard, shard), values, scales, layout.block, chunk_error)
-        return send
+            quantize(source.narrow(0, dest * shard, shard), values, scales, wire.block, chunk_error)
 
-    def _sum_chunks(self, target: torch.Tensor, source: torch.Tensor, received: torch.Tensor,
-                    layout: RecordLayout) -> None:
-        """target (fp32) += this rank's own chunk of `source` + the received chunks, dequantised."""
-        c = self.collectives
-        shard = layout.numel
-        c.kernels.accumulate(target, source.narrow(0, c.rank * shard, shard))
-        for index in range(c.world_size - 1):
-            values, scales = layout.views(received, index)
-            c.kernels.dequantize_accumulate(target, values, scales, layout.block, layout.bits)
+    def decode_accumulate(self, target: torch.Tensor, received: torch.Tensor, wire: RecordLayout, count: int) -> None:
+        for index in range(count):
+            values, scales = wire.views(received, index)
+            self.kernels.dequantize_accumulate(target, values, scales, wire.block, wire.bits)
 
-    def _error_for(self, shard_grad: torch.Tensor, numel: int) -> torch.Tensor:
-        error = self._errors.get(shard_grad)
+    def _error_for(self, reduced_into: torch.Tensor, numel: int) -> torch.Tensor:
+        error = self._errors.get(reduced_into)
         if error is None:
-            error = torch.zeros(numel, dtype=torch.float32, device=shard_grad.device)
-            self._errors[shard_grad] = error
+            error = torch.zeros(numel, dtype=torch.float32, device=reduced_into.device)
+            self._errors[reduced_into] = error
         return error

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from overlap.runtime.collectives import Collectives, Pending
+from overlap.runtime.collectives import Collectives
+from overlap.runtime.pending import Pending
 
 
 class NodeCopy:
@@ -42,7 +43,8 @@ class NodeCopy:
             return self.collectives.all_gather(out, secondary, unit, group=self.node_group)
         pending = self.collectives.all_gather(out, shard, unit)
         if torch.is_grad_enabled():
-            pending.on_complete = lambda: self._keep(out)
+            # After the gather's own completion work (a compressed gather decodes into `out`).
+            pending.then_run(lambda: self._keep(out))
         return pending
 
     def _keep(self, gathered: torch.Tensor) -> None:

@@ -1,0 +1,160 @@
+"""How every collective is issued so that it runs under compute: written once, for CUDA side
+streams and for gloo's asynchronous work alike.
+
+    with issue(log, device, "all_gather", unit, nbytes, stream, watch) as call:
+        source = ...                                   # prepare the input
+        call.launch(lambda async_op: all_gather_flat(out, source, async_op=async_op))
+        call.then_run(lambda: ...)                     # completion work
+        call.keep(source, out)                         # buffers held until the consumer waited
+    return call.pending
+
+CUDA (`stream` given): the body runs on the side stream once that stream has waited for the
+compute stream (where the inputs were written and the outputs' memory last used); the
+collective runs synchronously on the side stream, completion work is queued right behind
+it, then the end is stamped and an event recorded that the consumer's compute stream waits
+on. gloo (`stream` None): the collective is asynchronous work whose end gloo's thread
+stamps; completion work runs on the host when the consumer waits.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from overlap.base.profiling import phase
+from overlap.runtime.pending import HostWork, Pending, StreamHandoff
+from overlap.runtime.timing import CollectiveStamps, StepLog
+
+if TYPE_CHECKING:
+    from overlap.runtime.order_check import OrderCheck
+
+# `start(async_op)` issues one collective: synchronously on the current (side) stream when
+# False, as asynchronous work when True, returning its handle (None: nothing to wait for).
+Start = Callable[[bool], Optional[dist.Work]]
+
+
+class CollectiveCall:
+    """One collective being issued (see the module's docstring); `pending` once issued."""
+
+    def __init__(self, log: StepLog, device: torch.device, record: CollectiveStamps,
+                 stream: Optional[torch.cuda.Stream], watch: Optional["OrderCheck"]) -> None:
+        self.log = log
+        self.device = device
+        self.record = record
+        self.stream = stream
+        self.watch = watch
+        self.pending: Optional[Pending] = None
+        self._launched = False
+        self._buffers: list[torch.Tensor] = []
+        self._host_work: Optional[tuple[dist.Work, threading.Event]] = None
+        self._callbacks: list[Callable[[], None]] = []          # gloo: run at the wait
+        self._chained: Optional[Callable[[], Pending]] = None   # gloo: issued at the wait
+
+    @property
+    def on_stream(self) -> bool:
+        return self.stream is not None
+
+    def launch(self, start: Start) -> None:
+        """Issue the collective (once per call)."""
+        if self._launched:
+            raise RuntimeError(f"the {self.record.kind} of {self.record.unit} was launched twice")
+        self._launched = True
+        if self.on_stream:
+            start(False)
+            return
+        work = start(True)
+        if work is None:
+            return
+        finished = threading.Event()
+        record, clock = self.record, self.log.clock
+
+        def stamp(_future) -> None:
+            record.end = clock.stamp()
+            finished.set()
+
+        work.get_future().add_done_callback(stamp)
+        self._host_work = (work, finished)
+
+    def keep(self, *buffers: torch.Tensor) -> None:
+        """Hold `buffers` until the consumer has waited. See [Note: keeping buffers alive until
+        the consumer waited] in overlap.runtime.pending."""
+        self._buffers.extend(buffers)
+
+    def then_run(self, work: Callable[[], None]) -> None:
+        """Completion work, after the collective and the work added before it: on CUDA queued
+        now on the side stream, on gloo run on the host when the consumer waits."""
+        if not self._launched:
+            raise RuntimeError(f"completion work for the {self.record.kind} of {self.record.unit} before its launch")
+        if self.on_stream:
+            work()
+        else:
+            self._callbacks.append(work)
+
+    def then_collective(self, kind: str, nbytes: int, start: Start, finish: Callable[[], None],
+                        keep: tuple[torch.Tensor, ...]) -> None:
+        """A second collective on what this one produced, with its own entry in the step log,
+        then `finish`; `keep`: the buffers it uses. On CUDA it is queued behind this one on the same side stream, under this
+        one's event. On gloo it is issued when this one has been waited for, and left in
+        `Pending.follow_up` so that the caller waits for it later, after more of backward."""
+        if not self._launched:
+            raise RuntimeError(f"{kind} chained to the {self.record.kind} of {self.record.unit} before its launch")
+        unit = self.record.unit
+        if self.on_stream:
+            record = self.log.collective(kind, unit, nbytes, self.stream)
+            with phase(f"overlap::{kind}::{unit}"):
+                start(False)
+            record.end = self.log.clock.stamp(self.stream)
+            finish()
+            self.keep(*keep)
+            return
+        log, device, watch = self.log, self.device, self.watch
+
+        def chained() -> Pending:
+            with issue(log, device, kind, unit, nbytes, None, watch) as call:
+                call.launch(start)
+                call.then_run(finish)
+                call.keep(*keep)
+            return call.pending
+
+        self._chained = chained
+
+    def seal(self, event: Optional[torch.cuda.Event]) -> Pending:
+        """The consumer's handle, once the body has run (`issue` calls it): on CUDA, `event`
+        marks the end of everything queued on the side stream."""
+        if self.on_stream:
+            self.pending = Pending(self.record, self.log.clock, StreamHandoff(event, self.device, tuple(self._buffers)))
+            return self.pending
+        signal = None
+        if self._host_work is not None:
+            work, finished = self._host_work
+            signal = HostWork(work, finished, self.watch, tuple(self._buffers))
+        self.pending = Pending(self.record, self.log.clock, signal, self._callbacks, self._chained)
+        return self.pending
+
+
+@contextlib.contextmanager
+def issue(log: StepLog, device: torch.device, kind: str, unit: str, nbytes: int,
+          stream: Optional[torch.cuda.Stream], watch: Optional["OrderCheck"],
+          uncompressed: Optional[int] = None) -> Iterator[CollectiveCall]:
+    """Issue one collective of `nbytes` on the wire (`uncompressed`: before compression) on
+    `stream` (CUDA) or as gloo work (`stream` None); the body launches it. `watch` is the
+    order check for the wait (None with one rank)."""
+    with phase(f"overlap::{kind}::{unit}"):
+        if stream is None:
+            call = CollectiveCall(log, device, log.collective(kind, unit, nbytes, uncompressed=uncompressed),
+                                  None, watch)
+            yield call
+            call.seal(None)
+            return
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            record = log.collective(kind, unit, nbytes, stream, uncompressed=uncompressed)
+            call = CollectiveCall(log, device, record, stream, watch)
+            yield call
+            record.end = log.clock.stamp(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        call.seal(event)
