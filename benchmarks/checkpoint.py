@@ -1,25 +1,33 @@
 """Time to save and load a sharded checkpoint of the benchmark model and its AdamW state,
-synchronous against asynchronous save, alternated round by round.
+synchronous against asynchronous save, and with checksums against without, alternated
+round by round.
 
 One launch of 2 gloo ranks (one thread each) trains the 23.2M-parameter GPT for a step, then
-per round: a synchronous `overlap.checkpoint.save` (blocking time = its whole time), an
-`async_save` (blocking time = until it returns, the state staged in host memory) followed
-by training steps while the files are written, the same number of steps with no save in
-flight, and a `load` of the checkpoint. Times are the slower rank's. Also the growth of
-resident memory during a synchronous save, against this rank's parts of weights and
-optimizer state.
+per round: a synchronous `overlap.checkpoint.save` with checksums and one without
+(`checksums=False`), in alternating order (blocking time = its whole time), an `async_save`
+(blocking time = until it returns, the state staged in host memory) followed by training
+steps while the files are written, the same number of steps with no save in flight, and a
+`load` of the checkpoint verified and one unverified (`verify=False`), in alternating order.
+Times are the slower rank's. Before the rounds, each rank measures how fast the two
+candidate checksums hash (zlib's crc32, hashlib's blake2b) with both ranks hashing at once,
+as during a save. The cost of checksums is the ratio of each round's pair (the
+two run back to back, so they share the host's load), as median and range over rounds. Also
+the growth of resident memory during a synchronous save, against this rank's parts of
+weights and optimizer state.
 
-    python benchmarks/checkpoint.py --rounds 5 --out docs/results/checkpoint.json
+    python benchmarks/checkpoint.py --rounds 8 --out docs/results/checkpoint.json
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -59,6 +67,20 @@ class _PeakRss:
         return self.peak - self.start
 
 
+# The candidate checksums, and how much each hashes per measurement.
+HASHES = {"crc32": zlib.crc32, "blake2b": lambda data: hashlib.blake2b(data).digest()}
+HASHED_BYTES = 64 * MIB
+
+
+def _hash_seconds(fn, data: bytes, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(data)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def run_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -91,6 +113,12 @@ def run_worker(args: argparse.Namespace) -> None:
         fn()
         return slowest(time.perf_counter() - start)
 
+    data = os.urandom(HASHED_BYTES)
+    hash_gib_s = {}
+    for name, fn in HASHES.items():
+        dist.barrier()
+        hash_gib_s[name] = HASHED_BYTES / 2**30 / slowest(_hash_seconds(fn, data))
+    del data
     step()
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     held += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
@@ -98,32 +126,46 @@ def run_worker(args: argparse.Namespace) -> None:
     rounds = []
     for index in range(args.rounds):
         path = os.path.join(args.dir, f"round{index}")
-        with _PeakRss() as rss:
-            sync_s = timed(lambda: checkpoint.save(path + "-sync", model, optimizer))
+        checked_first = [True, False] if index % 2 == 0 else [False, True]
+        save_s: dict[bool, float] = {}
+        for checksums in checked_first:
+            with _PeakRss() as rss:
+                save_s[checksums] = timed(lambda: checkpoint.save(path + ("-sync" if checksums else "-plain"), model,
+                                                                  optimizer, checksums=checksums))
+            if checksums:
+                sync_rss_growth = rss.growth
         pending: list = []
         async_s = timed(lambda: pending.append(checkpoint.async_save(path + "-async", model, optimizer)))
         steps_during = timed(lambda: [step() for _ in range(args.steps)])
         wait_s = timed(pending[0].wait)
         steps_alone = timed(lambda: [step() for _ in range(args.steps)])
-        load_s = timed(lambda: checkpoint.load(path + "-sync", model, optimizer))
+        load_s: dict[bool, float] = {}
+        for verify in checked_first:
+            load_s[verify] = timed(lambda: checkpoint.load(path + "-sync", model, optimizer, verify=verify))
         bytes_on_disk = sum(os.path.getsize(os.path.join(path + "-sync", f)) for f in os.listdir(path + "-sync"))
-        rounds.append(dict(sync_s=sync_s, async_blocking_s=async_s, async_wait_after_steps_s=wait_s,
-                           steps_during_write_s=steps_during, steps_alone_s=steps_alone, load_s=load_s,
-                           sync_rss_growth=slowest(rss.growth), bytes_on_disk=bytes_on_disk))
+        rounds.append(dict(sync_s=save_s[True], plain_sync_s=save_s[False], async_blocking_s=async_s,
+                           async_wait_after_steps_s=wait_s, steps_during_write_s=steps_during,
+                           steps_alone_s=steps_alone, load_s=load_s[True], unverified_load_s=load_s[False],
+                           checked_first=checked_first[0], sync_rss_growth=slowest(sync_rss_growth),
+                           bytes_on_disk=bytes_on_disk))
         dist.barrier()
         if rank == 0:
-            shutil.rmtree(path + "-sync")
-            shutil.rmtree(path + "-async")
+            for suffix in ("-sync", "-plain", "-async"):
+                shutil.rmtree(path + suffix)
     if rank == 0:
         write_json(args.result, dict(params=config.num_params, held_bytes_per_rank=held, steps=args.steps,
-                                     batch=args.batch, rounds=rounds))
+                                     batch=args.batch, hash_gib_s=hash_gib_s, rounds=rounds))
     dist.barrier()
 
 
-ROWS = [("synchronous save: blocking", "sync_s"), ("async save: blocking (staging)", "async_blocking_s"),
+ROWS = [("synchronous save: blocking", "sync_s"), ("synchronous save without checksums", "plain_sync_s"),
+        ("async save: blocking (staging)", "async_blocking_s"),
         ("async save: still writing after the steps", "async_wait_after_steps_s"),
         ("steps with an async save writing", "steps_during_write_s"), ("the same steps alone", "steps_alone_s"),
-        ("load (same world size)", "load_s")]
+        ("load (same world size), verified", "load_s"), ("load without verification", "unverified_load_s")]
+# (label, with checksums, without): each round's ratio of the pair
+RATIOS = [("save with checksums / without", "sync_s", "plain_sync_s"),
+          ("load verified / unverified", "load_s", "unverified_load_s")]
 
 
 def summarize(result: dict) -> dict:
@@ -132,6 +174,9 @@ def summarize(result: dict) -> dict:
     for _, key in ROWS:
         values = [r[key] * 1e3 for r in rounds]
         stats[key] = dict(median_ms=median(values), iqr_ms=list(quartiles(values)))
+    for _, checked, plain in RATIOS:
+        ratios = [r[checked] / r[plain] for r in rounds]
+        stats[f"{checked}_over_{plain}"] = dict(median=median(ratios), range=[min(ratios), max(ratios)])
     stats["sync_rss_growth_mib"] = median([r["sync_rss_growth"] for r in rounds]) / MIB
     stats["held_mib_per_rank"] = result["held_bytes_per_rank"] / MIB
     stats["checkpoint_mib"] = median([r["bytes_on_disk"] for r in rounds]) / MIB
@@ -142,9 +187,15 @@ def report(result: dict, stats: dict) -> str:
     rows = [[label, f"{stats[key]['median_ms']:.0f}", "–".join(f"{v:.0f}" for v in stats[key]["iqr_ms"])]
             for label, key in ROWS]
     table = markdown_table(["ms (slower rank)", "median", "IQR"], rows)
+    ratio_rows = [[label, f"{stats[f'{checked}_over_{plain}']['median']:.3f}",
+                   "–".join(f"{v:.3f}" for v in stats[f"{checked}_over_{plain}"]["range"])]
+                  for label, checked, plain in RATIOS]
+    ratios = markdown_table(["per-round ratio", "median", "range"], ratio_rows)
     return (f"{result['params'] / 1e6:.1f}M-parameter GPT + AdamW on {WORLD_SIZE} gloo ranks, "
             f"{len(result['rounds'])} rounds, {result['steps']} steps of batch {result['batch']} around each save\n\n"
-            f"{table}\n\nper rank: parameters + optimizer state {stats['held_mib_per_rank']:.0f} MiB; "
+            f"{table}\n\n{ratios}\n\nhashing per rank, both ranks at once: "
+            + ", ".join(f"{name} {rate:.2f} GiB/s" for name, rate in result["hash_gib_s"].items())
+            + f"\n\nper rank: parameters + optimizer state {stats['held_mib_per_rank']:.0f} MiB; "
             f"resident memory grew {stats['sync_rss_growth_mib']:.0f} MiB during a synchronous save; "
             f"checkpoint {stats['checkpoint_mib']:.0f} MiB on disk")
 

@@ -1,5 +1,6 @@
-"""Models built on the meta device: materialised module by module, the same at every world
-size and the same as eager construction; clear errors when something stays uninitialised."""
+"""Models built on the meta device: materialised module by module from rank 0's generator
+state, the same at every world size and the same as eager construction however the ranks
+were seeded; clear errors when something stays uninitialised."""
 from __future__ import annotations
 
 import pytest
@@ -11,14 +12,18 @@ from models import Block, Tiny
 from parity_cases import SMALL_GPT
 
 
-def _meta_gpt_state(rank: int, world: int) -> dict:
+def _meta_gpt_state(rank: int, world: int, seed_of_rank: tuple[int, ...] = (0, 0, 0)) -> dict:
     from overlap import ShardedModule
     from overlap.models import GPT
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed_of_rank[rank])
     with torch.device("meta"):
         model = GPT(SMALL_GPT)
-    return ShardedModule(model).full_state_dict()
+    state = ShardedModule(model).full_state_dict()
+    # Materialising left this rank's own generator as it was.
+    after = torch.rand(4)
+    torch.manual_seed(seed_of_rank[rank])
+    return {"state": state, "own_generator_kept": torch.equal(after, torch.rand(4))}
 
 
 @pytest.mark.timeout(300)
@@ -28,12 +33,26 @@ def test_meta_gpt_equals_eager_construction_at_any_world_size(world: int) -> Non
 
     torch.manual_seed(0)
     eager = GPT(SMALL_GPT).state_dict()
-    for state in run_distributed(_meta_gpt_state, world):
+    for result in run_distributed(_meta_gpt_state, world):
+        state = result["state"]
         assert list(state) == list(eager)
         for key, value in eager.items():
             assert torch.equal(state[key], value), key
     torch.manual_seed(1)
     assert not torch.equal(GPT(SMALL_GPT).state_dict()["blocks.0.fc.weight"], eager["blocks.0.fc.weight"])
+
+
+@pytest.mark.timeout(300)
+def test_ranks_seeded_differently_materialise_rank_0s_model() -> None:
+    from overlap.models import GPT
+
+    seeds = (7, 8, 9)
+    torch.manual_seed(seeds[0])
+    eager = GPT(SMALL_GPT).state_dict()
+    for result in run_distributed(_meta_gpt_state, 3, seeds):
+        assert result["own_generator_kept"]
+        for key, value in eager.items():
+            assert torch.equal(result["state"][key], value), key
 
 
 class _WithRawParameter(nn.Module):
@@ -59,13 +78,26 @@ def _init_tiny_and_scale(module: nn.Module) -> None:
         module.reset_parameters()
 
 
-def _wrap_meta(rank: int, world: int, init: str, seed_by_rank: bool) -> dict:
+def _init_from_the_rank(module: nn.Module) -> None:
+    """Draws from a generator of its own, seeded by the rank: the values differ between ranks."""
+    import torch.distributed as dist
+
+    if isinstance(module, Tiny):
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        module.gain.copy_(torch.rand(module.gain.shape, generator=generator))
+        nn.init.zeros_(module.bias)
+    else:
+        _init_tiny_and_scale(module)
+
+
+def _wrap_meta(rank: int, world: int, init: str) -> dict:
     from overlap import ShardedModule
 
-    torch.manual_seed(rank if seed_by_rank else 0)
+    torch.manual_seed(0)
     with torch.device("meta"):
         model = _WithRawParameter()
-    init_fn = {"none": None, "full": _init_tiny_and_scale, "partial": lambda m: None}[init]
+    init_fn = {"none": None, "full": _init_tiny_and_scale, "partial": lambda m: None,
+               "by_rank": _init_from_the_rank}[init]
     wrapped = ShardedModule(model, unit_types=(Block, Tiny), param_init_fn=init_fn)
     torch.manual_seed(0)
     x = torch.randn(2, 6)
@@ -85,7 +117,7 @@ def _eager_reference() -> dict:
 @pytest.mark.timeout(300)
 def test_param_init_fn_initialises_what_reset_parameters_cannot() -> None:
     reference = _eager_reference()
-    for result in run_distributed(_wrap_meta, 2, "full", False):
+    for result in run_distributed(_wrap_meta, 2, "full"):
         torch.testing.assert_close(result["out"], reference["out"])
         for key, value in reference["state"].items():
             assert torch.equal(result["state"][key], value), key
@@ -98,14 +130,15 @@ def test_param_init_fn_initialises_what_reset_parameters_cannot() -> None:
 ])
 def test_uninitialised_parameters_are_an_error_on_every_rank(init: str, expected: str) -> None:
     with pytest.raises(RankError) as info:
-        run_distributed(_wrap_meta, 2, init, False)
+        run_distributed(_wrap_meta, 2, init)
     assert set(info.value.errors) == {0, 1}
     assert all(expected in error for error in info.value.errors.values())
 
 
 @pytest.mark.timeout(300)
-def test_ranks_seeded_differently_are_an_error_on_every_rank() -> None:
+def test_an_init_that_differs_between_ranks_is_an_error_on_every_rank() -> None:
     with pytest.raises(RankError) as info:
-        run_distributed(_wrap_meta, 2, "full", True)
+        run_distributed(_wrap_meta, 2, "by_rank")
     assert set(info.value.errors) == {0, 1}
-    assert all("initialised" in e and "differently" in e and "manual_seed" in e for e in info.value.errors.values())
+    assert all("ranks initialised tiny.gain differently" in e and "rank 0's torch generator state" in e
+               for e in info.value.errors.values())

@@ -4,10 +4,13 @@ loads at any world size, bucket size or prefetch depth.
 
 A save writes into `<path>.partial` and rank 0 renames it to `<path>` once DCP has written
 every rank's files and the metadata, so `<path>` exists only complete: a save that dies
-midway leaves the previous checkpoint as it was and nothing that looks loadable.
+midway leaves the previous checkpoint as it was and nothing that looks loadable. Every item
+written carries a checksum in the metadata, and `load` checks what it reads
+(overlap.checkpoint.integrity).
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from concurrent.futures import Future
@@ -16,20 +19,24 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 
+from overlap.checkpoint.integrity import ChecksumWriter, CorruptCheckpoint, VerifyingReader, has_checksums
 from overlap.checkpoint.pretrained import load_pretrained
-from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, read_metadata
+from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, UnsafeCheckpoint, read_metadata
 from overlap.checkpoint.state import (EXTRA, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
                                       model_items, optimizer_items, optimizer_targets)
 
 if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule
 
-__all__ = ["CheckpointMismatch", "IncompleteCheckpoint", "PendingSave", "UnsafeCheckpoint", "async_save",
-           "latest_checkpoint", "load", "load_pretrained", "save"]
+__all__ = ["CheckpointMismatch", "CorruptCheckpoint", "IncompleteCheckpoint", "PendingSave", "UnsafeCheckpoint",
+           "async_save", "latest_checkpoint", "load", "load_pretrained", "save"]
 
 PARTIAL_SUFFIX = ".partial"
+
+logger = logging.getLogger("overlap")
 
 
 class IncompleteCheckpoint(FileNotFoundError):
@@ -103,14 +110,19 @@ def _publish(partial: str, path: str) -> None:
         os.rename(partial, path)
 
 
+def _writer(partial: str, checksums: bool) -> FileSystemWriter:
+    return ChecksumWriter(partial) if checksums else FileSystemWriter(partial)
+
+
 def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
-         extra: Optional[Mapping[str, Any]] = None) -> None:
+         extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> None:
     """Write the model's (and optimizer's) state to the directory `path`, every rank its own
     parts, no gather. `extra`: tensors and plain values (numbers, strings, lists, dicts),
-    the same on every rank, returned by `load`. Called on every rank."""
+    the same on every rank, returned by `load`. `checksums`: record a checksum of every item
+    written, which `load` checks. Called on every rank."""
     path = os.fspath(path)
     group, partial = _prepare(path, model)
-    dcp.save(_items(model, optimizer, extra), storage_writer=FileSystemWriter(partial), process_group=group,
+    dcp.save(_items(model, optimizer, extra), storage_writer=_writer(partial, checksums), process_group=group,
              planner=DefaultSavePlanner(flatten_state_dict=False))
     if dist.get_rank(group) == 0:
         _publish(partial, path)
@@ -118,13 +130,13 @@ def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
 
 
 def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
-               extra: Optional[Mapping[str, Any]] = None) -> PendingSave:
+               extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> PendingSave:
     """Like `save`, but returns once the state is copied (staged) to host memory; the files
     are written by a background thread while training goes on. The next save, or `wait()`,
     waits for it. Holds a copy of this rank's state until written."""
     path = os.fspath(path)
     group, partial = _prepare(path, model)
-    response = dcp.async_save(_items(model, optimizer, extra), storage_writer=FileSystemWriter(partial),
+    response = dcp.async_save(_items(model, optimizer, extra), storage_writer=_writer(partial, checksums),
                               process_group=group, planner=DefaultSavePlanner(flatten_state_dict=False))
     upload: Future = getattr(response, "upload_completion", response)
     finished: Future = Future()
@@ -154,13 +166,34 @@ def _complete_metadata(path: str):
     return read_metadata(path)
 
 
-def load(path: str | os.PathLike, model: "ShardedModule",
-         optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+def _read(items: dict[str, Any], path: str, metadata: Metadata, group: dist.ProcessGroup, verify: bool) -> None:
+    """`dcp.load` into `items`; a damaged file is one CorruptCheckpoint on every rank.
+
+    A rank's error reaches every rank through DCP, as a CheckpointException (a
+    BaseException) holding each failed rank's; the first rank's CorruptCheckpoint is raised
+    on every rank in its place."""
+    if not has_checksums(metadata):
+        logger.warning("checkpoint %s holds no checksums (written before they were recorded, or with "
+                       "checksums=False): its files cannot be verified", path)
+        verify = False
+    try:
+        dcp.load(items, storage_reader=VerifyingReader(path, verify), planner=SafeLoadPlanner(), process_group=group)
+    except CheckpointException as exc:
+        corrupt = [error for _, (error, _) in sorted(exc.failures.items()) if isinstance(error, CorruptCheckpoint)]
+        if corrupt:
+            raise corrupt[0] from None
+        raise
+
+
+def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
+         *, verify: bool = True) -> dict[str, Any]:
     """Load a checkpoint written by `save` (at any world size or layout) into `model` and
     `optimizer` in place; returns the `extra` values saved with it. Called on every rank.
 
     The checkpoint is checked against the model before anything is read: a missing, extra
-    or differently shaped key raises CheckpointMismatch naming it, on every rank."""
+    or differently shaped key raises CheckpointMismatch naming it, on every rank. A missing
+    or truncated file, or (when `verify`) bytes that do not match their checksum, raise
+    CorruptCheckpoint naming the file and the item, on every rank."""
     path = os.fspath(path)
     metadata = _complete_metadata(path)
     check_model(path, metadata, model)
@@ -176,7 +209,7 @@ def load(path: str | os.PathLike, model: "ShardedModule",
         if key.startswith(EXTRA):
             size = getattr(entry, "size", None)
             items[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
-    dcp.load(items, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), process_group=group)
+    _read(items, path, metadata, group, verify)
     model.load_state_dict({key[len("model/"):]: value for key, value in items.items() if key.startswith("model/")})
     if optimizer is not None:
         load_optimizer(path, items, parts, model, optimizer)
