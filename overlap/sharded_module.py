@@ -200,6 +200,12 @@ class ShardedModule(nn.Module):
                 out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
         return out
 
+    def reset_compression_errors(self) -> None:
+        """Forget the quantisation errors that int4 gradient compression carries from step to
+        step (error feedback): call it after skipping a step for non-finite gradients, whose
+        error would otherwise hold NaN. Does nothing without compression."""
+        self.collectives.reset_compression_errors()
+
     def overlap_report(self) -> OverlapReport:
         """How much communication ran under compute, per step and per unit, measured so far."""
         return self.overlap_monitor.report()

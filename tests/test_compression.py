@@ -13,8 +13,9 @@ from distributed import RankError, run_distributed
 from parity import train
 from parity_cases import CASES
 
+from overlap.base.choices import COMPRESSION_MODES
 
-MODES = ("none", "int8", "int8-int4")
+
 # fp32 and bf16 weights, no_sync accumulation, and (in "features") odd sizes, a frozen block,
 # tiny parameters and a block unused on step 2.
 NAMES = ("gpt_adamw_groups", "gpt_no_sync", "gpt_bf16", "features")
@@ -38,7 +39,7 @@ def _train_modes(rank: int, world: int) -> dict:
     results = {}
     for name in NAMES:
         case = CASES[name]
-        for mode in MODES:
+        for mode in COMPRESSION_MODES:
             wrap = dict(case.wrap, compression=mode)
             sent = {}
 

@@ -33,15 +33,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlap.kernels import KernelBackend
+from overlap.base.choices import COMPRESSION_BITS
 from overlap.kernels.quantized import DEFAULT_BLOCK, num_blocks, quantized_bytes
-
-# mode -> (bits of gathered weights, bits of reduced gradients); None: not compressed.
-MODES: dict[str, tuple[Optional[int], Optional[int]]] = {
-    "none": (None, None),
-    "int8": (8, 8),
-    "int8-int4": (8, 4),
-}
-
 
 @dataclass(frozen=True)
 class Compression:
@@ -52,11 +45,11 @@ class Compression:
 
     @property
     def weight_bits(self) -> Optional[int]:
-        return MODES[self.mode][0]
+        return COMPRESSION_BITS[self.mode][0]
 
     @property
     def grad_bits(self) -> Optional[int]:
-        return MODES[self.mode][1]
+        return COMPRESSION_BITS[self.mode][1]
 
     @property
     def error_feedback(self) -> bool:
