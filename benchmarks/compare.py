@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 IMPLEMENTATIONS = peers.IMPLEMENTATIONS
 # Implementations whose collectives ShardedModule records (their bytes are measured).
 MEASURED = (*peers.SHARDED_MODULE, "overlap-base")
-# ShardedModule of another checkout, run by that checkout's interpreter (--baseline-python):
+# ShardedModule of another checkout, run by that checkout's interpreter and worker (--baseline):
 # before/after comparisons of a change, alternated with the rest in one run.
 BASELINE = "overlap-base"
 WORLD_SIZE = 2
@@ -237,8 +237,9 @@ def _worker_args(args: argparse.Namespace, impl: str, result: str, memory: bool)
 
 
 def _launch(args: argparse.Namespace, impl: str, prefix: list[str], result: str, memory: bool) -> dict:
-    script = os.path.abspath(__file__)
-    python = args.baseline_python if impl == BASELINE else sys.executable
+    # The baseline runs its own checkout's worker: its package's modules may have other names.
+    script = os.path.join(args.baseline, "benchmarks", "compare.py") if impl == BASELINE else os.path.abspath(__file__)
+    python = os.path.join(args.baseline, ".venv", "bin", "python") if impl == BASELINE else sys.executable
     worker = _worker_args(args, peers.OVERLAP if impl == BASELINE else impl, result, memory)
     command = [python, script, *worker] if impl == peers.LOCAL else torchrun(script, WORLD_SIZE, worker, python)
     run_with_deadline(prefix + command, args.run_timeout, env=single_thread_env())
@@ -510,8 +511,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--ddp-bucket-mb", type=float, default=10.0, help=f"{peers.DDP_TUNED}'s bucket_cap_mb")
     parser.add_argument("--fsdp2-prefetch", type=int, default=2,
                         help=f"{peers.FSDP2_TUNED}: blocks in each explicit forward/backward prefetch list")
-    parser.add_argument("--baseline-python", help=f"interpreter of another checkout's environment: adds {BASELINE!r}, "
-                        "that checkout's ShardedModule, to the implementations")
+    parser.add_argument("--baseline", help=f"another checkout with its environment in .venv (`make setup` there): "
+                        f"adds {BASELINE!r}, that checkout's ShardedModule run by its own worker, to the "
+                        "implementations")
     parser.add_argument("--out", default="bench_out", help="directory for compare.json/.md/.png")
     parser.add_argument("--run-timeout", type=float, default=600, help="seconds one launch may take")
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, two timed steps")
@@ -534,10 +536,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.skipped = {} if args.impls else peers.unavailable()
         args.impls = parse_choices(args.impls or ",".join(i for i in IMPLEMENTATIONS if i not in args.skipped),
                                    (*peers.ALL, BASELINE), "--impls")
-        if args.baseline_python and BASELINE not in args.impls:
+        if args.baseline and BASELINE not in args.impls:
             args.impls.append(BASELINE)
-        if BASELINE in args.impls and not args.baseline_python:
-            raise ValueError(f"--impls {BASELINE} needs --baseline-python")
+        if BASELINE in args.impls and not args.baseline:
+            raise ValueError(f"--impls {BASELINE} needs --baseline")
     except ValueError as exc:
         parser.error(str(exc))
     for name in ("rounds", "steps", "batch", *MODEL_FIELDS):
