@@ -1,105 +1,265 @@
 #!/usr/bin/env bash
-# The check to run first on any machine with a GPU (written for one H200 with torch, triton,
-# cupy-cuda13x and nvcc installed, and no internet), in under 10 minutes. It prints PASS,
-# FAIL or SKIP per check, with its figures:
-#   1. build overlap._C with its CUDA kernels (sm_80, sm_90, and PTX for newer GPUs);
-#   2. the kernel tests on CUDA tensors (every backend against the torch reference) and the
-#      CUDA source compile tests;
-#   3. benchmarks/gpu_checks.py: device selection from init_process_group(), "cpu:gloo,cuda:nccl"
-#      and "nccl"; stream-race parity by delay injection in five configurations; every kernel
-#      backend past 2**31 elements; the step record's collective times against CUPTI's;
-#      ShardedModule vs FSDP2 vs the plain model on a ~1B-parameter GPT in bf16;
-#   4. benchmarks/kernels.py on CUDA: each backend's GB/s next to a device-to-device copy.
-# Without a GPU every check says SKIP and why (a dry run of the script itself).
+# The check to run first on a machine with a GPU (written for one H200 with torch, triton and
+# cupy-cuda13x, perhaps nvcc, no internet), within 8 minutes: each step has a cap, the caps add
+# up to the budget, and the plan is printed first. It prints PASS, FAIL or SKIP per check, with
+# its figures and, for a SKIP, why. Newest code first:
+#   install         the package, without compiling anything, so that every later step can
+#                   import it whatever the extension's build does
+#   extension       overlap._C with its CUDA kernels where nvcc is found (sm_80, sm_90, PTX);
+#                   without nvcc the ext backend's CUDA half is a SKIP
+#   quant_kernels   tests/test_quant_kernels.py's CUDA cases: every backend against the torch
+#                   reference
+#   compressed ... overhead
+#                   benchmarks/gpu_checks.py, one process per step (its docstring says what
+#                   each checks): compressed collectives at world size 1, the step record's
+#                   CUDA clock against CUPTI, no host syncs in steady state (and SKIPs for
+#                   hybrid and hpZ), an emulated slow link (the exposed share of the injected
+#                   communication against the overlap report's, beside FSDP2's), device
+#                   selection and stream-race parity, kernels past 2**31 elements, ShardedModule
+#                   against FSDP2 and the plain model on a ~1B-parameter GPT
+#   kernel_tests    tests/test_kernels.py's CUDA cases
+#   kernel_bandwidth benchmarks/kernels.py on CUDA: each backend's GB/s next to a copy
 #
 # One GPU is one rank: NCCL's collectives are then local copies. What this cannot show
 # (it needs N > 1 ranks): transfers between GPUs and their overlap with compute, the link
-# model the planner fits (NVLink or InfiniBand α and β), gradients summed across ranks by the
-# reduce-scatter, the check that ranks run the same units, and races between ranks.
+# model the planner fits, gradients summed across ranks, the check that ranks run the same
+# units, and races between ranks.
 #
-# Run from the repository root: bash benchmarks/gpu_check.sh
-# Logs go to $OUT (if set) or bench_out/: build.log, tests.log, checks.log, kernels_cuda.json.
+# Run from the repository root:
+#   bash benchmarks/gpu_check.sh              on a GPU machine; without a GPU, every step SKIPs
+#   bash benchmarks/gpu_check.sh --rehearse   the Python checks on CPU with gloo, tiny sizes
+# Logs go to $OUT (if set) or bench_out/, one per step.
 set -uo pipefail
+
+rehearse=""         # the flag passed on to gpu_checks.py
+case "${1:-}" in
+    "") ;;
+    --rehearse) rehearse=--rehearse ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--rehearse]" >&2; exit 2 ;;
+esac
 
 OUT_DIR="${OUT:-bench_out}"
 mkdir -p "$OUT_DIR"
-PY="${PYTHON:-python}"
-status=0
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 start_s=$SECONDS
-# The whole script stays within 10 minutes: each step's limit is its own cap or what is left.
-BUDGET_S=570
 
-step() { echo; echo "=== $* ($(date +%T), $((SECONDS - start_s)) s)"; }
-verdict() { echo "$1 $2: $3"; [ "$1" = FAIL ] && status=1; return 0; }
-limit() { local left=$((BUDGET_S - (SECONDS - start_s))); left=$(( left < $1 ? left : $1 )); echo $(( left < 1 ? 1 : left )); }
+# The steps in the order they run, and each one's cap in seconds; the caps add up to at most
+# BUDGET_S, so the script ends within it even when every step runs to its cap.
+BUDGET_S=480
+STEPS=(machine install extension quant_kernels compressed report_timing sync_free slow_link parity
+       large_index overhead kernel_tests kernel_bandwidth)
+declare -A CAP=([machine]=20 [install]=30 [extension]=115 [quant_kernels]=60 [compressed]=25 [report_timing]=25
+                [sync_free]=20 [slow_link]=45 [parity]=40 [large_index]=25 [overhead]=35 [kernel_tests]=25
+                [kernel_bandwidth]=15)
+# The checks of benchmarks/gpu_checks.py that each step runs.
+declare -A CHECKS=([compressed]=compressed [report_timing]=report_timing [sync_free]=sync_free,hybrid,hpz
+                   [slow_link]=slow_link [parity]=device,parity [large_index]=large_index [overhead]=overhead)
 
-step "machine"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'GPU', torch.cuda.is_available())"
-"$PY" -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton not importable"
-"$PY" -c "import cupy; print('cupy', cupy.__version__)" 2>/dev/null || echo "cupy not importable: the cupy backend is skipped"
-command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "no nvcc"
-has_gpu=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
-
-step "build overlap._C (CUDA)"
-if [ "$has_gpu" != 1 ]; then
-    verdict SKIP build "no CUDA device: the CPU build in place is kept"
-elif ! command -v nvcc >/dev/null; then
-    verdict FAIL build "nvcc not found: the extension would be built without its CUDA kernels"
-# --no-deps: the machine's torch is used as it is, nothing is fetched.
-elif ! MAX_JOBS="$(nproc)" timeout "$(limit 240)" "$PY" -m pip install --no-build-isolation --no-deps -e . \
-        >"$OUT_DIR/build.log" 2>&1; then
-    verdict FAIL build "pip install failed; see $OUT_DIR/build.log"; tail -30 "$OUT_DIR/build.log"
-else
-    "$PY" - <<'EOF' && verdict PASS build "overlap._C has CUDA kernels" || verdict FAIL build "overlap._C lacks its CUDA kernels"
-import torch
-import overlap._C  # noqa: F401
-from overlap.kernels import available_backends
-print("backends on cuda, fastest first:", available_backends(torch.device("cuda")))
-assert torch._C._dispatch_has_kernel_for_dispatch_key("overlap::pack", "CUDA")
-EOF
+echo "plan: step, cap (budget $BUDGET_S s)"
+total=0
+for name in "${STEPS[@]}"; do
+    printf '  %-18s %4d s\n' "$name" "${CAP[$name]}"
+    total=$((total + CAP[$name]))
+done
+echo "  total              $total s"
+if (( total > BUDGET_S )); then
+    echo "FAIL plan: the caps add up to $total s, more than the $BUDGET_S s budget"
+    exit 2
 fi
 
-step "kernel tests on CUDA tensors"
-if [ "$has_gpu" != 1 ]; then
-    verdict SKIP kernel_tests "no CUDA device: tests/test_kernels.py's CUDA cases select nothing"
+SCALE=1
+status=0
+declare -A COUNT=([PASS]=0 [FAIL]=0 [SKIP]=0)
+step() { echo; echo "=== $1 (cap $((CAP[$1] * SCALE)) s; at $((SECONDS - start_s)) s)"; }
+verdict() { echo "$1 $2: $3"; COUNT[$1]=$((COUNT[$1] + 1)); [ "$1" = FAIL ] && status=1; return 0; }
+# The seconds step $1 may run: its cap, or what is left of the budget if less (0 when spent);
+# both times SCALE.
+limit() {
+    local cap=$((CAP[$1] * SCALE)) left=$((BUDGET_S * SCALE - (SECONDS - start_s)))
+    echo $(( left < cap ? (left > 0 ? left : 0) : cap ))
+}
+# Run "$@" under step $1's limit, output to the terminal and $OUT_DIR/$1.log; returns its
+# status (124 when the limit stopped it).
+capped() {
+    local name=$1; shift
+    local seconds; seconds=$(limit "$name")
+    if (( seconds < 5 )); then echo "budget spent" >"$OUT_DIR/$name.log"; return 124; fi
+    # --kill-after: a collective stuck in NCCL may not answer SIGTERM.
+    timeout --kill-after=5 "$seconds" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" = 137 ] && rc=124
+    return "$rc"
+}
+# How a step that ran under `capped` ended, when it printed no verdict of its own.
+ended() {
+    local name=$1 rc=$2
+    if [ "$rc" = 124 ]; then
+        verdict FAIL "$name" "stopped at its limit ($(limit_note "$name")); see $OUT_DIR/$name.log"
+    elif [ "$rc" != 0 ] && ! grep -q '^FAIL ' "$OUT_DIR/$name.log"; then
+        verdict FAIL "$name" "exited with status $rc and no verdict; see $OUT_DIR/$name.log"
+    elif [ "$rc" != 0 ]; then
+        status=1
+    fi
+}
+limit_note() { echo "cap $((CAP[$1] * SCALE)) s, $((BUDGET_S * SCALE - (SECONDS - start_s))) s of the budget left"; }
+
+has_gpu=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+has_pytest=$("$PY" -c "import pytest" 2>/dev/null && echo 1 || echo 0)
+# torch's build finds nvcc in CUDA_HOME or /usr/local/cuda when PATH lacks it; so do we.
+nvcc_path=$(command -v nvcc || ls "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" 2>/dev/null || true)
+[ -n "$nvcc_path" ] && export PATH="$(dirname "$nvcc_path"):$PATH"
+# gpu: everything runs; rehearse: the Python checks on CPU; none: every step SKIPs.
+if [ -n "$rehearse" ]; then mode=rehearse
+    # A CPU shared with other work is slower than the GPU the caps are set for.
+    SCALE=4; echo "rehearsal: caps and budget x$SCALE"
+elif [ "$has_gpu" = 1 ]; then mode=gpu
+else mode=none
+fi
+installed=1
+
+step machine
+capped machine "$PY" - <<'EOF'
+import importlib.metadata, shutil, subprocess, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "GPU", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
+for name in ("triton", "cupy-cuda13x", "cupy-cuda12x", "pytest", "setuptools"):
+    try:
+        print(name, importlib.metadata.version(name))
+    except importlib.metadata.PackageNotFoundError:
+        print(name, "not installed")
+nvcc = shutil.which("nvcc")
+print("nvcc", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+      if nvcc else "not found")
+print("ninja", "found" if shutil.which("ninja") else "not found: the extension would compile one file at a time")
+EOF
+ended machine $?
+
+step install
+if [ "$mode" != gpu ]; then
+    verdict SKIP install "no CUDA device, or a rehearsal: the install in place is kept"
 else
-    # The CPU cases run in every test run; here only the CUDA ones and the compile tests.
-    tests=(tests/test_kernels.py tests/test_cuda_sources.py)
-    [ -f tests/test_quant_kernels.py ] && tests+=(tests/test_quant_kernels.py)
-    if timeout "$(limit 150)" "$PY" -m pytest -q -p no:cacheprovider -k "cuda or nvcc or compile or ptx" \
-            "${tests[@]}" >"$OUT_DIR/tests.log" 2>&1; then
-        verdict PASS kernel_tests "$(tail -1 "$OUT_DIR/tests.log")"
+    # CXX names no compiler, so setup.py installs the package without the extension (with a
+    # warning) in seconds; the extension step builds it. --no-deps: the machine's torch is
+    # used as it is, nothing is fetched.
+    CXX=overlap-no-compiler capped install "$PY" -m pip install --no-build-isolation --no-deps -e .
+    rc=$?
+    if [ "$rc" = 0 ] && "$PY" -c "import overlap, overlap.kernels"; then
+        verdict PASS install "overlap importable from this tree"
     else
-        verdict FAIL kernel_tests "$(tail -1 "$OUT_DIR/tests.log"); see $OUT_DIR/tests.log"; tail -15 "$OUT_DIR/tests.log"
+        installed=0
+        ended install "$rc"
+        [ "$rc" = 0 ] && verdict FAIL install "installed, but overlap does not import; see $OUT_DIR/install.log"
+        tail -20 "$OUT_DIR/install.log"
+    fi
+fi
+# Every later Python step needs the package.
+ready() { [ "$mode" = gpu ] && [ "$installed" = 1 ]; }
+not_ready_reason() {
+    [ "$mode" = gpu ] && echo "the package did not install" || echo "no CUDA device, or a rehearsal"
+}
+
+step extension
+if ! ready; then
+    verdict SKIP extension "$(not_ready_reason)"
+elif [ -z "$nvcc_path" ]; then
+    verdict SKIP extension "nvcc not found: overlap._C would have no CUDA kernels, so the ext backend's\
+ CUDA cases are skipped (its CPU half is checked by the CPU test suite)"
+else
+    # The install that builds the extension in place; -v shows setup.py's warning if it skips it.
+    MAX_JOBS="$(nproc)" capped extension "$PY" -m pip install -v --no-build-isolation --no-deps -e . >/dev/null
+    rc=$?
+    if [ "$rc" != 0 ]; then
+        ended extension "$rc"
+        tail -20 "$OUT_DIR/extension.log"
+    else
+        if "$PY" - <<'EOF'; then
+import torch
+from overlap.kernels import available_backends
+import overlap._C  # noqa: F401
+print("kernel backends on cuda, in auto's order:", available_backends(torch.device("cuda")))
+for op in ("overlap::pack", "overlap::quantize"):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
+EOF
+            verdict PASS extension "overlap._C has its CUDA kernels"
+        else
+            skipped=$(grep -o 'installing without the overlap._C extension: [^.]*' "$OUT_DIR/extension.log" | head -1)
+            verdict FAIL extension "overlap._C lacks its CUDA kernels${skipped:+: $skipped}; see $OUT_DIR/extension.log"
+        fi
     fi
 fi
 
-step "device selection, stream-race parity, large indices, report timing, overhead"
-checks_s=$(limit 240)
-timeout "$checks_s" "$PY" benchmarks/gpu_checks.py 2>&1 | tee "$OUT_DIR/checks.log"
-checks_rc=${PIPESTATUS[0]}
-if [ "$checks_rc" = 124 ]; then
-    verdict FAIL gpu_checks "did not finish within $checks_s s; see $OUT_DIR/checks.log"
-elif [ "$checks_rc" != 0 ]; then
-    status=1
-fi
+# pytest_step NAME TEST_FILE: the file's CUDA cases (the compile-only cases run in the CPU suite).
+pytest_step() {
+    local name=$1 file=$2
+    if ! ready; then
+        verdict SKIP "$name" "$(not_ready_reason) (the CPU cases run in the test suite)"
+    elif [ "$has_pytest" != 1 ]; then
+        verdict SKIP "$name" "pytest is not importable here"
+    else
+        capped "$name" "$PY" -m pytest -q -p no:cacheprovider -k "cuda and not compile" "$file" >/dev/null
+        local rc=$?
+        if [ "$rc" = 0 ]; then
+            verdict PASS "$name" "$(tail -1 "$OUT_DIR/$name.log")"
+        elif [ "$rc" = 5 ]; then
+            verdict SKIP "$name" "no CUDA case selected: $(tail -1 "$OUT_DIR/$name.log")"
+        else
+            tail -15 "$OUT_DIR/$name.log"
+            if [ "$rc" = 124 ]; then ended "$name" "$rc"
+            else verdict FAIL "$name" "$(tail -1 "$OUT_DIR/$name.log"); see $OUT_DIR/$name.log"
+            fi
+        fi
+    fi
+}
 
-step "kernel bandwidth"
-if [ "$has_gpu" != 1 ]; then
-    verdict SKIP kernel_bandwidth "no CUDA device (the CPU figures are in docs/kernels.md)"
-elif [ "$(limit 120)" -lt 20 ]; then
-    verdict SKIP kernel_bandwidth "the 10-minute budget is spent"
-elif timeout "$(limit 120)" "$PY" benchmarks/kernels.py --device cuda --repeats 10 --out "$OUT_DIR/kernels_cuda.json"; then
-    verdict PASS kernel_bandwidth "table above; $OUT_DIR/kernels_cuda.json"
+step quant_kernels
+pytest_step quant_kernels tests/test_quant_kernels.py
+
+checks_logs=()      # the logs of gpu_checks.py written by this run, counted in the summary
+# checks_step NAME: its checks of benchmarks/gpu_checks.py, in a process of their own.
+checks_step() {
+    local name=$1
+    step "$name"
+    if [ "$mode" = none ]; then
+        for check in ${CHECKS[$name]//,/ }; do
+            verdict SKIP "$check" "no CUDA device (torch.cuda.is_available() is False)"
+        done
+    elif [ "$installed" != 1 ]; then
+        for check in ${CHECKS[$name]//,/ }; do verdict SKIP "$check" "the package did not install"; done
+    else
+        capped "$name" "$PY" benchmarks/gpu_checks.py --only "${CHECKS[$name]}" $rehearse
+        ended "$name" $?
+        checks_logs+=("$OUT_DIR/$name.log")
+    fi
+}
+for name in compressed report_timing sync_free slow_link parity large_index overhead; do
+    checks_step "$name"
+done
+
+step kernel_tests
+pytest_step kernel_tests tests/test_kernels.py
+
+step kernel_bandwidth
+if ! ready; then
+    verdict SKIP kernel_bandwidth "$(not_ready_reason) (the CPU figures are in docs/kernels.md)"
 else
-    verdict FAIL kernel_bandwidth "benchmarks/kernels.py failed"
+    capped kernel_bandwidth "$PY" benchmarks/kernels.py --device cuda --repeats 10 \
+        --out "$OUT_DIR/kernels_cuda.json"
+    rc=$?
+    if [ "$rc" = 0 ]; then verdict PASS kernel_bandwidth "table above; $OUT_DIR/kernels_cuda.json"
+    else ended kernel_bandwidth "$rc"
+    fi
 fi
 
-step "summary"
-echo "checks that need more than one GPU, not run here: transfers between GPUs and their overlap,"
-echo "the planner's link fit, gradients summed across ranks, ranks running different units."
-grep -hE "^(PASS|FAIL|SKIP) " "$OUT_DIR/checks.log" >/dev/null 2>&1 && \
-    echo "gpu_checks.py: $(grep -cE '^PASS ' "$OUT_DIR/checks.log") passed, $(grep -cE '^FAIL ' "$OUT_DIR/checks.log") failed, $(grep -cE '^SKIP ' "$OUT_DIR/checks.log") skipped"
-echo "status $status after $((SECONDS - start_s)) s"
+echo
+echo "=== summary"
+echo "not checked here, it needs more than one GPU: transfers between GPUs and their overlap, the"
+echo "planner's link fit, gradients summed across ranks, ranks running different units."
+for kind in PASS FAIL SKIP; do
+    found=0
+    (( ${#checks_logs[@]} )) && found=$(cat "${checks_logs[@]}" | grep -cE "^$kind ")
+    COUNT[$kind]=$((COUNT[$kind] + found))
+done
+echo "${COUNT[PASS]} passed, ${COUNT[FAIL]} failed, ${COUNT[SKIP]} skipped; status $status after $((SECONDS - start_s)) s"
 exit $status

@@ -1,6 +1,18 @@
 """The checks of benchmarks/gpu_check.sh that run Python, on one CUDA device, each printing
-`PASS`, `FAIL` or `SKIP` with its name and figures:
+`PASS`, `FAIL` or `SKIP` with its name and figures, newest code first:
 
+  compressed    ShardedModule with NCCL at world size 1 uncompressed, int8 and int8-int4:
+                finite, losses close to uncompressed, bit-identical with delays injected on
+                the side streams, every collective seen by the injection (the compressed
+                gathers too), gathers compressed on the wire
+  report_timing the step record's time of the collectives in flight (CUDA clock) against the
+                side-stream kernels CUPTI saw (torch.profiler)
+  sync_free     a few steady-state steps under `torch.cuda.set_sync_debug_mode("error")`,
+                uncompressed and int8-int4, and the host waits that mode does not flag
+  hybrid, hpz   SKIP: one rank has no replicas and no node to copy within
+  slow_link     a slow link emulated on one GPU: a sleep kernel sized to bytes / bandwidth
+                on the stream of each collective, for ShardedModule and FSDP2; the share of
+                the injected time that the step time exposes, against the overlap report
   device        `init_process_group()`, "cpu:gloo,cuda:nccl" and "nccl" each put the shards on
                 the GPU, and a step runs there
   parity        five configurations, each trained plainly and with delays injected on the side
@@ -8,16 +20,18 @@
                 gathered buffer NaN-filled before its storage is released: bit-identical runs,
                 finite, equal to the unsharded model, allocated memory flat from step 2 on
   large_index   every kernel backend on tensors past 2**31 elements against torch
-  report_timing the step record's time of the collectives in flight against the side-stream
-                kernels CUPTI saw (torch.profiler)
   overhead      step time and peak memory of ShardedModule, FSDP2 and the plain model at world
                 size 1 on a ~1B-parameter GPT in bf16
 
+Step times come from CUDA events read once after the timed steps, never from a sync per step:
+a loop that syncs every step lets the host never run ahead, which hides any sync the code
+under test makes itself.
+
 Without a GPU every check says SKIP and why. `--rehearse` runs the same code on the CPU with
-gloo and small sizes (no delays, no timing check): a test of this script, not of the GPU
+gloo and small sizes (no delays, no timing verdicts): a test of this script, not of the GPU
 paths.
 
-    python benchmarks/gpu_checks.py [--only device,parity] [--rehearse]
+    python benchmarks/gpu_checks.py [--only compressed,sync_free] [--rehearse]
 """
 from __future__ import annotations
 
@@ -29,10 +43,13 @@ import json
 import math
 import os
 import socket
+import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections import Counter
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -41,11 +58,24 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))        # tests/models.py: the awkward model
 
-CHECKS = ("device", "parity", "large_index", "report_timing", "overhead")
+CHECKS = ("compressed", "report_timing", "sync_free", "hybrid", "hpz", "slow_link", "device", "parity",
+          "large_index", "overhead")
 # torch.cuda._sleep cycles injected around each side-stream collective: ~0.5 ms at ~2 GHz.
 SLEEP_CYCLES = 1_000_000
 PARITY_STEPS = 5
+REHEARSAL_STEPS = 3           # of the parity and compressed runs, on CPU
 OVERHEAD_STEPS, OVERHEAD_WARMUP = 8, 3
+# Losses of compressed training against uncompressed, per step: the CPU suite measures within
+# 0.55% (tests/test_compression.py); this checks the GPU path, not the codec's accuracy.
+COMPRESSED_LOSS_RTOL = 0.02
+SYNC_WARMUP, SYNC_STEPS = 3, 3
+# The emulated link moves ShardedModule's bytes of a step in this share of its uninjected step.
+LINK_LOAD = 0.5
+SLOW_WARMUP, SLOW_STEPS = 4, 10
+# The report's added exposed time must match the step time's within this share of the
+# injected time (plus EXPOSED_SLACK_S): the report brackets waits with events on the compute
+# stream, so a few µs per wait of hand-over between streams show on one side only.
+EXPOSED_TOLERANCE, EXPOSED_SLACK_S = 0.25, 0.5e-3
 
 
 class Checks:
@@ -60,6 +90,10 @@ class Checks:
 
     def verdict(self, name: str, ok: bool, detail: str) -> None:
         self.report("PASS" if ok else "FAIL", name, detail)
+
+    def error(self, name: str, exc: BaseException) -> None:
+        """A check that raised is a failed check."""
+        self.report("FAIL", name, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
 
 
 def _free_port() -> int:
@@ -82,6 +116,16 @@ def one_rank_group(backend: Optional[str]) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def one_rank_on(device: torch.device) -> Iterator[None]:
+    """`one_rank_group` with the backend for `device` (nccl, or gloo for a rehearsal), the
+    device made current."""
+    with one_rank_group("nccl" if device.type == "cuda" else "gloo"):
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        yield
+
+
 def _device(rehearse: bool) -> torch.device:
     return torch.device("cpu") if rehearse else torch.device("cuda", 0)
 
@@ -89,6 +133,612 @@ def _device(rehearse: bool) -> torch.device:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _finite(values: Sequence[float]) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def _bf16():
+    from overlap import MixedPrecision
+
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def timed_steps(step: Callable[[int], torch.Tensor], device: torch.device, warmup: int, steps: int,
+                at_window: Optional[Callable[[], None]] = None) -> tuple[list[float], list[float]]:
+    """Run `step(i)` `warmup` times, call `at_window()`, then `steps` more times; the seconds
+    of each of the last `steps`, and every step's returned (detached) loss. On CUDA each
+    step's end is an event on the compute stream and nothing waits until the last one (see
+    the module's note); each loss is read after the window."""
+    losses = [step(i) for i in range(warmup)]
+    if at_window is not None:
+        at_window()
+    if device.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for i in range(steps):
+            losses.append(step(warmup + i))
+            marks[i + 1].record()
+        marks[-1].synchronize()
+        seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    else:
+        stamps = [time.perf_counter()]
+        for i in range(steps):
+            losses.append(step(warmup + i))
+            stamps.append(time.perf_counter())
+        seconds = [b - a for a, b in zip(stamps, stamps[1:])]
+    return seconds, [float(loss) for loss in losses]
+
+
+# ---- injection into the collectives ------------------------------------------------------------
+
+def _collective_functions() -> list[tuple[Any, str, str]]:
+    """(owner, attribute, kind) of every function through which ShardedModule and FSDP2 issue
+    a collective, looked up on its owner at each call."""
+    from overlap.runtime import collectives
+    from overlap.runtime.collectives import Collectives
+
+    found = [(collectives, "all_gather_flat", "all_gather"), (collectives, "reduce_scatter_flat", "reduce_scatter"),
+             # gloo's reduction, and the codec's compressed one on every backend.
+             (Collectives, "_all_to_all", "all_to_all")]
+    # FSDP2 calls `dist.<name>` at each collective; which name depends on the torch release.
+    for name, kind in (("all_gather_into_tensor", "all_gather"), ("all_gather_single", "all_gather"),
+                       ("reduce_scatter_tensor", "reduce_scatter"), ("reduce_scatter_single", "reduce_scatter")):
+        if hasattr(dist, name):
+            found.append((dist, name, kind))
+    return found
+
+
+class Injection:
+    """While `active()`: every collective ShardedModule or FSDP2 issues is counted by kind with
+    its largest buffer's bytes; on CUDA `cycles(kind, nbytes)` of `torch.cuda._sleep` run on
+    the current stream (the collective's own side stream) before it, and with `after` once
+    more after it (delaying the completion work queued behind it); with `poison` every freed
+    gathered buffer is NaN-filled before its storage goes back to the allocator. A consumer
+    that does not wait for a collective, or a buffer freed while a stream still reads it,
+    then shows as a different or non-finite result."""
+
+    def __init__(self, cycles: Optional[Callable[[str, int], int]] = None, after: bool = False,
+                 poison: bool = False) -> None:
+        self.cycles = cycles
+        self.after = after
+        self.poison = poison
+        self.calls: Counter = Counter()
+        self.nbytes: Counter = Counter()
+        self.slept: Counter = Counter()       # sleep cycles injected, by kind
+        self._inside = threading.local()      # one collective reached through another counts once
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.nbytes.clear()
+        self.slept.clear()
+
+    def _wrap(self, kind: str, fn: Callable) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._inside, "active", False):
+                return fn(*args, **kwargs)
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+            on_cuda = any(t.is_cuda for t in tensors)
+            cycles = self.cycles(kind, nbytes) if self.cycles is not None and on_cuda else 0
+            self.calls[kind] += 1
+            self.nbytes[kind] += nbytes
+            self.slept[kind] += cycles * (2 if self.after else 1)
+            if cycles:
+                torch.cuda._sleep(cycles)
+            self._inside.active = True
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self._inside.active = False
+            if cycles and self.after:
+                torch.cuda._sleep(cycles)
+            return out
+        return run
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["Injection"]:
+        from overlap.runtime.flat_group import FlatGroup
+
+        targets = _collective_functions()
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+        free = FlatGroup.free
+
+        def poisoned_free(group: FlatGroup) -> None:
+            if group.is_allocated:
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(group.full):
+                    group.full.detach().fill_(float("nan"))
+            free(group)
+
+        for owner, name, kind in targets:
+            setattr(owner, name, self._wrap(kind, getattr(owner, name)))
+        if self.poison:
+            FlatGroup.free = poisoned_free
+        try:
+            yield self
+        finally:
+            for owner, name, fn in saved:
+                setattr(owner, name, fn)
+            FlatGroup.free = free
+
+
+def _race_injection(rehearse: bool) -> Injection:
+    """Delays before and after every collective (none on CPU) and poisoned frees."""
+    return Injection(cycles=None if rehearse else (lambda kind, nbytes: SLEEP_CYCLES), after=True, poison=True)
+
+
+# ---- models and training -------------------------------------------------------------------------
+
+def _gpt(layers: int = 4, width: int = 128):
+    from overlap.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=layers, n_head=4, n_embd=width))
+
+
+def _feature_net():
+    from models import FeatureNet
+
+    return FeatureNet(vocab=512, d=64, hidden=96)
+
+
+def _parity_configs() -> dict[str, dict]:
+    return {
+        "gpt_fp32_depth2": dict(build=_gpt, wrap=dict(prefetch_depth=2)),
+        "no_sync": dict(build=_gpt, wrap=dict(prefetch_depth=1), micro_batches=2),
+        "tied_frozen_twice_checkpointed": dict(build=_feature_net, wrap=dict(prefetch_depth=1)),
+        "bf16_gather_fp32_reduce": dict(build=_gpt, wrap=dict(prefetch_depth=1, mixed_precision=_bf16()),
+                                        param_dtype=torch.bfloat16),
+        "no_reshard_after_forward": dict(build=_gpt, wrap=dict(prefetch_depth=1, reshard_after_forward=False)),
+    }
+
+
+def _batches(device: torch.device, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 512, (8, 64), generator=gen).to(device),
+             torch.randint(0, 512, (8, 64), generator=gen).to(device)) for _ in range(steps)]
+
+
+def _parity_steps(device: torch.device) -> int:
+    return PARITY_STEPS if device.type == "cuda" else REHEARSAL_STEPS
+
+
+def _train_sharded(config: dict, device: torch.device, injection: Optional[Injection]) -> dict:
+    """`_parity_steps` steps of ShardedModule under `injection`; its losses, allocated bytes after
+    each step, final state, and the collectives its step records hold (by kind, and the
+    gathers sent compressed)."""
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(config["build"](), **config["wrap"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    micro = config.get("micro_batches", 1)
+    losses, allocated = [], []
+    recorded: Counter = Counter()
+    with injection.active() if injection is not None else contextlib.nullcontext():
+        for idx, targets in _batches(device, _parity_steps(device)):
+            total = torch.zeros((), device=device)
+            for k in range(micro):
+                part = slice(k * idx.shape[0] // micro, (k + 1) * idx.shape[0] // micro)
+                with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                    loss = model(idx[part], targets[part]) / micro
+                    loss.backward()
+                total += loss.detach().float()
+            optimizer.step()
+            optimizer.zero_grad()
+            _sync(device)
+            losses.append(total.item())
+            allocated.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
+            for c in model.scheduler.last_step.collectives:
+                recorded[c.kind] += 1
+                recorded[f"{c.kind} compressed"] += c.uncompressed_nbytes is not None
+    return dict(losses=losses, allocated=allocated, state=model.full_state_dict(), recorded=recorded)
+
+
+def _train_plain(config: dict, device: torch.device) -> dict:
+    """The unsharded model: fp32 master weights; with a 16-bit `param_dtype` each step
+    computes with a copy in that dtype and steps the master with its gradients in fp32, as
+    ShardedModule's mixed precision does."""
+    torch.manual_seed(0)
+    master = config["build"]().to(device)
+    optimizer = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
+    dtype = config.get("param_dtype")
+    micro = config.get("micro_batches", 1)
+    losses = []
+    for idx, targets in _batches(device, _parity_steps(device)):
+        model = master if dtype is None else copy.deepcopy(master).to(dtype)
+        total = torch.zeros((), device=device)
+        for k in range(micro):
+            part = slice(k * idx.shape[0] // micro, (k + 1) * idx.shape[0] // micro)
+            loss = model(idx[part], targets[part]) / micro
+            loss.backward()
+            total += loss.detach().float()
+        if dtype is not None:
+            for ours, theirs in zip(master.parameters(), model.parameters()):
+                ours.grad = None if theirs.grad is None else theirs.grad.float()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total.item())
+    return dict(losses=losses, state={k: v.detach().cpu() for k, v in master.state_dict().items()})
+
+
+def _identical(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+
+
+def _finite_run(run: dict) -> bool:
+    return _finite(run["losses"]) and all(bool(t.isfinite().all()) for t in run["state"].values()
+                                          if t.is_floating_point())
+
+
+# ---- compressed collectives at world size 1 ---------------------------------------------------------
+
+def check_compressed(checks: Checks, rehearse: bool) -> None:
+    from overlap.base.choices import COMPRESSION_MODES
+
+    device = _device(rehearse)
+    uncompressed: Optional[dict] = None        # losses and gathered bytes of mode "none"
+    with one_rank_on(device):
+        for mode in COMPRESSION_MODES:
+            name = f"compressed[{mode}]"
+            config = dict(build=_gpt, wrap=dict(prefetch_depth=1, compression=mode))
+            try:
+                plain = _train_sharded(config, device, None)
+                injection = _race_injection(rehearse)
+                poked = _train_sharded(config, device, injection)
+            except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+                checks.error(name, exc)
+                continue
+            if mode == "none":
+                uncompressed = dict(losses=plain["losses"], gather_bytes=injection.nbytes["all_gather"])
+            recorded, seen = poked["recorded"], injection.calls
+            gathers, reductions = recorded["all_gather"], recorded["reduce_scatter"]
+            reductions_seen = seen["reduce_scatter"] + seen["all_to_all"]
+            every_one_seen = seen["all_gather"] == gathers > 0 and reductions_seen == reductions
+            coded = recorded["all_gather compressed"]
+            coded_ok = coded == (0 if mode == "none" else gathers)
+            if uncompressed is None:
+                worst, bytes_share = math.inf, math.nan
+            else:
+                worst = max(abs(a - b) / abs(b) for a, b in zip(plain["losses"], uncompressed["losses"]))
+                bytes_share = injection.nbytes["all_gather"] / max(uncompressed["gather_bytes"], 1)
+            identical, finite = _identical(plain, poked), _finite_run(poked) and _finite_run(plain)
+            ok = identical and finite and every_one_seen and coded_ok and worst <= COMPRESSED_LOSS_RTOL
+            checks.verdict(name, ok,
+                           f"plain == injected: {identical}; finite: {finite}; the injection saw {seen['all_gather']}"
+                           f"/{gathers} gathers and {reductions_seen}/{reductions} reductions of the step records; "
+                           f"{coded}/{gathers} gathers compressed on the wire, gathered bytes {bytes_share:.3f} of "
+                           f"uncompressed; losses vs uncompressed within {worst:.3%} (pass at <= "
+                           f"{COMPRESSED_LOSS_RTOL:.0%}): {['%.5f' % v for v in plain['losses']]}")
+
+
+# ---- report timing against CUPTI ----------------------------------------------------------------
+
+def check_report_timing(checks: Checks, rehearse: bool) -> None:
+    if rehearse:
+        checks.report("SKIP", "report_timing", "CUDA events against CUPTI kernel times: nothing to compare on CPU")
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    from overlap import ShardedModule
+    from overlap.base.intervals import length, union
+    from overlap.observe.report import analyse_step
+
+    device = _device(False)
+    with one_rank_on(device):
+        torch.manual_seed(0)
+        model = ShardedModule(_gpt(layers=6, width=1024), prefetch_depth=1, bucket_mb=1e-3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        batches = _batches(device, 5)
+
+        def step(batch) -> None:
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for batch in batches[:4]:
+            step(batch)
+        torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as scratch:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(batches[4])
+                torch.cuda.synchronize()
+            path = os.path.join(scratch, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)["traceEvents"]
+    record = model.scheduler.last_step
+    device_work = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    busy: dict[Any, float] = {}
+    for e in device_work:
+        busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e["dur"]
+    # The compute stream does the most work; the collectives' work runs on every other one:
+    # the all-gather and reduce-scatter streams (casts, accumulation) and NCCL's own.
+    compute_stream = max(busy, key=busy.get)
+    side = [(e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6) for e in device_work
+            if e["args"].get("stream") != compute_stream]
+    cupti_s = length(union(side))
+    recorded_s = length(union(c.in_flight for c in record.collectives))
+    stats = analyse_step(record)
+    # Events bracket each collective on its stream, so each adds a few µs of hand-over
+    # between streams that no kernel shows; at world size 1 NCCL's work is a local copy.
+    allowance = 0.25 * cupti_s + 30e-6 * len(record.collectives)
+    ok = bool(side) and abs(recorded_s - cupti_s) <= allowance
+    checks.verdict("report_timing", ok,
+                   f"{len(record.collectives)} collectives in flight {recorded_s * 1e3:.3f} ms by the step record's "
+                   f"CUDA events vs {cupti_s * 1e3:.3f} ms of device work on the side streams by CUPTI "
+                   f"({len(side)} kernels and copies on {len(busy) - 1} streams; pass within "
+                   f"{allowance * 1e3:.3f} ms); report: communication {stats.comm_s * 1e3:.3f} ms, "
+                   f"{100 * stats.hidden_fraction:.0f}% hidden, compute {stats.compute_s * 1e3:.2f} ms of a "
+                   f"{stats.span_s * 1e3:.2f} ms step")
+
+
+# ---- no host syncs in steady state ----------------------------------------------------------------
+
+def _where(exc: BaseException) -> str:
+    """Where a flagged sync was made: the innermost frame in this repository's library code
+    (runtime, kernels, model) and the innermost frame of all."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "no traceback"
+    ours = [f for f in frames if f.filename.startswith(ROOT) and os.path.basename(f.filename) != "gpu_checks.py"]
+
+    def place(frame: traceback.FrameSummary) -> str:
+        path = os.path.relpath(frame.filename, ROOT) if frame.filename.startswith(ROOT) else frame.filename
+        return f"{path}:{frame.lineno} in {frame.name}"
+
+    inner = place(frames[-1])
+    return f"{place(ours[-1])} (innermost: {inner})" if ours else inner
+
+
+@contextlib.contextmanager
+def counted_host_waits() -> Iterator[Counter]:
+    """Count, by caller, the host waits `set_sync_debug_mode` does not flag: an event's or a
+    stream's `synchronize()` and `torch.cuda.synchronize()`."""
+    seen: Counter = Counter()
+
+    def counting(label: str, fn: Callable) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            path = caller.f_code.co_filename
+            path = os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)
+            seen[f"{label} at {path}:{caller.f_lineno}"] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    targets = [(torch.cuda.Event, "synchronize", "Event.synchronize"),
+               (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
+               (torch.cuda, "synchronize", "torch.cuda.synchronize")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for owner, name, label in targets:
+        setattr(owner, name, counting(label, getattr(owner, name)))
+    try:
+        yield seen
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
+def _sync_debug(device: torch.device) -> Iterator[None]:
+    """Every synchronizing CUDA call raises (nothing on CPU, which has no such mode)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def check_sync_free(checks: Checks, rehearse: bool) -> None:
+    """Steady-state training steps (inputs already on the device, losses kept on it) make no
+    call that synchronizes the host with the device, except the waits the runtime makes on
+    purpose, which are counted and printed."""
+    from overlap import ShardedModule
+
+    device = _device(rehearse)
+    with one_rank_on(device):
+        for mode in ("none", "int8-int4"):
+            name = f"sync_free[{mode}]"
+            try:
+                torch.manual_seed(0)
+                model = ShardedModule(_gpt(), prefetch_depth=1, mixed_precision=_bf16(), compression=mode)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                batches = _batches(device, SYNC_WARMUP + SYNC_STEPS)
+
+                def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                    loss = model(*batch)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    return loss.detach()
+
+                for batch in batches[:SYNC_WARMUP]:
+                    step(batch)
+                _sync(device)
+                with counted_host_waits() as waits, _sync_debug(device):
+                    losses = [step(batch) for batch in batches[SYNC_WARMUP:]]
+                finite = _finite([float(loss) for loss in losses])
+            except RuntimeError as exc:
+                if "synchronizing" not in str(exc):
+                    checks.error(name, exc)
+                    continue
+                checks.report("FAIL", name, f"a host sync in a steady-state step: {exc}; made at {_where(exc)}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+                checks.error(name, exc)
+                continue
+            kernels = type(model.collectives.kernels).__name__
+            unflagged = ", ".join(f"{n / SYNC_STEPS:.1f}/step {where}" for where, n in waits.most_common()) or "none"
+            detail = (f"{SYNC_STEPS} steps after {SYNC_WARMUP}, kernels {kernels}, finite: {finite}; host waits the "
+                      f"mode does not flag: {unflagged}")
+            if device.type != "cuda":
+                checks.report("SKIP" if finite else "FAIL", name,
+                              f"torch.cuda.set_sync_debug_mode needs CUDA; the steps ran on CPU: {detail}")
+            else:
+                checks.verdict(name, finite, f"no synchronizing call under set_sync_debug_mode('error'); {detail}")
+
+
+# ---- sharding over two levels ----------------------------------------------------------------------
+
+def check_hybrid(checks: Checks, rehearse: bool) -> None:
+    checks.report("SKIP", "hybrid", "one rank is one node of one rank: there is no replica to average gradients "
+                                    "with, so the all-reduce across replicas never runs; tests/test_hybrid.py checks "
+                                    "it with gloo on 2-4 ranks")
+
+
+def check_hpz(checks: Checks, rehearse: bool) -> None:
+    checks.report("SKIP", "hpz", "with one rank the node copy is the whole gathered buffer and backward's "
+                                 "re-gather runs over a group of one: nothing moves within a node; "
+                                 "tests/test_hpz.py checks it with gloo on 3-4 ranks")
+
+
+# ---- a slow link emulated on one GPU -----------------------------------------------------------------
+
+def sleep_rate(device: torch.device) -> float:
+    """`torch.cuda._sleep` cycles per second, measured: it counts SM clock cycles, and the
+    clock boosts."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles // 10)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+def _gpt_config(rehearse: bool, large: bool):
+    from overlap.models import GPTConfig
+
+    if rehearse:
+        return GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    if large:
+        return GPTConfig(vocab_size=32768, block_size=1024, n_layer=18, n_head=16, n_embd=2048)
+    return GPTConfig(vocab_size=8192, block_size=512, n_layer=8, n_head=8, n_embd=1024)
+
+
+def _wrapped(kind: str, config, device: torch.device, prefetch_depth: Optional[int] = None
+             ) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
+    """The GPT of `config` built in place on `device` (seconds, not a minute on the host),
+    wrapped as `kind` ("overlap", "fsdp2" or "plain"), all computing in bf16 with fp32
+    master weights; and the context each forward runs in."""
+    from overlap import ShardedModule
+    from overlap.models import GPT, Block
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(config)
+    if kind == "overlap":
+        wrapped = ShardedModule(model, unit_types=(Block,), mixed_precision=_bf16(), prefetch_depth=prefetch_depth)
+        return wrapped, contextlib.nullcontext
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        return fully_shard(model, mp_policy=policy), contextlib.nullcontext
+    return model, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _emulated_run(kind: str, config, device: torch.device, injection: Injection, warmup: int, steps: int) -> dict:
+    """`warmup` + `steps` SGD steps of `kind` under `injection`, counted from the window on."""
+    model, context = _wrapped(kind, config, device, prefetch_depth=1 if kind == "overlap" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, config.vocab_size, (8, config.block_size), generator=gen).to(device)
+            for _ in range(warmup + steps)]
+
+    def step(i: int) -> torch.Tensor:
+        with context():
+            loss = model(data[i], data[i])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    with injection.active():
+        seconds, losses = timed_steps(step, device, warmup, steps, at_window=injection.reset)
+    result = dict(step_s=statistics.median(seconds), finite=_finite(losses), calls=Counter(injection.calls),
+                  bytes_per_step=sum(injection.nbytes.values()) / steps,
+                  slept_per_step={k: v / steps for k, v in injection.slept.items()})
+    if kind == "overlap":
+        window = model.overlap_report().steps[-steps:]
+        result["hidden"] = sum(s.hidden_s for s in window) / max(sum(s.comm_s for s in window), 1e-12)
+        result["exposed_s"] = statistics.mean(s.exposed_s for s in window)
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def check_slow_link(checks: Checks, rehearse: bool) -> None:
+    """Each collective's bytes over an emulated link of one bandwidth, as a sleep on its stream
+    before it: the share of the injected time that shows in the step time, for ShardedModule
+    (against what its overlap report says was exposed) and for FSDP2 where it communicates."""
+    device = _device(rehearse)
+    config = _gpt_config(rehearse, large=False)
+    warmup, steps = (2, 3) if rehearse else (SLOW_WARMUP, SLOW_STEPS)
+    try:
+        with one_rank_on(device):
+            rate = sleep_rate(device) if device.type == "cuda" else 0.0
+            runs = {("overlap", "plain"): _emulated_run("overlap", config, device, Injection(), warmup, steps)}
+            base = runs[("overlap", "plain")]
+            bandwidth = base["bytes_per_step"] / (LINK_LOAD * base["step_s"])    # bytes per second
+
+            def cycles(kind: str, nbytes: int) -> int:
+                return round(nbytes / bandwidth * rate)
+
+            runs[("overlap", "slow")] = _emulated_run("overlap", config, device, Injection(cycles), warmup, steps)
+            runs[("fsdp2", "plain")] = _emulated_run("fsdp2", config, device, Injection(), warmup, steps)
+            # Recent torch gives FSDP2 a path for one rank that copies its shard in place and
+            # calls no collective: then there is nothing to delay.
+            if sum(runs[("fsdp2", "plain")]["calls"].values()):
+                runs[("fsdp2", "slow")] = _emulated_run("fsdp2", config, device, Injection(cycles), warmup, steps)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error("slow_link", exc)
+        return
+    print(f"      GPT {config.num_params / 1e6:.1f}M parameters, batch 8 x {config.block_size}, bf16; emulated link "
+          f"{bandwidth / 1e9:.3f} GB/s (ShardedModule's {base['bytes_per_step'] / 2**20:.1f} MB/step in "
+          f"{LINK_LOAD:.0%} of its {base['step_s'] * 1e3:.1f} ms step)"
+          + (f", sleep kernel at {rate / 1e9:.2f} GHz" if rate else ", no sleep kernel on CPU"))
+    exposed = {}
+    for kind, label in (("overlap", "ShardedModule"), ("fsdp2", "FSDP2")):
+        plain, slow = runs[(kind, "plain")], runs.get((kind, "slow"))
+        if slow is None:
+            print(f"      {label:<14} step {plain['step_s'] * 1e3:7.1f} ms; no collective at world size 1 "
+                  "(it copies its shard in place): nothing to delay")
+            continue
+        injected_s = sum(slow["slept_per_step"].values()) / rate if rate else 0.0
+        exposed[kind] = (slow["step_s"] - plain["step_s"]) / injected_s if injected_s else math.nan
+        parts = ", ".join(f"{k} {v / rate * 1e3:.2f}" for k, v in slow["slept_per_step"].items() if v) if rate else ""
+        print(f"      {label:<14} step {plain['step_s'] * 1e3:7.1f} -> {slow['step_s'] * 1e3:7.1f} ms; injected "
+              f"{injected_s * 1e3:.2f} ms/step ({parts or 'nothing'}); collectives per window {dict(slow['calls'])}; "
+              f"exposed {exposed[kind]:.0%} of the injected time")
+    fsdp = (f"FSDP2 exposed {exposed['fsdp2']:.0%}" if "fsdp2" in exposed else
+            "FSDP2 calls no collective at world size 1, so no figure for it")
+    finite = all(run["finite"] for run in runs.values())
+    ours_plain, ours_slow = runs[("overlap", "plain")], runs[("overlap", "slow")]
+    if not finite or not ours_slow["calls"]["all_gather"]:
+        checks.report("FAIL", "slow_link", f"finite: {finite}; the injection saw {dict(ours_slow['calls'])} of "
+                                           "ShardedModule's collectives")
+        return
+    if not rate:
+        checks.report("SKIP", "slow_link", f"no sleep kernel on CPU, so nothing was injected; the injection saw "
+                                           f"ShardedModule's {dict(ours_slow['calls'])} per window; {fsdp}")
+        return
+    injected_s = sum(ours_slow["slept_per_step"].values()) / rate
+    added_s = ours_slow["step_s"] - ours_plain["step_s"]
+    report_added_s = ours_slow["exposed_s"] - ours_plain["exposed_s"]
+    ok = abs(added_s - report_added_s) <= EXPOSED_TOLERANCE * injected_s + EXPOSED_SLACK_S
+    checks.verdict("slow_link", ok,
+                   f"ShardedModule exposed {exposed['overlap']:.0%} of the injected communication by step time "
+                   f"(+{added_s * 1e3:.2f} ms); its report: {ours_slow['hidden']:.0%} hidden, exposed time "
+                   f"+{report_added_s * 1e3:.2f} ms (pass within {EXPOSED_TOLERANCE:.0%} of the injected "
+                   f"{injected_s * 1e3:.2f} ms + {EXPOSED_SLACK_S * 1e3:.1f} ms); {fsdp}")
 
 
 # ---- device selection -------------------------------------------------------------------------
@@ -119,144 +769,18 @@ def check_device(checks: Checks, rehearse: bool) -> None:
 
 # ---- stream-race parity ----------------------------------------------------------------------
 
-def _gpt(layers: int = 4, width: int = 128):
-    from overlap.models import GPT, GPTConfig
-
-    return GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=layers, n_head=4, n_embd=width))
-
-
-def _feature_net():
-    from models import FeatureNet
-
-    return FeatureNet(vocab=512, d=64, hidden=96)
-
-
-def _parity_configs() -> dict[str, dict]:
-    from overlap import MixedPrecision
-
-    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return {
-        "gpt_fp32_depth2": dict(build=_gpt, wrap=dict(prefetch_depth=2)),
-        "no_sync": dict(build=_gpt, wrap=dict(prefetch_depth=1), micro_batches=2),
-        "tied_frozen_twice_checkpointed": dict(build=_feature_net, wrap=dict(prefetch_depth=1)),
-        "bf16_gather_fp32_reduce": dict(build=_gpt, wrap=dict(prefetch_depth=1, mixed_precision=bf16),
-                                        param_dtype=torch.bfloat16),
-        "no_reshard_after_forward": dict(build=_gpt, wrap=dict(prefetch_depth=1, reshard_after_forward=False)),
-    }
-
-
-def _batches(device: torch.device, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 512, (8, 64), generator=gen).to(device),
-             torch.randint(0, 512, (8, 64), generator=gen).to(device)) for _ in range(steps)]
-
-
-@contextlib.contextmanager
-def injected(delays: bool) -> Iterator[None]:
-    """Delays on the side streams around every collective, and every freed gathered buffer
-    filled with NaN before its storage goes back to the allocator: a consumer that does not
-    wait for a collective, or a buffer freed while a stream still reads it, shows as a
-    different or non-finite result."""
-    from overlap.runtime import collectives
-    from overlap.runtime.flat_group import FlatGroup
-
-    originals = (collectives.all_gather_flat, collectives.reduce_scatter_flat, FlatGroup.free)
-
-    def delayed(fn: Callable) -> Callable:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if delays:
-                torch.cuda._sleep(SLEEP_CYCLES)      # on the side stream: the caller is inside its context
-            out = fn(*args, **kwargs)
-            if delays:
-                torch.cuda._sleep(SLEEP_CYCLES)
-            return out
-        return run
-
-    def poisoned_free(group: FlatGroup) -> None:
-        if group.is_allocated:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(group.full):
-                group.full.detach().fill_(float("nan"))
-        originals[2](group)
-
-    collectives.all_gather_flat = delayed(originals[0])
-    collectives.reduce_scatter_flat = delayed(originals[1])
-    FlatGroup.free = poisoned_free
-    try:
-        yield
-    finally:
-        collectives.all_gather_flat, collectives.reduce_scatter_flat, FlatGroup.free = originals
-
-
-def _train_sharded(config: dict, device: torch.device, inject: bool, delays: bool) -> dict:
-    from overlap import ShardedModule
-
-    torch.manual_seed(0)
-    model = ShardedModule(config["build"](), **config["wrap"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    micro = config.get("micro_batches", 1)
-    losses, allocated = [], []
-    with injected(delays) if inject else contextlib.nullcontext():
-        for idx, targets in _batches(device, PARITY_STEPS):
-            total = torch.zeros((), device=device)
-            for k in range(micro):
-                part = slice(k * idx.shape[0] // micro, (k + 1) * idx.shape[0] // micro)
-                with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
-                    loss = model(idx[part], targets[part]) / micro
-                    loss.backward()
-                total += loss.detach().float()
-            optimizer.step()
-            optimizer.zero_grad()
-            _sync(device)
-            losses.append(total.item())
-            allocated.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
-    return dict(losses=losses, allocated=allocated, state=model.full_state_dict())
-
-
-def _train_plain(config: dict, device: torch.device) -> dict:
-    """The unsharded model: fp32 master weights; with a 16-bit `param_dtype` each step
-    computes with a copy in that dtype and steps the master with its gradients in fp32, as
-    ShardedModule's mixed precision does."""
-    torch.manual_seed(0)
-    master = config["build"]().to(device)
-    optimizer = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
-    dtype = config.get("param_dtype")
-    micro = config.get("micro_batches", 1)
-    losses = []
-    for idx, targets in _batches(device, PARITY_STEPS):
-        model = master if dtype is None else copy.deepcopy(master).to(dtype)
-        total = torch.zeros((), device=device)
-        for k in range(micro):
-            part = slice(k * idx.shape[0] // micro, (k + 1) * idx.shape[0] // micro)
-            loss = model(idx[part], targets[part]) / micro
-            loss.backward()
-            total += loss.detach().float()
-        if dtype is not None:
-            for ours, theirs in zip(master.parameters(), model.parameters()):
-                ours.grad = None if theirs.grad is None else theirs.grad.float()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total.item())
-    return dict(losses=losses, state={k: v.detach().cpu() for k, v in master.state_dict().items()})
-
-
 def check_parity(checks: Checks, rehearse: bool) -> None:
     device = _device(rehearse)
-    backend = "gloo" if rehearse else "nccl"
-    with one_rank_group(backend):
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+    with one_rank_on(device):
         for name, config in _parity_configs().items():
             try:
-                plain = _train_sharded(config, device, inject=False, delays=False)
-                poked = _train_sharded(config, device, inject=True, delays=not rehearse)
+                plain = _train_sharded(config, device, None)
+                poked = _train_sharded(config, device, _race_injection(rehearse))
                 reference = _train_plain(config, device)
             except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-                checks.report("FAIL", f"parity[{name}]", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                checks.error(f"parity[{name}]", exc)
                 continue
-            identical = plain["losses"] == poked["losses"] and all(
-                torch.equal(plain["state"][k], poked["state"][k]) for k in plain["state"])
-            finite = all(math.isfinite(v) for v in poked["losses"]) and all(
-                bool(t.isfinite().all()) for t in poked["state"].values() if t.is_floating_point())
+            identical, finite = _identical(plain, poked), _finite_run(poked)
             tol = dict(rtol=2e-2, atol=2e-3) if config.get("param_dtype") is not None else dict(rtol=1e-4, atol=1e-5)
             worst = max(float(((plain["state"][k].double() - v.double()).abs()
                                / (tol["atol"] + tol["rtol"] * v.double().abs())).max())
@@ -333,126 +857,38 @@ def check_large_index(checks: Checks, rehearse: bool) -> None:
                 checks.report("FAIL", f"large_index[{name}.{label}]", f"{type(exc).__name__}: {exc}")
 
 
-# ---- report timing against CUPTI ----------------------------------------------------------------
-
-def check_report_timing(checks: Checks, rehearse: bool) -> None:
-    if rehearse:
-        checks.report("SKIP", "report_timing", "CUDA events against CUPTI kernel times: nothing to compare on CPU")
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    from overlap import ShardedModule
-    from overlap.base.intervals import length, union
-    from overlap.observe.report import analyse_step
-
-    device = _device(False)
-    with one_rank_group("nccl"):
-        torch.cuda.set_device(device)
-        torch.manual_seed(0)
-        model = ShardedModule(_gpt(layers=6, width=1024), prefetch_depth=1, bucket_mb=1e-3)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        batches = _batches(device, 5)
-
-        def step(batch) -> None:
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        for batch in batches[:4]:
-            step(batch)
-        torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as scratch:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step(batches[4])
-                torch.cuda.synchronize()
-            path = os.path.join(scratch, "trace.json")
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                trace = json.load(f)["traceEvents"]
-    record = model.scheduler.last_step
-    device_work = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    busy: dict[Any, float] = {}
-    for e in device_work:
-        busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e["dur"]
-    # The compute stream does the most work; the collectives' work runs on every other one:
-    # the all-gather and reduce-scatter streams (casts, accumulation) and NCCL's own.
-    compute_stream = max(busy, key=busy.get)
-    side = [(e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6) for e in device_work
-            if e["args"].get("stream") != compute_stream]
-    cupti_s = length(union(side))
-    recorded_s = length(union(c.in_flight for c in record.collectives))
-    stats = analyse_step(record)
-    # Events bracket each collective on its stream, so each adds a few µs of hand-over
-    # between streams that no kernel shows; at world size 1 NCCL's work is a local copy.
-    allowance = 0.25 * cupti_s + 30e-6 * len(record.collectives)
-    ok = bool(side) and abs(recorded_s - cupti_s) <= allowance
-    checks.verdict("report_timing", ok,
-                   f"{len(record.collectives)} collectives in flight {recorded_s * 1e3:.3f} ms by the step record's "
-                   f"CUDA events vs {cupti_s * 1e3:.3f} ms of device work on the side streams by CUPTI "
-                   f"({len(side)} kernels and copies on {len(busy) - 1} streams; pass within "
-                   f"{allowance * 1e3:.3f} ms); report: communication {stats.comm_s * 1e3:.3f} ms, "
-                   f"{100 * stats.hidden_fraction:.0f}% hidden, compute {stats.compute_s * 1e3:.2f} ms of a "
-                   f"{stats.span_s * 1e3:.2f} ms step")
-
-
 # ---- the runtime's overhead at world size 1 -------------------------------------------------------
 
 def check_overhead(checks: Checks, rehearse: bool) -> None:
-    from overlap import MixedPrecision, ShardedModule
-    from overlap.models import GPT, Block, GPTConfig
-
     device = _device(rehearse)
-    config = (GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64) if rehearse else
-              GPTConfig(vocab_size=32768, block_size=1024, n_layer=18, n_head=16, n_embd=2048))
+    config = _gpt_config(rehearse, large=True)
     batch = 2 if rehearse else 8
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (batch, config.block_size), generator=gen).to(device)
             for _ in range(OVERHEAD_STEPS + OVERHEAD_WARMUP)]
-
-    def wrap(kind: str) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:
-        torch.manual_seed(0)
-        with torch.device(device):                     # built in place: seconds, not a minute on the host
-            model = GPT(config)
-        if kind == "overlap":
-            mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            return ShardedModule(model, unit_types=(Block,), mixed_precision=mp), contextlib.nullcontext()
-        if kind == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for block in model.blocks:
-                fully_shard(block, mp_policy=policy)
-            return fully_shard(model, mp_policy=policy), contextlib.nullcontext()
-        return model, torch.autocast(device.type, dtype=torch.bfloat16)
-
     results = {}
-    with one_rank_group("gloo" if rehearse else "nccl"):
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+    with one_rank_on(device):
         for kind in ("plain", "fsdp2", "overlap"):
             try:
-                model, context = wrap(kind)
+                model, context = _wrapped(kind, config, device)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
-                times, losses = [], []
-                for i, idx in enumerate(data):
-                    _sync(device)
-                    start = time.perf_counter()
-                    with context:
-                        loss = model(idx, idx)
+
+                def step(i: int) -> torch.Tensor:
+                    with context():
+                        loss = model(data[i], data[i])
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    _sync(device)
-                    if i >= OVERHEAD_WARMUP:
-                        times.append(time.perf_counter() - start)
-                    losses.append(loss.item())
+                    return loss.detach()
+
+                seconds, losses = timed_steps(step, device, OVERHEAD_WARMUP, OVERHEAD_STEPS)
                 peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-                results[kind] = dict(step_ms=1e3 * sorted(times)[len(times) // 2], peak_gib=peak / 2**30,
-                                     finite=all(math.isfinite(v) for v in losses), last_loss=losses[-1])
-                del model, optimizer, loss
+                results[kind] = dict(step_ms=1e3 * statistics.median(seconds), peak_gib=peak / 2**30,
+                                     finite=_finite(losses), last_loss=losses[-1])
+                del model, optimizer
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
@@ -466,15 +902,21 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
               f"{r['last_loss']:.4f}")
     ratio = results["overlap"]["step_ms"] / results["fsdp2"]["step_ms"]
     memory = results["overlap"]["peak_gib"] / max(results["fsdp2"]["peak_gib"], 1e-9)
-    ok = all(r["finite"] for r in results.values()) and ratio <= 1.15
-    checks.verdict("overhead", ok, f"ShardedModule / FSDP2 step time {ratio:.3f} (pass at <= 1.15), / plain "
-                                   f"{results['overlap']['step_ms'] / results['plain']['step_ms']:.3f}; peak memory "
-                                   f"/ FSDP2 {memory:.3f}")
+    finite = all(r["finite"] for r in results.values())
+    detail = (f"ShardedModule / FSDP2 step time {ratio:.3f} (pass at <= 1.15), / plain "
+              f"{results['overlap']['step_ms'] / results['plain']['step_ms']:.3f}; peak memory / FSDP2 {memory:.3f}; "
+              f"finite: {finite}")
+    if rehearse:
+        checks.report("SKIP" if finite else "FAIL", "overhead", f"CPU times in a rehearsal say nothing of the GPU's: "
+                                                                f"{detail}")
+        return
+    checks.verdict("overhead", finite and ratio <= 1.15, detail)
 
 
 RUNNERS: dict[str, Callable[[Checks, bool], None]] = {
-    "device": check_device, "parity": check_parity, "large_index": check_large_index,
-    "report_timing": check_report_timing, "overhead": check_overhead,
+    "compressed": check_compressed, "report_timing": check_report_timing, "sync_free": check_sync_free,
+    "hybrid": check_hybrid, "hpz": check_hpz, "slow_link": check_slow_link, "device": check_device,
+    "parity": check_parity, "large_index": check_large_index, "overhead": check_overhead,
 }
 
 
