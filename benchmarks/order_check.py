@@ -1,4 +1,4 @@
-"""What the check that every rank runs the same units costs per step (overlap/order_check.py).
+"""What the check that every rank runs the same units costs per step (overlap/runtime/order_check.py).
 
 Two gloo ranks train the benchmark GPT's shape (6 blocks) with ShardedModule; rounds with
 the check and rounds without it (the scheduler's `order` and the collectives' `watch`
