@@ -1,8 +1,10 @@
-"""What the check that every rank runs the same units costs per step (overlap/order_check.py).
+"""What the check that every rank runs the same units costs per step (overlap/runtime/order_check.py).
 
 Two gloo ranks train the benchmark GPT's shape (6 blocks) with ShardedModule; rounds with
 the check and rounds without it (the scheduler's `order` and the collectives' `watch`
-removed) alternate, and each round's median step time is kept. Also timed in isolation: the
+removed, the order words with them) alternate, the first of each round taking turns, and each
+round's median step time is kept; the summary gives the median and range of the per-round
+ratios. Also timed in isolation: one order word exchange (and how many a step makes), the
 bookkeeping of one step (a note per unit in forward and backward, the fingerprint, the words
 for the all-reduce) and the end-of-backward all-reduce with and without its six extra words.
 
@@ -55,12 +57,32 @@ def run_worker(args: argparse.Namespace) -> None:
     check = scheduler.order
     _train_steps(model, optimizer, batch, 2)                       # warm-up
     step_s: dict[str, list[float]] = {"with check": [], "without": []}
-    for _ in range(args.rounds):
-        for name in step_s:
+    for round_index in range(args.rounds):
+        # Alternate which setting goes first, so drift in the machine's load splits evenly.
+        names = list(step_s) if round_index % 2 == 0 else list(reversed(step_s))
+        for name in names:
             scheduler.order = collectives.watch = check if name == "with check" else None
             dist.barrier()
             step_s[name].append(_train_steps(model, optimizer, batch, args.steps))
     scheduler.order = collectives.watch = check
+
+    # The order words of one step: one before each collective of the shard group.
+    issued: list[tuple[str, str, int]] = []
+    original = check.before_issue
+
+    def counted(kind: str, unit: str, nbytes: int) -> None:
+        issued.append((kind, unit, nbytes))
+        original(kind, unit, nbytes)
+
+    check.before_issue = counted
+    _train_steps(model, optimizer, batch, 1)
+    del check.before_issue
+    # One order word exchange alone, as `before_issue` makes it.
+    word_times = []
+    for _ in range(300):
+        start = time.perf_counter()
+        check.before_issue("all_gather", "bench", 0)
+        word_times.append(time.perf_counter() - start)
 
     # The bookkeeping alone: one step's notes, words and reset, as the scheduler makes them.
     units = len(scheduler.all_units)
@@ -69,10 +91,10 @@ def run_worker(args: argparse.Namespace) -> None:
     for _ in range(repetitions):
         for i in range(units):
             check.ran(i, backward=False)
-        check.ended(-1)
+        check.boundary(-1)
         for i in reversed(range(units)):
             check.ran(i, backward=True)
-        check.ended(-2)
+        check.boundary(-2)
         words = check.words()
         check.verify(words, words)
     bookkeeping_s = (time.perf_counter() - start) / repetitions
@@ -89,7 +111,8 @@ def run_worker(args: argparse.Namespace) -> None:
     all_reduce_s = {name: median(samples) for name, samples in times.items()}
     ranks: list[Optional[dict]] = [None] * WORLD_SIZE
     dist.all_gather_object(ranks, dict(step_s=step_s, bookkeeping_s=bookkeeping_s, all_reduce_s=all_reduce_s,
-                                       units=units, flags=len(flags)))
+                                       units=units, flags=len(flags), words_per_step=len(issued),
+                                       word_s=median(word_times)))
     if rank == 0:
         write_json(args.result, dict(ranks=ranks, width=args.width, rounds=args.rounds, steps=args.steps))
 
@@ -108,18 +131,26 @@ def run_driver(args: argparse.Namespace) -> int:
     rounds = {name: [max(r["step_s"][name][i] for r in ranks) for i in range(args.rounds)]
               for name in ranks[0]["step_s"]}
     with_check, without = median(rounds["with check"]), median(rounds["without"])
+    ratios = [w / o for w, o in zip(rounds["with check"], rounds["without"])]
     summary = dict(
         step_ms_with_check=round(with_check * 1e3, 2), step_ms_without=round(without * 1e3, 2),
         difference_ms=round((with_check - without) * 1e3, 2),
+        ratio_median=round(median(ratios), 4), ratio_min=round(min(ratios), 4), ratio_max=round(max(ratios), 4),
+        words_per_step=ranks[0]["words_per_step"],
+        word_us=round(max(r["word_s"] for r in ranks) * 1e6, 1),
         bookkeeping_us=round(max(r["bookkeeping_s"] for r in ranks) * 1e6, 1),
         all_reduce_us={name: round(max(r["all_reduce_s"][name] for r in ranks) * 1e6, 1)
                        for name in ranks[0]["all_reduce_s"]},
         units=ranks[0]["units"], flags=ranks[0]["flags"])
+    summary["words_ms_per_step"] = round(summary["words_per_step"] * summary["word_us"] / 1e3, 2)
     write_json(os.path.join(args.out, "order_check.json"), dict(summary=summary, **data))
     table = markdown_table(
         ["", "µs or ms"],
         [["step, with the check (median of rounds)", f"{summary['step_ms_with_check']} ms"],
          ["step, without it", f"{summary['step_ms_without']} ms"],
+         [f"with / without, per round: median (range of {args.rounds})",
+          f"{summary['ratio_median']} ({summary['ratio_min']} to {summary['ratio_max']})"],
+         [f"one order word exchange ({summary['words_per_step']} per step)", f"{summary['word_us']} µs"],
          [f"bookkeeping of one step ({summary['units']} units)", f"{summary['bookkeeping_us']} µs"],
          *[[f"end-of-backward all-reduce, {name} ({summary['flags']} flags)", f"{value} µs"]
            for name, value in summary["all_reduce_us"].items()]])

@@ -1,6 +1,6 @@
 """Ranks that run different units get an error naming the step and the unit, on every rank,
 within the collective timeout, instead of a hang or silently mixed parameters (see
-[Note: checking that ranks run the same units] in overlap/order_check.py)."""
+[Note: checking that ranks run the same units] in overlap/runtime/order_check.py)."""
 from __future__ import annotations
 
 import time
@@ -69,6 +69,73 @@ def test_units_in_another_order_fail_at_the_end_of_the_step() -> None:
     for message in errors.values():
         assert "DivergenceError" in message and "at step 3" in message
         assert "rank 1 ran unit 'blocks.2' (forward) where rank 0 ran unit 'blocks.1' (forward)" in message
+    assert elapsed < 30
+
+
+def _diverge_sized(rank: int, world: int, how: str) -> None:
+    """Blocks of four sizes: a collective paired with another unit's would abort the process
+    inside gloo, so the check has to stop every rank before issuing it."""
+    import torch
+    from torch import nn
+
+    from overlap import ShardedModule
+
+    class Block(nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(16, hidden), nn.Linear(hidden, 16)
+
+        def forward(self, x):
+            return torch.tanh(self.down(torch.tanh(self.up(x))))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(hidden) for hidden in (8, 24, 40, 56))
+            self.order = [0, 1, 2, 3]
+
+        def forward(self, x):
+            for i in self.order:
+                x = self.blocks[i](x)
+            return x.sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    model = ShardedModule(net, unit_types=(Block,), prefetch_depth=1, bucket_mb=1e-6)
+    x = torch.randn(4, 16)
+    for step in range(1, 5):
+        diverges = step == 3 and rank == 1
+        net.order = {"skip": [0, 1, 3], "extra": [0, 1, 2, 2, 3]}.get(how, [0, 1, 2, 3]) if diverges else [0, 1, 2, 3]
+        if diverges and how == "forwards":
+            model(x)                                  # a forward with no backward, on rank 1 only
+        if diverges and how == "no_sync":
+            with model.no_sync():
+                model(x).backward()
+        else:
+            model(x).backward()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("how, expected", [
+    ("skip", "rank 1 ran unit 'blocks.3' (forward) where rank 0 ran unit 'blocks.2' (forward)"),
+    ("extra", "rank 1 ran unit 'blocks.2' (forward) where rank 0 ran unit 'blocks.3' (forward)"),
+    ("forwards", "rank 1 ran the start of a forward where rank 0 ran unit 'blocks.3' (backward)"),
+    ("no_sync", "rank 1 ran unit 'blocks.3' (backward under no_sync) where rank 0 ran unit 'blocks.3' (backward)"),
+])
+def test_ranks_that_diverge_with_blocks_of_different_sizes_fail_every_rank(how: str, expected: str) -> None:
+    """Every rank raises DivergenceError naming the step and the unit before a collective of
+    another size is issued: no process aborts (run_distributed would raise its exit instead
+    of a RankError holding both ranks' errors), and no rank waits for the blocked check."""
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_distributed(_diverge_sized, 2, how, timeout=TIMEOUT_S + 60, env={"OVERLAP_PROBE": "0"})
+    elapsed = time.monotonic() - start
+    errors = info.value.errors
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert message.startswith("DivergenceError") and "at step 3" in message
+        assert expected in message
+        assert "EnforceNotMet" not in message and "Read error" not in message
     assert elapsed < 30
 
 

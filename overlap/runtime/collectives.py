@@ -265,6 +265,8 @@ class Collectives:
         words = list(words)
         if dist.get_world_size(self.all_group) == 1 or not (flags or words):
             return lambda: (list(flags), words, words)
+        if self.watch is not None and self.all_group is self.group:
+            self.watch.before_issue("any_rank", "", len(flags))   # ranks agree on it before it is issued
         values = [int(f) for f in flags] + words + [-w for w in words]
         tensor = torch.tensor(values, dtype=torch.int64).to(self.device)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.all_group, async_op=True)

@@ -142,6 +142,8 @@ def issue(log: StepLog, device: torch.device, kind: str, unit: str, nbytes: int,
     """Issue one collective of `nbytes` on the wire (`uncompressed`: before compression) on
     `stream` (CUDA) or as gloo work (`stream` None); the body launches it. `watch` is the
     order check for the wait (None with one rank)."""
+    if watch is not None:
+        watch.before_issue(kind, unit, nbytes)   # ranks agree on it before it is issued
     with phase(f"overlap::{kind}::{unit}"):
         if stream is None:
             call = CollectiveCall(log, device, log.collective(kind, unit, nbytes, uncompressed=uncompressed),

@@ -2,29 +2,65 @@
 
 [Note: checking that ranks run the same units]
 Every gather and reduction is a collective that pairs with the same one on every other rank,
-so every rank must run the same units in the same order. A rank that skips a block
-(data-dependent control flow) pairs its collectives with the wrong ones: buffers of the same
-size exchange the wrong parameters silently, others wait until the collective timeout. Two
-checks catch it, and cost nothing beyond a few integers while ranks agree:
+so every rank must run the same units in the same order. A rank that leaves the common order
+(data-dependent control flow skips a block or calls one twice, runs another number of
+forwards before backward, or is in `no_sync` alone) pairs its collectives with the wrong
+ones: buffers of the same size exchange the wrong parameters silently, and buffers of
+different sizes make gloo abort the process from its own thread (`gloo::EnforceNotMet`,
+`terminate called`), so no error can reach the user after a mismatched collective is
+issued. The check therefore runs before each one. Three ways were weighed:
+
+- (i) Each rank knows when it leaves the order it learned (a prefetch miss, a unit at
+  another position, a sync flag change), but its peers do not, and they go on issuing the
+  collectives of the learned order: a local deviation cannot stop them without a message.
+- (iii) Collectives padded to one size do not abort, but move the largest unit's bytes for
+  every unit (the benchmark GPT's root, its embeddings, is 1.35 times a block) and still
+  pair the wrong parameters silently.
+- Only where sizes could differ: every step has gathers and reduce-scatters, and a gather
+  paired with a reduce-scatter aborts as well, so every collective qualifies.
+- (ii) An order word before each collective, chosen: two int64 (the step, and a CRC of the
+  collective's kind, unit and bytes), all-reduced with their negations under MAX, so every
+  rank gets the maximum and the minimum. The word has one size on every rank, so a mismatch
+  shows on it, never on the data: where max != min, every rank of the same exchange sees it,
+  swaps the units it ran and raises the same `DivergenceError`. It runs on a gloo group of
+  its own over the same ranks (CPU tensors: no device sync on CUDA, and it does not queue
+  behind the data collectives in the group's gloo threads). One word per unit boundary
+  instead of per collective would save little: in the steady state each hook issues one
+  collective (the benchmark GPT: 20 words a step, against 21 hooks: 7 units' forward,
+  backward and gradient). The price is a round trip per collective, and that a rank ahead
+  waits there for the others instead of at the wait. Measured on the benchmark GPT, two gloo
+  ranks (benchmarks/order_check.py, docs/results/order_check.json, on a machine loaded far
+  past its two cores): one exchange takes 0.96 ms, 19 ms a step against a 3.9 s step (0.5 %);
+  the paired per-round step ratio, with / without, has median 0.99 (0.68 to 1.40 over 11
+  rounds): below what that machine's noise resolves.
+
+Two further checks remain for what the words do not see, and cost nothing beyond a few
+integers while ranks agree:
 
 - At the end of every backward that reduces, the small all-reduce that tells which
   parameters got a gradient on any rank (`Collectives.any_rank`) also carries each rank's
   step count and a fingerprint of the units it ran since the last check, as their maximum
-  and their negated maximum (the minimum). Ranks that differ all see it, exchange the units
-  they ran and raise the same error.
+  and their negated maximum (the minimum). Ranks that ran units in another order but issued
+  the same collectives (a swap of two blocks whose prefetches happen to line up) all see it,
+  exchange the units they ran and raise the same error.
 - A rank blocked on a collective for `check_after_s` (10 s, or a quarter of the group's
   timeout when that is shorter) posts the units it ran to the group's store and compares
   them with rank 0's; a rank that finds a difference posts the verdict, and every waiting
   rank reads it and raises. Rank 0 raises last, once every rank has read it, since the store
   may live in its process. A rank that is only slow (writing a checkpoint) delays the others
-  and nothing more: no error without a difference.
+  and nothing more: no error without a difference. This catches a peer stuck outside the
+  collectives the words cover.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import logging
+import pickle
+import threading
 import time
+import zlib
 from collections import deque
 from typing import Callable, Optional, Sequence
 
@@ -44,7 +80,9 @@ MAX_KEPT_STEPS = 64
 # The fingerprint: a polynomial hash of the units run, modulo a Mersenne prime (fits int64).
 _MODULUS = (1 << 61) - 1
 _BASE = 1_000_003
-END_FORWARD, END_BACKWARD = -1, -2
+END_FORWARD, END_BACKWARD, BEGIN_FORWARD = -1, -2, -3
+# A unit's code is 3 * index + one of these.
+_FORWARD, _BACKWARD, _BACKWARD_UNSYNCED = 0, 1, 2
 # ShardedModules built in this process: every rank builds them in the same order, so the
 # count tells apart the store keys of two models over one group.
 _instances = itertools.count()
@@ -77,24 +115,28 @@ class OrderCheck:
         self._step = 0
         self._count = 0
         self._fingerprint = 0
-        self._published = False
+        # The order words' own gloo group over the same ranks (see the note).
+        timeout = datetime.timedelta(seconds=_group_timeout_s(group))
+        self._words = dist.ProcessGroupGloo(dist.PrefixStore(f"{self._prefix}/words", group.get_group_store()),
+                                            self.rank, self.world_size, timeout)
 
     # ---- what ran ------------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:
         self._step = step
 
-    def ran(self, unit_index: int, backward: bool) -> None:
-        self._note(2 * unit_index + int(backward))
+    def ran(self, unit_index: int, backward: bool, synced: bool = True) -> None:
+        """A unit's forward or backward (`synced`: its gradients are reduced, not in no_sync)."""
+        self._note(3 * unit_index + (_FORWARD if not backward else _BACKWARD if synced else _BACKWARD_UNSYNCED))
 
-    def ended(self, code: int) -> None:
-        """END_FORWARD or END_BACKWARD."""
+    def boundary(self, code: int) -> None:
+        """BEGIN_FORWARD, END_FORWARD or END_BACKWARD."""
         self._note(code)
 
     def _note(self, code: int) -> None:
         self._current.append(code)
         self._count += 1
-        self._fingerprint = (self._fingerprint * _BASE + code + 3) % _MODULUS
+        self._fingerprint = (self._fingerprint * _BASE + code + 4) % _MODULUS
 
     def end_step(self) -> None:
         if self._current:
@@ -121,6 +163,48 @@ class OrderCheck:
         self._current = []
         self._count = 0
         self._fingerprint = 0
+
+    # ---- the order word before each collective --------------------------------------------
+
+    def before_issue(self, kind: str, unit: str, nbytes: int) -> None:
+        """Exchange this rank's order word for the collective it is about to issue; raise
+        DivergenceError on every rank if any rank is about to issue another (see the note)."""
+        what = f"{kind} of {unit!r} ({nbytes} bytes)"
+        word = [self._step, zlib.crc32(what.encode())]
+        tensor = torch.tensor(word + [-w for w in word], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        work = self._words.allreduce([tensor], options)
+        finished = threading.Event()
+        work.get_future().add_done_callback(lambda _future: finished.set())
+        self.block(finished.is_set, finished.wait)
+        try:
+            work.wait()
+        except RuntimeError:
+            self.after_error()
+            raise
+        out = tensor.tolist()
+        if out[:2] == [-v for v in out[2:]]:
+            return
+        everyone = self._all_gather((self._traces(), what))
+        message = self._message([traces for traces, _ in everyone], complete=True)
+        first = everyone[0][1]
+        other = next(r for r, (_, theirs) in enumerate(everyone) if theirs != first or r == len(everyone) - 1)
+        raise DivergenceError(
+            (message or f"ShardedModule: ranks ran different units at step {self._step}") +
+            f" (found before the {everyone[other][1]} on rank {other}, the {first} on rank 0)")
+
+    def _all_gather(self, value: object) -> list:
+        """`value` from every rank of the words group, in rank order."""
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._words.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+        longest = max(int(size) for size in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        received = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._words.allgather([received], [padded]).wait()
+        return [pickle.loads(bytes(r[:int(n)].tolist())) for r, n in zip(received, sizes)]
 
     # ---- blocked waits -------------------------------------------------------------------------
 
@@ -188,7 +272,11 @@ class OrderCheck:
             return "the end of forward"
         if code == END_BACKWARD:
             return "the end of backward"
-        return f"unit {self.names[code // 2]!r} ({'backward' if code % 2 else 'forward'})"
+        if code == BEGIN_FORWARD:
+            return "the start of a forward"
+        index, kind = divmod(code, 3)
+        how = {_FORWARD: "forward", _BACKWARD: "backward", _BACKWARD_UNSYNCED: "backward under no_sync"}[kind]
+        return f"unit {self.names[index]!r} ({how})"
 
     def _message(self, traces: list, complete: bool, others: Optional[tuple[int, ...]] = None) -> Optional[str]:
         """The first difference between rank 0's units and another rank's (`others` names

@@ -30,7 +30,7 @@ from overlap.base.step_record import Mark, StepKind, StepRecord
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.grad_reduction import GradReduction
-from overlap.runtime.order_check import END_BACKWARD, END_FORWARD, OrderCheck
+from overlap.runtime.order_check import BEGIN_FORWARD, END_BACKWARD, END_FORWARD, OrderCheck
 from overlap.runtime.prefetch import Prefetcher
 from overlap.runtime.step_counter import StepCounter
 from overlap.runtime.unit import GatherState, Unit
@@ -150,6 +150,8 @@ class Scheduler:
         self._recover()
         if self.steps.forward_begins(self.order):
             self.prefetch.max_gathered_units = 0
+        if self.order is not None:
+            self.order.boundary(BEGIN_FORWARD)
         for unit in self.all_units:
             unit.begin_pass()
         self.prefetch.begin_forward(self.root)
@@ -217,7 +219,7 @@ class Scheduler:
         if self.root is not None:
             self.log.mark(Mark.POST_FORWARD, self.root.name)
         if self.order is not None:
-            self.order.ended(END_FORWARD)
+            self.order.boundary(END_FORWARD)
         if torch.is_grad_enabled() and _hook_outputs(output, self._root_pre_backward):
             self.prefetch.prefetch_backward_start()
         else:
@@ -264,7 +266,7 @@ class Scheduler:
             return
         with phase(f"overlap::pre_backward::{unit.name}"):
             if self.order is not None:
-                self.order.ran(self._index[id(unit)], backward=True)
+                self.order.ran(self._index[id(unit)], backward=True, synced=self.sync_grads)
             self.prefetch.gather_for_backward(unit)
             self.log.mark(Mark.PRE_BACKWARD, unit.name)
             unit.open_span("backward")
@@ -294,7 +296,7 @@ class Scheduler:
         gathered buffer freed before `backward()` returns."""
         with phase("overlap::end_backward"):
             if self.order is not None:
-                self.order.ended(END_BACKWARD)
+                self.order.boundary(END_BACKWARD)
             self.reduction.end_backward(self.all_units, self.sync_grads, self.order)
             self._end_pass()
             self.prefetch.end_backward()
