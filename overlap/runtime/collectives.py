@@ -14,6 +14,15 @@ gloo's all-to-all, or the codec's all-to-all) leaves this rank's summed chunk in
 with hybrid sharding an all-reduce across the replicas sums that buffer before it is added
 into the shard gradient. Where nothing follows the sum on gloo, it goes straight into the
 shard gradient.
+
+[Note: the all-reduce stream]
+With hybrid sharding, the all-reduce across replicas crosses the slow link between nodes:
+hiding it under the rest of backward is what hybrid sharding is for. On CUDA it runs on its
+own side stream, after the reduce-scatter it sums (that stream waits on the reduce-scatter
+stream), so that the next reduce-scatters are not queued behind it and the compute stream
+does not wait for it when it waits for a reduce-scatter: only the end of backward waits for
+the all-reduces (overlap.runtime.grad_reduction), as FSDP2's HSDP does with its all-reduce
+stream. Until then each holds its reduced chunk: at most one shard gradient in all.
 """
 from __future__ import annotations
 
@@ -75,6 +84,11 @@ class Collectives:
             # Gradient reduce-scatters (and the accumulation into sharded gradients) run here so
             # they overlap the rest of backward.
             self.reduce_scatter_stream = torch.cuda.Stream(device=device, priority=-1)
+        # Hybrid sharding's all-reduces across replicas (None: full sharding, or gloo). See
+        # [Note: the all-reduce stream].
+        self.all_reduce_stream: Optional[torch.cuda.Stream] = None
+        if self.use_streams and replicate_group is not None:
+            self.all_reduce_stream = torch.cuda.Stream(device=device, priority=-1)
 
     def reset_compression_errors(self) -> None:
         """Forget the codec's state kept across steps (int4 error feedback): call it after a
@@ -195,7 +209,7 @@ class Collectives:
         nbytes = 2 * reduced.numel() * reduced.element_size() * (self.replicas - 1) // self.replicas
         call.then_collective("all_reduce", nbytes,
                              lambda async_op: dist.all_reduce(reduced, group=self.replicate_group, async_op=async_op),
-                             add, keep=(reduced, shard_grad))
+                             add, keep=(reduced, shard_grad), stream=self.all_reduce_stream)
 
     def _all_to_all(self, received: torch.Tensor, send: torch.Tensor, sizes: list[int],
                     async_op: bool) -> Optional[dist.Work]:
