@@ -60,10 +60,10 @@ __all__ = ["Collectives", "Pending", "all_gather_flat", "host_group"]
 
 def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A group over `group`'s ranks that all-reduces CPU tensors with gloo: `group` itself when
-    it can, else a new one, made by every rank of `group` (and only them) at the same point.
+    it can (or has one rank), else a new one, made by every rank of `group` (and only them) at the same point.
     See [Note: the flags stay on the host]."""
-    if device_backend(group, "cpu") == "gloo":
-        return group
+    if dist.get_world_size(group) == 1 or device_backend(group, "cpu") == "gloo":
+        return group                       # one rank: `any_rank` communicates nothing
     return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
 
 
