@@ -58,3 +58,21 @@ def test_steady_state_step_reads_only_the_host_flags(compression):
         # One read per step, of the flags: a host tensor all-reduced over gloo. Nothing is
         # copied to the device to be all-reduced there, nothing read back from it.
         assert counts == {"Tensor.tolist": STEPS}
+
+
+@pytest.mark.parametrize("config,new_group", [("cpu:gloo,cuda:nccl", False), ("cuda:nccl", True), ("cpu:gloo", False)])
+def test_flags_go_over_gloo(monkeypatch, config, new_group):
+    """The flags' group: the group itself where gloo serves its CPU tensors, else a gloo group
+    over the same ranks, made only by them."""
+    import torch.distributed as dist
+
+    from overlap.runtime.collectives import host_group
+
+    made = []
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [4, 5])
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: made.append((ranks, kwargs)) or "gloo group")
+    group = object()
+    assert host_group(group) == ("gloo group" if new_group else group)
+    assert made == ([([4, 5], {"backend": "gloo", "use_local_synchronization": True})] if new_group else [])
