@@ -1,5 +1,5 @@
 """The step record's clocks: host times on CPU; on CUDA, events recorded on the stream that
-did the work and read once when the step ends. No GPU here: torch.cuda's events and streams
+did the work and read one step later, without a CUDA synchronisation. No GPU here: torch.cuda's events and streams
 are stood in for by a fake whose time advances by one second per record."""
 from __future__ import annotations
 
@@ -44,23 +44,57 @@ def _step(log: StepLog, clock: CudaClock) -> None:
     log.mark(Mark.POST_FORWARD, "u")                               # t = 6
 
 
-def test_cuda_times_are_events_read_once_at_step_end(monkeypatch):
+def test_cuda_times_are_events_read_one_step_later(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    FakeEvent.now, FakeEvent.created, FakeEvent.synchronized = 0.0, 0, 0
     clock = CudaClock(torch.device("cuda", 0))
     log = StepLog(clock)
     waited = []
-    for step in (1, 2):
+    records = []
+    for step in (1, 2, 3):
         _step(log, clock)
-        assert FakeEvent.synchronized == step - 1                  # nothing is read during the step
-        record = log.close(step, StepKind.FORWARD, None, {"u": 4}, 1, 0, lambda done: waited.append(done()))
-        assert FakeEvent.synchronized == step and waited == [True] * step
-        assert record.clock == "cuda" and [e.time for e in record.events] == [0.0, 5.0]
+        records.append(log.close(step, StepKind.FORWARD, None, {"u": 4}, 1, 0, lambda done: waited.append(done())))
+    # Each close gives the step before's record, read without any wait (its events completed).
+    assert records[0] is None
+    assert FakeEvent.synchronized == 0 and waited == []
+    for step, record in zip((1, 2), records[1:]):
+        assert record.step == step and record.clock == "cuda"
+        assert [e.time for e in record.events] == [0.0, 5.0]
         (collective,) = record.collectives
         assert (collective.start, collective.end, collective.wait) == (1.0, 2.0, (3.0, 4.0))
-    # The second step recorded into the first step's events (plus one for the read).
-    assert FakeEvent.created == 7
-    assert [e.stream for e in clock._pool[:6]] == ["compute", "side", "side", "compute", "compute", "compute"]
+    # Steps 1 and 2 made their events (six stamps and the seal each); step 3 reused step 1's.
+    assert FakeEvent.created == 14
+    # Free again once read: step 2's events, on the streams where their work ran.
+    assert [e.stream for e in clock._free] == ["compute", "side", "side", "compute", "compute", "compute", "compute"]
+
+
+def test_cuda_times_wait_for_a_step_not_yet_complete(monkeypatch):
+    """A step whose last event has not completed when the next step closes is waited for
+    with the order check's wait, never with a CUDA synchronisation."""
+
+    class Late(FakeEvent):
+        complete = False
+
+        def query(self) -> bool:
+            return Late.complete
+
+    monkeypatch.setattr(torch.cuda, "Event", Late)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    clock = CudaClock(torch.device("cuda", 0))
+    log = StepLog(clock)
+    Late.synchronized = 0
+    _step(log, clock)
+    assert log.close(1, StepKind.TRAIN, None, {"u": 4}, 1, 1, lambda done: pytest.fail("nothing to read")) is None
+    _step(log, clock)
+    waits = []
+
+    def wait(done) -> None:
+        waits.append(done())
+        Late.complete = True
+
+    record = log.close(2, StepKind.TRAIN, None, {"u": 4}, 1, 1, wait)
+    assert waits == [False] and Late.synchronized == 0 and record.step == 1
 
 
 def test_host_times_are_taken_as_they_happen():

@@ -15,7 +15,7 @@ host runs ahead of the device, so host times would say when work was launched, n
 ran: times come from timing-enabled CUDA events recorded where the work runs, a unit's marks
 on the compute stream, a collective's start and end on its side stream, and a wait as two
 events on the compute stream around its `wait_event` (the stall between them). They are read
-once, when the step ends, as seconds since the step's first event (`overlap.runtime.timing`).
+when the next step ends, as seconds since the step's first event (`overlap.runtime.timing`).
 """
 from __future__ import annotations
 

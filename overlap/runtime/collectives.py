@@ -14,6 +14,26 @@ gloo's all-to-all, or the codec's all-to-all) leaves this rank's summed chunk in
 with hybrid sharding an all-reduce across the replicas sums that buffer before it is added
 into the shard gradient. Where nothing follows the sum on gloo, it goes straight into the
 shard gradient.
+
+[Note: the all-reduce stream]
+With hybrid sharding, the all-reduce across replicas crosses the slow link between nodes:
+hiding it under the rest of backward is what hybrid sharding is for. On CUDA it runs on its
+own side stream, after the reduce-scatter it sums (that stream waits on the reduce-scatter
+stream), so that the next reduce-scatters are not queued behind it and the compute stream
+does not wait for it when it waits for a reduce-scatter: only the end of backward waits for
+the all-reduces (overlap.runtime.grad_reduction), as FSDP2's HSDP does with its all-reduce
+stream. Until then each holds its reduced chunk: at most one shard gradient in all.
+
+[Note: the flags stay on the host]
+Which parameters got a gradient on any rank decides which get a `.grad`, and the optimizer
+reads that as soon as backward returns, so the host needs the answer before it returns. The
+flags are host values (set by gradient hooks), so they are OR-ed between hosts over gloo
+(the group itself where its CPU backend is gloo, else a gloo group over the same ranks,
+made once): an NCCL all-reduce would need a copy to the device and a synchronising copy back,
+making the host wait for every kernel queued so far, so the optimizer step and the next
+forward could not be queued while the GPU still runs backward. The host waits only for the
+other hosts, which normally reach the end of backward at about the same time, long before
+their GPUs do.
 """
 from __future__ import annotations
 
@@ -29,13 +49,22 @@ from overlap.runtime.codec import Codec, WireFormat
 from overlap.runtime.issue import CollectiveCall, issue
 from overlap.runtime.pending import Pending, wait_watched
 from overlap.runtime.process_group import all_gather_flat, device_backend, reduce_scatter_flat
-from overlap.runtime.timing import StepLog, clock_for, polling
+from overlap.runtime.timing import StepLog, clock_for
 
 if TYPE_CHECKING:
     from overlap.runtime.order_check import OrderCheck
 
 # The scheduler, units and flat groups take `Pending` and `all_gather_flat` from here.
-__all__ = ["Collectives", "Pending", "all_gather_flat"]
+__all__ = ["Collectives", "Pending", "all_gather_flat", "host_group"]
+
+
+def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group over `group`'s ranks that all-reduces CPU tensors with gloo: `group` itself when
+    it can (or has one rank), else a new one, made by every rank of `group` (and only them) at the same point.
+    See [Note: the flags stay on the host]."""
+    if dist.get_world_size(group) == 1 or device_backend(group, "cpu") == "gloo":
+        return group                       # one rank: `any_rank` communicates nothing
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
 
 
 class Collectives:
@@ -75,6 +104,13 @@ class Collectives:
             # Gradient reduce-scatters (and the accumulation into sharded gradients) run here so
             # they overlap the rest of backward.
             self.reduce_scatter_stream = torch.cuda.Stream(device=device, priority=-1)
+        # Hybrid sharding's all-reduces across replicas (None: full sharding, or gloo). See
+        # [Note: the all-reduce stream].
+        self.all_reduce_stream: Optional[torch.cuda.Stream] = None
+        if self.use_streams and replicate_group is not None:
+            self.all_reduce_stream = torch.cuda.Stream(device=device, priority=-1)
+        # The end-of-backward flags travel between hosts. See [Note: the flags stay on the host].
+        self.flags_group = host_group(self.all_group)
 
     def reset_compression_errors(self) -> None:
         """Forget the codec's state kept across steps (int4 error feedback): call it after a
@@ -195,7 +231,7 @@ class Collectives:
         nbytes = 2 * reduced.numel() * reduced.element_size() * (self.replicas - 1) // self.replicas
         call.then_collective("all_reduce", nbytes,
                              lambda async_op: dist.all_reduce(reduced, group=self.replicate_group, async_op=async_op),
-                             add, keep=(reduced, shard_grad))
+                             add, keep=(reduced, shard_grad), stream=self.all_reduce_stream)
 
     def _all_to_all(self, received: torch.Tensor, send: torch.Tensor, sizes: list[int],
                     async_op: bool) -> Optional[dist.Work]:
@@ -260,29 +296,22 @@ class Collectives:
     def any_rank(self, flags: list[bool], words: list[int] = ()
                  ) -> Callable[[], tuple[list[bool], list[int], list[int]]]:
         """Start an element-wise OR of `flags` and the maximum and minimum of each of `words`
-        over the ranks, in one all-reduce; the returned function waits for it and gives the
-        three. A few bytes, so it is not recorded as traffic."""
+        over the ranks, in one all-reduce between the hosts (see [Note: the flags stay on
+        the host]); the returned function waits for it and gives the three. A few bytes, so
+        it is not recorded as traffic."""
         words = list(words)
         if dist.get_world_size(self.all_group) == 1 or not (flags or words):
             return lambda: (list(flags), words, words)
         if self.watch is not None and self.all_group is self.group:
             self.watch.before_issue("any_rank", "", len(flags))   # ranks agree on it before it is issued
         values = [int(f) for f in flags] + words + [-w for w in words]
-        tensor = torch.tensor(values, dtype=torch.int64).to(self.device)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.all_group, async_op=True)
+        tensor = torch.tensor(values, dtype=torch.int64)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.flags_group, async_op=True)
         finished = threading.Event()
-        if self.use_streams:
-            work.wait()                          # orders the current stream after the all-reduce
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            done = event.query
-            sleep = polling(done)
-        else:
-            work.get_future().add_done_callback(lambda _future: finished.set())
-            done, sleep = finished.is_set, finished.wait
+        work.get_future().add_done_callback(lambda _future: finished.set())
 
         def result() -> tuple[list[bool], list[int], list[int]]:
-            wait_watched(work, self.watch, done, sleep)
+            wait_watched(work, self.watch, finished.is_set, finished.wait)
             out = tensor.tolist()
             n, k = len(flags), len(words)
             return [bool(v) for v in out[:n]], out[n:n + k], [-v for v in out[n + k:]]

@@ -14,6 +14,19 @@ latency like the uncompressed one, and the receiving side reads the values and s
 record `c` as views (the padding keeps the scales 4-byte aligned; its bytes are sent
 uninitialised and never read).
 
+[Note: a constant number of kernels per collective]
+Records are of equal size, so the values and the scales of all records are two 2-D strided
+views of the message (`RecordLayout.columns`), and each side of a collective is a fixed
+number of kernels whatever the number of ranks (one per record would be ~3 x world launches
+per unit and step, ~190 at 64 ranks): the chunks to send are quantised as one buffer (two
+runs around this rank's own chunk) and copied into the records' columns; the received
+columns are copied out contiguous and decoded by one chunked call. A chunk that is not a
+whole number of blocks is first zero-padded to one (zeros leave a block's absmax, hence its
+scale and values, unchanged, and quantise to 0, as the last high nibble of an odd int4 chunk
+must be), at the cost of a padded copy of what is sent. The bytes sent are the same as
+record by record; the receiver sums the decoded chunks first and then adds the total (the
+chunked kernel's order).
+
 [Note: error feedback]
 int4 gradients keep the quantisation error of every chunk a rank sends (fp32, one value per
 element sent: (N-1)/N of the unit's padded gradient) and add it to the next step's gradient
@@ -34,7 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from overlap.kernels import KernelBackend
 from overlap.base.choices import COMPRESSION_BITS
-from overlap.kernels.quantized import DEFAULT_BLOCK, num_blocks, quantized_bytes
+from overlap.kernels.quantized import DEFAULT_BLOCK, Q_DTYPES, num_blocks, quantized_bytes
 
 @dataclass(frozen=True)
 class Compression:
@@ -72,6 +85,21 @@ class RecordLayout:
     @property
     def nbytes(self) -> int:
         return self.value_bytes + 4 * num_blocks(self.numel, self.block)
+
+    @property
+    def whole_numel(self) -> int:
+        """The chunk padded to whole blocks."""
+        return num_blocks(self.numel, self.block) * self.block
+
+    def columns(self, records: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [count, value bytes], scales fp32 [count, blocks]) of the first `count`
+        records of `records`, as strided views. See [Note: a constant number of kernels per
+        collective]."""
+        rows = records.narrow(0, 0, count * self.nbytes).view(count, self.nbytes)
+        values = rows[:, :quantized_bytes(self.numel, self.bits)]
+        if self.bits == 8:
+            values = values.view(torch.int8)
+        return values, rows[:, self.value_bytes:].view(torch.float32)
 
     def views(self, records: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, scales) of record `index` in the uint8 buffer `records`."""
@@ -130,13 +158,22 @@ class QuantizedCodec:
         self.kernels.quantize_int8(shard.detach(), values, scales, wire.block)
 
     def decode_gathered(self, out: torch.Tensor, received: torch.Tensor, wire: RecordLayout, world: int) -> None:
+        """See [Note: a constant number of kernels per collective]."""
+        values, scales = wire.columns(received, world)
         # `out` is the gathered leaf's storage: writing it must not look like an in-place
         # change to autograd (see flat_group.py's note on freeing `full`).
         with torch.autograd._unsafe_preserve_version_counter(out):
-            for rank in range(world):
-                values, scales = wire.views(received, rank)
-                self.kernels.dequantize_into(out.narrow(0, rank * wire.numel, wire.numel),
-                                             values, scales, wire.block, wire.bits)
+            if wire.whole_numel == wire.numel:
+                self.kernels.dequantize_into(out, values.contiguous().view(-1), scales.contiguous().view(-1),
+                                             wire.block, wire.bits)
+                return
+            whole = wire.whole_numel
+            q_padded = torch.zeros(world, quantized_bytes(whole, wire.bits), dtype=values.dtype, device=out.device)
+            q_padded[:, :values.shape[1]].copy_(values)
+            decoded = torch.empty(world * whole, dtype=out.dtype, device=out.device)
+            self.kernels.dequantize_into(decoded, q_padded.view(-1), scales.contiguous().view(-1),
+                                         wire.block, wire.bits)
+            out.view(world, wire.numel).copy_(decoded.view(world, whole)[:, :wire.numel])
 
     # ---- reduce-scatter: int8 or int4 gradient chunks -----------------------------------------
 
@@ -145,19 +182,51 @@ class QuantizedCodec:
 
     def encode_chunks(self, source: torch.Tensor, send: torch.Tensor, wire: RecordLayout, rank: int, world: int,
                       reduced_into: torch.Tensor) -> None:
-        """See [Note: error feedback] for the error kept per `reduced_into`."""
-        shard = wire.numel
-        error = self._error_for(reduced_into, (world - 1) * shard) if self._settings.error_feedback else None
+        """See [Note: error feedback] for the error kept per `reduced_into`, and [Note: a
+        constant number of kernels per collective] for the kernels."""
+        count, shard, whole = world - 1, wire.numel, wire.whole_numel
+        if count == 0:
+            return
+        error = self._error_for(reduced_into, count * shard) if self._settings.error_feedback else None
         quantize = self.kernels.quantize_int8 if wire.bits == 8 else self.kernels.quantize_int4
-        for index, dest in enumerate(r for r in range(world) if r != rank):
-            values, scales = wire.views(send, index)
-            chunk_error = None if error is None else error.narrow(0, index * shard, shard)
-            quantize(source.narrow(0, dest * shard, shard), values, scales, wire.block, chunk_error)
+        q = torch.empty(count * quantized_bytes(whole, wire.bits), dtype=Q_DTYPES[wire.bits], device=send.device)
+        scales = torch.empty(count * num_blocks(whole, wire.block), dtype=torch.float32, device=send.device)
+        # The chunks for the other ranks, in rank order: two runs, before and after this rank's.
+        runs = [(0, rank), (rank + 1, world)]
+        if whole == shard:
+            for first, end in runs:
+                if end > first:
+                    index = first - (first > rank)          # the run's first record
+                    quantize(source.narrow(0, first * shard, (end - first) * shard),
+                             q.narrow(0, index * quantized_bytes(shard, wire.bits),
+                                      (end - first) * quantized_bytes(shard, wire.bits)),
+                             scales.narrow(0, index * num_blocks(shard, wire.block),
+                                           (end - first) * num_blocks(shard, wire.block)),
+                             wire.block,
+                             None if error is None else error.narrow(0, index * shard, (end - first) * shard))
+        else:
+            chunks = source.view(world, shard)
+            padded = torch.zeros(count, whole, dtype=source.dtype, device=source.device)
+            padded[:rank, :shard].copy_(chunks[:rank])
+            padded[rank:, :shard].copy_(chunks[rank + 1:])
+            padded_error = None
+            if error is not None:
+                padded_error = torch.zeros(count, whole, dtype=torch.float32, device=error.device)
+                padded_error[:, :shard].copy_(error.view(count, shard))
+            quantize(padded.view(-1), q, scales, wire.block, None if padded_error is None else padded_error.view(-1))
+            if error is not None:
+                error.view(count, shard).copy_(padded_error[:, :shard])
+        values, record_scales = wire.columns(send, count)
+        values.copy_(q.view(values.dtype).view(count, -1)[:, :values.shape[1]])
+        record_scales.copy_(scales.view(count, -1))
 
     def decode_accumulate(self, target: torch.Tensor, received: torch.Tensor, wire: RecordLayout, count: int) -> None:
-        for index in range(count):
-            values, scales = wire.views(received, index)
-            self.kernels.dequantize_accumulate(target, values, scales, wire.block, wire.bits)
+        """See [Note: a constant number of kernels per collective]."""
+        if count == 0:
+            return
+        values, scales = wire.columns(received, count)
+        self.kernels.dequantize_accumulate(target, values.contiguous().view(-1), scales.contiguous().view(-1),
+                                           wire.block, wire.bits, count)
 
     def _error_for(self, reduced_into: torch.Tensor, numel: int) -> torch.Tensor:
         error = self._errors.get(reduced_into)

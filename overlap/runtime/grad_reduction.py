@@ -22,8 +22,12 @@ class GradReduction:
         self.collectives = collectives
         self._reduce_scatters: list[Pending] = []
         # Hybrid sharding: each completed reduce-scatter leaves an all-reduce across replicas
-        # in flight (its `follow_up`), as many again, waited one unit's backward later.
+        # in flight (its `follow_up`). On gloo as many again, waited one unit's backward
+        # later; on CUDA every one runs on its own stream until the end of backward (see
+        # [Note: the all-reduce stream] in overlap.runtime.collectives): waiting sooner
+        # would stall the compute stream on the slow link hybrid sharding hides.
         self._all_reduces: list[Pending] = []
+        self._bound_all_reduces = not collectives.use_streams
 
     def reduce(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
         """Issue the reduce-scatter of `group`'s full gradient into its shard gradient."""
@@ -32,7 +36,8 @@ class GradReduction:
         self._reduce_scatters.append(
             self.collectives.reduce_scatter(grad, shard_grad, group.reduce_dtype, unit.name))
         self._bound_in_flight(self._reduce_scatters, "wait_reduce_scatter")
-        self._bound_in_flight(self._all_reduces, "wait_all_reduce")
+        if self._bound_all_reduces:
+            self._bound_in_flight(self._all_reduces, "wait_all_reduce")
 
     def _bound_in_flight(self, queue: list[Pending], label: str) -> None:
         while len(queue) > MAX_REDUCES_IN_FLIGHT:

@@ -52,6 +52,7 @@ class CollectiveCall:
         self._host_work: Optional[tuple[dist.Work, threading.Event]] = None
         self._callbacks: list[Callable[[], None]] = []          # gloo: run at the wait
         self._chained: Optional[Callable[[], Pending]] = None   # gloo: issued at the wait
+        self._follow_up: Optional[Pending] = None               # CUDA: issued on its own stream
 
     @property
     def on_stream(self) -> bool:
@@ -94,38 +95,37 @@ class CollectiveCall:
             self._callbacks.append(work)
 
     def then_collective(self, kind: str, nbytes: int, start: Start, finish: Callable[[], None],
-                        keep: tuple[torch.Tensor, ...]) -> None:
+                        keep: tuple[torch.Tensor, ...], stream: Optional[torch.cuda.Stream] = None) -> None:
         """A second collective on what this one produced, with its own entry in the step log,
-        then `finish`; `keep`: the buffers it uses. On CUDA it is queued behind this one on the same side stream, under this
-        one's event. On gloo it is issued when this one has been waited for, and left in
-        `Pending.follow_up` so that the caller waits for it later, after more of backward."""
+        then `finish`; `keep`: the buffers it uses. It is left in `Pending.follow_up` for the
+        caller to wait on later, after more of backward. On CUDA it is issued now on `stream`
+        (its own side stream, which waits for everything queued on this one so far); on gloo
+        it is issued when this one has been waited for."""
         if not self._launched:
             raise RuntimeError(f"{kind} chained to the {self.record.kind} of {self.record.unit} before its launch")
-        unit = self.record.unit
-        if self.on_stream:
-            record = self.log.collective(kind, unit, nbytes, self.stream)
-            with phase(f"overlap::{kind}::{unit}"):
-                start(False)
-            record.end = self.log.clock.stamp(self.stream)
-            finish()
-            self.keep(*keep)
-            return
-        log, device, watch = self.log, self.device, self.watch
+        log, device, watch, unit = self.log, self.device, self.watch, self.record.unit
 
-        def chained() -> Pending:
-            with issue(log, device, kind, unit, nbytes, None, watch) as call:
+        def chained(on: Optional[torch.cuda.Stream]) -> Pending:
+            with issue(log, device, kind, unit, nbytes, on, watch) as call:
                 call.launch(start)
                 call.then_run(finish)
                 call.keep(*keep)
             return call.pending
 
-        self._chained = chained
+        if self.on_stream:
+            if stream is None:
+                raise RuntimeError(f"{kind} chained to the {self.record.kind} of {unit} on CUDA without a stream")
+            # Issued from inside this call's stream context: `issue` orders `stream` after it.
+            self._follow_up = chained(stream)
+            return
+        self._chained = lambda: chained(None)
 
     def seal(self, event: Optional[torch.cuda.Event]) -> Pending:
         """The consumer's handle, once the body has run (`issue` calls it): on CUDA, `event`
         marks the end of everything queued on the side stream."""
         if self.on_stream:
-            self.pending = Pending(self.record, self.log.clock, StreamHandoff(event, self.device, tuple(self._buffers)))
+            self.pending = Pending(self.record, self.log.clock, StreamHandoff(event, self.device, tuple(self._buffers)),
+                                   follow_up=self._follow_up)
             return self.pending
         signal = None
         if self._host_work is not None:

@@ -81,7 +81,9 @@ class Pending:
     """An issued collective. `wait()` waits for it (the host for gloo work; the compute stream
     for a CUDA side stream's event), runs its completion work in the order it was added,
     issues the collective chained after it (hybrid sharding's all-reduce across replicas, on
-    gloo) into `follow_up`, and drops what it held. A second `wait()` returns at once."""
+    gloo) into `follow_up`, and drops what it held. A second `wait()` returns at once. On
+    CUDA the chained collective was issued with this one, on its own stream, and is in
+    `follow_up` from the start."""
 
     # This collective's entry in the step log; the wait is stamped into it.
     record: CollectiveStamps
@@ -90,8 +92,8 @@ class Pending:
     signal: StreamHandoff | HostWork | None = None
     # Completion work. See [Note: completion work drops its buffers].
     callbacks: list[Callable[[], None]] = field(default_factory=list)
-    # Issues the chained collective once this one has completed; what it issued is left in
-    # `follow_up` for the caller to wait on later.
+    # gloo: issues the chained collective once this one has completed. What it issued (or,
+    # on CUDA, what was issued with this one) is `follow_up`, for the caller to wait on later.
     chained: Optional[Callable[[], "Pending"]] = None
     follow_up: Optional["Pending"] = None
     done: bool = False

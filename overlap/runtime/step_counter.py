@@ -19,7 +19,8 @@ Owner = TypeVar("Owner")
 class StepCounter(Generic[Owner]):
     def __init__(self, log: StepLog, owner: Owner, root: Optional[Unit], units: list[Unit]) -> None:
         # The step in progress is written to `log` (marks and collectives); `last_step` is
-        # the record of the last step that ended.
+        # the record of the last step that ended (on CUDA, of the one before it: see [Note:
+        # reading CUDA times one step late] in overlap/runtime/timing.py).
         self.log = log
         self.last_step: Optional[StepRecord] = None
         self.step = 0                      # steps begun
@@ -48,7 +49,8 @@ class StepCounter(Generic[Owner]):
         self._backwards += 1
 
     def close(self, kind: StepKind, order: Optional[OrderCheck]) -> None:
-        """Close the step: its record into `last_step`, then the callbacks."""
+        """Close the step: the log's record into `last_step`, then the callbacks (none when the
+        log gives no record yet)."""
         self._open = False
         if order is not None:
             order.end_step()
@@ -57,8 +59,11 @@ class StepCounter(Generic[Owner]):
             if order is not None:
                 order.block(done, polling(done))
 
-        self.last_step = self.log.close(
+        record = self.log.close(
             self.step, kind, self._root.name if self._root is not None else None,
             {unit.name: unit.gathered_nbytes for unit in self._units}, self._forwards, self._backwards, wait)
+        if record is None:
+            return                         # CUDA: this step's record comes when the next one closes
+        self.last_step = record
         for callback in self.callbacks:
             callback(self._owner)

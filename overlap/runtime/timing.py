@@ -1,11 +1,20 @@
 """The record of the step in progress: marks and collectives with raw time stamps, turned
 into a `StepRecord` when the step ends. See [Note: clocks] in overlap/step_record.py.
+
+[Note: reading CUDA times one step late]
+A CUDA event can be read only once it has completed. Reading a step's events when it closes
+would make the host wait for the device to finish the step: the GPU would idle while the
+host queued the optimizer step and the next forward. So the record of step k is read when
+step k+1 closes: by then its events have normally completed (`Event.query`, no wait); if
+the host has run more than a step ahead, waiting for step k's last event leaves step k+1's
+work queued behind it, so the device does not idle. On CUDA `StepLog.close` therefore gives
+the previous step's record (None at the first close); on CPU it gives the step's own.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -32,47 +41,71 @@ def polling(done: Callable[[], bool]) -> Callable[[float], bool]:
 
 
 class HostClock:
+    """Host times, read as they are when the step closes."""
+
     name = "host"
+    # The record of a step is given when the step closes.
+    deferred = False
 
     def stamp(self, stream: Optional[torch.cuda.Stream] = None) -> float:
         return time.perf_counter()
 
-    def read(self, stamps: list[Stamp], wait: Callable[[Callable[[], bool]], None]) -> list[float]:
+    def seal(self) -> None:
+        return None
+
+    def read(self, sealed: None, stamps: list[Stamp], wait: Callable[[Callable[[], bool]], None]) -> list[float]:
         return list(stamps)
 
 
+class SealedEvents(NamedTuple):
+    """The events one step recorded, in order, and `last`, recorded on the compute stream
+    when the step closed: once it has completed, every event of the step has."""
+
+    events: list[torch.cuda.Event]
+    last: torch.cuda.Event
+
+
 class CudaClock:
-    """Timing-enabled events recorded on the stream where the work runs, read once per step
-    after one wait for the last of them. The events of a step are reused by the next
-    (creating one costs more than recording it)."""
+    """Timing-enabled events recorded on the stream where the work runs. See [Note: reading
+    CUDA times one step late]. Events are reused once read (creating one costs more than
+    recording it)."""
 
     name = "cuda"
+    deferred = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pool: list[torch.cuda.Event] = []
-        self._used = 0
+        self._free: list[torch.cuda.Event] = []
+        self._recorded: list[torch.cuda.Event] = []     # this step's, in order
+
+    def _event(self) -> torch.cuda.Event:
+        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
 
     def stamp(self, stream: Optional[torch.cuda.Stream] = None) -> torch.cuda.Event:
-        if self._used == len(self._pool):
-            self._pool.append(torch.cuda.Event(enable_timing=True))
-        event = self._pool[self._used]
-        self._used += 1
+        event = self._event()
         event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        self._recorded.append(event)
         return event
 
-    def read(self, stamps: list[Stamp], wait: Callable[[Callable[[], bool]], None]) -> list[float]:
-        """Seconds since the step's first event. Everything the step did is ordered before an
-        event recorded now on the compute stream (which waited for every collective), so
-        waiting for that one makes every event readable."""
-        if not stamps:
-            return []
-        last = self.stamp()
-        wait(last.query)
-        last.synchronize()
-        origin = self._pool[0]
-        values = [origin.elapsed_time(event) / 1e3 for event in stamps]
-        self._used = 0
+    def seal(self) -> SealedEvents:
+        """End this step's events: everything the step did is ordered before an event
+        recorded now on the compute stream (which waited for every collective)."""
+        last = self._event()
+        last.record(torch.cuda.current_stream(self.device))
+        sealed, self._recorded = SealedEvents(self._recorded, last), []
+        return sealed
+
+    def read(self, sealed: SealedEvents, stamps: list[Stamp], wait: Callable[[Callable[[], bool]], None]
+             ) -> list[float]:
+        """Seconds since the sealed step's first event, once its last one has completed
+        (`wait` waits for it, with the order check; the host polls on, without a CUDA
+        synchronisation, if that returned early). Its events are then free for reuse."""
+        done = sealed.last.query
+        if not done():
+            wait(done)
+            polling(done)(float("inf"))
+        values = [sealed.events[0].elapsed_time(event) / 1e3 for event in stamps] if stamps else []
+        self._free += sealed.events + [sealed.last]
         return values
 
 
@@ -95,6 +128,22 @@ class CollectiveStamps:
     uncompressed_nbytes: Optional[int] = None   # with compression: `nbytes` before it
 
 
+@dataclass
+class ClosedLog:
+    """A closed step whose times are not read yet: what the record needs, the stamps as they
+    were when the step closed, and the clock's handle on them."""
+
+    step: int
+    kind: StepKind
+    root: Optional[str]
+    unit_bytes: dict[str, int]
+    forwards: int
+    backwards: int
+    events: list[tuple[Mark, str, Stamp]]
+    collectives: list[tuple[CollectiveStamps, tuple[Stamp, Stamp, Stamp, Stamp]]]
+    sealed: Optional[SealedEvents]
+
+
 class StepLog:
     """What the scheduler and the collectives note during a step, with raw stamps."""
 
@@ -102,6 +151,8 @@ class StepLog:
         self.clock = clock
         self.events: list[tuple[Mark, str, Stamp]] = []
         self.collectives: list[CollectiveStamps] = []
+        # CUDA: the closed step whose record is read when the next one closes.
+        self._unread: Optional[ClosedLog] = None
 
     def mark(self, mark: Mark, unit: str) -> None:
         self.events.append((mark, unit, self.clock.stamp()))
@@ -114,21 +165,31 @@ class StepLog:
         return entry
 
     def close(self, step: int, kind: StepKind, root: Optional[str], unit_bytes: Mapping[str, int],
-              forwards: int, backwards: int, wait: Callable[[Callable[[], bool]], None]) -> StepRecord:
-        """The step's record, times read from the clock; the log starts empty again."""
-        stamps = [t for _, _, t in self.events]
-        for c in self.collectives:
-            stamps += [c.start, c.end, c.wait_start, c.wait_end]
+              forwards: int, backwards: int, wait: Callable[[Callable[[], bool]], None]) -> Optional[StepRecord]:
+        """Close the step; the log starts empty again. Returns a record with its times read
+        from the clock: this step's on the host clock, the previous step's on CUDA (None at
+        the first close; see [Note: reading CUDA times one step late])."""
+        closed = ClosedLog(step, kind, root, dict(unit_bytes), forwards, backwards, self.events,
+                           [(c, (c.start, c.end, c.wait_start, c.wait_end)) for c in self.collectives],
+                           self.clock.seal())
+        self.events, self.collectives = [], []
+        if self.clock.deferred:
+            closed, self._unread = self._unread, closed
+        return None if closed is None else self._record(closed, wait)
+
+    def _record(self, closed: ClosedLog, wait: Callable[[Callable[[], bool]], None]) -> StepRecord:
+        stamps = [t for _, _, t in closed.events]
+        for _, four in closed.collectives:
+            stamps += four
         present = [s for s in stamps if s is not None]
-        values = iter(self.clock.read(present, wait))
+        values = iter(self.clock.read(closed.sealed, present, wait))
         times = [None if s is None else next(values) for s in stamps]
-        events = tuple(UnitEvent(mark, unit, times[i]) for i, (mark, unit, _) in enumerate(self.events))
+        events = tuple(UnitEvent(mark, unit, times[i]) for i, (mark, unit, _) in enumerate(closed.events))
         collectives = []
-        for i, c in enumerate(self.collectives):
+        for i, (c, _) in enumerate(closed.collectives):
             start, end, wait_start, wait_end = times[len(events) + 4 * i:len(events) + 4 * i + 4]
             end = end if end is not None else (wait_end if wait_end is not None else start)
             waited = (wait_start, wait_end) if wait_start is not None and wait_end is not None else None
             collectives.append(Collective(c.kind, c.unit, c.nbytes, start, end, waited, c.uncompressed_nbytes))
-        self.events, self.collectives = [], []
-        return StepRecord(step, kind, self.clock.name, events, tuple(collectives), root, dict(unit_bytes),
-                          forwards, backwards)
+        return StepRecord(closed.step, closed.kind, self.clock.name, events, tuple(collectives), closed.root,
+                          closed.unit_bytes, closed.forwards, closed.backwards)

@@ -1,0 +1,78 @@
+"""The steady-state training step makes none of the calls that block the host on CUDA, but
+the one the end of backward needs: the `.tolist()` of the flags, a host tensor OR-ed
+between hosts (see [Note: the flags stay on the host] in overlap/runtime/collectives.py).
+
+What a CPU run can prove: the same Python runs as on CUDA (only the stream branches
+differ), so these are the calls overlap's step makes; whether a call would synchronise
+depends on its tensor being on the device, which a CPU run cannot tell apart. The CUDA clock
+and the stream protocol are checked with fakes (tests/test_timing.py,
+tests/test_all_reduce_stream.py); benchmarks/sync_check.py runs the step on a GPU under
+`torch.cuda.set_sync_debug_mode("error")`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+
+WARMUP, STEPS = 2, 3
+
+
+def _steady_state_calls(rank: int, world: int, compression: str | None, sharding: str | None) -> dict:
+    from sync_check import count_sync_calls
+
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)),
+                          bucket_mb=1e-6, compression=compression, sharding=sharding)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = torch.randn(8, 16) + rank
+
+    def step() -> float:
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(WARMUP):
+        step()
+    with count_sync_calls() as counts:
+        losses = [step() for _ in range(STEPS)]
+    assert all(torch.isfinite(loss) for loss in losses)
+    return dict(counts)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("compression", [None, "int8-int4"])
+def test_steady_state_step_reads_only_the_host_flags(compression):
+    from distributed import run_distributed
+
+    for counts in run_distributed(_steady_state_calls, 2, compression, None, timeout=150):
+        # One read per step, of the flags: a host tensor all-reduced over gloo. Nothing is
+        # copied to the device to be all-reduced there, nothing read back from it.
+        assert counts == {"Tensor.tolist": STEPS}
+
+
+@pytest.mark.parametrize("config,new_group", [("cpu:gloo,cuda:nccl", False), ("cuda:nccl", True), ("cpu:gloo", False)])
+def test_flags_go_over_gloo(monkeypatch, config, new_group):
+    """The flags' group: the group itself where gloo serves its CPU tensors, else a gloo group
+    over the same ranks, made only by them."""
+    import torch.distributed as dist
+
+    from overlap.runtime.collectives import host_group
+
+    made = []
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [4, 5])
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: made.append((ranks, kwargs)) or "gloo group")
+    group = object()
+    assert host_group(group) == ("gloo group" if new_group else group)
+    assert made == ([([4, 5], {"backend": "gloo", "use_local_synchronization": True})] if new_group else [])
