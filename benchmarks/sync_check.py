@@ -49,7 +49,7 @@ def _moves_to_a_device(args: tuple, kwargs: dict) -> bool:
 
 @contextlib.contextmanager
 def count_sync_calls() -> Iterator[Counter]:
-    """Count, by "owner.method", the calls of SYNC_CALLS (and `Tensor.to` with a device) that
+    """Count, by "owner.method in file:function" (the caller in overlap), the calls of SYNC_CALLS (and `Tensor.to` with a device) that
     overlap's own code makes inside the block. On CPU the same Python runs, so the counts
     say which of those calls the steady-state step makes; whether each would synchronise
     depends on its tensor being on the device, which a CPU run cannot show."""
@@ -60,8 +60,9 @@ def count_sync_calls() -> Iterator[Counter]:
         label = f"{getattr(owner, '__name__', owner)}.{name}"
 
         def counted(*args, **kwargs):
-            if sys._getframe(1).f_code.co_filename.startswith(_PACKAGE_DIRS) and only(args[1:], kwargs):
-                counts[label] += 1
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(_PACKAGE_DIRS) and only(args[1:], kwargs):
+                counts[f"{label} in {os.path.basename(caller.co_filename)}:{caller.co_name}"] += 1
             return original(*args, **kwargs)
 
         return counted
@@ -134,7 +135,7 @@ def main() -> int:
             failure = f"a synchronising call in the steady-state step: {exc}"
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    blocking = {k: v for k, v in counts.items() if k != "Event.elapsed_time"}
+    blocking = {k: v for k, v in counts.items() if not k.startswith("Event.elapsed_time")}
     if failure is None and blocking:
         failure = f"blocking calls from overlap: {dict(blocking)}"
     if failure is None and not all(torch.isfinite(loss).item() for loss in losses):

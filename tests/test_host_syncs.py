@@ -1,6 +1,7 @@
 """The steady-state training step makes none of the calls that block the host on CUDA, but
-the one the end of backward needs: the `.tolist()` of the flags, a host tensor OR-ed
-between hosts (see [Note: the flags stay on the host] in overlap/runtime/collectives.py).
+reads of host tensors exchanged between hosts over gloo: the `.tolist()` of the flags the end
+of backward needs (see [Note: the flags stay on the host] in overlap/runtime/collectives.py)
+and of the order word before each collective (overlap/runtime/order_check.py).
 
 What a CPU run can prove: the same Python runs as on CUDA (only the stream branches
 differ), so these are the calls overlap's step makes; whether a call would synchronise
@@ -55,9 +56,13 @@ def test_steady_state_step_reads_only_the_host_flags(compression):
     from distributed import run_distributed
 
     for counts in run_distributed(_steady_state_calls, 2, compression, None, timeout=150):
-        # One read per step, of the flags: a host tensor all-reduced over gloo. Nothing is
-        # copied to the device to be all-reduced there, nothing read back from it.
-        assert counts == {"Tensor.tolist": STEPS}
+        # One read per step of the flags and one per collective of the order word: host
+        # tensors all-reduced over gloo. Nothing is copied to the device to be all-reduced
+        # there, nothing read back from it.
+        flags = "Tensor.tolist in collectives.py:result"
+        words = "Tensor.tolist in order_check.py:before_issue"
+        assert set(counts) <= {flags, words}, counts
+        assert counts[flags] == STEPS and counts[words] > 0
 
 
 @pytest.mark.parametrize("config,new_group", [("cpu:gloo,cuda:nccl", False), ("cuda:nccl", True), ("cpu:gloo", False)])
