@@ -43,17 +43,21 @@ class IncompleteCheckpoint(FileNotFoundError):
     """No complete checkpoint at the path (its save did not finish, or there is none)."""
 
 
-# One gloo group per training group, for DCP's own collectives: an asynchronous save runs
-# them on a background thread, and sharing the training group would interleave them with
-# the training's all-gathers and reductions.
-_CHECKPOINT_GROUPS: dict[Any, dist.ProcessGroup] = {}
+# One gloo group per training group's ranks, for DCP's own collectives: an asynchronous save
+# runs them on a background thread, and sharing the training group would interleave them
+# with the training's all-gathers and reductions. Only the model's ranks call save and load,
+# so only they take part in making it (`use_local_synchronization`): a group made over
+# WORLD would wait for ranks outside the model that never call. Keyed by the default group
+# too, since a new `init_process_group` makes every earlier group unusable.
+_CHECKPOINT_GROUPS: dict[tuple[Any, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
-    group = model.collectives.all_group
-    if group not in _CHECKPOINT_GROUPS:
-        _CHECKPOINT_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-    return _CHECKPOINT_GROUPS[group]
+    ranks = tuple(dist.get_process_group_ranks(model.collectives.all_group))
+    key = (dist.group.WORLD, ranks)
+    if key not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _CHECKPOINT_GROUPS[key]
 
 
 class PendingSave:
