@@ -338,3 +338,35 @@ def test_replanning_goes_on_under_evaluation_forwards():
     assert history0 == history1 and depths0 == depths1
     assert [step for step, *_ in history0] == [12, 22]
     assert history0[0][3].startswith("measured") and "drift" in history0[1][3]
+
+
+def _closed_step(forwards: int, reductions: dict[str, int]):
+    """A training step of `forwards` micro-batches: units a and b computed 0.2 s forward and
+    0.4 s backward each in all, 0.2 s of waits in a 2 s span, `reductions` reduce-scatters per unit."""
+    from overlap.base.step_record import Collective, StepKind, StepRecord
+    from overlap.observe.report import ClosedStep, StepStats, UnitStats
+
+    collectives = tuple(Collective("reduce_scatter", unit, 1, 0.0, 0.0)
+                        for unit, count in reductions.items() for _ in range(count))
+    record = StepRecord(3, StepKind.TRAIN, "host", (), collectives, None, {}, forwards, forwards)
+    stats = StepStats(3, span_s=2.0, compute_s=1.2, runtime_s=0.0, comm_s=0.0, hidden_s=0.0, exposed_s=0.0,
+                      gather_wait_s=0.1, reduce_wait_s=0.1, prefetches=0, hits=0, misses=0, gathered_bytes=0,
+                      reduced_bytes=0, peak_gathered_bytes=0,
+                      units=(UnitStats("a", 0.2, 0.4), UnitStats("b", 0.2, 0.4)))
+    return ClosedStep(record, stats)
+
+
+def test_a_step_of_micro_batches_is_measured_per_micro_batch():
+    """Gradient accumulation: a step of k micro-batches is measured as k steps of one, each
+    unit's reduction shared by the micro-batches it was made for (under no_sync, one per step)."""
+    from overlap.control.replanner import measure_profile
+
+    base = Profile((UnitCost("a", 8 * MB, 8 * MB, 8 * MB), UnitCost("b", 8 * MB, 8 * MB, 8 * MB)), 2)
+    one = measure_profile(_closed_step(1, {"a": 1, "b": 1}), base)
+    assert [(u.forward_s, u.backward_s, u.reduce_bytes) for u in one.units] == [(0.2, 0.4, 8 * MB)] * 2
+    assert one.other_s == pytest.approx(0.6)
+    two = measure_profile(_closed_step(2, {"a": 1, "b": 2}), base)
+    assert [(u.forward_s, u.backward_s) for u in two.units] == [(0.1, 0.2)] * 2
+    assert [u.reduce_bytes for u in two.units] == [4 * MB, 8 * MB]
+    assert two.other_s == pytest.approx(0.3)
+    assert [u.gather_bytes for u in two.units] == [8 * MB] * 2
