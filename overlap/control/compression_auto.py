@@ -128,7 +128,7 @@ class CompressionChooser:
             if self.asks < MAX_ASKS:
                 return
             mode = self.codec.settings.mode
-            choice = mode, f"compression {mode}: no training step measured in {self.asks} tries (a unit did not run)"
+            choice = mode, f"compression {mode}: no training step measured in {self.asks} tries"
             logger.warning("plan at step %d: %s; not asked again", step.record.step, choice[1])
         else:
             logger.info("plan at step %d: %s", step.record.step, choice[1])
