@@ -298,14 +298,21 @@ def _save_and_load_on_a_subgroup(rank: int, world: int, path: str) -> dict:
         before = fresh.full_state_dict()
         extra = checkpoint.load(path, fresh, _optimizer("sgd", fresh))
         result = {"saved": saved, "before": before, "loaded": fresh.full_state_dict(), "extra": extra}
-    # Rank 0 hosts the store that the other ranks' groups were made through: nobody leaves early.
-    dist.barrier()
+    # new_group's contract is that every rank of WORLD calls it: had the checkpoint's group
+    # been made that way by ranks 1 and 2 alone, their count of groups would be one ahead of
+    # ranks 0 and 3, and the next group every rank makes would be named differently on each
+    # side and never connect.
+    later = dist.new_group(list(range(world)))
+    count = torch.ones(1)
+    dist.all_reduce(count, group=later)
+    result["later_group_sum"] = float(count)
     return result
 
 
 @pytest.mark.timeout(300)
 def test_a_model_on_a_subgroup_saves_and_loads(tmp_path) -> None:
     results = run_distributed(_save_and_load_on_a_subgroup, 4, str(tmp_path / "subgroup"), timeout=240)
+    assert [r["later_group_sum"] for r in results] == [4.0] * 4
     for rank in SUBGROUP:
         got = results[rank]
         assert got["extra"] == {"step": 1}

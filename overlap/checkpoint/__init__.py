@@ -46,9 +46,11 @@ class IncompleteCheckpoint(FileNotFoundError):
 # One gloo group per training group's ranks, for DCP's own collectives: an asynchronous save
 # runs them on a background thread, and sharing the training group would interleave them
 # with the training's all-gathers and reductions. Only the model's ranks call save and load,
-# so only they take part in making it (`use_local_synchronization`): a group made over
-# WORLD would wait for ranks outside the model that never call. Keyed by the default group
-# too, since a new `init_process_group` makes every earlier group unusable.
+# so only they take part in making it (`use_local_synchronization`, named by its ranks):
+# `new_group` as WORLD makes groups expects every rank to call it, and made by some ranks
+# only it waits for the others (TORCH_DIST_INIT_BARRIER=1) or leaves their counts of groups
+# out of step, so that the next group made anywhere never connects. Keyed by the default
+# group too, since a new `init_process_group` makes every earlier group unusable.
 _CHECKPOINT_GROUPS: dict[tuple[Any, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
