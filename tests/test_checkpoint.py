@@ -271,3 +271,51 @@ def test_contiguous_blocks_cover_each_range_exactly(shape) -> None:
                        for v in values[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1).tolist()]
             assert covered == list(range(start, end)), (start, end, blocks)
             assert len(blocks) <= 2 * len(full_shape) - 1
+
+
+# ---- a model over a subgroup of the world -------------------------------------------------------
+
+SUBGROUP = [1, 2]
+
+
+def _save_and_load_on_a_subgroup(rank: int, world: int, path: str) -> dict:
+    """Ranks 1 and 2 of 4 train a model wrapped over their own group, save and load it; ranks
+    0 and 3 never call save or load. Returns what each model rank saw."""
+    import torch.distributed as dist
+
+    from overlap import checkpoint
+
+    group = dist.new_group(SUBGROUP)            # collective over WORLD: every rank makes it
+    result: dict = {}
+    if rank in SUBGROUP:
+        member = SUBGROUP.index(rank)
+        model = _build({"process_group": group}, seed=0)
+        optimizer = _optimizer("sgd", model)
+        _steps(model, optimizer, 0, 1, member, len(SUBGROUP))
+        checkpoint.save(path, model, optimizer, extra={"step": 1})
+        saved = model.full_state_dict()
+        fresh = _build({"process_group": group}, seed=1)
+        before = fresh.full_state_dict()
+        extra = checkpoint.load(path, fresh, _optimizer("sgd", fresh))
+        result = {"saved": saved, "before": before, "loaded": fresh.full_state_dict(), "extra": extra}
+    # new_group's contract is that every rank of WORLD calls it: had the checkpoint's group
+    # been made that way by ranks 1 and 2 alone, their count of groups would be one ahead of
+    # ranks 0 and 3, and the next group every rank makes would be named differently on each
+    # side and never connect.
+    later = dist.new_group(list(range(world)))
+    count = torch.ones(1)
+    dist.all_reduce(count, group=later)
+    result["later_group_sum"] = float(count)
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_a_model_on_a_subgroup_saves_and_loads(tmp_path) -> None:
+    results = run_distributed(_save_and_load_on_a_subgroup, 4, str(tmp_path / "subgroup"), timeout=240)
+    assert [r["later_group_sum"] for r in results] == [4.0] * 4
+    for rank in SUBGROUP:
+        got = results[rank]
+        assert got["extra"] == {"step": 1}
+        assert _relative_error(got["before"], got["saved"]) > 1e-3
+        for key, value in got["saved"].items():
+            assert torch.equal(got["loaded"][key], value), key

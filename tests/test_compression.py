@@ -242,3 +242,142 @@ def test_auto_decides_once_the_same_on_every_rank() -> None:
     assert decided in ("none", "int8", "int8-int4") and mode == decided
     assert reason.startswith(f"compression {decided}: predicted uncompressed")
     assert results[1] == results[0]
+
+
+def _auto_under_accumulation(rank: int, world: int) -> tuple:
+    """compression="auto", 8 steps of 2 micro-batches (no_sync): how many times rank 0 was
+    asked at each step, and what was decided."""
+    from overlap.control import compression_auto
+    from overlap.control.compression_auto import CompressionChooser
+    from parity import token_batches
+    from parity_cases import SMALL_GPT
+
+    asked: list[int] = []
+    per_step: dict[int, int] = {}
+    broadcast, on_step_end = compression_auto.decided_by_rank0, CompressionChooser.on_step_end
+
+    def counting(group, decide):
+        asked.append(1)
+        return broadcast(group, decide)
+
+    def recording(self, step):
+        before = len(asked)
+        on_step_end(self, step)
+        per_step[step.record.step] = len(asked) - before
+
+    compression_auto.decided_by_rank0, CompressionChooser.on_step_end = counting, recording
+    chooser = {}
+
+    def read(model) -> None:
+        (found,) = [c for c in model.step_end.controllers if isinstance(c, CompressionChooser)]
+        chooser.update(decided=found.decided, reason=found.reason)
+
+    case = dataclasses.replace(CASES["gpt_no_sync"], wrap={"compression": "auto"},
+                               batches=token_batches(SMALL_GPT.vocab_size, 12, steps=8))
+    train(case, rank, world, sharded=True, after=read)
+    return per_step, chooser["decided"], chooser["reason"]
+
+
+@pytest.mark.timeout(200)
+def test_auto_under_accumulation_decides_and_stops_asking() -> None:
+    """A step of two micro-batches is measured per micro-batch: rank 0 is asked once, at the
+    first decision step, and never again (each ask is a broadcast and a host sync)."""
+    results = run_distributed(_auto_under_accumulation, 2, timeout=150)
+    per_step, decided, reason = results[0]
+    assert sorted(per_step) == list(range(1, 9))
+    assert per_step == {step: int(step == 2) for step in range(1, 9)}
+    assert decided in COMPRESSION_MODES and reason.startswith(f"compression {decided}: predicted uncompressed")
+    assert results[1] == results[0]
+
+
+def test_auto_gives_up_after_a_bounded_number_of_asks(monkeypatch, caplog) -> None:
+    """When rank 0 never has a measured step to propose from, the chooser stops asking after
+    MAX_ASKS training steps and stays uncompressed; evaluation steps are not asked at."""
+    from types import SimpleNamespace
+
+    from overlap.base.step_record import StepKind
+    from overlap.control import compression_auto
+    from overlap.control.compression_auto import MAX_ASKS, CompressionChooser
+    from overlap.kernels import get_backend
+    from overlap.runtime.compression import Compression, QuantizedCodec
+
+    asked: list[int] = []
+
+    def local(group, decide):
+        asked.append(1)
+        return decide()
+
+    monkeypatch.setattr(compression_auto, "decided_by_rank0", local)
+    monkeypatch.setattr(CompressionChooser, "propose", lambda self, step: None)
+    codec = QuantizedCodec(Compression("none"), get_backend("torch", torch.device("cpu")))
+    chooser = CompressionChooser(codec, None, None, None, None, (4, 4), torch.device("cpu"))
+    for number in range(1, 3 * MAX_ASKS):
+        kind = StepKind.FORWARD if number % 2 else StepKind.TRAIN
+        chooser.on_step_end(SimpleNamespace(record=SimpleNamespace(step=number, kind=kind)))
+    assert len(asked) == MAX_ASKS
+    assert chooser.decided == "none" and codec.settings.mode == "none"
+    assert f"no training step measured in {MAX_ASKS} tries" in chooser.reason
+    assert any("not asked again" in r.getMessage() for r in caplog.records)
+
+
+class _FakeClock:
+    """perf_counter for `measure_codec`: each kernel launch advances it by its next duration."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_codec_cost_is_the_median_of_several_launches(monkeypatch) -> None:
+    """The first launch (compilation) is left out and one slow launch does not set the cost."""
+    from types import SimpleNamespace
+
+    from overlap.control import compression_auto
+    from overlap.control.compression_auto import CODEC_PROBE_NUMEL, measure_codec
+
+    clock = _FakeClock()
+    # Per kernel: warm-up, then one launch slowed down and four at the kernel's own speed.
+    durations = {"quantize": [1.0, 0.5, 0.002, 0.002, 0.002, 0.002],
+                 "dequantize": [1.0, 0.3, 0.004, 0.004, 0.004, 0.004]}
+
+    def launch(name: str):
+        def run(*args) -> None:
+            clock.now += durations[name].pop(0)
+        return run
+
+    monkeypatch.setattr(compression_auto, "time", clock)
+    kernels = SimpleNamespace(quantize_int8=launch("quantize"), dequantize_accumulate=launch("dequantize"))
+    codec = SimpleNamespace(kernels=kernels, settings=SimpleNamespace(block=128))
+    cost = measure_codec(codec, torch.device("cpu"), 2, 4, repeats=5)
+    assert durations == {"quantize": [], "dequantize": []}
+    assert cost.quantize_s == pytest.approx(0.002 / CODEC_PROBE_NUMEL)
+    assert cost.dequantize_s == pytest.approx(0.004 / CODEC_PROBE_NUMEL)
+
+
+def test_codec_kernels_are_warmed_for_the_dtypes_training_uses() -> None:
+    """At start-up every rank runs each kernel once per dtype it will be given, so the first
+    compressed step does not compile on some ranks while the others wait."""
+    from overlap.control.compression_auto import warm_codec_kernels
+    from overlap.kernels import get_backend
+    from overlap.runtime.compression import Compression, QuantizedCodec
+
+    backend = get_backend("torch", torch.device("cpu"))
+    calls: set[tuple[str, torch.dtype, int]] = set()
+
+    class Recording:
+        def __getattr__(self, name: str):
+            op = getattr(backend, name)
+
+            def run(first, *args):
+                calls.add((name, first.dtype, args[-1] if name.startswith("dequantize") else 0))
+                return op(first, *args)
+            return run
+
+    codec = QuantizedCodec(Compression("none", 64), Recording())
+    warm_codec_kernels(codec, torch.device("cpu"), [torch.bfloat16, torch.float32, torch.bfloat16], [torch.float32])
+    assert calls == {("quantize_int8", torch.bfloat16, 0), ("dequantize_into", torch.bfloat16, 8),
+                     ("quantize_int8", torch.float32, 0), ("dequantize_into", torch.float32, 8),
+                     ("quantize_int4", torch.float32, 0),
+                     ("dequantize_accumulate", torch.float32, 8), ("dequantize_accumulate", torch.float32, 4)}

@@ -146,3 +146,43 @@ def test_hpz_on_uneven_nodes_fails_on_every_rank() -> None:
         run_distributed(_hpz_on_uneven_nodes, 3, timeout=90)
     assert sorted(info.value.errors) == [0, 1, 2]
     assert all("world size 3 is not a multiple of LOCAL_WORLD_SIZE 2" in e for e in info.value.errors.values())
+
+
+def _collectives_while_grouping(rank: int, world: int) -> dict:
+    """For hpZ and hybrid sharding: the groups (as global ranks) that each all-reduce made
+    while the groups were built ran over, and the groups built."""
+    import torch.distributed as dist
+
+    from overlap.runtime.mesh import resolve_sharding
+
+    seen: list[list[int]] = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        seen.append(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = recording
+    result = {}
+    try:
+        for sharding in ("hpz", "hybrid"):
+            seen.clear()
+            groups = resolve_sharding(None, None, sharding, 2, "cpu")
+            built = groups.node if sharding == "hpz" else groups.replicate
+            result[sharding] = (list(seen), dist.get_process_group_ranks(built))
+    finally:
+        dist.all_reduce = all_reduce
+    return result
+
+
+@pytest.mark.timeout(200)
+def test_groups_first_used_in_backward_communicate_at_construction() -> None:
+    """hpZ's node group and hybrid's replicate group first communicate mid-backward, on
+    autograd's thread; one collective at construction makes their communicators at start-up."""
+    for rank, result in enumerate(run_distributed(_collectives_while_grouping, 4, timeout=150)):
+        seen, node = result["hpz"]
+        assert node == [0, 1] if rank < 2 else [2, 3]
+        assert seen == [node], (rank, seen)
+        seen, replicas = result["hybrid"]
+        assert replicas == [rank % 2, rank % 2 + 2]
+        assert seen == [replicas], (rank, seen)

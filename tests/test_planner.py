@@ -338,3 +338,102 @@ def test_replanning_goes_on_under_evaluation_forwards():
     assert history0 == history1 and depths0 == depths1
     assert [step for step, *_ in history0] == [12, 22]
     assert history0[0][3].startswith("measured") and "drift" in history0[1][3]
+
+
+def _closed_step(forwards: int, reductions: dict[str, int]):
+    """A training step of `forwards` micro-batches: units a and b computed 0.2 s forward and
+    0.4 s backward each in all, 0.2 s of waits in a 2 s span, `reductions` reduce-scatters per unit."""
+    from overlap.base.step_record import Collective, StepKind, StepRecord
+    from overlap.observe.report import ClosedStep, StepStats, UnitStats
+
+    collectives = tuple(Collective("reduce_scatter", unit, 1, 0.0, 0.0)
+                        for unit, count in reductions.items() for _ in range(count))
+    record = StepRecord(3, StepKind.TRAIN, "host", (), collectives, None, {}, forwards, forwards)
+    stats = StepStats(3, span_s=2.0, compute_s=1.2, runtime_s=0.0, comm_s=0.0, hidden_s=0.0, exposed_s=0.0,
+                      gather_wait_s=0.1, reduce_wait_s=0.1, prefetches=0, hits=0, misses=0, gathered_bytes=0,
+                      reduced_bytes=0, peak_gathered_bytes=0,
+                      units=(UnitStats("a", 0.2, 0.4), UnitStats("b", 0.2, 0.4)))
+    return ClosedStep(record, stats)
+
+
+def test_a_step_of_micro_batches_is_measured_per_micro_batch():
+    """Gradient accumulation: a step of k micro-batches is measured as k steps of one, each
+    unit's reduction shared by the micro-batches it was made for (under no_sync, one per step)."""
+    from overlap.control.replanner import measure_profile
+
+    base = Profile((UnitCost("a", 8 * MB, 8 * MB, 8 * MB), UnitCost("b", 8 * MB, 8 * MB, 8 * MB)), 2)
+    one = measure_profile(_closed_step(1, {"a": 1, "b": 1}), base)
+    assert [(u.forward_s, u.backward_s, u.reduce_bytes) for u in one.units] == [(0.2, 0.4, 8 * MB)] * 2
+    assert one.other_s == pytest.approx(0.6)
+    two = measure_profile(_closed_step(2, {"a": 1, "b": 2}), base)
+    assert [(u.forward_s, u.backward_s) for u in two.units] == [(0.1, 0.2)] * 2
+    assert [u.reduce_bytes for u in two.units] == [4 * MB, 8 * MB]
+    assert two.other_s == pytest.approx(0.3)
+    assert [u.gather_bytes for u in two.units] == [8 * MB] * 2
+
+
+def test_host_link_reads_nvlink_between_each_pair_of_gpus():
+    """NVLink only when NVML reports it between every pair of the ranks' GPUs (peer access
+    over PCIe is not NVLink); PCIe when a pair lacks it or NVML cannot be asked; loopback for
+    ranks on CPU or on one GPU."""
+    from overlap.control.gpu_links import NvmlUnavailable, host_link
+
+    asked = []
+
+    def pairs_without(missing):
+        def query(gpus):
+            asked.append(list(gpus))
+            return [pair for pair in missing if set(pair) <= set(gpus)]
+        return query
+
+    def unavailable(gpus):
+        raise NvmlUnavailable("libnvidia-ml.so.1 not loadable")
+
+    gpus = ["GPU-b", "GPU-a", "GPU-c", "GPU-d"]
+    assert host_link(gpus, pairs_without([]))[0] == "nvlink"
+    assert asked == [["GPU-a", "GPU-b", "GPU-c", "GPU-d"]]
+    link, why = host_link(gpus, pairs_without([("GPU-b", "GPU-c")]))
+    assert link == "pcie" and "GPU-b and GPU-c" in why
+    link, why = host_link(gpus, unavailable)
+    assert link == "pcie" and "not loadable" in why
+    # Each rank sees its own GPU only (CUDA_VISIBLE_DEVICES per rank): the ranks' GPUs are
+    # still told apart, since each names its GPU by UUID.
+    assert host_link(["GPU-a", "GPU-b"], pairs_without([]))[0] == "nvlink"
+    asked.clear()
+    assert host_link([None, None], pairs_without([]))[0] == "loopback"
+    assert host_link(["GPU-a", "GPU-a"], pairs_without([]))[0] == "loopback"
+    assert asked == []
+
+
+def test_nvml_missing_is_reported_not_raised(monkeypatch):
+    from overlap.control import gpu_links
+
+    monkeypatch.setattr(gpu_links, "NVML_LIBRARY", "libnot-a-library-overlap.so")
+    with pytest.raises(gpu_links.NvmlUnavailable, match="not loadable"):
+        gpu_links.nvml_pairs_without_nvlink(["GPU-a", "GPU-b"])
+    assert gpu_links.host_link(["GPU-a", "GPU-b"])[0] == "pcie"
+
+
+def _levels(rank: int, world: int):
+    import torch.distributed as dist
+
+    from overlap.control.topology import level_links
+
+    return level_links("auto", dist.group.WORLD)
+
+
+def test_ranks_on_cpu_detect_loopback():
+    assert run_distributed(_levels, 2, timeout=60) == [("loopback", "loopback")] * 2
+
+
+def test_gpu_uuid_names_the_gpu_as_nvml_does(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from overlap.control.gpu_links import gpu_uuid
+
+    props = {0: SimpleNamespace(uuid="5f1e8a2c-0000-1111-2222-333344445555")}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props[device.index])
+    assert gpu_uuid(torch.device("cuda", 0)) == "GPU-5f1e8a2c-0000-1111-2222-333344445555"
+    assert gpu_uuid(torch.device("cpu")) is None

@@ -11,7 +11,7 @@ from overlap.kernels import BACKEND_NAMES
 KERNEL_CHOICES = BACKEND_NAMES
 
 # Link classes the planner has a latency-bandwidth model for (overlap.plan.links).
-LINK_CLASSES = ("nvlink", "infiniband", "ethernet", "loopback")
+LINK_CLASSES = ("nvlink", "pcie", "infiniband", "ethernet", "loopback")
 LINK_CHOICES = ("auto", *LINK_CLASSES)
 
 # Shard over every rank; inside each node, replicated across nodes; or over every rank with a

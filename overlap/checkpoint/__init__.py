@@ -43,17 +43,23 @@ class IncompleteCheckpoint(FileNotFoundError):
     """No complete checkpoint at the path (its save did not finish, or there is none)."""
 
 
-# One gloo group per training group, for DCP's own collectives: an asynchronous save runs
-# them on a background thread, and sharing the training group would interleave them with
-# the training's all-gathers and reductions.
-_CHECKPOINT_GROUPS: dict[Any, dist.ProcessGroup] = {}
+# One gloo group per training group's ranks, for DCP's own collectives: an asynchronous save
+# runs them on a background thread, and sharing the training group would interleave them
+# with the training's all-gathers and reductions. Only the model's ranks call save and load,
+# so only they take part in making it (`use_local_synchronization`, named by its ranks):
+# `new_group` as WORLD makes groups expects every rank to call it, and made by some ranks
+# only it waits for the others (TORCH_DIST_INIT_BARRIER=1) or leaves their counts of groups
+# out of step, so that the next group made anywhere never connects. Keyed by the default
+# group too, since a new `init_process_group` makes every earlier group unusable.
+_CHECKPOINT_GROUPS: dict[tuple[Any, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
-    group = model.collectives.all_group
-    if group not in _CHECKPOINT_GROUPS:
-        _CHECKPOINT_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-    return _CHECKPOINT_GROUPS[group]
+    ranks = tuple(dist.get_process_group_ranks(model.collectives.all_group))
+    key = (dist.group.WORLD, ranks)
+    if key not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _CHECKPOINT_GROUPS[key]
 
 
 class PendingSave:

@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from overlap.plan.cost_model import CommLayout, Profile, predict_step
+from overlap.plan.cost_model import CommLayout, Profile, UnitCost, predict_step
 from overlap.plan.prefetch import Plan, choose_depths, explain
 from overlap.control.agreement import decided_by_rank0
 from overlap.control.startup_plan import StartupPlan, cost_of_unit
 from overlap.control.step_end import PrefetchDepths
 from overlap.observe.report import ClosedStep
 from overlap.runtime.unit import Unit
-from overlap.base.step_record import StepKind
+from overlap.base.step_record import StepKind, StepRecord
 from overlap.plan.links import LinkModel
 
 logger = logging.getLogger("overlap")
@@ -44,21 +45,41 @@ def replanner_for(base: Profile, startup: StartupPlan, bucket_bytes: int, group:
 # ---- measurement and re-planning at run time ---------------------------------------------------
 
 def measure_profile(step: ClosedStep, base: Profile) -> Optional[Profile]:
-    """`base` with the compute times of a training step of one forward and one backward
-    (None for other steps, or when a unit did not run): each unit's forward and backward
-    compute as the overlap report measures them, and as `other_s` the rest of the step that
-    is not a wait (the root's compute and the runtime's own work)."""
+    """`base` with the compute times of a training step, per micro-batch (None for other
+    steps, or when a unit did not run): each unit's forward and backward compute as the
+    overlap report measures them, and as `other_s` the rest of the step that is not a wait
+    (the root's compute and the runtime's own work).
+
+    A step of k micro-batches (k forwards and k backwards, gradient accumulation) is taken as
+    k steps of one: its times divided by k, and each unit's reduction bytes scaled by the
+    reductions it made over k (under `no_sync` one per step, so 1/k of a reduction per
+    micro-batch), which is what the cost model's one-forward-one-backward step then replays."""
     record, stats = step.record, step.stats
-    if stats is None or (record.forwards, record.backwards) != (1, 1):
+    micro_batches = record.forwards
+    if stats is None or micro_batches < 1 or record.backwards != micro_batches:
         return None
     measured = {u.unit: u for u in stats.units}
     if any(unit.name not in measured for unit in base.units):
         return None
-    units = tuple(replace(unit, forward_s=measured[unit.name].forward_s, backward_s=measured[unit.name].backward_s)
+    units = tuple(replace(unit, forward_s=measured[unit.name].forward_s / micro_batches,
+                          backward_s=measured[unit.name].backward_s / micro_batches)
                   for unit in base.units)
     waits = stats.gather_wait_s + stats.reduce_wait_s
-    other = max(stats.span_s - waits - sum(u.forward_s + u.backward_s for u in units), 0.0)
-    return replace(base, units=units, other_s=other)
+    other = max(stats.span_s - waits, 0.0) / micro_batches - sum(u.forward_s + u.backward_s for u in units)
+    profile = replace(base, units=units, other_s=max(other, 0.0))
+    return profile if micro_batches == 1 else _reductions_per_micro_batch(profile, record, micro_batches)
+
+
+def _reductions_per_micro_batch(profile: Profile, record: StepRecord, micro_batches: int) -> Profile:
+    """`profile` with each unit's (and the root's) reduction bytes times the share of its
+    micro-batches whose backward reduced it."""
+    reduced = Counter(c.unit for c in record.collectives if c.kind == "reduce_scatter")
+
+    def share(unit: UnitCost) -> UnitCost:
+        return replace(unit, reduce_bytes=int(unit.reduce_bytes * min(reduced[unit.name] / micro_batches, 1.0)))
+
+    return replace(profile, units=tuple(share(u) for u in profile.units),
+                   root=None if profile.root is None else share(profile.root))
 
 
 def average_profiles(profiles: Sequence[Profile]) -> Profile:

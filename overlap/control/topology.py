@@ -1,25 +1,22 @@
 """Which kind of link joins the ranks of a process group: detected on the running job (host
-names, CUDA peer access, InfiniBand devices) or forced by OVERLAP_LINK.
+names, NVLink between the ranks' GPUs as NVML reports it, InfiniBand devices) or forced by
+OVERLAP_LINK.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from overlap.control.agreement import decided_by_rank0
+from overlap.control.gpu_links import gpu_uuid, host_link
+from overlap.control.settings import device_for
 
 INFINIBAND_SYSFS = "/sys/class/infiniband"
 
-
-def _local_link() -> str:
-    """Ranks on one host: NVLink when CUDA peer access works, otherwise loopback/PCIe."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        if torch.cuda.can_device_access_peer(0, 1):
-            return "nvlink"
-    return "loopback"
+logger = logging.getLogger("overlap")
 
 
 def _network_link() -> str:
@@ -48,20 +45,30 @@ def level_links(forced: str, group: dist.ProcessGroup) -> tuple[str, str]:
     levels = forced_levels(forced)
     if levels is not None:
         return levels
-    hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, os.uname().nodename, group=group)
-    one_host = len(set(hosts)) == 1
-    return decided_by_rank0(group, lambda: (_local_link(), _local_link() if one_host else _network_link()))
+    ranks: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, (os.uname().nodename, gpu_uuid(device_for(group))), group=group)
+    hosts = [host for host, _ in ranks]
+
+    def decide() -> tuple[str, str, str]:
+        # Rank 0's host stands for every host: the GPUs of the ranks that share it.
+        inside, why = host_link([gpu for host, gpu in ranks if host == hosts[0]])
+        return inside, inside if len(set(hosts)) == 1 else _network_link(), why
+
+    inside, across, why = decided_by_rank0(group, decide)
+    logger.info("link inside a node: %s (%s); across nodes: %s", inside, why, across)
+    return inside, across
 
 
 def detect_link(group: dist.ProcessGroup, forced: str = "auto", local_world_size: Optional[int] = None) -> str:
-    """nvlink, infiniband, ethernet or loopback; `forced` (from OVERLAP_LINK) wins unless 'auto'.
-    With one value per level, a group inside one node gets the first, any other the second.
+    """nvlink, pcie, infiniband, ethernet or loopback; `forced` (from OVERLAP_LINK) wins unless
+    'auto'. With one value per level, a group inside one node gets the first, any other the
+    second.
 
-    Every rank reports its host name. Ranks all on one host talk over NVLink when CUDA peer
-    access works between their GPUs, else over loopback. Across hosts the slowest hop sets the
-    pace of a ring: InfiniBand when the host has an IB device, else Ethernet. Rank 0's answer
-    is used by all so that every rank plans the same way.
+    Every rank reports its host name and its GPU. Ranks all on one host talk over NVLink when
+    NVML reports NVLink between each pair of their GPUs, else over PCIe, and over loopback
+    when they compute on CPU (`overlap.control.gpu_links.host_link`). Across hosts the slowest
+    hop sets the pace of a ring: InfiniBand when the host has an IB device, else Ethernet.
+    Rank 0's answer is used by all so that every rank plans the same way.
     """
     levels = forced_levels(forced)
     if levels is not None:

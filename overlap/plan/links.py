@@ -27,9 +27,14 @@ class LinkModel:
 # Class defaults before any probe. NVLink and InfiniBand follow NCCL's figures for 8 GPUs:
 # ~370 GB/s bus bandwidth on H100 NVLink, ~46 GB/s per NDR NIC, per-collective latency of a
 # ring of 8 (base + 7 steps). Ethernet is a 10 Gbit/s NIC; loopback is gloo on one host, where
-# the copy is CPU work (32 MB gathered in ~58 ms on the 2-core development machine).
+# the copy is CPU work (32 MB gathered in ~58 ms on the 2-core development machine). PCIe is
+# GPUs of one host without NVLink: nccl-tests reach 35-45 GB/s all-reduce bus bandwidth on 8
+# H100 PCIe (Gen5; Alaya NeW's NCCL-tests guide, 2026), and a Gen4 link carries half of
+# Gen5's rate, so 20 GB/s, the slower common case; NCCL's cost model charges a PCIe ring step
+# somewhat more latency than an NVLink one (hwLat in NCCL's tuning.cc), hence 20 µs.
 LINK_DEFAULTS: dict[str, LinkModel] = {
     "nvlink": LinkModel("nvlink", 15e-6, 370e9),
+    "pcie": LinkModel("pcie", 20e-6, 20e9),
     "infiniband": LinkModel("infiniband", 45e-6, 46e9),
     "ethernet": LinkModel("ethernet", 100e-6, 1.1e9),
     "loopback": LinkModel("loopback", 300e-6, 0.6e9),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -34,10 +35,28 @@ class ShardingGroups:
             f"hybrid sharding: {shard} ranks per shard group, {self.replicas} replicas"
 
 
+def connect(group: dist.ProcessGroup, device_type: str) -> None:
+    """One all-reduce of one element over `group`, so that its communicator exists now.
+
+    NCCL makes a group's communicator at its first collective. hpZ's node group first
+    communicates in backward (the re-gather from the node copy) and hybrid sharding's
+    replicate group at the first gradient all-reduce, both on autograd's thread mid-step:
+    made there, the communicator's set-up (seconds at scale, a hang if a rank is missing)
+    lands inside the first step and its timings. Made here, at start-up, every rank of the
+    group is at the same point (collective)."""
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(device_type)
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
 def _from_mesh(mesh: DeviceMesh) -> ShardingGroups:
     if mesh.ndim == 1:
         return ShardingGroups(mesh.get_group(0), None)
     replicate = None if mesh.size(0) == 1 else mesh.get_group(0)
+    if replicate is not None:
+        connect(replicate, mesh.device_type)
     return ShardingGroups(mesh.get_group(1), replicate)
 
 
@@ -86,5 +105,8 @@ def groups_on_mesh(sharding: str, mesh: DeviceMesh) -> ShardingGroups:
     """The groups of "full", "hybrid" or "hpz" sharding over every rank, on a ("replicate",
     "shard") mesh whose second dimension is a node's ranks."""
     node, across = mesh.get_group(1), mesh.get_group(0)
+    # hpZ's node group and hybrid's replicate group first communicate mid-backward.
+    if sharding in ("hybrid", "hpz"):
+        connect(across if sharding == "hybrid" else node, mesh.device_type)
     return {"full": ShardingGroups(dist.group.WORLD, None), "hybrid": ShardingGroups(node, across),
             "hpz": ShardingGroups(dist.group.WORLD, None, node)}[sharding]
