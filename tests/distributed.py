@@ -3,12 +3,13 @@
 [Note: ranks forked from a preloaded server]
 Each rank is a fresh process, but not a fresh interpreter: ranks are forked from one
 multiprocessing fork server per test session that has already imported torch, the package
-and the model code the tests wrap (HF GPT-2 and Llama). Spawning an interpreter per rank
-re-imported all of that, 5-15 s per rank on this 2-core machine, more than most tests' own
-work. The server imports modules only (no threads, no process group, no tensors on a
-device), so forking from it is safe. A forked rank inherits the server's environment, not
-the test's: the test's environment at launch is sent along and installed first, as a spawned
-rank would have inherited it.
+and the model code the tests wrap (HF GPT-2 and Llama). A spawned interpreter per rank
+imported all of that again: 2 s for torch and 3 s more for the HF models on an idle 2-core
+machine, 10-15 s under load, at every launch: more than most tests' own work.
+The server imports modules only (no threads, no process group, no tensors on a device), so
+forking from it is safe. A forked rank inherits the server's environment, not the test's:
+the test's environment at launch is sent along and installed first, as a spawned rank would
+have inherited it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 240
-# Imported once by the fork server (see the note above); a module not installed is skipped.
+# Imported once by the fork server (see the note above); one that is not installed is skipped
+# (an ImportError); any other error in these imports stops the server and fails every launch.
 PRELOAD = ["torch", "torch.distributed", "overlap", "overlap.sharded_module", "overlap.models", "pytest",
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
