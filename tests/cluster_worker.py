@@ -1,8 +1,10 @@
-"""Run by torchrun on each node of the emulated cluster (benchmarks/cluster.py): trains a
-parity case with the given wrap settings on this rank's slice of each global batch and,
-on rank 0, saves what the test compares with one process."""
+"""Run by torchrun on each node of the emulated cluster (benchmarks/cluster.py): trains
+parity cases, each with its wrap settings, one after another in the same process group, on
+this rank's slice of each global batch and, on rank 0, saves what the test compares with one
+process (a list, in the order of the runs given)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,14 +19,15 @@ from parity_cases import CASES               # noqa: E402
 
 
 def main() -> None:
-    case_name, wrap_json, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    runs_json, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    case = CASES[case_name]
-    case.wrap = {**case.wrap, **json.loads(wrap_json)}
-    result = train(case, dist.get_rank(), dist.get_world_size(), sharded=True)
+    results = []
+    for case_name, wrap in json.loads(runs_json):
+        case = dataclasses.replace(CASES[case_name], wrap={**CASES[case_name].wrap, **wrap})
+        results.append(train(case, dist.get_rank(), dist.get_world_size(), sharded=True))
     if dist.get_rank() == 0:
-        torch.save(result, out)
+        torch.save(results, out)
     dist.barrier()
     # Leave without tearing the process group down: on this loaded machine the destructor
     # deadlocked against gloo's threads once the work was done (a rank stayed alive, idle,

@@ -4,6 +4,7 @@ namespaces of 2 ranks each, joined by a throttled link, equal one process on the
 batches."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -37,22 +38,42 @@ REASON = _namespaces_work()
 needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster: {REASON}")
 
 
-@needs_cluster
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("name,wrap,described", [
+# (case, wrap, how the sharding describes itself) for each run on the emulated cluster.
+CLUSTER_RUNS = [
     ("features_bucketed", {"sharding": "hybrid"}, "hybrid sharding: 2 ranks per shard group, 2 replicas"),
     ("gpt_adamw_groups", {"sharding": "hybrid"}, "hybrid sharding: 2 ranks per shard group, 2 replicas"),
     ("gpt_adamw_groups", {"sharding": "hpz"}, "hpZ: full sharding over 4 ranks, backward gathers over 2 ranks per node"),
-])
-def test_sharding_on_two_nodes_equals_one_process(name: str, wrap: dict, described: str, tmp_path) -> None:
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _cluster_results(directory: str) -> list[dict]:
+    """Every run of CLUSTER_RUNS, one after another in one torchrun job on the two nodes (one
+    cluster set-up and one start of 4 ranks, which costs far more than the training)."""
     from cluster import run_on_cluster
 
-    out = str(tmp_path / "result.pt")
-    results = run_on_cluster("1gbit", 2, [os.path.join(HERE, "cluster_worker.py"), name, json.dumps(wrap), out],
+    out = os.path.join(directory, "results.pt")
+    runs = json.dumps([[name, wrap] for name, wrap, _ in CLUSTER_RUNS])
+    results = run_on_cluster("1gbit", 2, [os.path.join(HERE, "cluster_worker.py"), runs, out],
                              timeout_s=300, env={"OMP_NUM_THREADS": "1"})
     for node, result in enumerate(results):
         assert result.returncode == 0, f"node {node}:\n{result.stdout[-4000:]}"
-    got, ref, case = torch.load(out, weights_only=False), train(CASES[name]), CASES[name]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def cluster_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cluster"))
+
+
+@needs_cluster
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("run", range(len(CLUSTER_RUNS)),
+                         ids=[f"{name}-{wrap['sharding']}" for name, wrap, _ in CLUSTER_RUNS])
+def test_sharding_on_two_nodes_equals_one_process(run: int, cluster_dir: str) -> None:
+    name, _, described = CLUSTER_RUNS[run]
+    got = _cluster_results(cluster_dir)[run]
+    ref, case = train(CASES[name]), CASES[name]
     assert got["sharding"] == described
     tol = {"rtol": case.rtol, "atol": case.atol}
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tol)
