@@ -5,6 +5,19 @@ import os
 from typing import Iterator
 
 import pytest
+import torch
+
+try:
+    import triton
+except ImportError:
+    triton = None
+
+# Triton runs CPU tensors only through its interpreter, and `overlap.kernels.triton_backend`
+# builds its kernels for whichever mode is on when it is first imported: switched on here,
+# before any test module probes the backends, so that every module sees the same Triton
+# backend whatever order the files run in.
+if triton is not None and not torch.cuda.is_available():
+    triton.knobs.runtime.interpret = True
 
 
 @pytest.fixture(scope="session", autouse=True)
