@@ -78,6 +78,9 @@ def test_flags_go_over_gloo(monkeypatch, config, new_group):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [4, 5])
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: made.append((ranks, kwargs)) or "gloo group")
+    connected = []
+    monkeypatch.setattr(dist, "barrier", lambda group=None: connected.append(group))
     group = object()
     assert host_group(group) == ("gloo group" if new_group else group)
     assert made == ([([4, 5], {"backend": "gloo", "use_local_synchronization": True})] if new_group else [])
+    assert connected == (["gloo group"] if new_group else [])         # all connected before any goes on

@@ -58,7 +58,11 @@ def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
     ranks = tuple(dist.get_process_group_ranks(model.collectives.all_group))
     key = (dist.group.WORLD, ranks)
     if key not in _CHECKPOINT_GROUPS:
-        _CHECKPOINT_GROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        # Every rank leaves only once all are connected: a rank that raises right after (a
+        # refused checkpoint) must not close its side while another is still connecting.
+        dist.barrier(group=group)
+        _CHECKPOINT_GROUPS[key] = group
     return _CHECKPOINT_GROUPS[key]
 
 

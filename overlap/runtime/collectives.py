@@ -64,7 +64,9 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     See [Note: the flags stay on the host]."""
     if dist.get_world_size(group) == 1 or device_backend(group, "cpu") == "gloo":
         return group                       # one rank: `any_rank` communicates nothing
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    made = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    dist.barrier(group=made)            # every rank connected before any goes on (see order_check's)
+    return made
 
 
 class Collectives:

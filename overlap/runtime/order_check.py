@@ -119,6 +119,11 @@ class OrderCheck:
         timeout = datetime.timedelta(seconds=_group_timeout_s(group))
         self._words = dist.ProcessGroupGloo(dist.PrefixStore(f"{self._prefix}/words", group.get_group_store()),
                                             self.rank, self.world_size, timeout)
+        # A rank can finish connecting a gloo group before the others have read its address
+        # from the store: one exchange on it here keeps every rank in the constructor until all
+        # are connected, so a rank that leaves soon after (an error in the user's code) does
+        # not take the store down under a rank still connecting.
+        self._words.allreduce([torch.zeros(1)]).wait()
 
     # ---- what ran ------------------------------------------------------------------------
 
