@@ -145,6 +145,21 @@ def _bf16():
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def _lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor],
+             context: Callable[[], Any]) -> Callable[[int], torch.Tensor]:
+    """One training step of a language model on batch `i` of `data` (inputs are the targets)."""
+
+    def step(i: int) -> torch.Tensor:
+        with context():
+            loss = model(data[i], data[i])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def timed_steps(step: Callable[[int], torch.Tensor], device: torch.device, warmup: int, steps: int,
                 at_window: Optional[Callable[[], None]] = None) -> tuple[list[float], list[float]]:
     """Run `step(i)` `warmup` times, call `at_window()`, then `steps` more times; the seconds
@@ -652,13 +667,7 @@ def _emulated_run(kind: str, config, device: torch.device, injection: Injection,
     data = [torch.randint(0, config.vocab_size, (8, config.block_size), generator=gen).to(device)
             for _ in range(warmup + steps)]
 
-    def step(i: int) -> torch.Tensor:
-        with context():
-            loss = model(data[i], data[i])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = _lm_step(model, optimizer, data, context)
 
     with injection.active():
         seconds, losses = timed_steps(step, device, warmup, steps, at_window=injection.reset)
@@ -876,14 +885,7 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
 
-                def step(i: int) -> torch.Tensor:
-                    with context():
-                        loss = model(data[i], data[i])
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    return loss.detach()
-
+                step = _lm_step(model, optimizer, data, context)
                 seconds, losses = timed_steps(step, device, OVERHEAD_WARMUP, OVERHEAD_STEPS)
                 peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
                 results[kind] = dict(step_ms=1e3 * statistics.median(seconds), peak_gib=peak / 2**30,
