@@ -1,17 +1,19 @@
-"""Labels for every runtime phase: torch.profiler always, NVTX when enabled.
+"""Labels for every runtime phase: torch.profiler while it records, NVTX when enabled.
 
 `record_function` labels make torch.profiler traces read per unit; NVTX ranges (OVERLAP_NVTX=1)
-make the same phases show in Nsight Systems.
+make the same phases show in Nsight Systems. A label is made only while the profiler records
+(a range entered without one is dropped by torch anyway): the runtime opens several per unit
+and step, and each costs microseconds of host time, which adds up over the units.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 from torch.autograd.profiler import record_function
 
 _nvtx_enabled = False
+_profiling = torch._C._autograd._profiler_enabled
 
 
 def enable_nvtx(enabled: bool) -> None:
@@ -19,18 +21,37 @@ def enable_nvtx(enabled: bool) -> None:
     _nvtx_enabled = bool(enabled) and torch.cuda.is_available()
 
 
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Mark one phase, e.g. ``overlap::all_gather::transformer.h.3``."""
-    with record_function(name):
+_UNLABELLED = contextlib.nullcontext()
+
+
+class _Labelled:
+    """The range of one phase while the profiler records or NVTX is on."""
+
+    __slots__ = ("name", "record")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.record = record_function(name) if _profiling() else None
+
+    def __enter__(self) -> None:
+        if self.record is not None:
+            self.record.__enter__()
         if _nvtx_enabled:
-            torch.cuda.nvtx.range_push(name)
-            try:
-                yield
-            finally:
-                torch.cuda.nvtx.range_pop()
-        else:
-            yield
+            torch.cuda.nvtx.range_push(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        if _nvtx_enabled:
+            torch.cuda.nvtx.range_pop()
+        if self.record is not None:
+            self.record.__exit__(None, None, None)
+
+
+def phase(name: str) -> contextlib.AbstractContextManager[None]:
+    """Mark one phase, e.g. ``overlap::all_gather::transformer.h.3``: a context manager,
+    one shared no-op one when nothing records."""
+    if _nvtx_enabled or _profiling():
+        return _Labelled(name)
+    return _UNLABELLED
 
 
 class Span:
@@ -40,11 +61,13 @@ class Span:
     push/pop, need not nest, which backward's interleaving requires."""
 
     def __init__(self, name: str) -> None:
-        self._record = record_function(name)
-        self._record.__enter__()
+        self._record = record_function(name) if _profiling() else None
+        if self._record is not None:
+            self._record.__enter__()
         self._nvtx = torch.cuda.nvtx.range_start(name) if _nvtx_enabled else None
 
     def close(self) -> None:
-        self._record.__exit__(None, None, None)
+        if self._record is not None:
+            self._record.__exit__(None, None, None)
         if self._nvtx is not None:
             torch.cuda.nvtx.range_end(self._nvtx)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 Interval = tuple[float, float]
 
@@ -47,8 +47,9 @@ class StepKind(str, enum.Enum):
     FORWARD = "forward"    # ended by a forward that no backward follows
 
 
-@dataclass(frozen=True)
-class UnitEvent:
+class UnitEvent(NamedTuple):
+    """A mark of one unit. A tuple: the runtime writes several per unit and step."""
+
     mark: Mark
     unit: str
     time: float
@@ -111,7 +112,7 @@ class StepRecord:
         def at(t: float) -> float:
             return t - origin
 
-        return replace(self, events=tuple(replace(e, time=at(e.time)) for e in self.events),
+        return replace(self, events=tuple(e._replace(time=at(e.time)) for e in self.events),
                        collectives=tuple(replace(c, start=at(c.start), end=at(c.end),
                                                  wait=None if c.wait is None else (at(c.wait[0]), at(c.wait[1])))
                                          for c in self.collectives))

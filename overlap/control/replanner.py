@@ -24,9 +24,15 @@ logger = logging.getLogger("overlap")
 # as the scheduler counts them, evaluation forwards included, so that a decision step is
 # never skipped); the first training step warms up and is not measured. A re-plan needs
 # compute or communication to have drifted by DRIFT and the new depth to be predicted
-# faster than the current one by MIN_GAIN (hysteresis).
+# faster than the current one by MIN_GAIN (hysteresis). A decision reads the training steps
+# among the MEASURED_STEPS steps that end with it: analysing a step costs host time, and
+# steps further back describe the workload no better. Each decision that finds nothing to
+# re-plan doubles the interval to the next, up to MAX_REPLAN_EVERY; one that re-plans brings it
+# back to REPLAN_EVERY (a steady workload stops paying for checks that change nothing).
 FIRST_DECISION_STEP = 2
 REPLAN_EVERY = 10
+MAX_REPLAN_EVERY = 160
+MEASURED_STEPS = 3
 DRIFT = 0.20
 MIN_GAIN = 0.03
 
@@ -116,9 +122,11 @@ class Replanner:
     """Step-end controller (`overlap.control.step_end`) that sets the forward and backward
     prefetch depths from measured steps.
 
-    Rank 0 decides; the decision is broadcast at fixed steps (FIRST_DECISION_STEP, then every
-    REPLAN_EVERY), so every rank makes the same collective calls at the same points whether
-    or not anything changed. Between decisions each rank only records its own timings. Called
+    Rank 0 decides; the decision is broadcast at steps every rank computes alike
+    (FIRST_DECISION_STEP, then intervals from REPLAN_EVERY to MAX_REPLAN_EVERY that follow the
+    broadcast decisions), so every rank makes the same collective calls at the same points
+    whether or not anything changed. Between decisions each rank only analyses the few steps
+    the next decision reads. Called
     at the end of every step, training or evaluation (see [Note: what a step is]).
     """
 
@@ -129,27 +137,36 @@ class Replanner:
     group: dist.ProcessGroup
     depths: PrefetchDepths
     first_step: int = FIRST_DECISION_STEP
-    every: int = REPLAN_EVERY
+    every: int = REPLAN_EVERY               # steps from a decision that re-planned to the next
     history: list[Decision] = field(default_factory=list)
     _measured: list[Profile] = field(default_factory=list)
     _planned_on: Optional[Profile] = None
     _trained: int = 0
+    _next_decision: Optional[int] = None
+    _interval: int = 0
 
-    def is_decision_step(self, step: int) -> bool:
-        return step == self.first_step or (step > self.first_step and (step - self.first_step) % self.every == 0)
+    @property
+    def next_decision_step(self) -> int:
+        return self.first_step if self._next_decision is None else self._next_decision
 
     def on_step_end(self, step: ClosedStep) -> None:
+        number = step.record.step
         if step.record.kind is StepKind.TRAIN:
             self._trained += 1
-            measured = measure_profile(step, self.base) if self._trained > 1 or self.first_step == 1 else None
-            if measured is not None:
-                self._measured.append(measured)
-        number = step.record.step
-        if not self.is_decision_step(number):
+            wanted = self.next_decision_step - number < MEASURED_STEPS
+            if wanted and (self._trained > 1 or self.first_step == 1):
+                measured = measure_profile(step, self.base)
+                if measured is not None:
+                    self._measured.append(measured)
+        if number < self.next_decision_step:
             return
         current = self.depths.current
         proposal = decided_by_rank0(self.group, lambda: self.decide(current))
         self._measured = []
+        # A decision that found nothing to re-plan doubles the interval to the next.
+        steady = proposal is None and self._next_decision is not None
+        self._interval = min(2 * self._interval, MAX_REPLAN_EVERY) if steady else self.every
+        self._next_decision = number + self._interval
         if proposal is None:
             return
         forward_depth, backward_depth, reason = proposal

@@ -98,7 +98,8 @@ def decide(request: StartupRequest, settings: RankSettings, unit_specs: list[Uni
                 planned.bucket_mb)
     return StartupDecision(request.all_group, device, settings.kernels, mp, sharding,
                            None if auto is None else auto.choice, link, startup, planned,
-                           replan_depth=config.prefetch_depth is None)
+                           # One rank communicates nothing: no depth to re-plan.
+                           replan_depth=config.prefetch_depth is None and dist.get_world_size(request.all_group) > 1)
 
 
 def _sharding(request: StartupRequest, settings: RankSettings, unit_specs: list[UnitSpec],

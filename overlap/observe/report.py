@@ -54,8 +54,8 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
-from overlap.base.intervals import Interval, length, overlap, subtract, union
-from overlap.base.step_record import Mark, StepKind, StepRecord, UnitEvent
+from overlap.base.intervals import Interval, length, overlap, overlap_each, subtract, union
+from overlap.base.step_record import Collective, Mark, StepKind, StepRecord, UnitEvent
 
 # Gradient reductions: the reduce-scatter, and with hybrid sharding the all-reduce across replicas.
 REDUCTION_KINDS = ("reduce_scatter", "all_reduce")
@@ -207,24 +207,31 @@ def _compute_intervals(parts: Sequence[Segment]) -> list[Interval]:
     return union((s.start, s.end) for s in parts if s.kind in ("forward", "backward"))
 
 
-def _unit_stats(unit: str, record: StepRecord, parts: Sequence[Segment]) -> UnitStats:
-    mine = [c for c in record.collectives if c.unit == unit]
+def _unit_stats(unit: str, mine: Sequence[Collective], parts: Sequence[Segment], marks: Sequence[Mark],
+                compute: Sequence[Interval]) -> UnitStats:
+    """One unit's statistics from its own collectives, compute segments and marks."""
     gathers = [c for c in mine if c.kind == "all_gather"]
     reduces = [c for c in mine if c.kind in REDUCTION_KINDS]
-    marks = [e.mark for e in record.events if e.unit == unit]
     return UnitStats(
         unit=unit,
-        forward_s=sum(s.end - s.start for s in parts if s.unit == unit and s.kind == "forward"),
-        backward_s=sum(s.end - s.start for s in parts if s.unit == unit and s.kind == "backward"),
+        forward_s=sum(s.end - s.start for s in parts if s.kind == "forward"),
+        backward_s=sum(s.end - s.start for s in parts if s.kind == "backward"),
         gather_wait_s=sum(c.waited for c in gathers),
         reduce_wait_s=sum(c.waited for c in reduces),
         comm_s=sum(c.duration for c in mine),
-        hidden_s=sum(overlap([c.in_flight], _compute_intervals(parts)) for c in mine),
+        hidden_s=overlap_each([c.in_flight for c in mine], compute),
         gathers=len(gathers),
         hits=marks.count(Mark.HIT),
         misses=marks.count(Mark.MISS),
         bytes_moved=sum(c.nbytes for c in mine),
     )
+
+
+def _by_unit(items: Sequence, unit_of) -> dict[str, list]:
+    grouped: dict[str, list] = {}
+    for item in items:
+        grouped.setdefault(unit_of(item), []).append(item)
+    return grouped
 
 
 def analyse_step(record: StepRecord) -> StepStats:
@@ -237,6 +244,9 @@ def analyse_step(record: StepRecord) -> StepStats:
     hidden = overlap(in_flight, compute)
     units = list(dict.fromkeys([e.unit for e in record.events if e.unit] + [c.unit for c in record.collectives]))
     marks = [e.mark for e in record.events]
+    collectives = _by_unit(record.collectives, lambda c: c.unit)
+    unit_parts = _by_unit(parts, lambda s: s.unit)
+    unit_marks = {unit: [e.mark for e in events] for unit, events in _by_unit(record.events, lambda e: e.unit).items()}
     start, end = record.bounds()
     return StepStats(
         step=record.step,
@@ -256,21 +266,32 @@ def analyse_step(record: StepRecord) -> StepStats:
         peak_gathered_bytes=peak_gathered_bytes(record),
         uncompressed_bytes=sum(c.raw_nbytes for c in record.collectives
                                if c.kind == "all_gather" or c.kind in REDUCTION_KINDS),
-        units=tuple(_unit_stats(u, record, parts) for u in units),
+        units=tuple(_unit_stats(u, collectives.get(u, []), unit_parts.get(u, []), unit_marks.get(u, []), compute)
+                    for u in units),
     )
 
 
-@dataclass(frozen=True)
 class ClosedStep:
-    """What every step-end controller and observer is handed when a step ends: its record, and
-    for a training step its statistics, analysed once for all of them."""
+    """What every step-end controller and observer is handed when a step ends: its record,
+    and for a training step its statistics. The analysis costs far more host time than
+    recording the step, and most steps are read by no one (the re-planner measures a few
+    steps before each decision, the report is read when asked for), so it runs the first
+    time `stats` is read, once for all readers."""
 
-    record: StepRecord
-    stats: Optional[StepStats]          # None when the step is not a training step
+    def __init__(self, record: StepRecord, stats: Optional[StepStats] = None) -> None:
+        self.record = record
+        self._stats = stats
+
+    @property
+    def stats(self) -> Optional[StepStats]:
+        """None when the step is not a training step."""
+        if self._stats is None and self.record.kind is StepKind.TRAIN:
+            self._stats = analyse_step(self.record)
+        return self._stats
 
     @classmethod
     def of(cls, record: StepRecord) -> "ClosedStep":
-        return cls(record, analyse_step(record) if record.kind is StepKind.TRAIN else None)
+        return cls(record)
 
 
 def _mean(items: Sequence, **fixed):
@@ -368,21 +389,24 @@ class OverlapReport:
 class OverlapMonitor:
     """Collects an overlap report from the closed steps it is handed (a step-end observer,
     see `overlap.control.step_end`). Training steps only (see [Note: what a step is]); the
-    last `history` of them are kept."""
+    last `history` of them are kept, as records, and analysed when the report is read."""
 
-    def __init__(self, history: int = 1000, warmup_steps: int = 1) -> None:
-        self._steps: deque[StepStats] = deque(maxlen=history)
+    def __init__(self, history: int = 200, warmup_steps: int = 1) -> None:
+        self._steps: deque[ClosedStep] = deque(maxlen=history)
         self._seen = 0
         self.warmup_steps = warmup_steps
-        self.last: Optional[StepStats] = None
 
     def on_step_end(self, step: ClosedStep) -> None:
-        if step.stats is None:
+        if step.record.kind is not StepKind.TRAIN:
             return
         self._seen += 1
-        self.last = step.stats
-        self._steps.append(self.last)
+        self._steps.append(step)
+
+    @property
+    def last(self) -> Optional[StepStats]:
+        """The last training step's statistics (None before the first)."""
+        return self._steps[-1].stats if self._steps else None
 
     def report(self) -> OverlapReport:
         dropped = self._seen - len(self._steps)
-        return OverlapReport(list(self._steps), max(self.warmup_steps - dropped, 0))
+        return OverlapReport([step.stats for step in self._steps], max(self.warmup_steps - dropped, 0))

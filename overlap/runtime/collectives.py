@@ -49,7 +49,7 @@ from overlap.runtime.codec import Codec, WireFormat
 from overlap.runtime.issue import CollectiveCall, issue
 from overlap.runtime.pending import Pending, wait_watched
 from overlap.runtime.process_group import all_gather_flat, device_backend, reduce_scatter_flat
-from overlap.runtime.timing import StepLog, clock_for
+from overlap.runtime.timing import CollectiveStamps, HostClock, StepLog, clock_for
 
 if TYPE_CHECKING:
     from overlap.runtime.order_check import OrderCheck
@@ -67,6 +67,10 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     made = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
     dist.barrier(group=made)            # every rank connected before any goes on (see order_check's)
     return made
+
+
+# What a collective of one rank returns: nothing is in flight, nothing to wait for.
+_DONE = Pending(CollectiveStamps("none", "", 0, 0.0), HostClock(), done=True)
 
 
 class Collectives:
@@ -133,8 +137,13 @@ class Collectives:
         node copies, see overlap.runtime.node_copy: those stay uncompressed, inside the node)."""
         if group is None and self.codec is not None and self.codec.gathers(out):
             return self._all_gather_encoded(out, shard, unit)
+        if group is None and self.world_size == 1:
+            # One rank: its shard is the whole, cast in the copy. Nothing crosses a wire, so
+            # nothing is issued or recorded: a process group's call costs far more host time.
+            out.copy_(shard)
+            return _DONE
+        world = self.world_size if group is None else dist.get_world_size(group)
         group = self.group if group is None else group
-        world = dist.get_world_size(group)
         nbytes = out.numel() * out.element_size() * (world - 1) // world
         with self._issue("all_gather", unit, nbytes, self.all_gather_stream) as call:
             source = self._cast(shard, out.dtype)
@@ -181,6 +190,11 @@ class Collectives:
         if self.codec is not None and self.codec.reduces(grad_full):
             wire = self.codec.reduce_format(shard_grad.numel())
             nbytes = wire.nbytes * (world - 1)
+        elif world == 1 and self.replicate_group is None:
+            # One rank and no replicas: the sum is this rank's gradient, in the reduce dtype
+            # as on the wire; added here without issuing anything (see `all_gather`).
+            self.kernels.accumulate(shard_grad, self._pre_divided(grad_full, reduce_dtype))
+            return _DONE
         with self._issue("reduce_scatter", unit, nbytes, self.reduce_scatter_stream,
                          None if wire is None else uncompressed) as call:
             source = self._pre_divided(grad_full, reduce_dtype)
@@ -203,7 +217,8 @@ class Collectives:
         scale = 1.0 / (self.world_size * self.replicas)
         if grad.dtype == dtype:
             # The full gradient is the runtime's own buffer: divide it in place.
-            self.kernels.pack([grad], grad, [0], scale)
+            if scale != 1.0:
+                self.kernels.pack([grad], grad, [0], scale)
             return grad
         out = torch.empty(grad.numel(), dtype=dtype, device=grad.device)
         self.kernels.pack([grad], out, [0], scale)

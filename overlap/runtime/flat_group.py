@@ -116,6 +116,8 @@ class FlatGroup:
         self.full.requires_grad_(self.requires_grad)
         self._full_nbytes = self.padded_numel * self.full.element_size()
         self.free()
+        # Parameters whose view of `full` needs a reshape of its piece of the split (not 1-D).
+        self._reshaped = [(index, slot.shape) for index, slot in enumerate(self.slots) if len(slot.shape) != 1]
         # Gradients summed locally while reduction is paused (no_sync), in the reduce dtype.
         self.unsynced_grad: Optional[torch.Tensor] = None
 
@@ -153,22 +155,29 @@ class FlatGroup:
 
         One `split` makes all views: its backward writes every gradient into one flat tensor
         in a single pass, where a `narrow` per parameter would materialise a zero-filled
-        full-size gradient per parameter and sum them. A hook on each view records which
-        parameters a backward pass reached: the split fills the others' gradient with zeros.
+        full-size gradient per parameter and sum them. One hook on the split's node records
+        which parameters a backward pass reached: it is handed every view's gradient, None
+        for those no gradient reached (the split fills theirs with zeros).
+
+        The views are made at every install, not once: autograd runs ready nodes newest first,
+        so a split node kept from an earlier step would run after the whole of this step's
+        backward, holding back every gradient hook (and so every reduction and free) to the end.
         """
-        pieces = torch.split(self.full, self._split_sizes)
-        track = self.requires_grad and torch.is_grad_enabled()
-        for index, (slot, piece) in enumerate(zip(self.slots, pieces)):
-            view = piece.view(slot.shape)
-            if track:
-                view.register_hook(self._grad_marker(index))
+        pieces = list(torch.split(self.full, self._split_sizes))
+        split = pieces[0].grad_fn
+        if split is not None:
+            split.register_prehook(self._mark_grads)
+        for index, shape in self._reshaped:
+            pieces[index] = pieces[index].view(shape)
+        for slot, view in zip(self.slots, pieces):
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
 
-    def _grad_marker(self, index: int) -> Callable[[torch.Tensor], None]:
-        def mark(grad: torch.Tensor) -> None:
-            self.got_grad[index] = True
-        return mark
+    def _mark_grads(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
+        got = self.got_grad
+        for index, grad in enumerate(grads[:len(got)]):      # the last piece may be padding
+            if grad is not None:
+                got[index] = True
 
     def register_grad_hook(self, hook: Callable[["FlatGroup", torch.Tensor], None]) -> None:
         """Call `hook(group, grad)` once the gradient of `full` is complete in a backward pass."""

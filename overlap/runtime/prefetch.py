@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 from overlap.base.step_record import Mark
 from overlap.runtime.timing import StepLog
-from overlap.runtime.unit import GatherState, Unit
+from overlap.runtime.unit import GatherState, GatheredTally, Unit
 
 
 def _distinct_after(order: list[Unit], index: int, skip: Unit, count: int) -> list[Unit]:
@@ -45,7 +45,9 @@ class Prefetcher:
         # None follows `prefetch_depth`.
         self.backward_prefetch_depth: Optional[int] = None
         self.memory_budget_bytes = memory_budget_bytes
-        self.max_gathered_units = 0        # the most units gathered at once in this step
+        self.gathered = GatheredTally()    # of the units the budget counts
+        for unit in units:
+            unit.tally = self.gathered
         self.forward_order: list[Unit] = []
         self.backward_order: list[Unit] = []
         self._this_forward: list[Unit] = []
@@ -55,13 +57,14 @@ class Prefetcher:
     def backward_depth(self) -> int:
         return self.prefetch_depth if self.backward_prefetch_depth is None else self.backward_prefetch_depth
 
-    def _gathered_units(self) -> list[Unit]:
-        return [u for u in self.units if u.gather_state is not GatherState.SHARDED]
+    @property
+    def max_gathered_units(self) -> int:
+        """The most units gathered at once in this step."""
+        return self.gathered.most_units
 
     def start_gather(self, unit: Unit, mark: Mark) -> None:
         self.log.mark(mark, unit.name)
         unit.start_gather()
-        self.max_gathered_units = max(self.max_gathered_units, len(self._gathered_units()))
 
     def _prefetch_after(self, order: list[Unit], position: int, current: Optional[Unit], depth: int) -> None:
         """Start the gathers of the `depth` units that follow `current` in `order`."""
@@ -81,8 +84,7 @@ class Prefetcher:
             if unit.gather_state is not GatherState.SHARDED:
                 continue
             if self.memory_budget_bytes is not None:
-                in_flight = sum(u.gathered_nbytes for u in self._gathered_units())
-                if in_flight + unit.gathered_nbytes > self.memory_budget_bytes:
+                if self.gathered.nbytes + unit.gathered_nbytes > self.memory_budget_bytes:
                     break
             self.start_gather(unit, Mark.PREFETCH)
 

@@ -53,6 +53,10 @@ class _AfterInputGrads(torch.autograd.Function):
 
 def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], None]) -> bool:
     """Register `hook` on every tensor of `output` that requires a gradient; False if none does."""
+    if isinstance(output, torch.Tensor):               # the common case, without a tree walk
+        if output.requires_grad:
+            output.register_hook(hook)
+        return output.requires_grad
     leaves, _ = tree_flatten(output)
     hooked = False
     for leaf in leaves:
@@ -84,6 +88,9 @@ class Scheduler:
             self.order = OrderCheck(collectives.group, [unit.name for unit in self.all_units])
             collectives.watch = self.order
 
+        # Per-unit callbacks made once, not at every forward.
+        self._input_grads_callbacks = {unit: partial(self._on_input_grads, unit) for unit in units}
+        self._pre_backward_hooks = {unit: partial(self._pre_backward, unit) for unit in units}
         for unit in units:
             for module in unit.modules:
                 module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
@@ -149,7 +156,7 @@ class Scheduler:
         """Called before the wrapped module's forward: recover, gather the root, prefetch."""
         self._recover()
         if self.steps.forward_begins(self.order):
-            self.prefetch.max_gathered_units = 0
+            self.prefetch.gathered.reset_most()
         if self.order is not None:
             self.order.boundary(BEGIN_FORWARD)
         for unit in self.all_units:
@@ -192,15 +199,16 @@ class Scheduler:
         `_AfterInputGrads`. See [Note: when a unit is freed in backward]."""
         if not torch.is_grad_enabled():
             return None
-        leaves, spec = tree_flatten((args, kwargs))
+        flat = not kwargs and all(isinstance(arg, torch.Tensor) for arg in args)   # no tree walk needed
+        leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))
         wanted = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if not wanted:
             return None
         unit.expect_input_grads()
-        outputs = _AfterInputGrads.apply(partial(self._on_input_grads, unit), *(leaves[i] for i in wanted))
+        outputs = _AfterInputGrads.apply(self._input_grads_callbacks[unit], *(leaves[i] for i in wanted))
         for i, tensor in zip(wanted, outputs):
             leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+        return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)
 
     def _post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.in_backward:
@@ -208,7 +216,7 @@ class Scheduler:
         unit.close_span()
         with phase(f"overlap::post_forward::{unit.name}"):
             self.log.mark(Mark.POST_FORWARD, unit.name)
-            backward_follows = torch.is_grad_enabled() and _hook_outputs(output, partial(self._pre_backward, unit))
+            backward_follows = torch.is_grad_enabled() and _hook_outputs(output, self._pre_backward_hooks[unit])
             if (self.reshard_after_forward and unit.all_members_ran
                     and not (backward_follows and self.prefetch.ends_forward(unit))):
                 self._reshard(unit)

@@ -28,7 +28,7 @@ class StepCounter(Generic[Owner]):
         self.callbacks: list[Callable[[Owner], None]] = []
         self._owner = owner
         self._root = root
-        self._units = units                # every unit, the root included
+        self._unit_bytes = {unit.name: unit.gathered_nbytes for unit in units}   # every unit, the root included
         self._open = False
         self._forwards = 0
         self._backwards = 0
@@ -61,7 +61,7 @@ class StepCounter(Generic[Owner]):
 
         record = self.log.close(
             self.step, kind, self._root.name if self._root is not None else None,
-            {unit.name: unit.gathered_nbytes for unit in self._units}, self._forwards, self._backwards, wait)
+            self._unit_bytes, self._forwards, self._backwards, wait)
         if record is None:
             return                         # CUDA: this step's record comes when the next one closes
         self.last_step = record

@@ -41,7 +41,7 @@ def polling(done: Callable[[], bool]) -> Callable[[float], bool]:
 
 
 class HostClock:
-    """Host times, read as they are when the step closes."""
+    """Host times: a stamp is the time itself, nothing to read when the step closes."""
 
     name = "host"
     # The record of a step is given when the step closes.
@@ -52,9 +52,6 @@ class HostClock:
 
     def seal(self) -> None:
         return None
-
-    def read(self, sealed: None, stamps: list[Stamp], wait: Callable[[Callable[[], bool]], None]) -> list[float]:
-        return list(stamps)
 
 
 class SealedEvents(NamedTuple):
@@ -139,7 +136,7 @@ class ClosedLog:
     unit_bytes: dict[str, int]
     forwards: int
     backwards: int
-    events: list[tuple[Mark, str, Stamp]]
+    events: list[UnitEvent]                 # times: stamps, not read yet
     collectives: list[tuple[CollectiveStamps, tuple[Stamp, Stamp, Stamp, Stamp]]]
     sealed: Optional[SealedEvents]
 
@@ -149,13 +146,14 @@ class StepLog:
 
     def __init__(self, clock: HostClock | CudaClock) -> None:
         self.clock = clock
-        self.events: list[tuple[Mark, str, Stamp]] = []
+        self.events: list[UnitEvent] = []      # times: stamps, read when the step closes
         self.collectives: list[CollectiveStamps] = []
         # CUDA: the closed step whose record is read when the next one closes.
         self._unread: Optional[ClosedLog] = None
 
     def mark(self, mark: Mark, unit: str) -> None:
-        self.events.append((mark, unit, self.clock.stamp()))
+        # The event's time is the clock's stamp until the step's times are read.
+        self.events.append(UnitEvent(mark, unit, self.clock.stamp()))
 
     def collective(self, kind: str, unit: str, nbytes: int,
                    stream: Optional[torch.cuda.Stream] = None, uncompressed: Optional[int] = None
@@ -178,16 +176,17 @@ class StepLog:
         return None if closed is None else self._record(closed, wait)
 
     def _record(self, closed: ClosedLog, wait: Callable[[Callable[[], bool]], None]) -> StepRecord:
-        stamps = [t for _, _, t in closed.events]
-        for _, four in closed.collectives:
-            stamps += four
-        present = [s for s in stamps if s is not None]
-        values = iter(self.clock.read(closed.sealed, present, wait))
-        times = [None if s is None else next(values) for s in stamps]
-        events = tuple(UnitEvent(mark, unit, times[i]) for i, (mark, unit, _) in enumerate(closed.events))
+        fours = [four for _, four in closed.collectives]
+        if self.clock.deferred:
+            stamps = [event.time for event in closed.events] + [t for four in fours for t in four]
+            values = iter(self.clock.read(closed.sealed, [s for s in stamps if s is not None], wait))
+            times = [None if s is None else next(values) for s in stamps]
+            events = tuple(UnitEvent(mark, unit, time) for (mark, unit, _), time in zip(closed.events, times))
+            fours = [tuple(times[len(events) + 4 * i:len(events) + 4 * i + 4]) for i in range(len(fours))]
+        else:
+            events = tuple(closed.events)          # host stamps are the times already
         collectives = []
-        for i, (c, _) in enumerate(closed.collectives):
-            start, end, wait_start, wait_end = times[len(events) + 4 * i:len(events) + 4 * i + 4]
+        for (c, _), (start, end, wait_start, wait_end) in zip(closed.collectives, fours):
             end = end if end is not None else (wait_end if wait_end is not None else start)
             waited = (wait_start, wait_end) if wait_start is not None and wait_end is not None else None
             collectives.append(Collective(c.kind, c.unit, c.nbytes, start, end, waited, c.uncompressed_nbytes))

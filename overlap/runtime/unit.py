@@ -61,6 +61,21 @@ class UnitStateError(RuntimeError):
 
 
 State = Union[GatherState, TrainingState]
+ANY_TRAINING_STATE = tuple(TrainingState)
+
+
+class GatheredTally:
+    """How many units of a set are gathered (or gathering) now, and their gathered bytes: kept
+    by the units as their gather state changes, so that prefetch reads it without scanning
+    every unit at every gather."""
+
+    def __init__(self) -> None:
+        self.units = 0
+        self.nbytes = 0
+        self.most_units = 0                      # the most units gathered at once since reset
+
+    def reset_most(self) -> None:
+        self.most_units = self.units
 
 
 class Unit:
@@ -68,6 +83,10 @@ class Unit:
         self.name = name
         self.modules = modules                   # the root unit has none: the root hooks drive it
         self.groups = groups
+        # Fixed once the groups are built; read at every gather and step.
+        self.gathered_nbytes = sum(g.gathered_nbytes for g in groups)
+        self.trainable_groups = [g for g in groups if g.requires_grad]
+        self.tally: Optional[GatheredTally] = None   # set by the prefetcher for the units it counts
         self.gather_state = GatherState.SHARDED
         self.training_state = TrainingState.IDLE
         self._gathers: list[Pending] = []        # the all-gathers in flight while GATHERING
@@ -77,14 +96,6 @@ class Unit:
         self._grads_pending = 0                  # trainable groups whose gradient has not arrived
         self._input_grads_pending = 0            # forward calls whose input gradients are not complete
         self.span: Optional[Span] = None         # the profiler range of the unit's compute
-
-    @property
-    def gathered_nbytes(self) -> int:
-        return sum(g.gathered_nbytes for g in self.groups)
-
-    @property
-    def trainable_groups(self) -> list[FlatGroup]:
-        return [g for g in self.groups if g.requires_grad]
 
     def _require(self, sources: tuple[State, ...], action: str) -> None:
         """Raise unless the unit is in one of `sources` (all of one kind)."""
@@ -99,6 +110,12 @@ class Unit:
         """The one place a state changes: from one of `sources` to `to`, else an error."""
         self._require(sources, action)
         if isinstance(to, GatherState):
+            tally = self.tally
+            if tally is not None and (to is GatherState.SHARDED) != (self.gather_state is GatherState.SHARDED):
+                step = -1 if to is GatherState.SHARDED else 1
+                tally.units += step
+                tally.nbytes += step * self.gathered_nbytes
+                tally.most_units = max(tally.most_units, tally.units)
             self.gather_state = to
         else:
             self.training_state = to
@@ -154,14 +171,14 @@ class Unit:
         for group in self.groups:
             if group.node_copy is not None:
                 group.node_copy.drop()          # made before the optimizer last wrote the shards
-        self._move(TrainingState.IDLE, tuple(TrainingState), "begin a pass")
+        self._move(TrainingState.IDLE, ANY_TRAINING_STATE, "begin a pass")
         self._members_run.clear()
         self._grads_pending = len(self.trainable_groups)
         self._input_grads_pending = 0
 
     def end_pass(self) -> None:
         """The backward pass ended, or a forward that no backward follows."""
-        self._move(TrainingState.IDLE, tuple(TrainingState), "end a pass")
+        self._move(TrainingState.IDLE, ANY_TRAINING_STATE, "end a pass")
 
     def enter_forward(self, module: Optional[nn.Module] = None) -> None:
         """`module`, one of the unit's members (None for the root unit), starts its forward."""

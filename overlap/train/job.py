@@ -33,6 +33,7 @@ DEFAULT_TEXT = "coriolanus.txt"
 VOCAB_SIZE = 256          # byte-level tokens: any text works, nothing to download
 VAL_FRACTION = 0.1
 VAL_BATCHES = 4           # the same validation batches at every evaluation
+HIDDEN_EVERY = 10         # steps between readings of the hidden share the progress bar shows
 
 
 def _int_at_least(minimum: int):
@@ -338,6 +339,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
         bar = tqdm(range(first_step, args.steps), initial=first_step, total=args.steps, disable=rank != 0,
                    dynamic_ncols=True, desc="train")
+        hidden = 0.0
         for step in bar:
             started = time.perf_counter()
             for group in optimizer.param_groups:
@@ -356,7 +358,9 @@ def run_rank(args: argparse.Namespace) -> int:
             mean_loss, peak_memory = _mean_over_ranks([loss.item(), _peak_memory_bytes(device)], device)
             window.append(mean_loss)
             elapsed = time.perf_counter() - started
-            hidden = 100 * model.overlap_monitor.last.hidden_fraction if model.overlap_monitor.last is not None else 0.0
+            if step % HIDDEN_EVERY == 1:       # the analysis behind it costs host time: not every step
+                last = model.overlap_monitor.last
+                hidden = 100 * last.hidden_fraction if last is not None else 0.0
             bar.set_postfix_str(f"loss {mean_loss:.3f}, step {format_seconds(elapsed)}, {hidden:.0f}% comm hidden, "
                                 f"mem {peak_memory / 2**20:.0f} MB/rank", refresh=False)
             done = step + 1
