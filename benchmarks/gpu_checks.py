@@ -326,6 +326,9 @@ def _train_sharded(config: dict, device: torch.device, injection: Optional[Injec
 
     torch.manual_seed(0)
     model = ShardedModule(config["build"](), **config["wrap"])
+    # One device: the collectives run (on their streams) as with more ranks, for the
+    # injection to delay; by default one rank copies in place instead.
+    model.collectives.local_when_alone = False
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     micro = config.get("micro_batches", 1)
     losses, allocated = [], []
@@ -443,6 +446,7 @@ def check_report_timing(checks: Checks, rehearse: bool) -> None:
     with one_rank_on(device):
         torch.manual_seed(0)
         model = ShardedModule(_gpt(layers=6, width=1024), prefetch_depth=1, bucket_mb=1e-3)
+        model.collectives.local_when_alone = False       # one device: the collectives to time
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         batches = _batches(device, 5)
 
@@ -662,6 +666,8 @@ def _wrapped(kind: str, config, device: torch.device, prefetch_depth: Optional[i
 def _emulated_run(kind: str, config, device: torch.device, injection: Injection, warmup: int, steps: int) -> dict:
     """`warmup` + `steps` SGD steps of `kind` under `injection`, counted from the window on."""
     model, context = _wrapped(kind, config, device, prefetch_depth=1 if kind == "overlap" else None)
+    if kind == "overlap":
+        model.collectives.local_when_alone = False      # one device: the collectives to delay
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (8, config.block_size), generator=gen).to(device)

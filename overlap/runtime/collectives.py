@@ -99,6 +99,10 @@ class Collectives:
         # the gradient chunks followed by a local sum (measured in benchmarks/collectives.py),
         # and the all-to-all moves the same (N-1)/N bytes a ring reduce-scatter does.
         self.reduce_with_all_to_all = self.backend == "gloo"
+        # One rank and no replicas: gathers and reductions are local copies, nothing is issued
+        # or recorded (a process group's call costs far more host time than the copy). Checks
+        # that time or delay the collectives on a single device turn this off.
+        self.local_when_alone = True
         self.use_streams = device.type == "cuda"
         # None on CPU: gloo's work runs on its own threads.
         self.all_gather_stream: Optional[torch.cuda.Stream] = None
@@ -137,10 +141,8 @@ class Collectives:
         node copies, see overlap.runtime.node_copy: those stay uncompressed, inside the node)."""
         if group is None and self.codec is not None and self.codec.gathers(out):
             return self._all_gather_encoded(out, shard, unit)
-        if group is None and self.world_size == 1:
-            # One rank: its shard is the whole, cast in the copy. Nothing crosses a wire, so
-            # nothing is issued or recorded: a process group's call costs far more host time.
-            out.copy_(shard)
+        if group is None and self.world_size == 1 and self.local_when_alone:
+            out.copy_(shard)                   # its shard is the whole; cast in the copy
             return _DONE
         world = self.world_size if group is None else dist.get_world_size(group)
         group = self.group if group is None else group
@@ -190,9 +192,8 @@ class Collectives:
         if self.codec is not None and self.codec.reduces(grad_full):
             wire = self.codec.reduce_format(shard_grad.numel())
             nbytes = wire.nbytes * (world - 1)
-        elif world == 1 and self.replicate_group is None:
-            # One rank and no replicas: the sum is this rank's gradient, in the reduce dtype
-            # as on the wire; added here without issuing anything (see `all_gather`).
+        elif world == 1 and self.replicate_group is None and self.local_when_alone:
+            # The sum is this rank's gradient, in the reduce dtype as on the wire.
             self.kernels.accumulate(shard_grad, self._pre_divided(grad_full, reduce_dtype))
             return _DONE
         with self._issue("reduce_scatter", unit, nbytes, self.reduce_scatter_stream,
@@ -321,7 +322,7 @@ class Collectives:
             return lambda: (list(flags), words, words)
         if self.watch is not None and self.all_group is self.group:
             self.watch.before_issue("any_rank", "", len(flags))   # ranks agree on it before it is issued
-        values = [int(f) for f in flags] + words + [-w for w in words]
+        values = list(map(int, flags)) + words + [-w for w in words]
         tensor = torch.tensor(values, dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.flags_group, async_op=True)
         finished = threading.Event()
@@ -331,6 +332,6 @@ class Collectives:
             wait_watched(work, self.watch, finished.is_set, finished.wait)
             out = tensor.tolist()
             n, k = len(flags), len(words)
-            return [bool(v) for v in out[:n]], out[n:n + k], [-v for v in out[n + k:]]
+            return list(map(bool, out[:n])), out[n:n + k], [-v for v in out[n + k:]]
 
         return result

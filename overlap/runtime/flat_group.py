@@ -213,11 +213,15 @@ class FlatGroup:
             self._grad_views = [self._shard_view(self.grad_shard, slot, part)
                                 for slot, part in zip(self.slots, self.parts)]
         elif not self.reduced:
-            for param, view in zip(self.params, self._grad_views):
-                if param.grad is None:
-                    view.zero_()
-                elif param.grad.data_ptr() != view.data_ptr() or param.grad.shape != view.shape:
-                    view.copy_(param.grad)        # a gradient the user assigned
+            grads = [param.grad for param in self.params]
+            if all(grad is None for grad in grads):         # after zero_grad(): one fill
+                self.grad_shard.zero_()
+            else:
+                for grad, view in zip(grads, self._grad_views):
+                    if grad is None:
+                        view.zero_()
+                    elif grad is not view:
+                        view.copy_(grad)                    # a gradient the user assigned
         self.reduced = True
         return self.grad_shard
 

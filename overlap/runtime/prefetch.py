@@ -19,9 +19,10 @@ from overlap.runtime.unit import GatherState, GatheredTally, Unit
 
 def _distinct_after(order: list[Unit], index: int, skip: Unit, count: int) -> list[Unit]:
     found: list[Unit] = []
-    for unit in order[index + 1:]:
+    for position in range(index + 1, len(order)):
         if len(found) == count:
             break
+        unit = order[position]
         if unit is not skip and unit not in found:
             found.append(unit)
     return found

@@ -22,6 +22,7 @@ from overlap.base.step_record import Collective, Mark, StepKind, StepRecord, Uni
 
 # A stamp is a host time (float) or a recorded CUDA event, read when the step ends.
 Stamp = Any
+_new_event = tuple.__new__
 # How often a wait on something nothing signals (a CUDA event) looks again.
 POLL_S = 20e-6
 
@@ -152,8 +153,9 @@ class StepLog:
         self._unread: Optional[ClosedLog] = None
 
     def mark(self, mark: Mark, unit: str) -> None:
-        # The event's time is the clock's stamp until the step's times are read.
-        self.events.append(UnitEvent(mark, unit, self.clock.stamp()))
+        # The event's time is the clock's stamp until the step's times are read. Made as a
+        # tuple is (the named tuple's own constructor is a Python call): several per unit and step.
+        self.events.append(_new_event(UnitEvent, (mark, unit, self.clock.stamp())))
 
     def collective(self, kind: str, unit: str, nbytes: int,
                    stream: Optional[torch.cuda.Stream] = None, uncompressed: Optional[int] = None

@@ -101,15 +101,23 @@ class Unit:
         """Raise unless the unit is in one of `sources` (all of one kind)."""
         current = self.gather_state if isinstance(sources[0], GatherState) else self.training_state
         if current not in sources:
-            allowed = " or ".join(s.value for s in sources)
-            raise UnitStateError(
-                f"unit {self.name!r}: cannot {action} while {current.value} (only while {allowed}); "
-                f"its states: gather {self.gather_state.value}, training {self.training_state.value}")
+            self._refuse(current, sources, action)
+
+    def _refuse(self, current: State, sources: tuple[State, ...], action: str) -> None:
+        allowed = " or ".join(s.value for s in sources)
+        raise UnitStateError(
+            f"unit {self.name!r}: cannot {action} while {current.value} (only while {allowed}); "
+            f"its states: gather {self.gather_state.value}, training {self.training_state.value}")
 
     def _move(self, to: State, sources: tuple[State, ...], action: str) -> None:
         """The one place a state changes: from one of `sources` to `to`, else an error."""
-        self._require(sources, action)
-        if isinstance(to, GatherState):
+        if to.__class__ is TrainingState:
+            if self.training_state not in sources:
+                self._refuse(self.training_state, sources, action)
+            self.training_state = to
+        else:
+            if self.gather_state not in sources:
+                self._refuse(self.gather_state, sources, action)
             tally = self.tally
             if tally is not None and (to is GatherState.SHARDED) != (self.gather_state is GatherState.SHARDED):
                 step = -1 if to is GatherState.SHARDED else 1
@@ -117,8 +125,6 @@ class Unit:
                 tally.nbytes += step * self.gathered_nbytes
                 tally.most_units = max(tally.most_units, tally.units)
             self.gather_state = to
-        else:
-            self.training_state = to
 
     # ---- gather state ---------------------------------------------------------------------
 
