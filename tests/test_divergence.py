@@ -42,10 +42,11 @@ def _diverge(rank: int, world: int, how: str) -> None:
         model(x).backward()
 
 
-def _errors(how: str) -> tuple[dict[int, str], float]:
+def _errors(how: str, order_check: str = "collective") -> tuple[dict[int, str], float]:
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_distributed(_diverge, 2, how, timeout=TIMEOUT_S + 60, env={"OVERLAP_PROBE": "0"})
+        run_distributed(_diverge, 2, how, timeout=TIMEOUT_S + 60,
+                        env={"OVERLAP_PROBE": "0", "OVERLAP_ORDER_CHECK": order_check})
     return info.value.errors, time.monotonic() - start
 
 
@@ -70,6 +71,20 @@ def test_units_in_another_order_fail_at_the_end_of_the_step() -> None:
         assert "DivergenceError" in message and "at step 3" in message
         assert "rank 1 ran unit 'blocks.2' (forward) where rank 0 ran unit 'blocks.1' (forward)" in message
     assert elapsed < 30
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("how", ["skip", "swap"])
+def test_without_order_words_divergence_is_still_an_error_on_every_rank(how: str) -> None:
+    """OVERLAP_ORDER_CHECK=step: no word before each collective; a rank that skips or swaps
+    blocks of one size is found at the end of backward or by the blocked-wait check, and
+    every rank raises, naming the step, before the group's timeout."""
+    errors, elapsed = _errors(how, order_check="step")
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert "DivergenceError" in message and "at step 3" in message
+        assert "rank 1 ran unit" in message
+    assert elapsed < TIMEOUT_S
 
 
 def _diverge_sized(rank: int, world: int, how: str) -> None:

@@ -19,6 +19,11 @@ LINK_CHOICES = ("auto", *LINK_CLASSES)
 SHARDINGS = ("full", "hybrid", "hpz")
 SHARDING_CHOICES = (*SHARDINGS, "auto")
 
+# When ranks compare the units they run (overlap.runtime.order_check): before every collective
+# (a divergence is an error before a mismatched collective is issued), or once a step at the end
+# of backward and when a collective waits too long (no host round trip per collective).
+ORDER_CHECKS = ("collective", "step")
+
 # What crosses the wire quantised (overlap.runtime.compression): mode -> (bits of gathered
 # weights, bits of reduced gradients), None where it is not compressed. Listed cheapest in
 # accuracy first, the order in which `auto` considers them.

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
-from overlap.base.choices import COMPRESS_CHOICES, KERNEL_CHOICES, LINK_CHOICES, SHARDING_CHOICES
+from overlap.base.choices import COMPRESS_CHOICES, KERNEL_CHOICES, LINK_CHOICES, ORDER_CHECKS, SHARDING_CHOICES
 from overlap.kernels.quantized import DEFAULT_BLOCK, MAX_BLOCK
 
 LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -34,6 +34,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                          "rank with a node-local copy for backward (ZeRO++ hpZ); auto: the planner chooses"),
     "OVERLAP_COMPRESS": ("|".join(COMPRESS_CHOICES), "quantise weights / gradients on the wire (docs/compression.md)"),
     "OVERLAP_COMPRESS_BLOCK": (f"even integer from 2 to {MAX_BLOCK}", "elements per quantisation scale"),
+    "OVERLAP_ORDER_CHECK": ("|".join(ORDER_CHECKS),
+                            "compare the units ranks run before every collective (an error before a mismatched "
+                            "collective), or once a step (no host round trip per collective; docs/host_cost.md)"),
 }
 
 
@@ -51,6 +54,7 @@ class Config:
     sharding: str = "full"
     compress: str = "none"
     compress_block: int = DEFAULT_BLOCK
+    order_check: str = "collective"
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -178,6 +182,8 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         fields["compress"] = _parse_choice("OVERLAP_COMPRESS", env["OVERLAP_COMPRESS"], COMPRESS_CHOICES)
     if "OVERLAP_COMPRESS_BLOCK" in env:
         fields["compress_block"] = _parse_block(env["OVERLAP_COMPRESS_BLOCK"])
+    if "OVERLAP_ORDER_CHECK" in env:
+        fields["order_check"] = _parse_choice("OVERLAP_ORDER_CHECK", env["OVERLAP_ORDER_CHECK"], ORDER_CHECKS)
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)

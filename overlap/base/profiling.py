@@ -46,6 +46,11 @@ class _Labelled:
             self.record.__exit__(None, None, None)
 
 
+def labelling() -> bool:
+    """Whether phases are labelled now (the profiler records, or NVTX is on)."""
+    return _nvtx_enabled or _profiling()
+
+
 def phase(name: str) -> contextlib.AbstractContextManager[None]:
     """Mark one phase, e.g. ``overlap::all_gather::transformer.h.3``: a context manager,
     one shared no-op one when nothing records."""

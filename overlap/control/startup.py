@@ -65,7 +65,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     collectives = _collectives(decision)
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
-                          decision.memory_budget_bytes, request.reshard_after_forward)
+                          decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check)
     # Per-step timings of compute and communication for `overlap_report()`.
     monitor = OverlapMonitor()
     controllers = _controllers(decision, built, collectives, PrefetchDepths(scheduler), request.reshard_after_forward)

@@ -138,13 +138,19 @@ class FlatGroup:
         return self.full.untyped_storage().size() > 0
 
     def start_gather(self, unit_name: str) -> Pending:
-        """Allocate `full` and launch the all-gather into it."""
-        with torch.autograd._unsafe_preserve_version_counter(self.full):
-            if not self.is_allocated:
-                self.full.untyped_storage().resize_(self._full_nbytes)
-            if self.node_copy is not None:
-                return self.node_copy.gather(self.full.detach(), self.shard, unit_name)
-            return self.collectives.all_gather(self.full.detach(), self.shard, unit_name)
+        """Allocate `full` and launch the all-gather into it. Writes into `full` keep its
+        version (see [Note: freeing `full` by resizing its storage])."""
+        full = self.full
+        version = full._version
+        storage = full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self._full_nbytes)
+        if self.node_copy is not None:
+            pending = self.node_copy.gather(full.detach(), self.shard, unit_name)
+        else:
+            pending = self.collectives.all_gather(full.detach(), self.shard, unit_name)
+        torch._C._autograd._unsafe_set_version_counter((full,), (version,))
+        return pending
 
     def free(self) -> None:
         """Release the gathered parameters. See [Note: freeing `full` by resizing its storage]."""
@@ -163,7 +169,7 @@ class FlatGroup:
         so a split node kept from an earlier step would run after the whole of this step's
         backward, holding back every gradient hook (and so every reduction and free) to the end.
         """
-        pieces = list(torch.split(self.full, self._split_sizes))
+        pieces = list(self.full.split_with_sizes(self._split_sizes))   # torch.split's Python wrapper costs as much again
         split = pieces[0].grad_fn
         if split is not None:
             split.register_prehook(self._mark_grads)
@@ -214,7 +220,7 @@ class FlatGroup:
                                 for slot, part in zip(self.slots, self.parts)]
         elif not self.reduced:
             grads = [param.grad for param in self.params]
-            if all(grad is None for grad in grads):         # after zero_grad(): one fill
+            if grads.count(None) == len(grads):             # after zero_grad(): one fill
                 self.grad_shard.zero_()
             else:
                 for grad, view in zip(grads, self._grad_views):

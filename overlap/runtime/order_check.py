@@ -34,6 +34,13 @@ issued. The check therefore runs before each one. Three ways were weighed:
   the paired per-round step ratio, with / without, has median 0.99 (0.68 to 1.40 over 11
   rounds): below what that machine's noise resolves.
 
+The words can be turned off (OVERLAP_ORDER_CHECK=step) where the round trip per collective
+costs more than its safety is worth (many small units, a slow link's latency: see
+docs/host_cost.md). Divergence is then still an error, from the two checks below, but later:
+collectives of one size pair wrongly until the end of backward, where the check raises before
+any gradient is published; collectives of different sizes make gloo abort the process, and on
+NCCL the waiting ranks raise once the blocked-wait check finds the difference.
+
 Two further checks remain for what the words do not see, and cost nothing beyond a few
 integers while ranks agree:
 
@@ -103,8 +110,10 @@ def _group_timeout_s(group: dist.ProcessGroup) -> float:
 class OrderCheck:
     """The units this rank ran in each step since the last check, and the two checks above."""
 
-    def __init__(self, group: dist.ProcessGroup, unit_names: Sequence[str]) -> None:
+    def __init__(self, group: dist.ProcessGroup, unit_names: Sequence[str], before_each_collective: bool = True) -> None:
         self.group = group
+        # False (OVERLAP_ORDER_CHECK=step): no order words, the other two checks only.
+        self.before_each_collective = before_each_collective
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.names = list(unit_names)
@@ -173,7 +182,10 @@ class OrderCheck:
 
     def before_issue(self, kind: str, unit: str, nbytes: int) -> None:
         """Exchange this rank's order word for the collective it is about to issue; raise
-        DivergenceError on every rank if any rank is about to issue another (see the note)."""
+        DivergenceError on every rank if any rank is about to issue another (see the note).
+        Nothing to do when the words are off."""
+        if not self.before_each_collective:
+            return
         what = f"{kind} of {unit!r} ({nbytes} bytes)"
         word = [self._step, zlib.crc32(what.encode())]
         tensor = torch.tensor(word + [-w for w in word], dtype=torch.int64)

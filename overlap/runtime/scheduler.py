@@ -68,7 +68,8 @@ def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], None]) -> bool:
 
 class Scheduler:
     def __init__(self, root: Optional[Unit], units: list[Unit], collectives: Collectives, prefetch_depth: int,
-                 memory_budget_bytes: Optional[int], reshard_after_forward: bool) -> None:
+                 memory_budget_bytes: Optional[int], reshard_after_forward: bool,
+                 order_check: str = "collective") -> None:
         self.root = root
         self.units = units
         self.reshard_after_forward = reshard_after_forward
@@ -85,7 +86,8 @@ class Scheduler:
         # Ranks that run different units get an error (see overlap.runtime.order_check).
         self.order: Optional[OrderCheck] = None
         if collectives.world_size > 1:
-            self.order = OrderCheck(collectives.group, [unit.name for unit in self.all_units])
+            self.order = OrderCheck(collectives.group, [unit.name for unit in self.all_units],
+                                    before_each_collective=order_check == "collective")
             collectives.watch = self.order
 
         # Per-unit callbacks made once, not at every forward.

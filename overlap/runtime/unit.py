@@ -40,7 +40,7 @@ from torch import nn
 
 from overlap.runtime.collectives import Pending
 from overlap.runtime.flat_group import FlatGroup
-from overlap.base.profiling import Span, phase
+from overlap.base.profiling import Span, labelling, phase
 
 
 class GatherState(enum.Enum):
@@ -230,7 +230,8 @@ class Unit:
 
     def open_span(self, phase_name: str) -> None:
         self.close_span()
-        self.span = Span(f"overlap::{phase_name}::{self.name}")
+        if labelling():
+            self.span = Span(f"overlap::{phase_name}::{self.name}")
 
     def close_span(self) -> None:
         if self.span is not None:
