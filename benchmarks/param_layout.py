@@ -1,13 +1,15 @@
 """Two ways to expose a sharded unit's original parameters, timed per step on 2 gloo ranks.
 
 Every unit (each GPT block, and the root's embeddings and final norm) keeps its parameters
-concatenated in one flat buffer padded to a multiple of the world size N; rank r owns
-elements [r*S, (r+1)*S). The layouts compared:
+in one flat buffer padded to a multiple of the world size N; rank r owns elements
+[r*S, (r+1)*S). The layouts compared:
 
-- (A) views: each original parameter is a 1-D `nn.Parameter` viewing its part of this rank's
-  flat shard (empty where the rank owns none of it); its `.grad` views a flat shard-gradient
-  buffer. The all-gather sends the flat shard and receives into one flat full buffer whose
-  `split` views are the parameters; the flat full gradient goes to the reduce-scatter as is.
+- (A) views: each original parameter is an `nn.Parameter` viewing its block of whole rows in
+  this rank's flat shard, shaped (local_rows, *trailing_dims) (no rows where the rank owns
+  none), in the runtime's row-aligned layout (`overlap.base.layout`, whose shard boundaries
+  fall on row boundaries); its `.grad` views a flat shard-gradient buffer. The all-gather
+  sends the flat shard and receives into one flat full buffer whose `split` views are the
+  parameters; the flat full gradient goes to the reduce-scatter as is.
 - (B) DTensor Shard(0), as FSDP2 keeps them: each parameter is a DTensor sharded on dim 0
   (ceil(dim0/N) rows per rank, zero padded) over its own padded storage. Forward packs the
   shards into the all-gather input (`_foreach_copy_`, FSDP2's all_gather_copy_in) and splits
@@ -46,7 +48,7 @@ from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, quartiles, re
                     script_main, single_thread_env, torchrun, write_json)
 
 WORLD_SIZE = 2
-LAYOUTS = {"A": "views", "B": "DTensor Shard(0)", "C": "flat shards"}
+LAYOUTS = {"A": "row-aligned views", "B": "DTensor Shard(0)", "C": "flat shards"}
 OPTIMIZERS = {"adamw_foreach": True, "adamw_default": None}
 MIB = 2**20
 
@@ -90,29 +92,44 @@ class Unit:
 
 
 class ViewsUnit:
-    """(A): parameters and gradients are 1-D views of the flat shard and its gradient."""
+    """(A): parameters and gradients are views of the flat shard and its gradient, laid out as
+    the runtime lays them out (overlap.base.layout: shard boundaries on row boundaries), so
+    each parameter is this rank's block of whole rows, shaped (local_rows, *trailing_dims)."""
 
     def __init__(self, unit: Unit, rank: int, world: int) -> None:
+        from overlap.base.layout import FlatLayout
+
         self.unit, self.rank, self.world = unit, rank, world
-        self.shard_numel = -(-unit.numel // world)
-        padded = self.shard_numel * world
-        self.split_sizes = unit.numels + [padded - unit.numel]
-        flat = torch.cat([v.flatten() for v in unit.values] + [torch.zeros(padded - unit.numel)])
-        start, end = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.shard = flat[start:end].clone()
+        self.layout = FlatLayout.of(unit.shapes, world)
+        self.shard_numel = self.layout.shard_numel
+        self.split_sizes = self.layout.split_sizes
+        flat = self._laid_out([v.flatten() for v in unit.values])
+        start = rank * self.shard_numel
+        self.shard = flat[start:start + self.shard_numel].clone()
         self.shard_grad = torch.zeros(self.shard_numel)
-        self.full = torch.empty(padded)
-        self.full_grad = torch.cat([_flat_grad(rank, unit.index, unit.numel), torch.zeros(padded - unit.numel)])
-        # This rank's part of parameter i: flat [lo, hi) clamped to [start, end), shard-relative.
-        self.parts = [(min(max(off, start), end) - start, min(max(off + n, start), end) - start)
-                      for off, n in zip(unit.offsets, unit.numels)]
-        self.params = [nn.Parameter(self.shard[lo:hi]) for lo, hi in self.parts]
-        for param, (lo, hi) in zip(self.params, self.parts):
-            param.grad = self.shard_grad[lo:hi]
+        self.full = torch.empty(self.layout.padded_numel)
+        self.full_grad = self._laid_out(_flat_grad(rank, unit.index, unit.numel).split(unit.numels))
+        # This rank's rows of parameter i: [lo, hi) in its shard.
+        self.parts = []
+        for index, offset in enumerate(self.layout.offsets):
+            first, last = self.layout.part_on(index, rank)
+            lo = min(max(offset + first - start, 0), self.shard_numel)
+            self.parts.append((lo, lo + last - first))
+        shapes = [self.layout.local_shape(i, rank, shape) for i, shape in enumerate(unit.shapes)]
+        self.params = [nn.Parameter(self.shard[lo:hi].view(shape)) for (lo, hi), shape in zip(self.parts, shapes)]
+        for param, (lo, hi), shape in zip(self.params, self.parts, shapes):
+            param.grad = self.shard_grad[lo:hi].view(shape)
+
+    def _laid_out(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One flat tensor per parameter placed at its offset in the padded flat layout."""
+        flat = torch.zeros(self.layout.padded_numel)
+        for piece, offset in zip(pieces, self.layout.offsets):
+            flat[offset:offset + piece.numel()] = piece.reshape(-1)
+        return flat
 
     def forward(self, parts: Timings) -> list[torch.Tensor]:
         dist.all_gather_into_tensor(self.full, self.shard, async_op=True).wait()
-        pieces = torch.split(self.full, self.split_sizes)
+        pieces = torch.split(self.full, self.split_sizes)[::2]
         return [piece.view(shape) for piece, shape in zip(pieces, self.unit.shapes)]
 
     def reduce_grad(self, parts: Timings) -> None:
@@ -122,12 +139,13 @@ class ViewsUnit:
         full = self.forward({})
         _require(all(torch.equal(f, v) for f, v in zip(full, self.unit.values)), "(A) gathered views differ")
         self.reduce_grad({})
-        expected = sum(_flat_grad(r, self.unit.index, self.unit.numel) for r in range(self.world))
+        expected = self._laid_out(sum(_flat_grad(r, self.unit.index, self.unit.numel)
+                                      for r in range(self.world)).split(self.unit.numels))
         start = self.rank * self.shard_numel
         for param, (lo, hi) in zip(self.params, self.parts):
             _require(param.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr(),
                      "(A) a parameter does not alias the flat shard")
-            torch.testing.assert_close(param.grad, expected[start + lo:start + hi])
+            torch.testing.assert_close(param.grad.reshape(-1), expected[start + lo:start + hi])
 
     def nbytes(self) -> dict[str, int]:
         return dict(params=_storage_bytes([self.shard]), grads=_storage_bytes([self.shard_grad]),
@@ -282,7 +300,10 @@ class Model:
             self.step("A", name)
             for u, old in zip(self.views, before):
                 _require(not torch.equal(u.shard, old), "(A) the step did not change the flat shard")
-                padding = u.shard[u.parts[-1][1]:]
+                held = torch.zeros(u.shard_numel, dtype=torch.bool)
+                for lo, hi in u.parts:
+                    held[lo:hi] = True
+                padding = u.shard[~held]
                 _require(not padding.any(), "(A) the step wrote the flat shard's padding")
             before = [s.clone() for u in self.dtensors for s in u.storages]
             self.step("B", name)

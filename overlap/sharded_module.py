@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from overlap.base.config import Config
@@ -18,6 +18,7 @@ from overlap.control.settings import StartupRequest
 from overlap.control.startup import start_up
 from overlap.observe.report import OverlapReport
 from overlap.runtime.flat_group import FlatGroup
+from overlap.runtime.row_dtensors import local_part
 
 if TYPE_CHECKING:
     from overlap.observe.memory import MemoryReport
@@ -223,11 +224,11 @@ class ShardedModule(nn.Module):
         return memory_report(self, optimizer, step_fn, activations=activations, checkpointing=checkpointing)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped module's state dict, sharded: each parameter a `ShardedTensor` of its
-        full shape whose local shards are views of this rank's part (FSDP2 gives DTensors
-        here), buffers as they are. `torch.distributed.checkpoint` saves it without gathering
-        and loads into it in place, at any world size; `overlap.checkpoint` does both, with
-        the optimizer."""
+        """The wrapped module's state dict, sharded: each parameter a DTensor of its full shape
+        whose local tensor is a view of this rank's rows (as FSDP2 gives them; see
+        `overlap.runtime.row_dtensors`), buffers as they are. `torch.distributed.checkpoint`
+        saves it without gathering and loads into it in place, at any world size and from
+        FSDP2's checkpoints; `overlap.checkpoint` does both, with the optimizer."""
         others = self.module.state_dict()
         out: dict[str, Any] = {}
         for key, where in self._state_dict_layout:
@@ -235,7 +236,7 @@ class ShardedModule(nn.Module):
                 out[key] = others[key]
             else:
                 group, index = where
-                out[key] = group.sharded_tensor(group.params[index], index)
+                out[key] = group.dtensor(group.params[index], index)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
@@ -244,7 +245,7 @@ class ShardedModule(nn.Module):
         from `full_state_dict()` (full tensors, any layout)."""
         if assign:
             raise ValueError("ShardedModule.load_state_dict: assign=True would replace the views of the flat shards")
-        sharded = {key: value for key, value in state_dict.items() if isinstance(value, ShardedTensor)}
+        sharded = {key: value for key, value in state_dict.items() if isinstance(value, DTensor)}
         if not sharded:
             return self.load_full_state_dict(state_dict)
         mine = self.state_dict()
@@ -255,13 +256,15 @@ class ShardedModule(nn.Module):
         with torch.no_grad():
             for key, value in state_dict.items():
                 target = mine.get(key)
-                if isinstance(target, ShardedTensor):
-                    if not isinstance(value, ShardedTensor) or value.metadata() != target.metadata():
+                if isinstance(target, DTensor):
+                    ours = local_part(target)
+                    theirs = local_part(value) if isinstance(value, DTensor) else None
+                    if theirs is None or value.shape != target.shape or theirs[1] != ours[1] \
+                            or theirs[0].shape != ours[0].shape:
                         raise ValueError(f"load_state_dict: {key} is not sharded like this model's parameter; "
                                          "load full tensors, or load a checkpoint with overlap.checkpoint.load")
-                    for ours, theirs in zip(target.local_shards(), value.local_shards()):
-                        ours.tensor.copy_(theirs.tensor)
-        others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), ShardedTensor)}
+                    ours[0].copy_(theirs[0])
+        others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}
         if others:
             self.module.load_state_dict(others, strict=False)
 

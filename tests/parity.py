@@ -44,6 +44,9 @@ def _no_decay(name: str) -> bool:
 
 
 def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    from factored import Factored
+    from overlap import ShardedModule
+
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if kind == "sgd_decay":
@@ -56,6 +59,18 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
             {"params": [p for n, p in named if not _no_decay(n)], "weight_decay": 0.1},
             {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0, "lr": 3e-3},
         ], lr=1e-3)
+    if kind == "adamw_dim_groups":
+        # nanoGPT's rule (and many recipes'): decay every parameter of two or more dimensions.
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW([
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3},
+        ], lr=1e-3)
+    if kind == "factored":
+        if isinstance(model, ShardedModule):
+            group = model.collectives.group
+            return Factored(model.parameters(), reduce=lambda t: dist.all_reduce(t, group=group))
+        return Factored(model.parameters())
     raise ValueError(kind)
 
 

@@ -71,6 +71,15 @@ CASES = {case.name: case for case in [
     # Two optimizer groups by name (decay on matrices only, a larger learning rate elsewhere).
     Case("gpt_adamw_groups", lambda: GPT(SMALL_GPT), _lm_loss, _GPT_BATCHES, optimizer="adamw_groups",
          rtol=1e-3, atol=2e-4),
+    # Two groups by dimensionality (nanoGPT's `p.dim() >= 2` rule): the same groups as in one
+    # process, because every part keeps its parameter's dimensions.
+    Case("gpt_dim_groups", lambda: GPT(SMALL_GPT), _lm_loss, _GPT_BATCHES, optimizer="adamw_dim_groups",
+         rtol=1e-3, atol=2e-4),
+    Case("features_dim_groups", FeatureNet, _lm_loss, token_batches(37, 6, steps=4), optimizer="adamw_dim_groups",
+         wrap=_NO_MERGING, before_step=_skip_optional_on_step_2, rtol=1e-3, atol=2e-4),
+    # An optimizer that reads p.shape: factored second moments over each block's rows and columns.
+    Case("gpt_factored", lambda: GPT(SMALL_GPT), _lm_loss, _GPT_BATCHES, optimizer="factored",
+         rtol=1e-3, atol=2e-4),
     Case("gpt_no_sync", lambda: GPT(SMALL_GPT), _lm_loss, _GPT_BATCHES, micro_batches=2),
     Case("gpt_no_reshard", lambda: GPT(SMALL_GPT), _lm_loss, _GPT_BATCHES,
          wrap={"reshard_after_forward": False}),
@@ -82,6 +91,8 @@ CASES = {case.name: case for case in [
     Case("hf_gpt2", _hf_gpt2, _hf_loss, token_batches(61, 12, steps=3), optimizer="adamw",
          rtol=1e-3, atol=2e-4),
     Case("hf_llama", _hf_llama, _hf_loss, token_batches(61, 12, steps=3), optimizer="adamw",
+         rtol=1e-3, atol=2e-4),
+    Case("hf_llama_dim_groups", _hf_llama, _hf_loss, token_batches(61, 12, steps=3), optimizer="adamw_dim_groups",
          rtol=1e-3, atol=2e-4),
 ]}
 

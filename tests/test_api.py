@@ -27,7 +27,8 @@ def _surface(rank: int, world: int) -> dict:
         "same_objects": [id(p) for p in inner.parameters()] == [id(p) for p in shards],
         "names": names,
         "reference_names": [name for name, _ in reference.named_parameters()],
-        "all_1d": all(isinstance(p, nn.Parameter) and p.dim() == 1 for p in shards),
+        "own_dims": all(isinstance(p, nn.Parameter) and p.dim() == max(full.dim(), 1) and p.shape[1:] == full.shape[1:]
+                        for p, full in zip(shards, reference.parameters())),
         "part_sizes": [p.numel() for p in shards],
         "full_sizes": [p.numel() for p in reference.parameters()],
         "eval_modes": eval_modes,
@@ -41,10 +42,10 @@ def test_wrapper_surface() -> None:
     for result in results:
         assert result["module_is_inner"] and result["config_vocab"] == 61
         # The module's own parameters under their own names (the tied embedding once), each
-        # holding this rank's part as a 1-D tensor.
+        # holding this rank's rows with the parameter's own dimensions.
         assert result["same_objects"]
         assert result["names"] == result["reference_names"] and len(result["names"]) == len(set(result["names"]))
-        assert result["all_1d"]
+        assert result["own_dims"]
         assert result["eval_modes"] == {False} and result["train_modes"] == {True}
     # The ranks' parts of each parameter add up to it exactly (no padding shows).
     assert [a + b for a, b in zip(results[0]["part_sizes"], results[1]["part_sizes"])] == results[0]["full_sizes"]

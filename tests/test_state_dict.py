@@ -103,3 +103,38 @@ def test_rank0_export_saves_with_save_pretrained(world: int, tmp_path) -> None:
         expected = plain(input_ids=tokens).logits
     for result in results:
         torch.testing.assert_close(result["logits"], expected, rtol=1e-5, atol=1e-5)
+
+
+def _dcp_round_trip(rank: int, world: int, path: str) -> dict:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    first = ShardedModule(FeatureNet(), unit_types=(Block, Tiny))
+    _train(first, torch.optim.SGD(first.parameters(), lr=0.1), 1, rank, world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)          # ShardedTensor's deprecation would raise
+        state = first.state_dict()
+        dcp.save(state, checkpoint_id=path)
+    torch.manual_seed(123)
+    second = ShardedModule(FeatureNet(), unit_types=(Block, Tiny))
+    target = second.state_dict()
+    dcp.load(target, checkpoint_id=path)
+    second.load_state_dict(target)
+    reference = FeatureNet().state_dict()
+    return {"dtensors": {k: isinstance(v, DTensor) and tuple(v.shape) == tuple(reference[k].shape)
+                         for k, v in state.items() if k in dict(first.named_parameters())},
+            "first": first.full_state_dict(), "second": second.full_state_dict()}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 3])
+def test_state_dict_is_dtensors_that_dcp_saves_and_loads(world: int, tmp_path) -> None:
+    for result in run_distributed(_dcp_round_trip, world, str(tmp_path / "dcp")):
+        assert result["dtensors"] and all(result["dtensors"].values()), result["dtensors"]
+        for key, value in result["first"].items():
+            assert torch.equal(result["second"][key], value), key

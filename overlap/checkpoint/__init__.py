@@ -1,6 +1,8 @@
 """Sharded checkpoints of a `ShardedModule` and its optimizer through
 `torch.distributed.checkpoint` (DCP): each rank writes only its own parts, and a checkpoint
-loads at any world size, bucket size or prefetch depth.
+loads at any world size, bucket size or prefetch depth; the files are FSDP2's (torchtitan's)
+for the same model and optimizer, so checkpoints interchange with FSDP2 both ways
+(overlap.checkpoint.state).
 
 A save writes into `<path>.partial` and rank 0 renames it to `<path>` once DCP has written
 every rank's files and the metadata, so `<path>` exists only complete: a save that dies
@@ -10,7 +12,9 @@ written carries a checksum in the metadata, and `load` checks what it reads
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import shutil
 from concurrent.futures import Future
@@ -19,13 +23,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 
 from overlap.checkpoint.integrity import ChecksumWriter, CorruptCheckpoint, VerifyingReader, has_checksums
 from overlap.checkpoint.pretrained import load_pretrained
+from overlap.checkpoint.staging import StagingWriter
 from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, UnsafeCheckpoint, read_metadata
-from overlap.checkpoint.state import (EXTRA, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
+from overlap.checkpoint.state import (EXTRA, MODEL, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
                                       model_items, optimizer_items, optimizer_targets)
 
 if TYPE_CHECKING:
@@ -120,8 +126,24 @@ def _publish(partial: str, path: str) -> None:
         os.rename(partial, path)
 
 
-def _writer(partial: str, checksums: bool) -> FileSystemWriter:
-    return ChecksumWriter(partial) if checksums else FileSystemWriter(partial)
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner on flat keys, leaving out the empty chunks of ranks that hold none of a
+    parameter's rows: DCP would store them, no load would ever read them, and so no checksum
+    would ever check their bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        kept = [item for item in plan.items if item.tensor_data is None
+                or math.prod(item.tensor_data.chunk.sizes) > 0 or math.prod(item.tensor_data.size) == 0]
+        self.plan = dataclasses.replace(plan, items=kept)
+        return self.plan
+
+
+def _writer(partial: str, checksums: bool) -> StagingWriter:
+    return ChecksumWriter(partial) if checksums else StagingWriter(partial)
 
 
 def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
@@ -133,7 +155,7 @@ def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
     path = os.fspath(path)
     group, partial = _prepare(path, model)
     dcp.save(_items(model, optimizer, extra), storage_writer=_writer(partial, checksums), process_group=group,
-             planner=DefaultSavePlanner(flatten_state_dict=False))
+             planner=_SavePlanner())
     if dist.get_rank(group) == 0:
         _publish(partial, path)
     dist.barrier(group)
@@ -147,7 +169,7 @@ def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optio
     path = os.fspath(path)
     group, partial = _prepare(path, model)
     response = dcp.async_save(_items(model, optimizer, extra), storage_writer=_writer(partial, checksums),
-                              process_group=group, planner=DefaultSavePlanner(flatten_state_dict=False))
+                              process_group=group, planner=_SavePlanner())
     upload: Future = getattr(response, "upload_completion", response)
     finished: Future = Future()
     is_coordinator = dist.get_rank(group) == 0
@@ -212,7 +234,7 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
     parts: dict[str, torch.Tensor] = {}
     if optimizer is not None:
         targets, parts = optimizer_targets(path, metadata, model)
-        if PARAM_GROUPS not in metadata.state_dict_metadata:
+        if not any(key.startswith(PARAM_GROUPS) for key in metadata.state_dict_metadata):
             raise CheckpointMismatch(f"checkpoint {path} holds no optimizer state")
         items.update(targets)
     for key, entry in metadata.state_dict_metadata.items():
@@ -220,7 +242,7 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
             size = getattr(entry, "size", None)
             items[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
     _read(items, path, metadata, group, verify)
-    model.load_state_dict({key[len("model/"):]: value for key, value in items.items() if key.startswith("model/")})
+    model.load_state_dict({key[len(MODEL):]: value for key, value in items.items() if key.startswith(MODEL)})
     if optimizer is not None:
         load_optimizer(path, items, parts, model, optimizer)
     return {key[len(EXTRA):]: value for key, value in items.items() if key.startswith(EXTRA)}

@@ -25,13 +25,13 @@ import zlib
 from collections import defaultdict
 from typing import IO, Any, Iterable, Optional
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from overlap.checkpoint.safe_files import SafeReader
+from overlap.checkpoint.staging import StagingWriter
 
 CHECKSUM = "checksum"       # the attribute added to DCP's per-item storage record
 _ALGORITHM = "crc32"
@@ -81,7 +81,7 @@ def _read_range(file: IO[bytes], offset: int, length: int, buffer: bytearray) ->
         yield view[:got]
 
 
-class ChecksumWriter(FileSystemWriter):
+class ChecksumWriter(StagingWriter):
     """DCP's file writer, plus a checksum of each item's bytes in its storage record.
 
     The bytes are hashed by reading each file back once it is written and synced: the

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from overlap.runtime.sharded_tensors import contiguous_blocks
 
 if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule
@@ -107,17 +106,14 @@ def load_pretrained(model: "ShardedModule", path: str | os.PathLike) -> None:
 
 
 def _read_part(stored: Any, shape: tuple[int, ...], group: Any, index: int) -> None:
-    """Copy this rank's elements of one parameter from the file, block by block."""
+    """Copy this rank's rows of one parameter from the file (see [Note: row-aligned shards])."""
     start, end = group.parts[index]
     part = group.params[index]
-    position = 0
     with torch.no_grad():
         if not shape:                                   # a 0-dim parameter
             if end > start:
                 part.copy_(stored[...].reshape(-1))
             return
-        for offsets, sizes in contiguous_blocks(shape, start, end):
-            block = stored[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
-            count = block.numel()
-            part[position:position + count].copy_(block.reshape(-1))
-            position += count
+        if part.shape[0]:
+            first = group.layout.first_row(index, group.collectives.rank, shape)
+            part.copy_(stored[first:first + part.shape[0]])

@@ -1,28 +1,31 @@
 """The flat key space of an overlap checkpoint, and the state dicts that fill it.
 
-    model/<state-dict key>            each parameter a ShardedTensor of its full shape, buffers plain
-    optim/state/<parameter>/<name>    element-wise state sharded like its parameter, scalars plain
-    optim/param_groups                the optimizer's groups, parameters named by their keys
-    extra/<name>                      the caller's values (the same on every rank)
+    model.<state-dict key>                    each parameter a DTensor of its full shape, buffers plain
+    optimizer.state.<parameter>.<name>        state shaped like its parameter a DTensor like it, scalars plain
+    optimizer.param_groups.<i>.<setting>      each group's settings, and `params`: its parameters' names
+    extra/<name>                              the caller's values (the same on every rank)
 
-Keys are flattened here rather than by DCP, because parameter names contain dots and DCP's
-own flattening needs its mapping table to undo them.
+These are the keys DCP writes for torchtitan's `{"model": get_model_state_dict(m),
+"optimizer": get_optimizer_state_dict(m, opt)}` (DCP joins nested keys with dots), so a
+checkpoint of FSDP2 loads here and one written here loads into FSDP2, at any world size.
+Keys are made here rather than by DCP's flattening, so that loading needs no mapping table
+from the caller's nested dicts: a saved key is (prefix, name, last component), and only the
+last component (a state or setting name) never holds a dot.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 if TYPE_CHECKING:
     from overlap.runtime.flat_group import FlatGroup
     from overlap.sharded_module import ShardedModule
 
-MODEL = "model/"
-OPTIM_STATE = "optim/state/"
-PARAM_GROUPS = "optim/param_groups"
+MODEL = "model."
+OPTIM_STATE = "optimizer.state."
+PARAM_GROUPS = "optimizer.param_groups."
 EXTRA = "extra/"
 
 
@@ -33,8 +36,6 @@ class CheckpointMismatch(ValueError):
 def _shape(value: Any) -> Optional[tuple[int, ...]]:
     if isinstance(value, TensorStorageMetadata):
         return tuple(value.size)
-    if isinstance(value, ShardedTensor):
-        return tuple(value.metadata().size)
     if isinstance(value, torch.Tensor):
         return tuple(value.shape)
     return None
@@ -54,8 +55,7 @@ def model_items(model: "ShardedModule") -> dict[str, Any]:
 def optimizer_items(model: "ShardedModule", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     places = _param_places(model)
     items: dict[str, Any] = {}
-    groups = []
-    for param_group in optimizer.param_groups:
+    for number, param_group in enumerate(optimizer.param_groups):
         names = []
         for param in param_group["params"]:
             if id(param) not in places:
@@ -64,11 +64,11 @@ def optimizer_items(model: "ShardedModule", optimizer: torch.optim.Optimizer) ->
             name, group, index = places[id(param)]
             names.append(name)
             for state_name, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == param.shape:
-                    value = group.sharded_tensor(value, index)      # element-wise: sharded like the parameter
-                items[f"{OPTIM_STATE}{name}/{state_name}"] = value
-        groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": names})
-    items[PARAM_GROUPS] = groups
+                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == param.shape:
+                    value = group.dtensor(value, index)      # element-wise: sharded like the parameter
+                items[f"{OPTIM_STATE}{name}.{state_name}"] = value
+        for setting, value in param_group.items():
+            items[f"{PARAM_GROUPS}{number}.{setting}"] = names if setting == "params" else value
     return items
 
 
@@ -99,7 +99,7 @@ def optimizer_targets(path: str, metadata: Metadata, model: "ShardedModule") -> 
     for key, entry in metadata.state_dict_metadata.items():
         if not key.startswith(OPTIM_STATE):
             continue
-        name = key[len(OPTIM_STATE):].rsplit("/", 1)[0]
+        name = key[len(OPTIM_STATE):].rsplit(".", 1)[0]
         if name not in params:
             raise CheckpointMismatch(f"checkpoint {path} holds optimizer state for {name!r}, "
                                      "which the model does not have")
@@ -109,10 +109,12 @@ def optimizer_targets(path: str, metadata: Metadata, model: "ShardedModule") -> 
             targets[key] = None
         elif list(entry.size) == (list(group.slots[index].shape) or [1]) and entry.size != torch.Size([]):
             parts[key] = torch.zeros(param.shape, dtype=entry.properties.dtype, device=param.device)
-            targets[key] = group.sharded_tensor(parts[key], index)
+            targets[key] = group.dtensor(parts[key], index)
         else:
             targets[key] = torch.zeros(entry.size, dtype=entry.properties.dtype, device="cpu")
-    targets[PARAM_GROUPS] = None
+    for key in metadata.state_dict_metadata:
+        if key.startswith(PARAM_GROUPS):
+            targets[key] = None
     return targets, parts
 
 
@@ -120,7 +122,13 @@ def load_optimizer(path: str, loaded: Mapping[str, Any], parts: Mapping[str, tor
                    model: "ShardedModule", optimizer: torch.optim.Optimizer) -> None:
     """Hand the loaded items to `optimizer.load_state_dict` in its own index-keyed format."""
     params = dict(model.named_parameters())
-    saved_groups = loaded[PARAM_GROUPS]
+    count = max((int(key[len(PARAM_GROUPS):].split(".", 1)[0]) + 1 for key in loaded if key.startswith(PARAM_GROUPS)),
+                default=0)
+    saved_groups: list[dict[str, Any]] = [{} for _ in range(count)]
+    for key, value in loaded.items():
+        if key.startswith(PARAM_GROUPS):
+            number, setting = key[len(PARAM_GROUPS):].split(".", 1)
+            saved_groups[int(number)][setting] = value
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointMismatch(f"checkpoint {path} has {len(saved_groups)} optimizer parameter groups, "
                                  f"the optimizer has {len(optimizer.param_groups)}")
@@ -137,7 +145,7 @@ def load_optimizer(path: str, loaded: Mapping[str, Any], parts: Mapping[str, tor
     state: dict[int, dict[str, Any]] = {}
     for key, value in loaded.items():
         if key.startswith(OPTIM_STATE):
-            name, state_name = key[len(OPTIM_STATE):].rsplit("/", 1)
+            name, state_name = key[len(OPTIM_STATE):].rsplit(".", 1)
             value = parts.get(key, value)
             state.setdefault(index_of[name], {})[state_name] = value
     optimizer.load_state_dict({"state": state, "param_groups": groups})

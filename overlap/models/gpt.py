@@ -113,14 +113,13 @@ class GPT(nn.Module):
 
     def optimizer_groups(self, named_parameters: Iterable[tuple[str, nn.Parameter]],
                          weight_decay: float) -> list[dict]:
-        """nanoGPT's two optimizer groups: weight decay on the embedding and linear weights,
-        none on norms and biases. Chosen by name, not by `p.dim()`: a sharded model's
-        parameters hold 1-D parts."""
+        """nanoGPT's two optimizer groups: weight decay on every parameter of two or more
+        dimensions (the embeddings and linear weights), none on norms and biases. The rule
+        reads `p.dim()`, which a sharded model's parameters keep (docs/parameters.md)."""
         decay, no_decay = [], []
-        for name, param in named_parameters:
+        for _, param in named_parameters:
             if param.requires_grad:
-                is_norm = name.startswith("ln_") or ".ln_" in name
-                (decay if name.endswith("weight") and not is_norm else no_decay).append(param)
+                (decay if param.dim() >= 2 else no_decay).append(param)
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     @torch.no_grad()

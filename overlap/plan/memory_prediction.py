@@ -92,7 +92,7 @@ PREDICTED_CATEGORIES = ("weights", "gradients", "optimizer_state", "gathered_buf
 
 def _groups(spec: UnitSpec, world: int, mp: MixedPrecision) -> list[GroupSizes]:
     """The flat groups `ShardedModule` builds for one unit."""
-    return [GroupSizes(FlatLayout(tuple(param.numel() for _, param, _ in entries), world), dtype.itemsize,
+    return [GroupSizes(FlatLayout.of([param.shape for _, param, _ in entries], world), dtype.itemsize,
                        mp.gather_dtype(dtype).itemsize, mp.grad_reduce_dtype(dtype).itemsize, requires_grad)
             for (dtype, requires_grad), entries in group_by_kind(spec.params, lambda entry: entry[1]).items()]
 

@@ -1,24 +1,26 @@
 """One group of a unit's parameters (same dtype, same requires_grad) stored as a flat shard.
 
-Layout (`overlap.base.layout`): the group's parameters are flattened in a fixed order into one
-buffer of `padded_numel = world_size * shard_numel` elements (zero padding at the end); rank r
-keeps elements [r * shard_numel, (r + 1) * shard_numel) as its master shard, a plain tensor in
-the parameters' own dtype. The user's parameters are 1-D views into that shard (see [Note:
-original parameters are views of the flat shard]). To compute, the shards are all-gathered
-into `full`, a leaf tensor in the gather dtype whose views stand in for the original
-parameters on their modules. Autograd accumulates the gradients of all those views into
-`full.grad`, which is already in the flat layout the reduce-scatter wants: no copy-in or
-copy-out is needed on the way in or out.
+Layout (`overlap.base.layout`): the group's parameters are laid out in a fixed order in one
+buffer of `padded_numel = world_size * shard_numel` elements, each shard boundary inside a
+parameter on one of its row boundaries (see [Note: row-aligned shards]); rank r keeps
+elements [r * shard_numel, (r + 1) * shard_numel) as its master shard, a plain tensor in the
+parameters' own dtype. The user's parameters are views into that shard of their own number
+of dimensions (see [Note: original parameters are views of the flat shard]). To compute,
+the shards are all-gathered into `full`, a leaf tensor in the gather dtype whose views stand
+in for the original parameters on their modules. Autograd accumulates the gradients of all
+those views into `full.grad`, which is already in the flat layout the reduce-scatter wants:
+no copy-in or copy-out is needed on the way in or out.
 
 [Note: original parameters are views of the flat shard]
 Each original parameter is registered on its modules (under its own names, a tied one once)
-as an `nn.Parameter` holding this rank's part of it: the 1-D slice of the flat shard that
-falls inside the parameter's element range, empty on ranks whose slice misses it. Optimizer
-updates write the shard in place, so the next all-gather sends it as it is; gradients are
-views of one flat shard gradient that the reduce-scatter accumulates into. Per-parameter
-DTensors (FSDP2's way) would instead copy every shard into a send buffer before each
-all-gather and out of the received one after it; docs/parameters.md has the measurement
-that decided for views.
+as an `nn.Parameter` holding this rank's part of it: the block of whole rows of the
+parameter that falls inside the rank's slice of the flat buffer, shaped (local_rows,
+*trailing_dims), so `p.dim()` is the module's own; (0, *trailing_dims) on ranks whose slice
+misses it. Optimizer updates write the shard in place, so the next all-gather sends it as it
+is; gradients are views of one flat shard gradient that the reduce-scatter accumulates into,
+shaped like their parameters. Per-parameter DTensors (FSDP2's way) would instead copy every
+shard into a send buffer before each all-gather and out of the received one after it;
+docs/parameters.md has the measurements that decided for row-aligned views.
 
 [Note: freeing `full` by resizing its storage]
 Tensors autograd saved in forward (a weight for a matmul's input gradient) are views of
@@ -34,10 +36,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 from overlap.base.layout import FlatLayout
-from overlap.runtime.sharded_tensors import as_sharded_tensor
+from overlap.runtime.row_dtensors import as_dtensor, shard_mesh
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.node_copy import NodeCopy
 
@@ -68,7 +70,7 @@ class FlatGroup:
         self.gather_dtype = gather_dtype
         self.reduce_dtype = reduce_dtype
 
-        self.layout = FlatLayout(tuple(param.numel() for _, param, _ in params), world)
+        self.layout = FlatLayout.of([param.shape for _, param, _ in params], world)
         self.slots = [ParamSlot(name, owners, param.shape, offset, param.numel())
                       for (name, param, owners), offset in zip(params, self.layout.offsets)]
         self.numel = self.layout.numel
@@ -97,8 +99,9 @@ class FlatGroup:
         # This rank's part of each original parameter, as a view of the shard. See [Note:
         # original parameters are views of the flat shard].
         self.parts = self.layout.parts_on(rank)
-        self.params = [nn.Parameter(self._shard_view(self.shard, slot, part), requires_grad=self.requires_grad)
-                       for slot, part in zip(self.slots, self.parts)]
+        self.local_shapes = [self.layout.local_shape(index, rank, slot.shape) for index, slot in enumerate(self.slots)]
+        self.params = [nn.Parameter(self._shard_view(self.shard, index), requires_grad=self.requires_grad)
+                       for index in range(len(self.slots))]
         if on_meta:
             for index, (_, param, _) in enumerate(params):
                 if not param.is_meta:
@@ -125,9 +128,12 @@ class FlatGroup:
             for module, attr in slot.owners:
                 module._parameters[attr] = param
 
-    def _shard_view(self, flat_shard: torch.Tensor, slot: ParamSlot, part: tuple[int, int]) -> torch.Tensor:
-        start = slot.offset + part[0] - self.collectives.rank * self.shard_numel
-        return flat_shard.narrow(0, min(max(start, 0), self.shard_numel), part[1] - part[0])
+    def _shard_view(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's part of parameter `index` in `flat_shard` (the master shard, or its
+        gradient), shaped (local_rows, *trailing_dims)."""
+        start, end = self.parts[index]
+        offset = self.slots[index].offset + start - self.collectives.rank * self.shard_numel
+        return flat_shard.narrow(0, min(max(offset, 0), self.shard_numel), end - start).view(self.local_shapes[index])
 
     @property
     def gathered_nbytes(self) -> int:
@@ -169,10 +175,12 @@ class FlatGroup:
         so a split node kept from an earlier step would run after the whole of this step's
         backward, holding back every gradient hook (and so every reduction and free) to the end.
         """
-        pieces = list(self.full.split_with_sizes(self._split_sizes))   # torch.split's Python wrapper costs as much again
+        # The even pieces are the parameters, the odd ones the padding after each.
+        pieces = self.full.split_with_sizes(self._split_sizes)   # torch.split's Python wrapper costs as much again
         split = pieces[0].grad_fn
         if split is not None:
             split.register_prehook(self._mark_grads)
+        pieces = list(pieces[::2])
         for index, shape in self._reshaped:
             pieces[index] = pieces[index].view(shape)
         for slot, view in zip(self.slots, pieces):
@@ -181,7 +189,7 @@ class FlatGroup:
 
     def _mark_grads(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
         got = self.got_grad
-        for index, grad in enumerate(grads[:len(got)]):      # the last piece may be padding
+        for index, grad in enumerate(grads[::2]):            # the parameters' pieces, not the padding
             if grad is not None:
                 got[index] = True
 
@@ -216,8 +224,7 @@ class FlatGroup:
         gradients accumulate across backward passes exactly as `.grad` does."""
         if self.grad_shard is None:
             self.grad_shard = torch.zeros_like(self.shard)
-            self._grad_views = [self._shard_view(self.grad_shard, slot, part)
-                                for slot, part in zip(self.slots, self.parts)]
+            self._grad_views = [self._shard_view(self.grad_shard, index) for index in range(len(self.slots))]
         elif not self.reduced:
             grads = [param.grad for param in self.params]
             if grads.count(None) == len(grads):             # after zero_grad(): one fill
@@ -241,18 +248,18 @@ class FlatGroup:
         self.reduced = False
         self.got_grad = [False] * len(self.slots)
 
-    def sharded_tensor(self, part: torch.Tensor, index: int) -> ShardedTensor:
+    def dtensor(self, part: torch.Tensor, index: int) -> DTensor:
         """`part` (shaped like this rank's part of parameter `index`: the parameter itself, or
-        optimizer state of the same shape) as a ShardedTensor of the parameter's full shape."""
+        optimizer state of the same shape) as a DTensor of the parameter's full shape."""
         slot = self.slots[index]
-        parts = [self.layout.part_on(index, rank) for rank in range(self.collectives.world_size)]
-        return as_sharded_tensor(part, slot.shape, parts, self.collectives.group)
+        mesh = shard_mesh(self.collectives.group, self.collectives.device.type)
+        return as_dtensor(part, slot.shape, self.layout.first_row(index, self.collectives.rank, slot.shape), mesh)
 
     def write_part(self, index: int, value: torch.Tensor) -> None:
         """Set this rank's part of parameter `index` from its full value (any device)."""
         start, end = self.parts[index]
         with torch.no_grad():
-            self.params[index].copy_(value.detach().reshape(-1)[start:end])
+            self.params[index].view(-1).copy_(value.detach().reshape(-1)[start:end])
 
     def full_values(self) -> torch.Tensor:
         """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""
