@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from common import markdown_table, script_main, write_json
+from common import markdown_table, write_json
 
 BENCHMARK_MODEL = dict(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, block_size=128)
 

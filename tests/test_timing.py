@@ -100,7 +100,7 @@ def test_cuda_times_wait_for_a_step_not_yet_complete(monkeypatch):
 def test_host_times_are_taken_as_they_happen():
     log = StepLog(HostClock())
     log.mark(Mark.PRE_FORWARD, "u")
-    collective = log.collective("reduce_scatter", "u", 10)
+    log.collective("reduce_scatter", "u", 10)
     log.mark(Mark.POST_FORWARD, "u")
     record = log.close(3, StepKind.TRAIN, "u", {"u": 4}, 1, 1, lambda done: pytest.fail("host clocks never wait"))
     (first, last), (entry,) = record.events, record.collectives
