@@ -18,6 +18,15 @@ def _load_ops() -> None:
     import overlap._C  # noqa: F401
 
 
+def param_views_op():
+    """The extension's `param_views` op (csrc/param_views.cpp), or None where it was not built."""
+    try:
+        _load_ops()
+        return torch.ops.overlap.param_views.default
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
 # What the ops raise for a call they refuse (see csrc/flat_ops.h).
 _REFUSED = (ValueError, TypeError)
 

@@ -42,6 +42,7 @@ from overlap.base.layout import FlatLayout
 from overlap.runtime.row_dtensors import as_dtensor, shard_mesh
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.node_copy import NodeCopy
+from overlap.runtime.param_views import ParamViews
 
 
 @dataclass
@@ -119,8 +120,7 @@ class FlatGroup:
         self.full.requires_grad_(self.requires_grad)
         self._full_nbytes = self.padded_numel * self.full.element_size()
         self.free()
-        # Parameters whose view of `full` needs a reshape of its piece of the split (not 1-D).
-        self._reshaped = [(index, slot.shape) for index, slot in enumerate(self.slots) if len(slot.shape) != 1]
+        self._param_views = ParamViews(self._split_sizes, [slot.shape for slot in self.slots])
         # Gradients summed locally while reduction is paused (no_sync), in the reduce dtype.
         self.unsynced_grad: Optional[torch.Tensor] = None
 
@@ -175,15 +175,10 @@ class FlatGroup:
         so a split node kept from an earlier step would run after the whole of this step's
         backward, holding back every gradient hook (and so every reduction and free) to the end.
         """
-        # The even pieces are the parameters, the odd ones the padding after each.
-        pieces = self.full.split_with_sizes(self._split_sizes)   # torch.split's Python wrapper costs as much again
-        split = pieces[0].grad_fn
+        split, views = self._param_views(self.full)
         if split is not None:
             split.register_prehook(self._mark_grads)
-        pieces = list(pieces[::2])
-        for index, shape in self._reshaped:
-            pieces[index] = pieces[index].view(shape)
-        for slot, view in zip(self.slots, pieces):
+        for slot, view in zip(self.slots, views):
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
 
