@@ -47,9 +47,9 @@ import torch.distributed as dist
 from overlap.kernels import KernelBackend
 from overlap.runtime.codec import Codec, WireFormat
 from overlap.runtime.issue import CollectiveCall, issue
-from overlap.runtime.pending import Pending, wait_watched
+from overlap.runtime.pending import COMPLETED, Pending, wait_watched
 from overlap.runtime.process_group import all_gather_flat, device_backend, reduce_scatter_flat
-from overlap.runtime.timing import CollectiveStamps, HostClock, StepLog, clock_for
+from overlap.runtime.timing import StepLog, clock_for
 
 if TYPE_CHECKING:
     from overlap.runtime.order_check import OrderCheck
@@ -67,10 +67,6 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     made = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
     dist.barrier(group=made)            # every rank connected before any goes on (see order_check's)
     return made
-
-
-# What a collective of one rank returns: nothing is in flight, nothing to wait for.
-_DONE = Pending(CollectiveStamps("none", "", 0, 0.0), HostClock(), done=True)
 
 
 class Collectives:
@@ -143,7 +139,7 @@ class Collectives:
             return self._all_gather_encoded(out, shard, unit)
         if group is None and self.world_size == 1 and self.local_when_alone:
             out.copy_(shard)                   # its shard is the whole; cast in the copy
-            return _DONE
+            return COMPLETED
         world = self.world_size if group is None else dist.get_world_size(group)
         group = self.group if group is None else group
         nbytes = out.numel() * out.element_size() * (world - 1) // world
@@ -195,7 +191,7 @@ class Collectives:
         elif world == 1 and self.replicate_group is None and self.local_when_alone:
             # The sum is this rank's gradient, in the reduce dtype as on the wire.
             self.kernels.accumulate(shard_grad, self._pre_divided(grad_full, reduce_dtype))
-            return _DONE
+            return COMPLETED
         with self._issue("reduce_scatter", unit, nbytes, self.reduce_scatter_stream,
                          None if wire is None else uncompressed) as call:
             source = self._pre_divided(grad_full, reduce_dtype)

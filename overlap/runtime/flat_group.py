@@ -22,6 +22,15 @@ shaped like their parameters. Per-parameter DTensors (FSDP2's way) would instead
 shard into a send buffer before each all-gather and out of the received one after it;
 docs/parameters.md has the measurements that decided for row-aligned views.
 
+[Note: one rank computing in the master dtype]
+With one rank (no replicas, no node copy, no compression) whose modules compute in the master
+shards' dtype, the shard is already every parameter in full: `full` shares its storage, a
+gather has nothing to do and a free nothing to release (`resident`). The optimizer's in-place
+updates of the shard are what the next forward computes with, as after a gather. `full` keeps
+a version counter of its own (`set_`, not a view), so those updates do not look to autograd
+like changes of tensors it saved. Gathering and freeing each unit twice a step would otherwise
+be most of the runtime's host work on one rank.
+
 [Note: freeing `full` by resizing its storage]
 Tensors autograd saved in forward (a weight for a matmul's input gradient) are views of
 `full`. Freeing by `untyped_storage().resize_(0)` and re-gathering into the same storage
@@ -41,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from overlap.base.layout import FlatLayout
 from overlap.runtime.row_dtensors import as_dtensor, shard_mesh
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
+from overlap.runtime.pending import COMPLETED
 from overlap.runtime.node_copy import NodeCopy
 from overlap.runtime.param_views import ParamViews
 
@@ -117,6 +127,11 @@ class FlatGroup:
 
         # The gathered parameters: a leaf so autograd accumulates all views' gradients here.
         self.full = torch.empty(self.padded_numel, dtype=gather_dtype, device=device)
+        # See [Note: one rank computing in the master dtype].
+        self.resident = (world == 1 and collectives.replicate_group is None and self.node_copy is None
+                         and collectives.codec is None and gather_dtype == self.master_dtype)
+        if self.resident:
+            self.full.set_(self.shard.untyped_storage(), self.shard.storage_offset(), (self.padded_numel,))
         self.full.requires_grad_(self.requires_grad)
         self._full_nbytes = self.padded_numel * self.full.element_size()
         self.free()
@@ -146,6 +161,8 @@ class FlatGroup:
     def start_gather(self, unit_name: str) -> Pending:
         """Allocate `full` and launch the all-gather into it. Writes into `full` keep its
         version (see [Note: freeing `full` by resizing its storage])."""
+        if self.resident and self.collectives.local_when_alone:
+            return COMPLETED
         full = self.full
         version = full._version
         storage = full.untyped_storage()
@@ -160,7 +177,8 @@ class FlatGroup:
 
     def free(self) -> None:
         """Release the gathered parameters. See [Note: freeing `full` by resizing its storage]."""
-        self.full.untyped_storage().resize_(0)
+        if not self.resident:
+            self.full.untyped_storage().resize_(0)
 
     def install_views(self) -> None:
         """Point every owner module's attribute at its parameter's view of `full`.
