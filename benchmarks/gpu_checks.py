@@ -205,6 +205,21 @@ def _collective_functions() -> list[tuple[Any, str, str]]:
     return found
 
 
+@contextlib.contextmanager
+def collectives_issued_alone() -> Iterator[None]:
+    """ShardedModules built inside run their gathers and reductions as collectives (on their
+    streams, into buffers they free) at world size 1 too, as with more ranks, for the checks
+    to delay, time and poison; by default one rank copies in place or gathers nothing."""
+    from overlap.runtime.collectives import Collectives
+
+    saved = Collectives.local_when_alone
+    Collectives.local_when_alone = False
+    try:
+        yield
+    finally:
+        Collectives.local_when_alone = saved
+
+
 class Injection:
     """While `active()`: every collective ShardedModule or FSDP2 issues is counted by kind with
     its largest buffer's bytes; on CUDA `cycles(kind, nbytes)` of `torch.cuda._sleep` run on
@@ -325,10 +340,8 @@ def _train_sharded(config: dict, device: torch.device, injection: Optional[Injec
     from overlap import ShardedModule
 
     torch.manual_seed(0)
-    model = ShardedModule(config["build"](), **config["wrap"])
-    # One device: the collectives run (on their streams) as with more ranks, for the
-    # injection to delay; by default one rank copies in place instead.
-    model.collectives.local_when_alone = False
+    with collectives_issued_alone():
+        model = ShardedModule(config["build"](), **config["wrap"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     micro = config.get("micro_batches", 1)
     losses, allocated = [], []
@@ -445,8 +458,8 @@ def check_report_timing(checks: Checks, rehearse: bool) -> None:
     device = _device(False)
     with one_rank_on(device):
         torch.manual_seed(0)
-        model = ShardedModule(_gpt(layers=6, width=1024), prefetch_depth=1, bucket_mb=1e-3)
-        model.collectives.local_when_alone = False       # one device: the collectives to time
+        with collectives_issued_alone():                 # one device: the collectives to time
+            model = ShardedModule(_gpt(layers=6, width=1024), prefetch_depth=1, bucket_mb=1e-3)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         batches = _batches(device, 5)
 
@@ -665,9 +678,8 @@ def _wrapped(kind: str, config, device: torch.device, prefetch_depth: Optional[i
 
 def _emulated_run(kind: str, config, device: torch.device, injection: Injection, warmup: int, steps: int) -> dict:
     """`warmup` + `steps` SGD steps of `kind` under `injection`, counted from the window on."""
-    model, context = _wrapped(kind, config, device, prefetch_depth=1 if kind == "overlap" else None)
-    if kind == "overlap":
-        model.collectives.local_when_alone = False      # one device: the collectives to delay
+    with collectives_issued_alone():                     # one device: the collectives to delay
+        model, context = _wrapped(kind, config, device, prefetch_depth=1 if kind == "overlap" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (8, config.block_size), generator=gen).to(device)

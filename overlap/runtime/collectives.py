@@ -73,6 +73,13 @@ class Collectives:
     """All-gather and reduce-scatter over one process group, on the right streams, through
     `codec` where it compresses a buffer."""
 
+    # One rank and no replicas: gathers and reductions are local copies, nothing is issued or
+    # recorded (a process group's call costs far more host time than the copy), and flat groups
+    # computing in the master dtype gather nothing at all (see flat_group.py). Read when a
+    # model is built; checks that time or delay the collectives on a single device build theirs
+    # with it off.
+    local_when_alone = True
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, kernels: KernelBackend,
                  replicate_group: Optional[dist.ProcessGroup] = None,
                  all_group: Optional[dist.ProcessGroup] = None, codec: Optional[Codec] = None) -> None:
@@ -95,10 +102,7 @@ class Collectives:
         # the gradient chunks followed by a local sum (measured in benchmarks/collectives.py),
         # and the all-to-all moves the same (N-1)/N bytes a ring reduce-scatter does.
         self.reduce_with_all_to_all = self.backend == "gloo"
-        # One rank and no replicas: gathers and reductions are local copies, nothing is issued
-        # or recorded (a process group's call costs far more host time than the copy). Checks
-        # that time or delay the collectives on a single device turn this off.
-        self.local_when_alone = True
+        self.local_when_alone = Collectives.local_when_alone      # as it was when the model was built
         self.use_streams = device.type == "cuda"
         # None on CPU: gloo's work runs on its own threads.
         self.all_gather_stream: Optional[torch.cuda.Stream] = None

@@ -128,8 +128,8 @@ class FlatGroup:
         # The gathered parameters: a leaf so autograd accumulates all views' gradients here.
         self.full = torch.empty(self.padded_numel, dtype=gather_dtype, device=device)
         # See [Note: one rank computing in the master dtype].
-        self.resident = (world == 1 and collectives.replicate_group is None and self.node_copy is None
-                         and collectives.codec is None and gather_dtype == self.master_dtype)
+        self.resident = (world == 1 and collectives.local_when_alone and collectives.replicate_group is None
+                         and self.node_copy is None and collectives.codec is None and gather_dtype == self.master_dtype)
         if self.resident:
             self.full.set_(self.shard.untyped_storage(), self.shard.storage_offset(), (self.padded_numel,))
         self.full.requires_grad_(self.requires_grad)
@@ -161,7 +161,7 @@ class FlatGroup:
     def start_gather(self, unit_name: str) -> Pending:
         """Allocate `full` and launch the all-gather into it. Writes into `full` keep its
         version (see [Note: freeing `full` by resizing its storage])."""
-        if self.resident and self.collectives.local_when_alone:
+        if self.resident:
             return COMPLETED
         full = self.full
         version = full._version
