@@ -8,7 +8,8 @@ model unwrapped; then
 
     host time per unit per step = (median wrapped step - median plain step) / units
 
-(a step's time is the slower rank's). Rows: ShardedModule in every sharding and compression
+(a step's time is the slower rank's; units are the model's, which ShardedModule's planner may
+merge into fewer buckets: the report table lists how many it ran). Rows: ShardedModule in every sharding and compression
 mode that means something at the world size (at 2 ranks, hybrid and hpZ on two emulated nodes
 of one rank each), FSDP2 as its defaults give it and tuned (benchmarks/peers.py), DeepSpeed
 ZeRO-3 where it is installed, and with --baseline the ShardedModule rows of another checkout.
