@@ -134,6 +134,7 @@ def test_overhead_smoke(tmp_path):
     assert results["fsdp2"]["ratios"]["fsdp2"]["median"] == pytest.approx(1.0)
     assert results["overlap-full"]["settings"]["runtime_units"] == 8
     assert 0 < results["overlap-full"]["runtime_share"]["median"] < 1
+    assert all(0 < entry["cpu_per_wall"]["median"] <= 1.5 for entry in results.values())
     assert len(report["runs"]) == 3
     for run in report["runs"]:
         assert len(run["ranks"]) == 1 and len(run["ranks"][0]["wrapped_s"]) == 3, run["row"]
