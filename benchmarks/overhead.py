@@ -299,7 +299,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                         data = _launch(args, row, world, units, result)
                         runs.append(dict(world=world, units=units, round=round_index, row=row.name,
                                          load_1min=[load_before, os.getloadavg()[0]], **data))
-                        log.info("world %d, %d units, round %d, %s: %.3f ms per unit", world, units,
+                        log.info("world %d, %d units, round %d, %s: host %.3f ms per unit per step", world, units,
                                  round_index + 1, row.name, host_s_per_unit(runs[-1]) * 1e3)
     return runs
 
