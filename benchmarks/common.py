@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,21 @@ def torchrun(script: str, nproc: int, args: Sequence[str], python: str = sys.exe
     """The command that launches `script` on `nproc` local ranks (with the interpreter `python`)."""
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             script, *args]
+
+
+def checkout_python(checkout: str) -> str:
+    """The interpreter of another checkout of the project: `make setup` there builds its
+    environment in .venv, with that checkout's package installed in editable mode."""
+    return os.path.join(checkout, ".venv", "bin", "python")
+
+
+def git_commit(checkout: str) -> str:
+    """The commit `checkout` is at, with '+changes' when its tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True, check=True).stdout
+
+    commit = git("rev-parse", "HEAD").strip()
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
 
 
 def run_with_deadline(command: Sequence[str], timeout_s: float, env: Optional[dict] = None) -> str:
@@ -141,6 +157,16 @@ def _exit_worker() -> None:
 def single_thread_env() -> dict[str, str]:
     """Each rank (or the single process) computes on one thread, as the 2-core host allows."""
     return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def single_rank_env() -> dict[str, str]:
+    """What torchrun would give the one rank of a world of one (env:// rendezvous on a free
+    local port), for launching it without torchrun's agent process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                LOCAL_WORLD_SIZE="1")
 
 
 def median(values: Sequence[float]) -> float:

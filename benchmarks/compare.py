@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 import peers
-from common import (LOOPBACK, PROCESS_GROUP_TIMEOUT, markdown_table, median, on_link, parse_choices, parse_links,
-                    quartiles, read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json,
-                    write_text)
+from common import (LOOPBACK, PROCESS_GROUP_TIMEOUT, checkout_python, markdown_table, median, on_link,
+                    parse_choices, parse_links, quartiles, read_json, run_with_deadline, script_main,
+                    single_thread_env, torchrun, write_json, write_text)
 
 if TYPE_CHECKING:
     from overlap.models import GPTConfig
@@ -239,7 +239,7 @@ def _worker_args(args: argparse.Namespace, impl: str, result: str, memory: bool)
 def _launch(args: argparse.Namespace, impl: str, prefix: list[str], result: str, memory: bool) -> dict:
     # The baseline runs its own checkout's worker: its package's modules may have other names.
     script = os.path.join(args.baseline, "benchmarks", "compare.py") if impl == BASELINE else os.path.abspath(__file__)
-    python = os.path.join(args.baseline, ".venv", "bin", "python") if impl == BASELINE else sys.executable
+    python = checkout_python(args.baseline) if impl == BASELINE else sys.executable
     worker = _worker_args(args, peers.OVERLAP if impl == BASELINE else impl, result, memory)
     command = [python, script, *worker] if impl == peers.LOCAL else torchrun(script, WORLD_SIZE, worker, python)
     run_with_deadline(prefix + command, args.run_timeout, env=single_thread_env())

@@ -112,7 +112,9 @@ class AllToAllReduceScatter:
         return None
 
 
-def _fsdp2(model: torch.nn.Module, tuned: bool, depth: int) -> torch.nn.Module:
+def fsdp2(model: torch.nn.Module, tuned: bool, depth: int) -> torch.nn.Module:
+    """FSDP2 on `model.blocks` (each block, then the root) over every rank: torch's defaults, or
+    tuned as the notes above say, with explicit prefetch lists of `depth` blocks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -136,12 +138,12 @@ def _fsdp2(model: torch.nn.Module, tuned: bool, depth: int) -> torch.nn.Module:
     return root
 
 
-def _deepspeed_config(args: argparse.Namespace) -> dict:
-    """ZeRO-3 settings for 2 CPU ranks: gradients reduced while backward goes on, buckets and
-    prefetch sized in elements (DeepSpeed's unit) to a block of the model."""
-    block_params = 12 * args.n_embd * args.n_embd
+def deepspeed_zero3_config(batch: int, block_params: int, persistence_threshold: int) -> dict:
+    """ZeRO-3 settings for CPU ranks: gradients reduced while backward goes on, buckets and
+    prefetch sized in elements (DeepSpeed's unit) to a block of the model; parameters smaller
+    than `persistence_threshold` elements stay whole on every rank."""
     return {
-        "train_micro_batch_size_per_gpu": args.batch,
+        "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {
@@ -150,7 +152,7 @@ def _deepspeed_config(args: argparse.Namespace) -> dict:
             "contiguous_gradients": True,
             "reduce_bucket_size": block_params,
             "stage3_prefetch_bucket_size": block_params,
-            "stage3_param_persistence_threshold": args.n_embd * 4,
+            "stage3_param_persistence_threshold": persistence_threshold,
         },
     }
 
@@ -161,8 +163,9 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
         import deepspeed
 
         optimizer = make_optimizer(model.parameters(), args.lr)
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                       config=_deepspeed_config(args))
+        # A GPT block holds 12·d² parameters; vectors up to 4·d (norms, biases) stay whole.
+        config = deepspeed_zero3_config(args.batch, 12 * args.n_embd * args.n_embd, args.n_embd * 4)
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine, optimizer, _deepspeed_step(engine)
     if impl == LOCAL:
         wrapped = model
@@ -176,7 +179,7 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
 
             wrapped.register_comm_hook(None, fp16_compress_hook)
     elif impl in (FSDP2, FSDP2_TUNED):
-        wrapped = _fsdp2(model, impl == FSDP2_TUNED, args.fsdp2_prefetch)
+        wrapped = fsdp2(model, impl == FSDP2_TUNED, args.fsdp2_prefetch)
     else:
         from overlap import ShardedModule
         from overlap.models import Block

@@ -102,3 +102,61 @@ def test_compare_rejects_a_bad_link():
     proc = _run("compare.py", "--links", "loopback,fast", timeout=60)
     assert proc.returncode != 0
     assert "'fast'" in proc.stderr
+
+
+def _numbers(value, path="") -> list[tuple[str, float]]:
+    """Every number in a JSON value, with where it is."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, (int, float)):
+        return [(path, value)]
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return [found for key, item in items for found in _numbers(item, f"{path}/{key}")]
+
+
+@pytest.mark.timeout(120)
+def test_overhead_smoke(tmp_path):
+    out = tmp_path / "overhead.json"
+    rows = "overlap-full,fsdp2,fsdp2-tuned"
+    proc = _run("overhead.py", "--units", "8", "--world", "1", "--rounds", "1", "--warmup", "1", "--steps", "3",
+                "--rows", rows, "--out", str(out), timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        report = json.load(f)
+    meta = report["meta"]
+    assert meta["commit"] and meta["command"].startswith("python benchmarks/overhead.py")
+    assert set(meta["host_load"]) >= {"load_1_5_15min_before", "load_1_5_15min_after", "launched_cpu_s"}
+    results = report["results"]["1"]["8"]
+    assert set(results) == set(rows.split(","))
+    for row, entry in results.items():
+        assert len(entry["host_us_per_unit"]["per_round"]) == 1, row
+        assert set(entry["ratios"]) == {"fsdp2", "fsdp2-tuned"}, row
+    assert results["fsdp2"]["ratios"]["fsdp2"]["median"] == pytest.approx(1.0)
+    assert results["overlap-full"]["settings"]["runtime_units"] == 8
+    assert 0 < results["overlap-full"]["runtime_share"]["median"] < 1
+    assert all(0 < entry["cpu_per_wall"]["median"] <= 1.5 for entry in results.values())
+    assert len(report["runs"]) == 3
+    for run in report["runs"]:
+        assert len(run["ranks"]) == 1 and len(run["ranks"][0]["wrapped_s"]) == 3, run["row"]
+    numbers = _numbers(report)
+    assert numbers and all(math.isfinite(value) for _, value in numbers), [n for n in numbers
+                                                                           if not math.isfinite(n[1])]
+    assert "| overlap-full |" in proc.stdout
+
+
+def test_overhead_profile_paths_are_relative():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from overhead import REPO, relative_paths
+    finally:
+        sys.path.remove(BENCHMARKS)
+    import site
+    import sysconfig
+
+    text = (f"{os.path.join(REPO, 'overlap', 'runtime', 'unit.py')}:10(f)\n"
+            f"{os.path.join(site.getsitepackages()[0], 'torch', 'nn', 'modules', 'module.py')}:1(g)\n"
+            f"{os.path.join(sysconfig.get_paths()['stdlib'], 'threading.py')}:2(h)\n"
+            "/somewhere/else/entirely/x.py:3(i)\n{built-in method builtins.len}")
+    assert relative_paths(text, REPO).splitlines() == [
+        "overlap/runtime/unit.py:10(f)", "site-packages/torch/nn/modules/module.py:1(g)", "stdlib/threading.py:2(h)",
+        "x.py:3(i)", "{built-in method builtins.len}"]

@@ -1,0 +1,511 @@
+"""The host cost of a ZeRO-3 runtime itself: issuing collectives, hooks, casts, events and
+bookkeeping, on a model whose compute is negligible.
+
+The model is a chain of tiny units (one `nn.Linear(8, 8)` each), trained with SGD on a batch
+of 2 (forward, backward, `optimizer.step()`, `zero_grad(set_to_none=True)`). Each launch
+times the wrapped model and, in the same process and taking turns step by step, the same
+model unwrapped; then
+
+    host time per unit per step = (median wrapped step - median plain step) / units
+
+(a step's time is the slower rank's; units are the model's, which ShardedModule's planner may
+merge into fewer buckets: the report table lists how many it ran). Rows: ShardedModule in every sharding and compression
+mode that means something at the world size (at 2 ranks, hybrid and hpZ on two emulated nodes
+of one rank each), FSDP2 as its defaults give it and tuned (benchmarks/peers.py), DeepSpeed
+ZeRO-3 where it is installed, and with --baseline the ShardedModule rows of another checkout.
+Rows alternate within each round (A B C ... A B C ...); every ratio is taken per round
+between rows of that round (their median and range are reported, never a ratio of medians
+pooled over rounds).
+
+Also, for every ShardedModule row, the overlap report's "runtime" share of the step
+(overlap/observe/report.py), and with --profile a cProfile of the steady-state steps of the
+16-unit, 1-rank ShardedModule row.
+
+    python benchmarks/overhead.py --units 16 --world 1 2 --rounds 3 --baseline ../baseline \\
+        --out docs/results/overhead_before.json --profile docs/results/overhead_profile_before.txt
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import platform
+import resource
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+import peers
+from common import (PROCESS_GROUP_TIMEOUT, checkout_python, git_commit, markdown_table, median, read_json,
+                    run_with_deadline, script_main, single_rank_env, single_thread_env, torchrun, write_json,
+                    write_text)
+
+log = logging.getLogger("overhead")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIDTH = 8                       # each unit is one nn.Linear(WIDTH, WIDTH)
+PROFILE_UNITS = 16
+PROFILE_ENTRIES = 40            # rows of each table in the profile
+# The same names as overlap.base.choices.SHARDINGS and COMPRESSION_MODES; spelled out here so
+# that the driver, which only launches runs, does not import the package.
+SHARDINGS = ("full", "hybrid", "hpz")
+COMPRESSIONS = ("none", "int8", "int8-int4")
+OVERLAP, FSDP2, FSDP2_TUNED, DEEPSPEED = "overlap", peers.FSDP2, peers.FSDP2_TUNED, peers.DEEPSPEED
+REFERENCES = (FSDP2_TUNED, FSDP2)       # every row's ratios are taken against these
+BASELINE_SUFFIX = "-base"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One implementation measured: what the worker builds, and whose interpreter runs it."""
+
+    name: str
+    impl: str                           # OVERLAP, FSDP2, FSDP2_TUNED or DEEPSPEED
+    sharding: str = "full"
+    compression: str = "none"
+    baseline: bool = False              # ShardedModule of the --baseline checkout
+
+
+def overlap_rows(world: int) -> list[Row]:
+    """ShardedModule in every sharding and compression mode that differs at `world` ranks: on
+    one rank, hybrid and hpZ are full sharding (there is nothing to replicate)."""
+    shardings = SHARDINGS if world > 1 else ("full",)
+    return [Row(f"overlap-{sharding}" + ("" if compression == "none" else f"-{compression}"), OVERLAP,
+                sharding, compression) for sharding in shardings for compression in COMPRESSIONS]
+
+
+def all_rows(world: int, baseline: bool) -> list[Row]:
+    ours = overlap_rows(world)
+    theirs = [Row(row.name + BASELINE_SUFFIX, OVERLAP, row.sharding, row.compression, baseline=True)
+              for row in ours] if baseline else []
+    return [*ours, Row(FSDP2, FSDP2), Row(FSDP2_TUNED, FSDP2_TUNED), Row(DEEPSPEED, DEEPSPEED), *theirs]
+
+
+# ---- worker: one launch of one row --------------------------------------------------------
+# The worker is this file's, whichever checkout's interpreter runs it: a baseline checkout may
+# predate this script, and what is measured is the `overlap` package that interpreter imports
+# (its editable install of that checkout; the driver checks which one it was).
+
+class Unit(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class Chain(torch.nn.Module):
+    """`units` tiny units in a row; `blocks` is the name peers.fsdp2 wraps."""
+
+    def __init__(self, units: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Unit() for _ in range(units))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _deepspeed_step(engine):
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        loss = engine(batch).square().mean()
+        engine.backward(loss)
+        engine.step()               # steps the optimizer and clears the gradients
+        return loss.detach()
+
+    return step
+
+
+def _wrap(args: argparse.Namespace, model: Chain):
+    """(wrapped model, step function) for the row the worker runs."""
+    if args.worker == DEEPSPEED:
+        import deepspeed
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+        # Threshold 0: every parameter is partitioned and gathered, as in the other rows
+        # (DeepSpeed's default would keep all of these tiny ones whole on every rank).
+        config = peers.deepspeed_zero3_config(args.batch, WIDTH * (WIDTH + 1), persistence_threshold=0)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine, _deepspeed_step(engine)
+    if args.worker in (FSDP2, FSDP2_TUNED):
+        wrapped = peers.fsdp2(model, args.worker == FSDP2_TUNED, args.fsdp2_prefetch)
+    else:
+        from overlap import ShardedModule
+
+        # `overlap train`'s settings: the planner's prefetch depth and bucket size, fp32.
+        wrapped = ShardedModule(model, unit_types=(Unit,), sharding=args.sharding, compression=args.compression)
+    return wrapped, _sgd_step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=args.lr))
+
+
+def _overlap_facts(model) -> dict[str, Any]:
+    """The settings ShardedModule chose, the report's mean step and which checkout ran."""
+    import overlap
+
+    mean = model.overlap_report().mean_step()
+    codec = model.collectives.codec
+    return dict(runtime_units=len(model.scheduler.units), prefetch_depth=model.overlap_config.prefetch_depth,
+                bucket_mb=model.overlap_config.bucket_mb, sharding=model.sharding.describe(),
+                compression="none" if codec is None else codec.settings.mode,
+                report={key: getattr(mean, key) for key in ("span_s", "runtime_s", "compute_s", "gather_wait_s",
+                                                            "reduce_wait_s")},
+                package_root=os.path.dirname(os.path.dirname(os.path.abspath(overlap.__file__))))
+
+
+def relative_paths(text: str, package_root: str) -> str:
+    """`text` with this machine's directories replaced: the checkout's root by nothing, the
+    environment's packages by 'site-packages/', the standard library by 'stdlib/'; any other
+    absolute path keeps its file name only."""
+    import re
+    import site
+    import sysconfig
+
+    prefixes = [(package_root + os.sep, ""), (REPO + os.sep, "")]
+    prefixes += [(path + os.sep, "site-packages/") for path in site.getsitepackages()]
+    prefixes += [(sysconfig.get_paths()["stdlib"] + os.sep, "stdlib/")]
+    for prefix, replacement in sorted(prefixes, key=lambda p: -len(p[0])):
+        text = text.replace(prefix, replacement)
+    return re.sub(r"(?<![\w.])/(?:[^/\s:()]+/)+", "", text)
+
+
+def _profile(step, batch: torch.Tensor, steps: int, package_root: str) -> str:
+    """cProfile of `steps` steps, the top entries by own and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step(batch)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    out.write(f"cProfile of {steps} steady-state steps\n\n== by own (total) time ==\n")
+    stats.sort_stats("tottime").print_stats(PROFILE_ENTRIES)
+    out.write("\n== by cumulative time ==\n")
+    stats.sort_stats("cumulative").print_stats(PROFILE_ENTRIES)
+    return relative_paths(out.getvalue(), package_root)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if args.ranks_per_node:
+        # Two emulated nodes on one machine: hybrid and hpZ read the node size from the
+        # launcher's LOCAL_WORLD_SIZE, which torchrun set to every rank here.
+        os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (units,) = args.units
+    torch.manual_seed(args.seed)
+    plain = Chain(units)
+    torch.manual_seed(args.seed)
+    model, wrapped_step = _wrap(args, Chain(units))
+    plain_step = _sgd_step(plain, torch.optim.SGD(plain.parameters(), lr=args.lr))
+    batch = torch.randn(args.batch, WIDTH, generator=torch.Generator().manual_seed(args.seed * 1009 + rank))
+
+    # Plain and wrapped steps take turns, so that load from other programs falls on both alike.
+    wrapped_s, plain_s, losses = [], [], []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            cpu_start, wall_start = time.process_time(), time.perf_counter()
+        start = time.perf_counter()
+        plain_step(batch)
+        middle = time.perf_counter()
+        losses.append(wrapped_step(batch))
+        end = time.perf_counter()
+        if step >= args.warmup:
+            plain_s.append(middle - start)
+            wrapped_s.append(end - middle)
+    if not all(math.isfinite(float(loss)) for loss in losses):
+        raise RuntimeError(f"rank {rank}: {args.worker} has a non-finite loss: {[float(loss) for loss in losses]}")
+    mine = dict(wrapped_s=wrapped_s, plain_s=plain_s, loss=[float(loss) for loss in losses],
+                cpu_s=time.process_time() - cpu_start, wall_s=time.perf_counter() - wall_start)
+    facts = _overlap_facts(model) if args.worker == OVERLAP else {}
+    if args.profile_out:
+        write_text(args.profile_out, _profile(wrapped_step, batch, args.steps, facts["package_root"]))
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        write_json(args.result, dict(ranks=ranks, **facts))
+
+
+# ---- driver: the launches, the summary, the outputs --------------------------------------
+
+def _worker_args(args: argparse.Namespace, row: Row, world: int, units: int, result: str) -> list[str]:
+    out = ["--worker", row.impl, "--result", result, "--units", str(units), "--sharding", row.sharding,
+           "--compression", row.compression]
+    if row.sharding != "full" and world > 1:
+        out += ["--ranks-per-node", "1"]
+    for key in ("warmup", "steps", "batch", "lr", "seed", "fsdp2_prefetch"):
+        out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return out
+
+
+def _launch(args: argparse.Namespace, row: Row, world: int, units: int, result: str,
+            profile_out: Optional[str] = None) -> dict:
+    """Run `row` once on `world` ranks (one rank: without torchrun's agent) and read its result."""
+    checkout = args.baseline if row.baseline else REPO
+    python = checkout_python(checkout) if row.baseline else sys.executable
+    worker = _worker_args(args, row, world, units, result) + (["--profile-out", profile_out] if profile_out else [])
+    script = os.path.abspath(__file__)
+    env = single_thread_env()
+    if world == 1:
+        command = [python, script, *worker]
+        env.update(single_rank_env())
+    else:
+        command = torchrun(script, world, worker, python)
+    run_with_deadline(command, args.run_timeout, env=env)
+    data = read_json(result)
+    root = data.pop("package_root", None)
+    if root is not None and os.path.realpath(root) != os.path.realpath(checkout):
+        raise RuntimeError(f"{row.name} ran the package of {root}, not of {checkout}")
+    return data
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
+    """Every (world, units, round, row) launch, rows alternating within a round."""
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for world in args.world:
+            rows = [row for row in all_rows(world, bool(args.baseline)) if row.name in args.rows]
+            for units in args.units:
+                for round_index in range(args.rounds):
+                    for row in rows:
+                        if row.name in args.skipped:
+                            continue
+                        load_before = os.getloadavg()[0]
+                        result = os.path.join(scratch, f"{world}-{units}-{round_index}-{row.name}.json")
+                        data = _launch(args, row, world, units, result)
+                        runs.append(dict(world=world, units=units, round=round_index, row=row.name,
+                                         load_1min=[load_before, os.getloadavg()[0]], **data))
+                        log.info("world %d, %d units, round %d, %s: host %.3f ms per unit per step", world, units,
+                                 round_index + 1, row.name, host_s_per_unit(runs[-1]) * 1e3)
+    return runs
+
+
+def _per_step(run: dict, key: str) -> list[float]:
+    """Each timed step's time, the slower rank's."""
+    return [max(times) for times in zip(*(rank[key] for rank in run["ranks"]))]
+
+
+def host_s_per_unit(run: dict) -> float:
+    return (median(_per_step(run, "wrapped_s")) - median(_per_step(run, "plain_s"))) / run["units"]
+
+
+def _spread(values: Sequence[float]) -> dict[str, Any]:
+    return dict(per_round=list(values), median=median(values), min=min(values), max=max(values))
+
+
+def summarize(runs: list[dict], baseline: bool) -> dict[str, dict[str, dict[str, dict]]]:
+    """world -> units -> row -> host time per unit, step times, per-round ratios, report share."""
+    summary: dict[str, dict[str, dict[str, dict]]] = {}
+    by_key = {(run["world"], run["units"], run["row"], run["round"]): run for run in runs}
+    for run in runs:
+        entry = summary.setdefault(str(run["world"]), {}).setdefault(str(run["units"]), {}).setdefault(
+            run["row"], dict(rounds=[]))
+        entry["rounds"].append(run["round"])
+    for world, by_units in summary.items():
+        for units, by_row in by_units.items():
+            for row, entry in by_row.items():
+                rounds = entry.pop("rounds")
+                mine = [by_key[(int(world), int(units), row, r)] for r in rounds]
+                entry["host_us_per_unit"] = _spread([host_s_per_unit(run) * 1e6 for run in mine])
+                entry["step_ms"] = _spread([median(_per_step(run, "wrapped_s")) * 1e3 for run in mine])
+                entry["plain_ms"] = _spread([median(_per_step(run, "plain_s")) * 1e3 for run in mine])
+                entry["final_loss"] = [run["ranks"][0]["loss"][-1] for run in mine]
+                # The busiest rank's CPU time over its wall time in the timed steps: well
+                # below 1, the launch waited for the cores (other programs, gloo's threads).
+                entry["cpu_per_wall"] = _spread([max(rank["cpu_s"] / rank["wall_s"] for rank in run["ranks"])
+                                                 for run in mine])
+                references = list(REFERENCES)
+                if baseline and row.startswith(OVERLAP) and not row.endswith(BASELINE_SUFFIX):
+                    references.append(row + BASELINE_SUFFIX)
+                entry["ratios"] = {}
+                for reference in references:
+                    pairs = [(run, by_key.get((int(world), int(units), reference, run["round"]))) for run in mine]
+                    ratios = [host_s_per_unit(a) / host_s_per_unit(b) for a, b in pairs if b is not None]
+                    if ratios:
+                        entry["ratios"][reference] = _spread(ratios)
+                if "report" in mine[0]:
+                    entry["settings"] = {key: mine[0][key] for key in ("runtime_units", "prefetch_depth", "bucket_mb",
+                                                                       "sharding", "compression")}
+                    entry["runtime_share"] = _spread([run["report"]["runtime_s"] / run["report"]["span_s"]
+                                                      for run in mine])
+                    entry["report_ms"] = {key[:-2]: median([run["report"][key] for run in mine]) * 1e3
+                                          for key in mine[0]["report"]}
+    return summary
+
+
+def _range(spread: Optional[dict], digits: int = 2, scale: float = 1.0) -> str:
+    """'median (min–max)' of a per-round spread, or '–'."""
+    if spread is None:
+        return "–"
+    values = [spread[key] * scale for key in ("median", "min", "max")]
+    return f"{values[0]:.{digits}f} ({values[1]:.{digits}f}–{values[2]:.{digits}f})"
+
+
+def host_table(summary: dict) -> str:
+    rows = []
+    for world, by_units in summary.items():
+        for units, by_row in by_units.items():
+            for row, entry in by_row.items():
+                ratios = entry["ratios"]
+                rows.append([world, units, row, f"{entry['step_ms']['median']:.2f}",
+                             f"{entry['plain_ms']['median']:.2f}", _range(entry["cpu_per_wall"]),
+                             _range(entry["host_us_per_unit"], 0),
+                             _range(ratios.get(FSDP2_TUNED)), _range(ratios.get(FSDP2)),
+                             _range(ratios.get(row + BASELINE_SUFFIX))])
+    return markdown_table(["ranks", "units", "row", "step ms", "plain ms", "CPU/wall", "host µs/unit/step (range)",
+                           f"÷ {FSDP2_TUNED}", f"÷ {FSDP2}", "÷ baseline"], rows)
+
+
+def share_table(summary: dict) -> str:
+    """The report's runtime share of the step for every ShardedModule row."""
+    rows = []
+    for world, by_units in summary.items():
+        for units, by_row in by_units.items():
+            for row, entry in by_row.items():
+                if "runtime_share" not in entry:
+                    continue
+                report = entry["report_ms"]
+                share = _range(entry["runtime_share"], 0, 100)
+                rows.append([world, units, row, entry["settings"]["runtime_units"], share, f"{report['runtime']:.2f}",
+                             f"{report['span']:.2f}", f"{report['compute']:.2f}",
+                             f"{report['gather_wait'] + report['reduce_wait']:.2f}"])
+    return markdown_table(["ranks", "units", "row", "runtime units", "runtime % of step (range)", "runtime ms",
+                           "step ms (fwd+bwd)", "compute ms", "waits ms"], rows)
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line as run, with the baseline checkout named by a placeholder (no path of
+    this machine goes into a result file)."""
+    argv = ["<baseline>" if args.baseline and arg == args.baseline else arg for arg in args.argv]
+    return "python benchmarks/overhead.py " + shlex.join(argv)
+
+
+def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, started: dict) -> str:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    meta = dict(command=_command(args), commit=git_commit(REPO),
+                baseline_commit=git_commit(args.baseline) if args.baseline else None,
+                units=args.units, world=args.world, rounds=args.rounds, warmup=args.warmup, steps=args.steps,
+                batch=args.batch, width=WIDTH, optimizer=f"SGD(lr={args.lr})", skipped=args.skipped,
+                torch=torch.__version__, python=platform.python_version(), cpus=os.cpu_count(),
+                time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                host_load=dict(load_1_5_15min_before=started["load"], load_1_5_15min_after=list(os.getloadavg()),
+                               wall_s=time.perf_counter() - started["wall"],
+                               launched_cpu_s=children.ru_utime + children.ru_stime - started["children_cpu"]),
+                profile=os.path.relpath(args.profile, REPO) if args.profile else None)
+    text = "\n\n".join([
+        f"Command: `{meta['command']}`",
+        f"{args.rounds} round(s) × {args.steps} timed steps after {args.warmup} warm-up; units of "
+        f"nn.Linear({WIDTH}, {WIDTH}), batch {args.batch}, SGD. Host time per unit per step = (median wrapped "
+        "step − median plain step in the same launch) ÷ units; ratios are per round, median (range); CPU/wall "
+        "well below 1: the launch waited for the cores.",
+        *(f"{row}: skipped ({reason})." for row, reason in args.skipped.items()),
+        host_table(summary),
+        "Runtime share of the step in the overlap report (ShardedModule with `overlap train`'s defaults):",
+        share_table(summary)])
+    if args.out:
+        write_json(args.out, dict(meta=meta, results=summary, runs=runs))
+    return text
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--units", type=int, nargs="+", default=[8, 16, 32, 64], help="units in the model")
+    parser.add_argument("--world", type=int, nargs="+", default=[1, 2], choices=(1, 2), help="ranks")
+    parser.add_argument("--rows", default=None, help="comma-separated rows to run (default: all)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each launch")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per launch")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fsdp2-prefetch", type=int, default=2,
+                        help=f"{FSDP2_TUNED}: blocks in each explicit forward/backward prefetch list")
+    parser.add_argument("--baseline", help="another checkout with its environment in .venv (`make setup` there): "
+                        f"its ShardedModule rows ('<row>{BASELINE_SUFFIX}') run in the same rounds")
+    parser.add_argument("--out", default=None, help="result JSON")
+    parser.add_argument("--profile", default=None, metavar="TXT",
+                        help=f"write a cProfile of the {PROFILE_UNITS}-unit 1-rank ShardedModule row here")
+    parser.add_argument("--run-timeout", type=float, default=300, help="seconds one launch may take")
+    parser.add_argument("--worker", choices=(OVERLAP, FSDP2, FSDP2_TUNED, DEEPSPEED), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--sharding", default="full", choices=SHARDINGS, help=argparse.SUPPRESS)
+    parser.add_argument("--compression", default="none", choices=COMPRESSIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--ranks-per-node", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    if args.worker:
+        return args
+    for name in ("rounds", "steps", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 1:
+        parser.error(f"--warmup must be >= 1 (the first step learns the order), got {args.warmup}")
+    if min(args.units) < 1:
+        parser.error(f"--units must be >= 1, got {args.units}")
+    if args.baseline and not os.path.exists(checkout_python(args.baseline)):
+        parser.error(f"--baseline {args.baseline}: no {checkout_python(args.baseline)}; run `make setup` there")
+    names = {row.name for world in args.world for row in all_rows(world, bool(args.baseline))}
+    args.rows = names if args.rows is None else {name.strip() for name in args.rows.split(",") if name.strip()}
+    if not args.rows or args.rows - names:
+        parser.error(f"--rows: unknown {sorted(args.rows - names)}; choose from {', '.join(sorted(names))}")
+    args.skipped = {row: reason for row, reason in peers.unavailable().items() if row in args.rows}
+    return args
+
+
+def write_profile(args: argparse.Namespace) -> None:
+    """The profile of one more launch of ShardedModule's default row, 1 rank, PROFILE_UNITS units."""
+    with tempfile.TemporaryDirectory() as scratch:
+        profile_out = os.path.join(scratch, "profile.txt")
+        _launch(args, Row("overlap-full", OVERLAP), 1, PROFILE_UNITS, os.path.join(scratch, "result.json"),
+                profile_out)
+        with open(profile_out) as f:
+            profile = f.read()
+    header = (f"ShardedModule (full sharding, no compression), {PROFILE_UNITS} units, 1 rank: the {args.steps} "
+              f"steps after {args.warmup + args.steps} others; commit {git_commit(REPO)}\n{_command(args)}\n\n")
+    write_text(args.profile, header + profile)
+    log.info("profile written to %s", args.profile)
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    started = dict(load=list(os.getloadavg()), wall=time.perf_counter(),
+                   children_cpu=sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2]))
+    runs = run_all(args)
+    if args.profile:
+        write_profile(args)
+    summary = summarize(runs, bool(args.baseline))
+    print(write_outputs(args, runs, summary, started))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
