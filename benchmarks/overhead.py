@@ -70,20 +70,25 @@ class Row:
     sharding: str = "full"
     compression: str = "none"
     baseline: bool = False              # ShardedModule of the --baseline checkout
+    order_check: str = "collective"     # OVERLAP_ORDER_CHECK (ranks compare their units per collective or per step)
 
 
 def overlap_rows(world: int) -> list[Row]:
     """ShardedModule in every sharding and compression mode that differs at `world` ranks: on
     one rank, hybrid and hpZ are full sharding (there is nothing to replicate)."""
     shardings = SHARDINGS if world > 1 else ("full",)
-    return [Row(f"overlap-{sharding}" + ("" if compression == "none" else f"-{compression}"), OVERLAP,
+    rows = [Row(f"overlap-{sharding}" + ("" if compression == "none" else f"-{compression}"), OVERLAP,
                 sharding, compression) for sharding in shardings for compression in COMPRESSIONS]
+    if world > 1:
+        # Without the order word before every collective (one host round trip each).
+        rows.append(Row("overlap-full-order-step", OVERLAP, order_check="step"))
+    return rows
 
 
 def all_rows(world: int, baseline: bool) -> list[Row]:
     ours = overlap_rows(world)
     theirs = [Row(row.name + BASELINE_SUFFIX, OVERLAP, row.sharding, row.compression, baseline=True)
-              for row in ours] if baseline else []
+              for row in ours if row.order_check == "collective"] if baseline else []
     return [*ours, Row(FSDP2, FSDP2), Row(FSDP2_TUNED, FSDP2_TUNED), Row(DEEPSPEED, DEEPSPEED), *theirs]
 
 
@@ -270,6 +275,7 @@ def _launch(args: argparse.Namespace, row: Row, world: int, units: int, result: 
     worker = _worker_args(args, row, world, units, result) + (["--profile-out", profile_out] if profile_out else [])
     script = os.path.abspath(__file__)
     env = single_thread_env()
+    env["OVERLAP_ORDER_CHECK"] = row.order_check
     if world == 1:
         command = [python, script, *worker]
         env.update(single_rank_env())
