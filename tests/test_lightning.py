@@ -163,3 +163,109 @@ def test_checkpoint_resumes_at_another_world_size(trained: list[dict], world: in
         assert result["state"].keys() == saved.keys()
         for key, value in saved.items():
             torch.testing.assert_close(result["state"][key], value, rtol=0, atol=0, msg=key)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def _rows(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (STEPS * ACCUMULATE * 3 * 2, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    first = ((step * ACCUMULATE + micro) * world + rank) * 2
+    return tokens[first:first + 2, :-1], tokens[first:first + 2, 1:]
+
+
+def _fabric_steps(fabric, model, optimizer, steps: range, rank: int, world: int) -> list[float]:
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(ACCUMULATE):
+            with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
+                loss = model(*_rows(step, micro, rank, world)) / ACCUMULATE
+                fabric.backward(loss)
+            total += loss.item()
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(torch.tensor(total), reduce_op="mean").item())
+    return losses
+
+
+def _fabric_run(rank: int, world: int, directory: str) -> dict:
+    from lightning.fabric import Fabric
+
+    from overlap.integrations.fabric import OverlapFabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=OverlapFabricStrategy(bucket_mb=0.001))
+    fabric.launch()
+
+    def setup(seed: int):
+        torch.manual_seed(seed)
+        model = fabric.setup_module(_Net())
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        return model, optimizer
+
+    model, optimizer = setup(0)
+    losses = _fabric_steps(fabric, model, optimizer, range(STEPS - 1), rank, world)
+    path = os.path.join(directory, "fabric")
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": STEPS - 1})
+    losses += _fabric_steps(fabric, model, optimizer, range(STEPS - 1, STEPS), rank, world)
+
+    resumed, resumed_optimizer = setup(123)
+    state = {"model": resumed, "optimizer": resumed_optimizer, "step": 0}
+    fabric.load(path, state)
+    resumed_losses = _fabric_steps(fabric, resumed, resumed_optimizer, range(state["step"], STEPS), rank, world)
+    return {"losses": losses, "resumed_losses": resumed_losses, "step": state["step"],
+            "state": fabric.strategy.full_state_dict(model, rank0_only=False),
+            "resumed_state": fabric.strategy.full_state_dict(resumed, rank0_only=False)}
+
+
+def test_fabric_matches_one_process_and_resumes(tmp_path) -> None:
+    world = 2
+    results = run_distributed(_fabric_run, world, str(tmp_path), timeout=240)
+    torch.manual_seed(0)
+    reference = _Net()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        rows = [_rows(step, m, r, world) for m in range(ACCUMULATE) for r in range(world)]
+        loss = reference(torch.cat([t for t, _ in rows]), torch.cat([y for _, y in rows]))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+        assert result["step"] == STEPS - 1
+        assert result["resumed_losses"] == result["losses"][STEPS - 1:]
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+            torch.testing.assert_close(result["resumed_state"][key], result["state"][key], rtol=0, atol=0, msg=key)
+
+
+def test_precision_names_map_to_policies() -> None:
+    from overlap.integrations.lightning import OverlapStrategy
+    from overlap.integrations.options import mixed_precision_for
+
+    assert mixed_precision_for("32-true") is None and mixed_precision_for("bf16-true") is None
+    assert mixed_precision_for("bf16-mixed").param_dtype == torch.bfloat16
+    assert mixed_precision_for("bf16-mixed").reduce_dtype == torch.float32
+    with pytest.raises(ValueError, match="16-mixed"):
+        mixed_precision_for("16-mixed")
+    from lightning.pytorch.plugins.precision import Precision
+
+    fp16 = Precision()
+    fp16.precision = "16-mixed"
+    with pytest.raises(ValueError, match="16-mixed"):
+        OverlapStrategy().precision_plugin = fp16
