@@ -147,6 +147,11 @@ class OverlapTrainer(Trainer):
             raise FileNotFoundError(f"OverlapTrainer: {resume_from_checkpoint} holds no {SHARDED_CHECKPOINT_DIR}/ "
                                     "(it was not written by OverlapTrainer)")
 
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: the weights of the best checkpoint, from its sharded copy."""
+        best = self.state.best_model_checkpoint
+        checkpoint.load(os.path.join(best, SHARDED_CHECKPOINT_DIR), self.sharded_module)
+
     def _load_optimizer_and_scheduler(self, resume_from_checkpoint: Optional[str]) -> None:
         if resume_from_checkpoint is None:
             return

@@ -132,7 +132,10 @@ class OverlapStrategy(ParallelStrategy):
 
     @property
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else _with_sharded_clipping(Precision())
+        if self._precision_plugin is None:
+            # Kept: setup hands the wrapped model to this same object for clipping.
+            self._precision_plugin = _with_sharded_clipping(Precision())
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
