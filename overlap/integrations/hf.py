@@ -50,8 +50,8 @@ SHARDED_CHECKPOINT_DIR = "overlap_sharded"
 class OverlapTrainer(Trainer):
     """`transformers.Trainer` training `model` wrapped in `ShardedModule`; the keyword
     arguments after `*` are `ShardedModule`'s (see its docstring), every other argument is
-    `Trainer`'s. The process group must exist before (`TrainingArguments` makes it when
-    launched by torchrun)."""
+    `Trainer`'s. Launched by torchrun, the process group is made by `TrainingArguments` (or
+    exists already)."""
 
     def __init__(self, model: nn.Module, args: Optional[TrainingArguments] = None, *positional: Any,
                  unit_types: Optional[Sequence[type]] = None, sharding: Optional[str] = None,
@@ -64,6 +64,8 @@ class OverlapTrainer(Trainer):
         if args.fp16:
             raise ValueError("OverlapTrainer: fp16=True needs a gradient scaler that sees every rank's gradients; "
                              "use bf16=True")
+        # Accelerate's state, and with it the process group wrapping needs, is made on first use.
+        _ = args.device
         if isinstance(model, ShardedModule):
             sharded = model
         else:
