@@ -1,10 +1,13 @@
 """OverlapStrategy under the real Lightning Trainer on gloo ranks: the same losses and weights as
 Lightning's own DDP strategy (SGD with momentum, gradient accumulation through no_sync, norm
 clipping), a sharded checkpoint that resumes at world sizes 1 and 3, a full state dict for
-inference, and a model built in `configure_model` on the meta device."""
+inference, a model built in `configure_model` on the meta device, and Fabric against one process."""
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -59,9 +62,24 @@ def _lightning_module(build_in_configure_model: bool = False):
             self.losses.append(loss.item())
             return loss
 
+        def on_train_start(self) -> None:
+            # Note when the strategy's model (DDP or ShardedModule) runs a backward under no_sync.
+            model, self.in_no_sync = self.trainer.strategy.model, False
+            no_sync = model.no_sync
+
+            @contextlib.contextmanager
+            def noted() -> Iterator[None]:
+                with no_sync():
+                    self.in_no_sync = True
+                    try:
+                        yield
+                    finally:
+                        self.in_no_sync = False
+
+            model.no_sync = noted
+
         def on_before_backward(self, loss: torch.Tensor) -> None:
-            model = self.trainer.strategy.model
-            self.synced.append(bool(getattr(getattr(model, "scheduler", None), "sync_grads", True)))
+            self.synced.append(not self.in_no_sync)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
@@ -92,6 +110,8 @@ def _batches(world: int) -> int:
 
 def _overlap_vs_ddp(rank: int, world: int, directory: str) -> dict:
     """Lightning DDP, then OverlapStrategy, on the same data and initial weights; save."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
     from overlap.integrations.lightning import OverlapStrategy
 
     torch.manual_seed(0)
@@ -107,7 +127,7 @@ def _overlap_vs_ddp(rank: int, world: int, directory: str) -> dict:
     return {"ddp_losses": reference.losses, "losses": model.losses, "synced": model.synced,
             "ddp_state": {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "state": full, "global_step": trainer.global_step, "path": path,
-            "registered": "overlap" in __import__("lightning.pytorch.strategies", fromlist=["x"]).StrategyRegistry}
+            "registered": "overlap" in StrategyRegistry}
 
 
 def _resume(rank: int, world: int, path: str, meta: bool) -> dict:
