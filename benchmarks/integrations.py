@@ -18,7 +18,7 @@ of its own (a failing one cannot leave the next in a broken process group); the 
 order rotates every round, and each ratio variant / loop is taken within a round before its
 median over rounds.
 
-    python benchmarks/integrations.py --rounds 3 --out docs/results/integrations.json
+    python benchmarks/integrations.py --rounds 4 --steps 20 --warmup 5 --out docs/results/integrations.json
 """
 from __future__ import annotations
 
