@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(wildcard kernel
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test,lightning,hf]"
 	touch $@
 
 train: setup

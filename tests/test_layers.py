@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "api": {"base", "plan", "runtime", "observe", "control", "kernels"},
     "checkpoint": {"base", "runtime", "api"},
     "train": {"base", "observe", "api", "checkpoint", "models"},
+    "integrations": {"base", "api", "checkpoint"},
     "cli": {"base", "plan", "runtime", "observe", "control", "api", "checkpoint", "train", "models", "kernels"},
     "__main__": {"cli"},
 }

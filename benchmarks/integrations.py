@@ -1,0 +1,295 @@
+"""Step time of the same GPT-2 under each framework integration, against the hand-written loop.
+
+Variants, each on 2 gloo ranks, the same model (a GPT-2 from its config), per-rank batch,
+AdamW and clipping at 1.0:
+
+- `loop`: the hand-written loop with `ShardedModule` (the reference);
+- `lightning`: Lightning's `Trainer` with `OverlapStrategy`;
+- `hf`: `transformers.Trainer` as `OverlapTrainer`;
+- `lightning-fsdp`, `lightning-fsdp2`, `hf-fsdp`: each framework's own FSDP (Lightning's
+  `FSDPStrategy`; its `ModelParallelStrategy` with `fully_shard` on each block and the root in
+  `configure_model`; Trainer's `fsdp="full_shard"` with `fsdp_version: 2`), where it runs on
+  CPU; a variant that fails records why.
+
+A step is timed from the framework's step-begin hook to its step-end hook (data loading of
+the next batch falls outside for all alike); the first `--warmup` steps are dropped and a
+variant's time in a round is the median of the rest on rank 0. Each variant runs in a launch
+of its own (a failing one cannot leave the next in a broken process group); the variants'
+order rotates every round, and each ratio variant / loop is taken within a round before its
+median over rounds.
+
+    python benchmarks/integrations.py --rounds 4 --steps 20 --warmup 5 --out docs/results/integrations.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from common import median, quartiles, run_with_deadline, script_main, single_thread_env, torchrun, write_json
+
+VARIANTS = ("loop", "lightning", "hf", "lightning-fsdp", "lightning-fsdp2", "hf-fsdp")
+CONFIG = dict(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+              attn_pdrop=0.0)
+BATCH, SEQ, LR = 4, 128, 1e-3
+RESULT_MARK = "INTEGRATIONS_RESULT "
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="steps per variant per round, warm-up included")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---- the rank program -------------------------------------------------------------------------
+
+def _model():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**CONFIG))
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def _rows(count: int):
+    import torch
+
+    return torch.randint(CONFIG["vocab_size"], (count, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _loop(steps: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from overlap import ShardedModule
+
+    dist.init_process_group("gloo")
+    model = ShardedModule(_model(), unit_types=(GPT2Block,))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    rows, times = _rows(steps * BATCH * dist.get_world_size()), []
+    for step in range(steps):
+        first = (step * dist.get_world_size() + dist.get_rank()) * BATCH
+        ids = rows[first:first + BATCH]
+        started = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _lightning(steps: int, strategy_name: str) -> list[float]:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from overlap.integrations.lightning import OverlapStrategy
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = _model()
+            self.times: list[float] = []
+
+        def configure_model(self) -> None:
+            if strategy_name == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                for block in self.gpt.transformer.h:
+                    fully_shard(block)
+                fully_shard(self.gpt)
+
+        def training_step(self, batch, batch_idx):
+            return self.gpt(input_ids=batch[0], labels=batch[0]).loss
+
+        def on_train_batch_start(self, batch, batch_idx) -> None:
+            self._started = time.perf_counter()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            self.times.append(time.perf_counter() - self._started)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+
+    world = int(os.environ["WORLD_SIZE"])
+    if strategy_name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        strategy = FSDPStrategy(auto_wrap_policy={GPT2Block})
+    elif strategy_name == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strategy = OverlapStrategy(unit_types=(GPT2Block,))
+    module = Lit()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         gradient_clip_val=1.0, num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(TensorDataset(_rows(steps * BATCH * world)), batch_size=BATCH))
+    return module.times
+
+
+def _hf(steps: int, fsdp: bool) -> list[float]:
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from overlap.integrations.hf import OverlapTrainer
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, rows: torch.Tensor) -> None:
+            self.rows = rows
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **_):
+            self._started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **_):
+            self.times.append(time.perf_counter() - self._started)
+
+    world = int(os.environ["WORLD_SIZE"])
+    times = StepTimes()
+    extra: dict[str, Any] = {}
+    if fsdp:
+        extra = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]})
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=BATCH, max_steps=steps,
+                             learning_rate=LR, weight_decay=0.0, lr_scheduler_type="constant", optim="adamw_torch",
+                             max_grad_norm=1.0, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+                             logging_strategy="no", dataloader_num_workers=0, **extra)
+    dataset = Rows(_rows(steps * BATCH * world))
+    if fsdp:
+        trainer = Trainer(model=_model(), args=args, train_dataset=dataset, callbacks=[times])
+    else:
+        trainer = OverlapTrainer(model=_model(), args=args, train_dataset=dataset, callbacks=[times],
+                                 unit_types=(GPT2Block,))
+    trainer.train()
+    return times.times
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    steps = args.steps
+    variant = args.worker
+    result: dict[str, Any]
+    try:
+        if variant == "loop":
+            times = _loop(steps)
+        elif variant.startswith("lightning"):
+            times = _lightning(steps, variant.partition("-")[2] or "overlap")
+        else:
+            times = _hf(steps, fsdp=variant.endswith("fsdp"))
+        result = {"times": times}
+    except Exception as exc:  # noqa: BLE001 - a framework's FSDP that does not run on CPU is a result
+        result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+# ---- the driver -------------------------------------------------------------------------------
+
+def _launch(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    command = torchrun(os.path.abspath(__file__), 2, ["--worker", variant, "--steps", str(args.steps)])
+    env = {**single_thread_env(), "HF_HUB_OFFLINE": "1"}
+    try:
+        output = run_with_deadline(command, args.timeout, env=env)
+    except (RuntimeError, TimeoutError) as exc:
+        return {"error": str(exc).splitlines()[0][:300]}
+    for line in output.splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    return {"error": "no result line in the output"}
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    import torch
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if "loop" not in variants or any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--variants must include 'loop' and name only {', '.join(VARIANTS)}")
+    failed: dict[str, str] = {}
+    per_round: list[dict[str, float]] = []
+    load_before = os.getloadavg()
+    for round_index in range(args.rounds):
+        shift = round_index % len(variants)
+        order = variants[shift:] + variants[:shift]
+        times: dict[str, float] = {}
+        for variant in order:
+            if variant in failed:
+                continue
+            result = _launch(variant, args)
+            if "error" in result:
+                failed[variant] = result["error"]
+                print(f"round {round_index}: {variant} failed: {result['error']}", file=sys.stderr)
+                continue
+            times[variant] = statistics.median(result["times"][args.warmup:])
+            print(f"round {round_index}: {variant} {1e3 * times[variant]:.1f} ms/step", file=sys.stderr)
+        per_round.append(times)
+    summary = {}
+    for variant in variants:
+        if variant in failed:
+            continue
+        step = [r[variant] for r in per_round if variant in r]
+        ratios = [r[variant] / r["loop"] for r in per_round if variant in r and "loop" in r]
+        summary[variant] = {"step_ms_median": 1e3 * median(step), "step_ms_iqr": [1e3 * q for q in quartiles(step)],
+                            "ratio_to_loop_median": median(ratios), "ratios_per_round": ratios}
+    result = {
+        "command": "python benchmarks/integrations.py " + " ".join(sys.argv[1:]),
+        "world_size": 2, "torch": torch.__version__, "model": CONFIG, "batch_per_rank": BATCH, "seq": SEQ,
+        "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+        "host": f"2 cores, 1 thread per rank; 1-min load average {load_before[0]:.2f} before, "
+                f"{os.getloadavg()[0]:.2f} after (a shared host: other jobs may have run)",
+        "versions": _versions(), "variants": summary, "failed": failed, "per_round_s": per_round,
+    }
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("lightning", "transformers", "accelerate"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
