@@ -1,0 +1,113 @@
+"""The overlap report's "runtime" share of the step under `overlap train`'s defaults: the host
+work of the runtime itself (issuing collectives, hooks, casts, bookkeeping) against the step.
+
+Each round runs `overlap train` with its default model and settings (2 gloo ranks on CPU) for
+`--steps` steps, once per checkout (this one and, with --baseline, another one with its own
+.venv), alternating within the round, and reads the report `overlap train` prints at the end
+(the mean of its steady steps): span, compute, runtime, gather and reduce waits. Ratios are
+taken per round, between the runs of that round.
+
+    python benchmarks/runtime_share.py --rounds 2 --steps 100 --baseline ../baseline \
+        --out docs/results/runtime_share.json
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import time
+from typing import Optional, Sequence
+
+from common import (checkout_python, git_commit, markdown_table, median, run_with_deadline, single_thread_env,
+                    write_json)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+logger = logging.getLogger("runtime_share")
+
+# "step 112.3 ms (forward+backward): compute 80.1 ms, runtime 12.8 ms, gather wait 3.1 ms, reduce wait 2.0 ms"
+_TIME = r"([0-9.]+) (ms|s)"
+STEP_LINE = re.compile(rf"step {_TIME} \(forward\+backward\): compute {_TIME}, runtime {_TIME}, "
+                       rf"gather wait {_TIME}, reduce wait {_TIME}")
+PARTS = ("span", "compute", "runtime", "gather_wait", "reduce_wait")
+
+
+def parse_report(output: str) -> dict[str, float]:
+    """The mean step of the report in `output`, in seconds per part."""
+    found = STEP_LINE.search(output)
+    if found is None:
+        raise ValueError(f"no report step line in the output; its tail:\n{output[-2000:]}")
+    values = found.groups()
+    return {part: float(values[2 * i]) * (1e-3 if values[2 * i + 1] == "ms" else 1.0)
+            for i, part in enumerate(PARTS)}
+
+
+def run_once(checkout: str, steps: int, timeout_s: float) -> dict[str, float]:
+    command = [checkout_python(checkout) if checkout != REPO else sys.executable, "-m", "overlap", "train",
+               "--steps", str(steps), "--eval-every", str(steps), "--sample", "0"]
+    output = run_with_deadline(command, timeout_s, env=single_thread_env())
+    report = parse_report(output)
+    report["runtime_share"] = report["runtime"] / report["span"]
+    return report
+
+
+def run(args: argparse.Namespace) -> dict:
+    checkouts = {"this": REPO, **({"baseline": args.baseline} if args.baseline else {})}
+    started, load_before = time.time(), os.getloadavg()
+    rounds = []
+    for index in range(args.rounds):
+        runs = {}
+        for name, checkout in checkouts.items():
+            runs[name] = run_once(checkout, args.steps, args.run_timeout)
+            logger.info("round %d, %s: step %.1f ms, runtime %.1f ms (%.1f%%)", index + 1, name,
+                        runs[name]["span"] * 1e3, runs[name]["runtime"] * 1e3, 100 * runs[name]["runtime_share"])
+        rounds.append(runs)
+    summary = {}
+    for name in checkouts:
+        shares = [r[name]["runtime_share"] for r in rounds]
+        summary[name] = dict(runtime_share=dict(per_round=shares, median=median(shares), min=min(shares),
+                                                max=max(shares)))
+    if args.baseline:
+        ratios = [r["this"]["span"] / r["baseline"]["span"] for r in rounds]
+        summary["step_this_over_baseline"] = dict(per_round=ratios, median=median(ratios), min=min(ratios),
+                                                  max=max(ratios))
+    meta = dict(command="python benchmarks/runtime_share.py " + " ".join(
+                    "<baseline>" if a == args.baseline else a for a in args.argv),
+                commit=git_commit(REPO), baseline_commit=git_commit(args.baseline) if args.baseline else None,
+                steps=args.steps, rounds=args.rounds, time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                host_load=dict(load_1_5_15min_before=list(load_before), load_1_5_15min_after=list(os.getloadavg()),
+                               wall_s=time.time() - started))
+    return dict(meta=meta, summary=summary, rounds=rounds)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=100, help="steps of each `overlap train` run")
+    parser.add_argument("--baseline", help="another checkout of the project, with its own .venv")
+    parser.add_argument("--out", help="result JSON")
+    parser.add_argument("--run-timeout", type=float, default=900)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    result = run(args)
+    if args.out:
+        write_json(args.out, result)
+    rows = [[name, f"{100 * s['runtime_share']['median']:.1f}%",
+             f"{100 * s['runtime_share']['min']:.1f}–{100 * s['runtime_share']['max']:.1f}%"]
+            for name, s in result["summary"].items() if "runtime_share" in s]
+    print(markdown_table(["checkout", "runtime share (median)", "range"], rows))
+    if "step_this_over_baseline" in result["summary"]:
+        ratio = result["summary"]["step_this_over_baseline"]
+        print(f"step this / baseline: median {ratio['median']:.3f} [{ratio['min']:.3f}–{ratio['max']:.3f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
