@@ -14,7 +14,8 @@ So each forward call passes the unit's inputs that require a gradient through an
 function whose backward runs once their gradients are complete, i.e. after every node of
 the unit that leads to them (FSDP2 does the same). A unit is freed in backward once both its
 trainable gradients and its input gradients are complete; a unit that never gets both is
-freed when the backward pass ends.
+freed when the backward pass ends. A unit that is never freed (one rank computing in the
+master dtype) needs no identity.
 """
 from __future__ import annotations
 
@@ -199,7 +200,7 @@ class Scheduler:
     def _after_input_grads(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         """The call's arguments with those that require a gradient passed through
         `_AfterInputGrads`. See [Note: when a unit is freed in backward]."""
-        if not torch.is_grad_enabled():
+        if unit.never_freed or not torch.is_grad_enabled():
             return None
         flat = not kwargs and all(isinstance(arg, torch.Tensor) for arg in args)   # no tree walk needed
         leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))

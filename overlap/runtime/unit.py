@@ -86,6 +86,9 @@ class Unit:
         # Fixed once the groups are built; read at every gather and step.
         self.gathered_nbytes = sum(g.gathered_nbytes for g in groups)
         self.trainable_groups = [g for g in groups if g.requires_grad]
+        # Nothing of the unit is ever freed (one rank, see flat_group.py): no need to learn
+        # when its input gradients are complete.
+        self.never_freed = all(g.resident for g in groups)
         self.tally: Optional[GatheredTally] = None   # set by the prefetcher for the units it counts
         self.gather_state = GatherState.SHARDED
         self.training_state = TrainingState.IDLE
