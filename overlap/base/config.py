@@ -34,6 +34,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                          "rank with a node-local copy for backward (ZeRO++ hpZ); auto: the planner chooses"),
     "OVERLAP_COMPRESS": ("|".join(COMPRESS_CHOICES), "quantise weights / gradients on the wire (docs/compression.md)"),
     "OVERLAP_COMPRESS_BLOCK": (f"even integer from 2 to {MAX_BLOCK}", "elements per quantisation scale"),
+    "OVERLAP_HOST_GBPS": ("number > 0 or 'auto'", "device <-> host copy bandwidth (GB/s) the offload estimate assumes"),
+    "OVERLAP_DISK_GBPS": ("number > 0 or 'auto'", "disk bandwidth (GB/s) the disk-offload estimate assumes"),
 }
 
 
@@ -51,6 +53,8 @@ class Config:
     sharding: str = "full"
     compress: str = "none"
     compress_block: int = DEFAULT_BLOCK
+    host_gbps: Optional[float] = None      # None: the link table's (overlap.plan.links)
+    disk_gbps: Optional[float] = None
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -178,6 +182,9 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         fields["compress"] = _parse_choice("OVERLAP_COMPRESS", env["OVERLAP_COMPRESS"], COMPRESS_CHOICES)
     if "OVERLAP_COMPRESS_BLOCK" in env:
         fields["compress_block"] = _parse_block(env["OVERLAP_COMPRESS_BLOCK"])
+    for name, field in (("OVERLAP_HOST_GBPS", "host_gbps"), ("OVERLAP_DISK_GBPS", "disk_gbps")):
+        if name in env:
+            fields[field] = _parse_auto_number(name, env[name], integer=False, minimum=0, strict=True)
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)
