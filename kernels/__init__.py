@@ -118,6 +118,17 @@ def available_backends(device: torch.device) -> list[str]:
     return [name for name in AUTO_ORDER.get(device.type, ("torch",)) if _usable(name, device)]
 
 
+def load_extension() -> bool:
+    """Import `overlap._C`, which registers every `torch.ops.overlap` op (these kernels' and the
+    CPU AdamW step of `overlap.optim`); False where the extension was not built."""
+    try:
+        from .ext_backend import _load_ops
+        _load_ops()
+    except ImportError:
+        return False
+    return True
+
+
 def get_backend(name: str, device: torch.device) -> KernelBackend:
     """The backend called `name` for tensors on `device`; `auto` picks the fastest available."""
     if name not in BACKEND_NAMES:

@@ -98,6 +98,26 @@ def test_collectives_tiny(tmp_path):
     assert all(entry["ms"] > 0 and len(entry["samples_s"]) == 2 for entry in results.values())
 
 
+@pytest.mark.timeout(300)
+def test_optim_step_tiny(tmp_path):
+    """Every optimizer measured (DeepSpeed's or its reason for being skipped), with the bound."""
+    pytest.importorskip("overlap._C", reason="the overlap._C extension was not built")
+    out = tmp_path / "optim_step.json"
+    proc = _run("optim_step.py", "--sizes", "200k", "--threads", "1", "--rounds", "2", "--steps", "1",
+                "--out", str(out), timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    entry, = report["results"]
+    measured = set(entry["implementations"])
+    assert {"overlap", "torch-foreach", "torch-fused"} <= measured
+    assert measured | set(report["skipped_implementations"]) >= {"deepspeed-cpu-adam"}
+    assert entry["bound_params_per_s"] > 0 and entry["copy_GBps"] > 0
+    for name, result in entry["implementations"].items():
+        assert result["params_per_s"] > 0 and len(result["seconds_per_round"]) == 2, name
+    assert entry["implementations"]["overlap"]["time_over_overlap_median"] == 1.0
+    assert report["commit"] and report["command"] and len(report["host"]["load_before"]) == 3
+
+
 def test_compare_rejects_a_bad_link():
     proc = _run("compare.py", "--links", "loopback,fast", timeout=60)
     assert proc.returncode != 0

@@ -34,3 +34,8 @@ COMPRESSION_BITS: dict[str, tuple[Optional[int], Optional[int]]] = {
 }
 COMPRESSION_MODES = tuple(COMPRESSION_BITS)
 COMPRESS_CHOICES = (*COMPRESSION_MODES, "auto")
+
+# Where a rank keeps its fp32 master shard, gradient shard and optimizer state: on the device
+# it computes on, in (pinned) host memory, or in files on local disk streamed through a few
+# host buffers. The planner and `overlap estimate` price all three (overlap.plan.offload).
+OFFLOAD_CHOICES = ("none", "cpu", "disk")

@@ -37,6 +37,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_ORDER_CHECK": ("|".join(ORDER_CHECKS),
                             "compare the units ranks run before every collective (an error before a mismatched "
                             "collective), or once a step (no host round trip per collective; docs/host_cost.md)"),
+    "OVERLAP_HOST_GBPS": ("number > 0 or 'auto'", "device <-> host copy bandwidth (GB/s) the offload estimate assumes"),
+    "OVERLAP_DISK_GBPS": ("number > 0 or 'auto'", "disk bandwidth (GB/s) the disk-offload estimate assumes"),
 }
 
 
@@ -55,6 +57,8 @@ class Config:
     compress: str = "none"
     compress_block: int = DEFAULT_BLOCK
     order_check: str = "collective"
+    host_gbps: Optional[float] = None      # None: the link table's (overlap.plan.links)
+    disk_gbps: Optional[float] = None
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -184,6 +188,9 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         fields["compress_block"] = _parse_block(env["OVERLAP_COMPRESS_BLOCK"])
     if "OVERLAP_ORDER_CHECK" in env:
         fields["order_check"] = _parse_choice("OVERLAP_ORDER_CHECK", env["OVERLAP_ORDER_CHECK"], ORDER_CHECKS)
+    for name, field in (("OVERLAP_HOST_GBPS", "host_gbps"), ("OVERLAP_DISK_GBPS", "disk_gbps")):
+        if name in env:
+            fields[field] = _parse_auto_number(name, env[name], integer=False, minimum=0, strict=True)
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)

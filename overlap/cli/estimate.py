@@ -1,7 +1,12 @@
 """`overlap estimate`: per-rank memory of a model under DP and ZeRO-1/2/3, from formulas.
 
     overlap estimate --params 7e9 --world 64 --precision bf16 --optimizer adamw --stage zero3 \\
-        --seq 4096 --batch 8 --layers 32 --hidden 4096 [--ckpt] [--prefetch-depth 1]
+        --seq 4096 --batch 8 --layers 32 --hidden 4096 [--ckpt] [--prefetch-depth 1] \\
+        [--offload cpu|disk [--host-gbps 25] [--disk-gbps 3] [--cpu-update-rate 1e9]]
+
+With --offload, the model states per rank in each tier (device, host, disk) and the time the
+tier adds to a step (`overlap.plan.offload`); bandwidths default to the link table's,
+then OVERLAP_HOST_GBPS / OVERLAP_DISK_GBPS, then these flags.
 
 GB here is 10^9 bytes, as in the ZeRO paper. See `overlap.plan.memory` for the formulas.
 """
@@ -12,7 +17,10 @@ import re
 import sys
 from typing import Callable, Optional, Sequence
 
+from overlap.base.choices import OFFLOAD_CHOICES
+from overlap.base.config import config_from_env
 from overlap.plan.memory import (MASTER_BYTES, MODEL_STATE_CATEGORIES, OPTIMIZERS, PRECISIONS, STAGES, ActivationShape, MemoryEstimate, estimate, formula, state_bytes, wrap_peak_bytes)
+from overlap.plan.offload import DISK_BUCKET_PARAMS, TierRates, offload_time, rates_with, tier_bytes
 from overlap.observe.memory import format_amount, format_table
 
 GB = 1e9
@@ -72,7 +80,61 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parameters of the largest unit (default: params / layers)")
     parser.add_argument("--root-params", type=parameter_count,
                         help="parameters outside every unit, gathered all step (default: 0)")
+    add_offload_arguments(parser)
     return parser
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
+    """--offload and the rates it is priced at (shared with `overlap simulate`)."""
+    parser.add_argument("--offload", choices=OFFLOAD_CHOICES,
+                        help="price keeping master, gradient and optimizer shards in host memory (cpu) or on "
+                             "disk, next to the device (none)")
+    parser.add_argument("--host-gbps", type=_positive_number,
+                        help="device <-> host copy bandwidth, GB/s (default: OVERLAP_HOST_GBPS or 25)")
+    parser.add_argument("--disk-gbps", type=_positive_number,
+                        help="disk bandwidth, GB/s (default: OVERLAP_DISK_GBPS or 3)")
+    parser.add_argument("--cpu-update-rate", type=parameter_count,
+                        help="CPU AdamW parameters per second per rank (default: 1e9)")
+    parser.add_argument("--disk-bucket", type=parameter_count, default=float(DISK_BUCKET_PARAMS),
+                        help=f"parameters per disk bucket (default: {DISK_BUCKET_PARAMS})")
+
+
+def offload_rates(args: argparse.Namespace) -> TierRates:
+    """Flags beat OVERLAP_HOST_GBPS / OVERLAP_DISK_GBPS, which beat the link table."""
+    config = config_from_env()
+    return rates_with(args.host_gbps if args.host_gbps is not None else config.host_gbps,
+                      args.disk_gbps if args.disk_gbps is not None else config.disk_gbps,
+                      args.cpu_update_rate)
+
+
+def offload_lines(offload: str, params: float, world: int, precision: str, optimizer: str, rates: TierRates,
+                  units: int, bucket_params: float, in_flight: float = 0.0) -> list[str]:
+    """Every tier's bytes per rank (the chosen one marked) and the chosen tier's time per step."""
+    rows = [("offload", "device GB", "host GB", "disk GB")]
+    for tier in OFFLOAD_CHOICES:
+        b = tier_bytes(tier, params, world, precision, optimizer, bucket_params)
+        rows.append((tier + ("  <-" if tier == offload else ""), format_amount(b.device + in_flight, GB),
+                     format_amount(b.host, GB), format_amount(b.disk, GB)))
+    t = offload_time(offload, params, world, precision, optimizer, rates, units, bucket_params)
+    lines = format_table(rows).splitlines()
+    if offload != "none":
+        io = (f", disk IO {t.io_s * 1e3:,.1f} ms at {rates.disk.beta / 1e9:g} GB/s (read + write, pipelined with "
+              "the update)" if offload == "disk" else "")
+        lines.append(f"offload {offload} adds per step: copies {t.copy_s * 1e3:,.1f} ms over the host link at "
+                     f"{rates.host.beta / 1e9:g} GB/s, CPU AdamW {t.update_s * 1e3:,.1f} ms at "
+                     f"{rates.update_params_per_s:,.3g} params/s{io} -> {t.extra_s * 1e3:,.1f} ms, "
+                     f"{t.floor_s * 1e3:,.1f} ms if the copies hide under backward and forward")
+    return lines
 
 
 def _activation_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[ActivationShape]:
@@ -118,6 +180,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     shape = _activation_shape(parser, args)
+    if args.offload is not None and args.stage != "zero3":
+        parser.error("--offload is priced for ZeRO-3 shards (--stage zero3)")
     results = {stage: estimate(args.params, args.world, stage=stage, precision=args.precision,
                                optimizer=args.optimizer, activations=shape, checkpointing=args.ckpt,
                                prefetch_depth=args.prefetch_depth, largest_unit_params=args.largest_unit,
@@ -145,6 +209,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"\noverlap's ZeRO-3 runtime keeps the fp32 master copy as the shard itself: it splits the "
               f"same total as {MASTER_BYTES}Ψ/N weights + {MASTER_BYTES}Ψ/N gradients + {moments:g}Ψ/N "
               "optimizer state.")
+    if args.offload is not None:
+        chosen = results["zero3"]
+        in_flight = (chosen.activations or 0.0) + (chosen.gathered_buffers or 0.0)
+        known = (f"device adds the {format_amount(in_flight, GB)} GB of activations and gathered buffers estimated "
+                 "above" if in_flight else "activations and gathered buffers, not estimated, come on top on the device")
+        print(f"\nmodel states per rank by offload tier ({known})")
+        for line in offload_lines(args.offload, args.params, args.world, args.precision, args.optimizer,
+                                  offload_rates(args), args.layers or 1, args.disk_bucket, in_flight):
+            print(line)
     return 0
 
 

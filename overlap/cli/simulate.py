@@ -7,7 +7,9 @@ same timings. Assumptions (see docs/planner.md): one unit per transformer layer;
 gathers and fp32 gradient reduction (the usual FSDP policy); fp32 master weights, gradients
 and two Adam moments sharded over all ranks (16 bytes per parameter / N); activations by
 `overlap estimate`'s formula (`overlap.plan.memory`) in bf16 with fused attention; the
-optimizer step and data loading are not in the step time.
+optimizer step and data loading are not in the step time. With --offload cpu|disk, the bytes
+per rank in each tier and the step with offload's copies, CPU update and disk IO added
+(`overlap.plan.offload`, rates as in `overlap estimate`).
 """
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from overlap.cli.estimate import add_offload_arguments, offload_lines, offload_rates
 from overlap.plan.budget import gathered_budget
 from overlap.plan.cost_model import Prediction, Profile, UnitCost, predict_step
 from overlap.plan.memory import MASTER_BYTES, ActivationShape, activation_bytes, state_copies
 from overlap.plan.prefetch import MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
 from overlap.plan.sharding import Levels, choose_sharding
 from overlap.plan.links import LinkModel
+from overlap.plan.offload import offload_time
 
 GATHER_BYTES = 2       # bf16 parameters
 REDUCE_BYTES = 4       # fp32 gradient reduction
@@ -214,6 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--nodes", type=int, default=None,
                         help="nodes of the cluster's GPUs (default: the preset's); with 2 or more, full, hybrid "
                              "and hpZ sharding are compared")
+    add_offload_arguments(parser)
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu {args.mfu} is invalid; expected a number in (0, 1]")
@@ -273,11 +278,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"(F/B forward/backward, H embedding+head, G gather, R reduce):")
     for line in render_timeline(shown.prediction):
         print(line)
+    if args.offload is not None:
+        print()
+        for line in offload_summary(args, model, cluster, profile, pick):
+            print(line)
     if cluster.nodes > 1:
         print()
         for line in sharding_table(profile, cluster, model, args.batch, args.checkpointing):
             print(line)
     return 0
+
+
+def offload_summary(args: argparse.Namespace, model: ModelPreset, cluster: ClusterPreset, profile: Profile,
+                    pick: Point) -> list[str]:
+    """The planner's pick with the model states in the tier `--offload` names: bytes per rank
+    in each tier, and its step with offload's own time added."""
+    rates = offload_rates(args)
+    in_flight = pick.memory_bytes - STATE_BYTES * model.params / cluster.ranks
+    units = len(profile.units)
+    lines = [f"offload (bf16 gathers, AdamW; device adds {in_flight / 1e9:.1f} GB of gathered buffers, "
+             "reduce buffer and activations):"]
+    lines += offload_lines(args.offload, model.params, cluster.ranks, "bf16", "adamw", rates, units, args.disk_bucket,
+                           in_flight)
+    t = offload_time(args.offload, model.params, cluster.ranks, "bf16", "adamw", rates, units, args.disk_bucket)
+    step = pick.prediction.step_s
+    lines.append(f"planner pick with offload {args.offload}: step {(step + t.extra_s) * 1e3:,.1f} ms "
+                 f"({(step + t.floor_s) * 1e3:,.1f} ms with the copies hidden), "
+                 f"{args.batch * model.seq / (step + t.extra_s):,.0f} tokens/s/GPU")
+    return lines
 
 
 def sharding_table(profile: Profile, cluster: ClusterPreset, model: ModelPreset, batch: int,

@@ -39,3 +39,16 @@ LINK_DEFAULTS: dict[str, LinkModel] = {
     "ethernet": LinkModel("ethernet", 100e-6, 1.1e9),
     "loopback": LinkModel("loopback", 300e-6, 0.6e9),
 }
+
+
+# The links the offload tiers move state over, one direction's bandwidth each, before any
+# measurement (overridable: OVERLAP_HOST_GBPS, OVERLAP_DISK_GBPS, or `overlap estimate`'s flags).
+# host: device <-> pinned host memory over PCIe; a Gen4 x16 link carries ~25 GB/s of pinned
+# copies each way in practice (Gen5 about twice that), and a copy costs ~10 µs to launch.
+# disk: one local NVMe drive; a Gen4 data-centre drive sustains ~3 GB/s of large writes
+# (reads are faster; the slower direction bounds a step that does both), ~100 µs a request.
+# Reads and writes of one drive share its bandwidth.
+TIER_LINK_DEFAULTS: dict[str, LinkModel] = {
+    "host": LinkModel("host", 10e-6, 25e9),
+    "disk": LinkModel("disk", 100e-6, 3e9),
+}

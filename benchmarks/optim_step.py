@@ -1,0 +1,214 @@
+"""CPU optimizer step throughput: overlap.optim.AdamW against torch.optim.AdamW (foreach and
+fused) and DeepSpeed's DeepSpeedCPUAdam, in parameters updated per second.
+
+    python benchmarks/optim_step.py [--full] [--sizes 10M,50M] [--threads 1,2] [--rounds 5]
+                                    [--out docs/results/optim_step.json]
+
+The quick default steps 10M and 50M parameters; --full steps 50M, 100M, 250M and 500M (each
+size needs 16 bytes per parameter: parameters, gradients and one optimizer's two moments;
+sizes that do not fit the memory available at the time are skipped and listed). Parameters
+are tensors of at most 16M elements, as a model's weights are, fp32 with fp32 gradients.
+
+Implementations take turns within every round (the host is shared; a change in load moves
+all of them alike), each with a fresh optimizer whose first, untimed step creates its state;
+then `--steps` timed steps. Per round, the ratio of each implementation's time to
+overlap's; the JSON keeps the median and range of those paired ratios.
+
+The memory-bandwidth bound: an AdamW step reads parameter, gradient and both moments and
+writes parameter and both moments, 28 bytes per parameter in fp32; a 512 MB tensor copy timed
+in every round (read + write; the best round) gives the bandwidth, and bound = bandwidth / 28
+bytes. A copy also reads each destination line before writing it (write-allocate), which it
+is not credited for, while the in-place update writes lines it has just read: an update can
+exceed this bound, as STREAM's copy understates a machine's bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+from overlap.optim import AdamW, extension_available
+
+QUICK_SIZES = "10M,50M"
+FULL_SIZES = "50M,100M,250M,500M"
+TENSOR_ELEMENTS = 16 * 2**20     # the largest parameter tensor
+BYTES_PER_UPDATE = 7 * 4         # read p, g, m, v; write p, m, v (fp32)
+RESIDENT_BYTES = 16              # p, g and one optimizer's m, v per parameter
+COPY_BYTES = 512 * 2**20         # the tensor the copy bandwidth is measured on
+LOG = logging.getLogger("optim_step")
+
+
+def parse_count(text: str) -> int:
+    suffix = {"k": 10**3, "m": 10**6, "b": 10**9}
+    text = text.strip().lower()
+    return int(float(text[:-1]) * suffix[text[-1]]) if text[-1] in suffix else int(text)
+
+
+def deepspeed_adam() -> tuple[Optional[Callable], str]:
+    """DeepSpeedCPUAdam's constructor in AdamW mode, or None and why not (its CPU op is built
+    on first use, which needs a compiler and ninja)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        probe = [torch.zeros(8, requires_grad=True)]
+        DeepSpeedCPUAdam(probe, adamw_mode=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to import or build means "skipped"
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return (lambda params: DeepSpeedCPUAdam(params, lr=1e-3, weight_decay=1e-2, adamw_mode=True)), "available"
+
+
+def implementations() -> tuple[dict[str, Callable], dict[str, str]]:
+    impls: dict[str, Callable] = {
+        "overlap": lambda params: AdamW(params, lr=1e-3, weight_decay=1e-2, backend="ext"),
+        "torch-foreach": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, foreach=True),
+        "torch-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, fused=True),
+    }
+    skipped: dict[str, str] = {}
+    make_ds, status = deepspeed_adam()
+    if make_ds is None:
+        skipped["deepspeed-cpu-adam"] = status
+    else:
+        impls["deepspeed-cpu-adam"] = make_ds
+    return impls, skipped
+
+
+def copy_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second a large torch copy moves (read + write), best of `repeats`."""
+    src = torch.rand(COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * COPY_BYTES / best
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def make_params(count: int) -> list[torch.Tensor]:
+    sizes = [TENSOR_ELEMENTS] * (count // TENSOR_ELEMENTS) + ([count % TENSOR_ELEMENTS] if count % TENSOR_ELEMENTS else [])
+    params = [torch.randn(n).requires_grad_() for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-2
+    return params
+
+
+def measure_size(count: int, threads: int, impls: dict[str, Callable], rounds: int, steps: int) -> dict:
+    torch.set_num_threads(threads)
+    params = make_params(count)
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    copies: list[float] = []
+    for _ in range(rounds):
+        for name, make in impls.items():
+            optimizer = make(params)
+            optimizer.step()   # creates the state, untimed
+            times[name].append(min(_seconds(optimizer.step) for _ in range(steps)))
+            del optimizer
+            gc.collect()
+        copies.append(copy_bandwidth(repeats=3))
+    # The best round's copy: the bound is what memory allows when the host lets it.
+    bandwidth = max(copies)
+    bound = bandwidth / BYTES_PER_UPDATE
+    entry: dict = {"params": count, "threads": threads, "copy_GBps": bandwidth / 1e9,
+                   "bound_params_per_s": bound, "implementations": {}}
+    for name, seconds in times.items():
+        ratios = [theirs / ours for theirs, ours in zip(seconds, times["overlap"])]
+        per_s = count / statistics.median(seconds)
+        entry["implementations"][name] = {
+            "seconds_per_round": seconds,
+            "params_per_s": per_s,
+            "fraction_of_bound": per_s / bound,
+            "time_over_overlap_median": statistics.median(ratios),
+            "time_over_overlap_range": [min(ratios), max(ratios)],
+        }
+    return entry
+
+
+def fits(count: int) -> bool:
+    """Whether the size's resident bytes fit in what the machine has available now, with 2 GB spare."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return True
+    return count * RESIDENT_BYTES + 2e9 < available
+
+
+def print_table(entries: list[dict]) -> None:
+    names = list(entries[0]["implementations"]) if entries else []
+    print(f"{'params':>8} {'thr':>3} " + " ".join(f"{n:>20}" for n in names) + f" {'bound M/s':>10}")
+    for e in entries:
+        cells = []
+        for n in names:
+            r = e["implementations"][n]
+            cells.append(f"{r['params_per_s'] / 1e6:8.0f}M/s ({r['time_over_overlap_median']:4.2f}x)")
+        print(f"{e['params'] / 1e6:7.0f}M {e['threads']:>3} " + " ".join(f"{c:>20}" for c in cells)
+              + f" {e['bound_params_per_s'] / 1e6:10.0f}")
+    print("(x: an implementation's step time over overlap's, median of paired rounds)")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=pathlib.Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help=f"sizes {FULL_SIZES}")
+    parser.add_argument("--sizes", default=None, help=f"comma-separated parameter counts (default {QUICK_SIZES})")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per round (the fastest counts)")
+    parser.add_argument("--out", default="docs/results/optim_step.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not extension_available():
+        parser.error("overlap._C was not built: overlap.optim.AdamW has no kernel to measure")
+    sizes = [parse_count(s) for s in (args.sizes or (FULL_SIZES if args.full else QUICK_SIZES)).split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    impls, skipped = implementations()
+    load_before = os.getloadavg()
+    entries, too_big = [], []
+    for count in sizes:
+        if not fits(count):
+            too_big.append(count)
+            LOG.info("%dM parameters: skipped, %.1f GB do not fit the memory available now", count / 1e6,
+                     count * RESIDENT_BYTES / 1e9)
+            continue
+        for t in threads:
+            LOG.info("%dM parameters, %d thread(s)...", count / 1e6, t)
+            entries.append(measure_size(count, t, impls, args.rounds, args.steps))
+    result = {
+        "commit": _commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                 "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                 "load_before": load_before, "load_after": os.getloadavg()},
+        "bytes_per_update": BYTES_PER_UPDATE, "skipped_implementations": skipped,
+        "skipped_sizes_for_memory": too_big, "results": entries,
+    }
+    print_table(entries)
+    for name, why in skipped.items():
+        print(f"{name}: skipped ({why})")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""`overlap.optim.AdamW`: torch.optim.AdamW's interface and results, stepped by the fused CPU
+kernel (csrc/adamw_cpu.cpp) wherever it can run.
+
+Param groups, per-group lr / betas / eps / weight decay, `state_dict()` and
+`load_state_dict()` are torch's: the state of each parameter is torch's own
+(`step` a float32 scalar tensor, `exp_avg`, `exp_avg_sq`), so a state dict of
+torch.optim.AdamW loads here and one saved here loads into torch.optim.AdamW, and training
+goes on as if it had never changed optimizer. `maximize` is supported; `amsgrad` is refused.
+
+Tensors the kernel does not take (off the CPU, not float32, strided) are stepped by the
+torch reference (`overlap.optim.reference`), which is torch.optim.AdamW's single-tensor
+step op for op. The kernel rounds every operation as torch's CPU kernels do except the
+square root, which it takes correctly rounded where torch's vectorised one is off by an ulp
+on a fraction of a percent of elements; the moments match torch's bit for bit and the
+parameters to within a few ulps (tests/test_optim_adamw.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Tuple, Union
+
+import torch
+
+from .flat_step import OPTIM_BACKENDS, adamw_step
+
+ParamsT = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
+
+
+def _check_hyperparameters(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float) -> None:
+    """torch.optim.AdamW's checks, and plain numbers only (a tensor lr would need a sync per step)."""
+    for name, value in (("lr", lr), ("beta1", betas[0]), ("beta2", betas[1]), ("eps", eps),
+                        ("weight_decay", weight_decay)):
+        if isinstance(value, torch.Tensor) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"overlap.optim.AdamW: {name}={value!r} is invalid; expected a Python number")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _refuse_amsgrad(amsgrad: bool) -> None:
+    if amsgrad:
+        raise ValueError("overlap.optim.AdamW does not implement amsgrad=True; use torch.optim.AdamW(amsgrad=True)")
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) as torch.optim.AdamW, with the same defaults.
+
+    `backend`: "auto" (the C++ kernel where it can run, the torch reference elsewhere),
+    "ext" (the kernel or an error) or "torch" (the reference only).
+    """
+
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, backend: str = "auto") -> None:
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        _refuse_amsgrad(amsgrad)
+        if backend not in OPTIM_BACKENDS:
+            raise ValueError(f"backend={backend!r} is invalid; expected one of {', '.join(OPTIM_BACKENDS)}")
+        self.backend = backend
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        _refuse_amsgrad(group.get("amsgrad", False))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # load_state_dict comes here: a state dict of torch.optim.AdamW carries its own flags
+        # (foreach, fused, ...), which do not concern this optimizer; amsgrad would.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            _refuse_amsgrad(group["amsgrad"])
+            for p in group["params"]:
+                p_state = self.state.get(p)
+                if p_state and not torch.is_tensor(p_state["step"]):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("overlap.optim.AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    # As torch: a float32 step count on the CPU, moments shaped like the parameter.
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                adamw_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], betas=group["betas"],
+                           eps=group["eps"], weight_decay=group["weight_decay"], step=state["step"].item(),
+                           maximize=group["maximize"], backend=self.backend)
+        return loss
