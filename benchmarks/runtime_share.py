@@ -2,8 +2,8 @@
 work of the runtime itself (issuing collectives, hooks, casts, bookkeeping) against the step.
 
 Each round runs `overlap train` with its default model and settings (2 gloo ranks on CPU) for
-`--steps` steps, once per checkout (this one and, with --baseline, another one with its own
-.venv), alternating within the round, and reads the report `overlap train` prints at the end
+`--steps` steps, once per checkout (this one, this one with OVERLAP_ORDER_CHECK=step, and with
+--baseline another one with its own .venv), alternating within the round, and reads the report `overlap train` prints at the end
 (the mean of its steady steps): span, compute, runtime, gather and reduce waits. Ratios are
 taken per round, between the runs of that round.
 
@@ -43,23 +43,28 @@ def parse_report(output: str) -> dict[str, float]:
             for i, part in enumerate(PARTS)}
 
 
-def run_once(checkout: str, steps: int, timeout_s: float) -> dict[str, float]:
-    command = [checkout_python(checkout) if checkout != REPO else sys.executable, "-m", "overlap", "train",
+def run_once(checkout: str, steps: int, timeout_s: float, env: Optional[dict] = None) -> dict[str, float]:
+    # -P: the working directory (this checkout) does not go on the path ahead of the package
+    # the interpreter's own checkout installed.
+    command = [checkout_python(checkout) if checkout != REPO else sys.executable, "-P", "-m", "overlap", "train",
                "--steps", str(steps), "--eval-every", str(steps), "--sample", "0"]
-    output = run_with_deadline(command, timeout_s, env=single_thread_env())
+    output = run_with_deadline(command, timeout_s, env={**single_thread_env(), **(env or {})})
     report = parse_report(output)
     report["runtime_share"] = report["runtime"] / report["span"]
     return report
 
 
 def run(args: argparse.Namespace) -> dict:
-    checkouts = {"this": REPO, **({"baseline": args.baseline} if args.baseline else {})}
+    # name -> (checkout, environment); "this, order step": without the order word before every
+    # collective (OVERLAP_ORDER_CHECK=step), whose round trips the report counts as runtime.
+    checkouts = {"this": (REPO, {}), "this, order step": (REPO, {"OVERLAP_ORDER_CHECK": "step"}),
+                 **({"baseline": (args.baseline, {})} if args.baseline else {})}
     started, load_before = time.time(), os.getloadavg()
     rounds = []
     for index in range(args.rounds):
         runs = {}
-        for name, checkout in checkouts.items():
-            runs[name] = run_once(checkout, args.steps, args.run_timeout)
+        for name, (checkout, env) in checkouts.items():
+            runs[name] = run_once(checkout, args.steps, args.run_timeout, env)
             logger.info("round %d, %s: step %.1f ms, runtime %.1f ms (%.1f%%)", index + 1, name,
                         runs[name]["span"] * 1e3, runs[name]["runtime"] * 1e3, 100 * runs[name]["runtime_share"])
         rounds.append(runs)
