@@ -37,6 +37,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_ORDER_CHECK": ("|".join(ORDER_CHECKS),
                             "compare the units ranks run before every collective (an error before a mismatched "
                             "collective), or once a step (no host round trip per collective; docs/host_cost.md)"),
+    "OVERLAP_COMPILE": ("0|1", "compile each unit's compute with torch.compile, collectives outside (docs/compile.md)"),
 }
 
 
@@ -55,6 +56,7 @@ class Config:
     compress: str = "none"
     compress_block: int = DEFAULT_BLOCK
     order_check: str = "collective"
+    compile: bool = False
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -184,6 +186,8 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         fields["compress_block"] = _parse_block(env["OVERLAP_COMPRESS_BLOCK"])
     if "OVERLAP_ORDER_CHECK" in env:
         fields["order_check"] = _parse_choice("OVERLAP_ORDER_CHECK", env["OVERLAP_ORDER_CHECK"], ORDER_CHECKS)
+    if "OVERLAP_COMPILE" in env:
+        fields["compile"] = _parse_flag("OVERLAP_COMPILE", env["OVERLAP_COMPILE"])
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)
