@@ -6,10 +6,11 @@ compiled regions.
 `module.compile()` (torchtitan's per-block recipe) compiles the module's `_call_impl`, hooks
 included: Dynamo then traces the runtime's forward hooks and breaks the graph on each thing
 they do that it cannot capture (clocks, profiler labels, `Work` futures, locks, mutation of
-the `Unit`), eight causes measured on the reference GPT. Compiling the module's `forward`
-instead leaves `_call_impl` and its hooks eager: the pre-hook installs the gathered views,
-then the compiled forward runs as one graph, then the post-hook frees. A module the user
-compiled before wrapping is moved to this form, so both routes give the same result.
+the `Unit`; docs/compile.md lists them). Compiling the module's `forward` instead leaves
+`_call_impl` and its hooks eager: the pre-hook installs the gathered views, then the compiled
+forward runs as one graph, then the post-hook frees. A module the user compiled before
+wrapping is moved to this form (with torch.compile's default options: the ones the user gave
+`module.compile()` are not kept by torch), so both routes give the same result.
 
 The gathered parameters are views made anew at every gather and put in the module's
 `__dict__`; Dynamo reads them as graph inputs guarded on dtype, shape and stride, not on
