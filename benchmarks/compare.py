@@ -15,6 +15,11 @@ peak RSS, and bytes sent per rank per step.
     python benchmarks/compare.py --quick            # tiny model, one round: a smoke run
     python benchmarks/compare.py --merge a/compare.json b/compare.json --out merged
 
+Compiled rows, run when --impls names them (docs/compile.md): overlap-compiled
+(`compile=True`), and fsdp2-tuned-compiled, ddp-tuned-compiled and local-compiled with each
+block compiled before wrapping (torchtitan's recipe). Each is paired with its eager twin round
+by round (compiled ÷ eager), and its first step (where it compiles) is reported per round.
+
 `--merge` summarises the launches of earlier runs of the same model and settings as one run
 (rounds measured at different times, or links measured separately), and runs nothing.
 
@@ -60,6 +65,9 @@ TIME_TARGET_VS_DDP = 1.0
 # Compressed ShardedModule (docs/compression.md): step time at most this share of the
 # uncompressed one, and no slower than DDP with fp16 compression; peak memory not higher.
 COMPRESSED_TIME_TARGET = 0.6
+# Compiled rows (docs/compile.md): ShardedModule's compiled ÷ eager at most 3% above the
+# plain model's compiled ÷ eager.
+COMPILED_KEEPS_GAIN = 1.03
 
 
 # ---- worker: one launch of one implementation -------------------------------------------
@@ -171,7 +179,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     impl = args.worker
     torch.set_num_threads(1)
-    distributed = impl != peers.LOCAL
+    distributed = impl not in peers.SINGLE_PROCESS
     if distributed:
         dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     rank = dist.get_rank() if distributed else 0
@@ -188,11 +196,13 @@ def run_worker(args: argparse.Namespace) -> None:
     batches = _batches(config, args, rank, total_steps + 1)
 
     step_s, phase_s, losses, comm, trace = [], [], [], [], None
+    first_step_s = None                      # compiled rows compile in it
     for step in range(total_steps):
         start = time.perf_counter()
         loss, phases = train_step(batches[step])
         elapsed = time.perf_counter() - start
         losses.append(loss)
+        first_step_s = elapsed if first_step_s is None else first_step_s
         if step < args.warmup:
             continue
         step_s.append(elapsed)
@@ -204,7 +214,7 @@ def run_worker(args: argparse.Namespace) -> None:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     mine = dict(step_s=step_s, phase_s=phase_s, loss=losses, memory=memory, peak_rss=peak_rss, comm=comm,
-                trace=trace)
+                trace=trace, first_step_s=first_step_s)
     ranks = [mine]
     if distributed:
         ranks = [None] * world
@@ -241,7 +251,7 @@ def _launch(args: argparse.Namespace, impl: str, prefix: list[str], result: str,
     script = os.path.join(args.baseline, "benchmarks", "compare.py") if impl == BASELINE else os.path.abspath(__file__)
     python = checkout_python(args.baseline) if impl == BASELINE else sys.executable
     worker = _worker_args(args, peers.OVERLAP if impl == BASELINE else impl, result, memory)
-    command = [python, script, *worker] if impl == peers.LOCAL else torchrun(script, WORLD_SIZE, worker, python)
+    command = [python, script, *worker] if impl in peers.SINGLE_PROCESS else torchrun(script, WORLD_SIZE, worker, python)
     run_with_deadline(prefix + command, args.run_timeout, env=single_thread_env())
     return {**read_json(result), "impl": impl}
 
@@ -285,7 +295,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
             entry["ranks_memory"] = [r["memory"] for r in ranks]
             entry["peak_rss"] = [r["peak_rss"] for r in ranks]
         entry["params"], entry["root_params"] = run["params"], run["root_params"]
-        entry["sent_bytes"] = _algorithm_bytes(run["impl"], run["params"], run["root_params"], run["block_params"],
+        entry["sent_bytes"] = _algorithm_bytes(peers.EAGER_TWIN.get(run["impl"], run["impl"]), run["params"], run["root_params"], run["block_params"],
                                                WORLD_SIZE)
         entry["sent_source"] = "algorithm" if entry["sent_bytes"] is not None else None
         entry["final_loss"] = ranks[0]["loss"][-1]
@@ -293,6 +303,11 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
             entry.setdefault("comm", []).extend(step for r in ranks[:1] for step in r["comm"])
             entry["trace"] = ranks[0]["trace"]
             entry["settings"] = run["settings"]
+        if run["impl"] in peers.COMPILED:
+            entry.setdefault("first_step_s", []).append(max(r.get("first_step_s") or 0.0 for r in ranks))
+    for link, by_impl in _compiled_over_eager(runs).items():
+        for impl, ratio in by_impl.items():
+            summary[link][impl]["compiled_over_eager"] = ratio
     for by_impl in summary.values():
         for impl, entry in by_impl.items():
             entry["step_ms"] = median(entry["steps_s"]) * 1e3
@@ -308,6 +323,19 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
                 entry["comm_ms_by_kind"] = _median_ms_by_kind(comm, "duration_s_by_kind")
                 entry["prefetch_misses"] = median([c["prefetch_misses"] for c in comm])
     return summary
+
+
+def _compiled_over_eager(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """link -> compiled row -> the median over rounds of its median step time ÷ its eager
+    twin's in the same round (paired: load on the host that varies between rounds cancels)."""
+    per_round = {(run["link"], run["round"], run["impl"]): median([max(times) for times in zip(*(
+        r["step_s"] for r in run["ranks"]))]) for run in runs}
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for (link, round_index, impl), step in per_round.items():
+        twin = per_round.get((link, round_index, peers.EAGER_TWIN.get(impl, "")))
+        if twin:
+            ratios.setdefault(link, {}).setdefault(impl, []).append(step / twin)
+    return {link: {impl: median(r) for impl, r in by_impl.items()} for link, by_impl in ratios.items()}
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -346,6 +374,7 @@ def check_targets(summary: dict) -> list[dict]:
         if memory_ratio is not None:
             targets.append(dict(link=link, what="peak memory / FSDP2 tuned", limit=1.0, ratio=memory_ratio))
     targets += compression_targets(summary)
+    targets += compile_targets(summary)
     for target in targets:
         target["met"] = None if target["ratio"] is None else target["ratio"] <= target["limit"]
     return targets
@@ -368,6 +397,32 @@ def compression_targets(summary: dict) -> list[dict]:
             if memory is not None:
                 targets.append(dict(link=link, what=f"{impl} peak memory / overlap", limit=1.0, ratio=memory))
     return targets
+
+
+def compile_targets(summary: dict) -> list[dict]:
+    """The runtime keeps what compiling gives: ShardedModule's compiled ÷ eager within 3% of the
+    plain model's (a ratio of the two at most 1.03); compiled ShardedModule ahead of compiled
+    tuned FSDP2."""
+    targets = []
+    for link, by_impl in summary.items():
+        overlap = by_impl.get(peers.OVERLAP_COMPILED, {}).get("compiled_over_eager")
+        local = by_impl.get(peers.LOCAL_COMPILED, {}).get("compiled_over_eager")
+        if overlap is not None and local is not None:
+            targets.append(dict(link=link, what="(overlap compiled ÷ eager) / (local compiled ÷ eager)",
+                                limit=COMPILED_KEEPS_GAIN, ratio=overlap / local))
+        fsdp2 = _step(summary, link, peers.FSDP2_TUNED_COMPILED)
+        if peers.OVERLAP_COMPILED in by_impl and fsdp2 is not None:
+            targets.append(dict(link=link, what="overlap-compiled step time / fsdp2-tuned-compiled", limit=1.0,
+                                ratio=_ratio(_step(summary, link, peers.OVERLAP_COMPILED), fsdp2)))
+    return targets
+
+
+def compile_table(summary: dict) -> str:
+    rows = [[link, impl, _fmt(entry["step_ms"]), _fmt(entry.get("compiled_over_eager"), 3),
+             " / ".join(f"{s:.1f}" for s in entry["first_step_s"])]
+            for link, by_impl in summary.items() for impl, entry in by_impl.items() if impl in peers.COMPILED]
+    return markdown_table(["link", "impl", "step ms (median)", "compiled ÷ eager (paired by round)",
+                           "first step s, by round (compiles; cold cache in round 1)"], rows)
 
 
 def time_table(summary: dict) -> str:
@@ -475,6 +530,7 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, tar
         f" after {args.warmup} warm-up.",
         *(f"{impl}: skipped ({reason})." for impl, reason in args.skipped.items()),
         ratio_table(summary), time_table(summary),
+        *([compile_table(summary)] if any(i in peers.COMPILED for by in summary.values() for i in by) else []),
         f"Peak memory per rank (link {next(iter(summary))}):", memory_table(summary),
         "Targets:\n" + target_lines(targets)])
     for entry in (e for by_impl in summary.values() for e in by_impl.values()):

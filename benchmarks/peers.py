@@ -31,10 +31,23 @@ OVERLAP_INT8_INT4 = "overlap-int8-int4"
 OVERLAP_AUTO = "overlap-auto"           # the planner decides after the first measured step
 DDP_FP16 = "ddp-fp16"
 COMPRESSED = (OVERLAP_INT8, OVERLAP_INT8_INT4, OVERLAP_AUTO, DDP_FP16)
-ALL = IMPLEMENTATIONS + COMPRESSED
-SHARDED_MODULE = {OVERLAP: "none", OVERLAP_INT8: "int8", OVERLAP_INT8_INT4: "int8-int4", OVERLAP_AUTO: "auto"}
+# Compiled compute (docs/compile.md): ShardedModule(compile=True); the others with each block
+# compiled before wrapping (`block.compile()`, torchtitan's recipe). Each is the compiled twin
+# of an eager row, and compare.py pairs them round by round.
+OVERLAP_COMPILED = "overlap-compiled"
+FSDP2_TUNED_COMPILED = "fsdp2-tuned-compiled"
+DDP_TUNED_COMPILED = "ddp-tuned-compiled"
+LOCAL_COMPILED = "local-compiled"
+EAGER_TWIN = {OVERLAP_COMPILED: OVERLAP, FSDP2_TUNED_COMPILED: FSDP2_TUNED, DDP_TUNED_COMPILED: DDP_TUNED,
+              LOCAL_COMPILED: LOCAL}
+COMPILED = tuple(EAGER_TWIN)
+ALL = IMPLEMENTATIONS + COMPRESSED + COMPILED
+SHARDED_MODULE = {OVERLAP: "none", OVERLAP_INT8: "int8", OVERLAP_INT8_INT4: "int8-int4", OVERLAP_AUTO: "auto",
+                  OVERLAP_COMPILED: "none"}
 # Keep the whole training state on every rank (their memory is not ZeRO-3's).
-REPLICATED = (DDP, DDP_TUNED, DDP_FP16, LOCAL)
+REPLICATED = (DDP, DDP_TUNED, DDP_FP16, LOCAL, DDP_TUNED_COMPILED, LOCAL_COMPILED)
+# One process, no torch.distributed: the compute floor.
+SINGLE_PROCESS = (LOCAL, LOCAL_COMPILED)
 
 
 def unavailable() -> dict[str, str]:
@@ -159,6 +172,10 @@ def deepspeed_zero3_config(batch: int, block_params: int, persistence_threshold:
 
 def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
     """(model to call, optimizer, step function) for `impl`."""
+    if impl in COMPILED and impl != OVERLAP_COMPILED:
+        for block in model.blocks:
+            block.compile()
+        impl = EAGER_TWIN[impl]
     if impl == DEEPSPEED:
         import deepspeed
 
@@ -185,7 +202,8 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
         from overlap.models import Block
 
         wrapped = ShardedModule(model, unit_types=(Block,), prefetch_depth=args.prefetch_depth,
-                                bucket_mb=args.bucket_mb, compression=SHARDED_MODULE[impl])
+                                bucket_mb=args.bucket_mb, compression=SHARDED_MODULE[impl],
+                                compile=impl == OVERLAP_COMPILED)
     optimizer = make_optimizer(wrapped.parameters(), args.lr)
     return wrapped, optimizer, _plain_step(wrapped, optimizer)
 

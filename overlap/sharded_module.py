@@ -17,6 +17,7 @@ from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
 from overlap.control.startup import start_up
 from overlap.observe.report import OverlapReport
+from overlap.runtime.compiled import eager_hook
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.row_dtensors import local_part
 
@@ -56,6 +57,10 @@ class ShardedModule(nn.Module):
             "int8-int4" (int8 weights, int4 gradients with error feedback) or "auto" (the
             planner decides from measured steps): argument > OVERLAP_COMPRESS > "none".
             See docs/compression.md.
+        compile: compile each unit's compute with `torch.compile`, gathers, frees and
+            reductions outside the compiled regions: argument > OVERLAP_COMPILE > False.
+            Blocks compiled before wrapping (`block.compile()`) are compiled the same way.
+            See docs/compile.md.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
@@ -64,12 +69,12 @@ class ShardedModule(nn.Module):
                  bucket_mb: Optional[float] = None, reshard_after_forward: bool = True,
                  param_init_fn: Optional[Callable[[nn.Module], None]] = None,
                  mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None,
-                 compression: Optional[str] = None) -> None:
+                 compression: Optional[str] = None, compile: Optional[bool] = None) -> None:
         super().__init__()
         started = start_up(module, StartupRequest(
             unit_types=unit_types, process_group=process_group, mixed_precision=mixed_precision,
             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, reshard_after_forward=reshard_after_forward,
-            param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression,
+            param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression, compile=compile,
             nested=any(isinstance(m, ShardedModule) for m in module.modules())))
         self.module = module
         # Sharding groups, link, plan and settings, the same on every rank; see overlap.control.startup.
@@ -80,8 +85,8 @@ class ShardedModule(nn.Module):
         self.step_end, self.overlap_monitor = started.step_end, started.monitor
         # key -> (group, slot index) for parameters, None for buffers and extra state.
         self._state_dict_layout = started.state_dict_layout
-        module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
-        module.register_forward_hook(self._root_post_forward)
+        module.register_forward_pre_hook(eager_hook(self._root_pre_forward), with_kwargs=True)
+        module.register_forward_hook(eager_hook(self._root_post_forward))
 
     @property
     def sharding(self) -> "ShardingGroups":

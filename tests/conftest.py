@@ -40,3 +40,19 @@ def shared_probe_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         yield path
     finally:
         os.environ.pop("OVERLAP_PROBE_CACHE", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One Inductor cache for the session (unless the caller set TORCHINDUCTOR_CACHE_DIR): the
+    ranks of every compiled test (tests/test_compile.py) compile the same small graphs, tens of
+    seconds each on CPU when cold; with one cache each is compiled once and read afterwards."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        yield os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        return
+    path = str(tmp_path_factory.mktemp("inductor"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)

@@ -26,8 +26,9 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 240
 # Imported once by the fork server (see the note above); one that is not installed is skipped
 # (an ImportError); any other error in these imports stops the server and fails every launch.
-PRELOAD = ["torch", "torch.distributed", "overlap", "overlap.sharded_module", "overlap.models", "pytest",
-           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+# torch._dynamo: ShardedModule marks its hooks with it (overlap/runtime/compiled.py), 1-3 s to import.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "overlap", "overlap.sharded_module", "overlap.models",
+           "pytest", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
 
 def _free_port() -> int:

@@ -26,6 +26,7 @@ class Case:
     before_step: Optional[Callable[[nn.Module, int], None]] = None
     fail_step: Optional[int] = None          # this step first runs a forward that raises inside a unit
     eval_every_step: bool = False            # an eval forward under no_grad after each step
+    rewrap: Optional[Callable[[nn.Module], nn.Module]] = None   # applied to the ShardedModule (torch.compile)
     rtol: float = 1e-4
     atol: float = 1e-5
 
@@ -88,6 +89,8 @@ def train(case: Case, rank: int = 0, world: int = 1, sharded: bool = False,
     torch.manual_seed(0)
     inner = case.build()
     model = ShardedModule(inner, **case.wrap) if sharded else inner
+    if sharded and case.rewrap is not None:
+        model = case.rewrap(model)
     opt = _optimizer(case.optimizer, model)
     losses, norms, eval_losses = [], [], []
     for step, batch in enumerate(case.batches()):

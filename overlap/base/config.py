@@ -39,6 +39,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                             "collective), or once a step (no host round trip per collective; docs/host_cost.md)"),
     "OVERLAP_HOST_GBPS": ("number > 0 or 'auto'", "device <-> host copy bandwidth (GB/s) the offload estimate assumes"),
     "OVERLAP_DISK_GBPS": ("number > 0 or 'auto'", "disk bandwidth (GB/s) the disk-offload estimate assumes"),
+    "OVERLAP_COMPILE": ("0|1", "compile each unit's compute with torch.compile, collectives outside (docs/compile.md)"),
 }
 
 
@@ -59,6 +60,7 @@ class Config:
     order_check: str = "collective"
     host_gbps: Optional[float] = None      # None: the link table's (overlap.plan.links)
     disk_gbps: Optional[float] = None
+    compile: bool = False
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -191,6 +193,8 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     for name, field in (("OVERLAP_HOST_GBPS", "host_gbps"), ("OVERLAP_DISK_GBPS", "disk_gbps")):
         if name in env:
             fields[field] = _parse_auto_number(name, env[name], integer=False, minimum=0, strict=True)
+    if "OVERLAP_COMPILE" in env:
+        fields["compile"] = _parse_flag("OVERLAP_COMPILE", env["OVERLAP_COMPILE"])
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)

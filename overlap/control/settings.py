@@ -35,6 +35,7 @@ class StartupRequest:
     mesh: Optional[DeviceMesh] = None
     sharding: Optional[str] = None
     compression: Optional[str] = None
+    compile: Optional[bool] = None
     nested: bool = False                 # the module already contains a ShardedModule
 
     @property
@@ -85,7 +86,8 @@ def resolve_settings(request: StartupRequest) -> RankSettings:
             prefetch_depth=None if request.prefetch_depth is None else validate_prefetch_depth(request.prefetch_depth),
             bucket_mb=None if request.bucket_mb is None else validate_bucket_mb(request.bucket_mb),
             sharding=None if request.sharding is None else validate_sharding(request.sharding),
-            compress=None if request.compression is None else validate_compress(request.compression))
+            compress=None if request.compression is None else validate_compress(request.compression),
+            compile=request.compile)
         local_world_size = local_world_size_from_env()
         error = sharding_error(request.process_group, request.mesh, config.sharding, local_world_size)
         kernels = get_backend(config.kernels, device)

@@ -8,7 +8,9 @@
    `StartupDecision`;
 4. build: the units over flat shards, the collectives and the scheduler;
 5. attach: the step-end controllers (depth re-planner, automatic compression) and the overlap
-   report, behind one step-end callback (`overlap.control.step_end`).
+   report, behind one step-end callback (`overlap.control.step_end`);
+6. compile: with compile=True (or blocks compiled before wrapping), each unit's compute
+   (`overlap.runtime.compiled`).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from overlap.control.topology import detect_link
 from overlap.control.unit_builder import BuiltUnits, StateDictLayout, build_units
 from overlap.observe.report import OverlapMonitor
 from overlap.runtime.collectives import Collectives
+from overlap.runtime.compiled import CompileTimeLog, compile_modules, compiled_by_user
 from overlap.runtime.compression import Compression, QuantizedCodec
 from overlap.runtime.mesh import ShardingGroups, resolve_sharding
 from overlap.runtime.scheduler import Scheduler
@@ -71,6 +74,12 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     controllers = _controllers(decision, built, collectives, PrefetchDepths(scheduler), request.reshard_after_forward)
     step_end = StepEndControllers([*controllers, monitor])
     scheduler.step_end_callbacks.append(step_end)
+    # Units' compute compiled with their hooks outside; see overlap.runtime.compiled.
+    members = [module for unit in built.units for module in unit.modules]
+    to_compile = [module for module in members if decision.config.compile or compiled_by_user(module)]
+    if to_compile:
+        compile_modules(to_compile)
+        scheduler.step_end_callbacks.append(CompileTimeLog(dist.get_rank()))
     return Started(decision, collectives, scheduler, step_end, monitor, built.state_dict_layout)
 
 

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from overlap.base.profiling import phase
 from overlap.base.step_record import Mark, StepKind, StepRecord
 from overlap.runtime.collectives import Collectives
+from overlap.runtime.compiled import eager_hook
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.grad_reduction import GradReduction
 from overlap.runtime.order_check import BEGIN_FORWARD, END_BACKWARD, END_FORWARD, OrderCheck
@@ -96,8 +97,9 @@ class Scheduler:
         self._pre_backward_hooks = {unit: partial(self._pre_backward, unit) for unit in units}
         for unit in units:
             for module in unit.modules:
-                module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
-                module.register_forward_hook(partial(self._post_forward, unit))
+                # Eager under torch.compile; see [Note: compiling forward, not __call__].
+                module.register_forward_pre_hook(eager_hook(partial(self._pre_forward, unit)), with_kwargs=True)
+                module.register_forward_hook(eager_hook(partial(self._post_forward, unit)))
         for unit in self.all_units:
             for group in unit.trainable_groups:
                 group.register_grad_hook(partial(self._on_grad, unit))

@@ -22,12 +22,15 @@ import sys
 import time
 import uuid
 from importlib import resources
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from overlap.base.choices import COMPRESS_CHOICES
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 DEFAULT_TEXT = "coriolanus.txt"
 VOCAB_SIZE = 256          # byte-level tokens: any text works, nothing to download
@@ -95,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "meta device and materialise only each rank's parts; same values)")
     runtime.add_argument("--compress", choices=COMPRESS_CHOICES, default=None,
                          help="quantise weights / gradients on the wire (default: OVERLAP_COMPRESS, else none)")
+    runtime.add_argument("--compile", action="store_const", const=True, default=None,
+                         help="compile each block's compute with torch.compile (default: OVERLAP_COMPILE, else "
+                              "eager; docs/compile.md)")
     runtime.add_argument("--prefetch-depth", type=_non_negative_int, default=None,
                          help="units gathered ahead (default: the planner's choice)")
     runtime.add_argument("--bucket-mb", type=_positive_float, default=None,
@@ -258,6 +264,15 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
                             world_size=world, timeout=timeout)
 
 
+def _print_compile_seconds(bar: "tqdm", rank: int, world: int) -> None:
+    """Once, after the first step (which compiles the blocks): each rank's compile time."""
+    seconds = torch._dynamo.utils.calculate_time_spent()["total_wall_time"]
+    per_rank: list[Optional[float]] = [None] * world
+    dist.all_gather_object(per_rank, seconds)
+    if rank == 0:
+        bar.write("compiled the blocks in " + ", ".join(f"{s:.1f}" for s in per_rank) + " s (per rank)")
+
+
 def run_rank(args: argparse.Namespace) -> int:
     """One rank of the job (under torchrun or started by `_launch`)."""
     from tqdm import tqdm
@@ -297,7 +312,7 @@ def run_rank(args: argparse.Namespace) -> int:
             gpt = GPT(config)
         model = ShardedModule(gpt, unit_types=(Block,), mixed_precision=precision,
                               prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb,
-                              compression=args.compress)
+                              compression=args.compress, compile=args.compile)
         optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), args.weight_decay),
                                       lr=args.lr, betas=(0.9, 0.95))
         name, text = _read_text(args.data)
@@ -356,6 +371,8 @@ def run_rank(args: argparse.Namespace) -> int:
             if tracer is not None:
                 tracer.step()
             mean_loss, peak_memory = _mean_over_ranks([loss.item(), _peak_memory_bytes(device)], device)
+            if step == first_step and model.overlap_config.compile:
+                _print_compile_seconds(bar, rank, world)
             window.append(mean_loss)
             elapsed = time.perf_counter() - started
             if step % HIDDEN_EVERY == 1:       # the analysis behind it costs host time: not every step
