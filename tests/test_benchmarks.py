@@ -74,10 +74,13 @@ def test_compare_runs_the_compressed_rows(tmp_path):
         report = json.load(f)
     results = report["results"]["loopback"]
     assert set(results) == set(impls.split(","))
-    # Measured bytes: int8 weights and gradients about a quarter of fp32, int4 gradients less;
-    # DDP's fp16 hook halves DDP's all-reduce (counted by the algorithm).
+    # Measured bytes: int8 weights and gradients a quarter of fp32 plus one fp32 scale per 128
+    # values (0.26), each shard padded to whole blocks of 128: on the quick model's shards of a
+    # few hundred values the padding adds several percent (0.31 measured with row-aligned
+    # shards); int4 gradients less. DDP's fp16 hook halves DDP's all-reduce (counted by the
+    # algorithm).
     sent = {impl: results[impl]["sent_bytes"] for impl in results}
-    assert sent["overlap-int8-int4"] < sent["overlap-int8"] < 0.3 * sent["overlap"]
+    assert sent["overlap-int8-int4"] < sent["overlap-int8"] < 0.35 * sent["overlap"]
     assert sent["ddp-fp16"] * 2 == sent["ddp-tuned"]
     # After two steps, the compressed runs' losses stay close to the uncompressed ones.
     losses = {impl: results[impl]["final_loss"] for impl in results}
