@@ -34,6 +34,23 @@ issued. The check therefore runs before each one. Three ways were weighed:
   the paired per-round step ratio, with / without, has median 0.99 (0.68 to 1.40 over 11
   rounds): below what that machine's noise resolves.
 
+[Note: order words only where ranks could part]
+A word costs a host round trip per collective: on two gloo ranks sharing two cores it was a
+quarter of `overlap train`'s step (docs/host_cost.md). Most steps repeat an earlier one, so
+the words are exchanged only where a mismatch could happen. Each rank keeps the sequences of
+collectives and step boundaries of earlier steps that the end-of-backward check verified alike
+on every rank (its fingerprint covers the collectives too), at most a few (a training step, an
+evaluation forward, ...). While this step's collectives so far are the beginning of a known
+sequence, and no point has been passed where known sequences part, every rank that also
+follows the known sequences issues the same collective: no word is needed. A rank that leaves
+them, or passes a parting point (a training step and an evaluation forward share their
+forward, then part), exchanges a word before each collective until a word matches again.
+A rank that left alone waits in its word exchange while the others wait in their collective:
+no mismatched collective is ever issued, and the blocked-wait check below finds the
+difference; ranks that part at a point where sequences part all exchange words, and the word
+says which. The first steps, a changed prefetch depth or a new kind of step run with words
+until the end-of-backward check has verified them.
+
 The words can be turned off (OVERLAP_ORDER_CHECK=step) where the round trip per collective
 costs more than its safety is worth (many small units, a slow link's latency: see
 docs/host_cost.md). Divergence is then still an error, from the two checks below, but later:
@@ -74,6 +91,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from overlap.runtime.collective_sequence import CollectiveSequence
 from overlap.runtime.process_group import device_backend
 
 logger = logging.getLogger("overlap")
@@ -124,6 +142,8 @@ class OrderCheck:
         self._step = 0
         self._count = 0
         self._fingerprint = 0
+        # Which collectives need a word. See [Note: order words only where ranks could part].
+        self._sequence = CollectiveSequence()
         # The order words' own gloo group over the same ranks (see the note).
         timeout = datetime.timedelta(seconds=_group_timeout_s(group))
         self._words = dist.ProcessGroupGloo(dist.PrefixStore(f"{self._prefix}/words", group.get_group_store()),
@@ -138,6 +158,7 @@ class OrderCheck:
 
     def begin_step(self, step: int) -> None:
         self._step = step
+        self._sequence.begin_step()
 
     def ran(self, unit_index: int, backward: bool, synced: bool = True) -> None:
         """A unit's forward or backward (`synced`: its gradients are reduced, not in no_sync)."""
@@ -146,13 +167,18 @@ class OrderCheck:
     def boundary(self, code: int) -> None:
         """BEGIN_FORWARD, END_FORWARD or END_BACKWARD."""
         self._note(code)
+        self._sequence.add(code)
 
     def _note(self, code: int) -> None:
         self._current.append(code)
         self._count += 1
-        self._fingerprint = (self._fingerprint * _BASE + code + 4) % _MODULUS
+        self._fold(code)
+
+    def _fold(self, value: int) -> None:
+        self._fingerprint = (self._fingerprint * _BASE + value + 4) % _MODULUS
 
     def end_step(self) -> None:
+        self._sequence.end_step()
         if self._current:
             self._kept.append((self._step, tuple(self._current)))
         self._current = []
@@ -177,17 +203,22 @@ class OrderCheck:
         self._current = []
         self._count = 0
         self._fingerprint = 0
+        self._sequence.verified()
 
     # ---- the order word before each collective --------------------------------------------
 
     def before_issue(self, kind: str, unit: str, nbytes: int) -> None:
         """Exchange this rank's order word for the collective it is about to issue; raise
         DivergenceError on every rank if any rank is about to issue another (see the note).
-        Nothing to do when the words are off."""
-        if not self.before_each_collective:
-            return
+        Nothing to exchange when the words are off, or where no rank could part from the
+        others (see [Note: order words only where ranks could part])."""
         what = f"{kind} of {unit!r} ({nbytes} bytes)"
-        word = [self._step, zlib.crc32(what.encode())]
+        code = zlib.crc32(what.encode())
+        self._fold(code)                 # the end-of-backward check compares the collectives too
+        self._sequence.add(code)
+        if not self.before_each_collective or self._sequence.follows:
+            return
+        word = [self._step, code]
         tensor = torch.tensor(word + [-w for w in word], dtype=torch.int64)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
@@ -202,6 +233,7 @@ class OrderCheck:
             raise
         out = tensor.tolist()
         if out[:2] == [-v for v in out[2:]]:
+            self._sequence.agreed()
             return
         everyone = self._all_gather((self._traces(), what))
         message = self._message([traces for traces, _ in everyone], complete=True)
