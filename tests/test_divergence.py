@@ -175,3 +175,83 @@ def _agree(rank: int, world: int) -> list[int]:
 @pytest.mark.timeout(120)
 def test_ranks_that_agree_see_no_error() -> None:
     assert run_distributed(_agree, 2, timeout=100) == [[2, 4, 6], [2, 4, 6]]
+
+
+def _words_per_step(rank: int, world: int) -> list[int]:
+    import torch
+    from torch import nn
+
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(nn.Sequential(*(nn.Linear(16, 16) for _ in range(4))), prefetch_depth=1, bucket_mb=1e-6)
+    order = model.scheduler.order
+    exchanged = [0]
+
+    class CountedWords:
+        """The order check's words group, counting the exchanges."""
+
+        def __init__(self, group) -> None:
+            self.group = group
+
+        def allreduce(self, *args, **kwargs):
+            exchanged[0] += 1
+            return self.group.allreduce(*args, **kwargs)
+
+        def __getattr__(self, name: str):
+            return getattr(self.group, name)
+
+    order._words = CountedWords(order._words)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 16)
+    counts = []
+    for step in range(14):
+        before = exchanged[0]
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.isfinite(loss)
+        counts.append(exchanged[0] - before)
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_steps_that_repeat_a_verified_one_exchange_no_order_words() -> None:
+    """The first step exchanges a word before each collective; once the end-of-backward check
+    has verified a step's sequence of collectives and older ones have aged out, the steps that
+    repeat it exchange none."""
+    for counts in run_distributed(_words_per_step, 2, timeout=100, env={"OVERLAP_PROBE": "0"}):
+        assert counts[0] > 0 and counts[-4:] == [0, 0, 0, 0], counts
+
+
+def _evaluate_alone(rank: int, world: int) -> None:
+    import torch
+    from torch import nn
+
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(nn.Sequential(*(nn.Linear(16, 16) for _ in range(4))), prefetch_depth=1, bucket_mb=1e-6)
+    x = torch.randn(4, 16)
+    for step in range(1, 9):
+        if step == 7 and rank == 1:
+            with torch.no_grad():                 # an evaluation forward where rank 0 trains
+                model(x)
+        else:
+            model(x).square().mean().backward()
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_evaluates_while_the_others_train_fails_every_rank() -> None:
+    """Steady steps exchange no words; rank 1 then runs a forward without backward where rank
+    0 trains: its collectives leave the verified sequence, it exchanges words, and every rank
+    raises the divergence in time, without a mismatched collective (no process aborts)."""
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_distributed(_evaluate_alone, 2, timeout=TIMEOUT_S + 60, env={"OVERLAP_PROBE": "0"})
+    errors = info.value.errors
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert "DivergenceError" in message and "at step 7" in message
+    assert time.monotonic() - start < TIMEOUT_S

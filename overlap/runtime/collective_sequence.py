@@ -4,10 +4,11 @@ them. See [Note: order words only where ranks could part] in overlap/runtime/ord
 """
 from __future__ import annotations
 
-from collections import deque
-
 # Sequences kept: a training step, an evaluation forward, a step of several micro-batches...
 MAX_KNOWN = 8
+# Verifications a known sequence survives without a step that ran it (the first steps', or
+# those of a prefetch depth no longer used, would otherwise stay and make parting points).
+MAX_AGE = 4
 # The element that ends every step's sequence.
 CLOSED = -100
 
@@ -19,7 +20,8 @@ class CollectiveSequence:
     follow known sequences could follow different ones)."""
 
     def __init__(self) -> None:
-        self._known: deque[tuple[int, ...]] = deque(maxlen=MAX_KNOWN)
+        self._known: dict[tuple[int, ...], int] = {}   # sequence -> the verification that last saw it
+        self._verifications = 0
         self._unverified: list[tuple[int, ...]] = []   # steps closed since the last verification
         self._step: list[int] = []
         self._matching: list[tuple[int, ...]] = []
@@ -40,6 +42,9 @@ class CollectiveSequence:
         if len(following) > 1:
             self._unambiguous = False
         self._matching = [seq for seq in self._matching if len(seq) > position and seq[position] == element]
+        if not self._matching:
+            # Off every known sequence: for all this rank knows, the others are still on one.
+            self._unambiguous = False
         self._step.append(element)
 
     @property
@@ -62,12 +67,18 @@ class CollectiveSequence:
     def verified(self) -> None:
         """Every rank ran the same elements since the last verification (the end-of-backward
         fingerprints matched): the closed steps since then, and this one so far."""
+        self._verifications += 1
         for sequence in self._unverified:
             self._learn(sequence)
         self._unverified = []
         self._open_verified = True
         self._unambiguous = True
+        stale = [seq for seq, seen in self._known.items() if seen < self._verifications - MAX_AGE]
+        for sequence in stale:
+            del self._known[sequence]
 
     def _learn(self, sequence: tuple[int, ...]) -> None:
-        if sequence not in self._known:
-            self._known.append(sequence)
+        self._known.pop(sequence, None)
+        self._known[sequence] = self._verifications
+        while len(self._known) > MAX_KNOWN:
+            del self._known[next(iter(self._known))]        # the one seen longest ago

@@ -106,6 +106,8 @@ MAX_KEPT_STEPS = 64
 _MODULUS = (1 << 61) - 1
 _BASE = 1_000_003
 END_FORWARD, END_BACKWARD, BEGIN_FORWARD = -1, -2, -3
+# Ends each step's units, so that a rank that closed a step where another went on differs.
+_END_STEP = -4
 # A unit's code is 3 * index + one of these.
 _FORWARD, _BACKWARD, _BACKWARD_UNSYNCED = 0, 1, 2
 # ShardedModules built in this process: every rank builds them in the same order, so the
@@ -180,6 +182,7 @@ class OrderCheck:
     def end_step(self) -> None:
         self._sequence.end_step()
         if self._current:
+            self._note(_END_STEP)
             self._kept.append((self._step, tuple(self._current)))
         self._current = []
 
@@ -323,6 +326,8 @@ class OrderCheck:
             return "the end of backward"
         if code == BEGIN_FORWARD:
             return "the start of a forward"
+        if code == _END_STEP:
+            return "the end of the step"
         index, kind = divmod(code, 3)
         how = {_FORWARD: "forward", _BACKWARD: "backward", _BACKWARD_UNSYNCED: "backward under no_sync"}[kind]
         return f"unit {self.names[index]!r} ({how})"
