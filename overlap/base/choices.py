@@ -19,9 +19,10 @@ LINK_CHOICES = ("auto", *LINK_CLASSES)
 SHARDINGS = ("full", "hybrid", "hpz")
 SHARDING_CHOICES = (*SHARDINGS, "auto")
 
-# When ranks compare the units they run (overlap.runtime.order_check): before every collective
-# (a divergence is an error before a mismatched collective is issued), or once a step at the end
-# of backward and when a collective waits too long (no host round trip per collective).
+# When ranks compare what they run (overlap.runtime.order_check): before each collective (an
+# order word wherever their steps could part from verified ones, so a divergence is an error
+# before a mismatched collective is issued), or once a step at the end of backward and when a
+# collective waits too long (no order words at all).
 ORDER_CHECKS = ("collective", "step")
 
 # What crosses the wire quantised (overlap.runtime.compression): mode -> (bits of gathered

@@ -35,8 +35,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_COMPRESS": ("|".join(COMPRESS_CHOICES), "quantise weights / gradients on the wire (docs/compression.md)"),
     "OVERLAP_COMPRESS_BLOCK": (f"even integer from 2 to {MAX_BLOCK}", "elements per quantisation scale"),
     "OVERLAP_ORDER_CHECK": ("|".join(ORDER_CHECKS),
-                            "compare the units ranks run before every collective (an error before a mismatched "
-                            "collective), or once a step (no host round trip per collective; docs/host_cost.md)"),
+                            "ranks agree on each collective before issuing it (a word wherever their steps could "
+                            "part from verified ones), or compare what they ran once a step (docs/host_cost.md)"),
     "OVERLAP_HOST_GBPS": ("number > 0 or 'auto'", "device <-> host copy bandwidth (GB/s) the offload estimate assumes"),
     "OVERLAP_DISK_GBPS": ("number > 0 or 'auto'", "disk bandwidth (GB/s) the disk-offload estimate assumes"),
     "OVERLAP_COMPILE": ("0|1", "compile each unit's compute with torch.compile, collectives outside (docs/compile.md)"),
