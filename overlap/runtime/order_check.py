@@ -115,6 +115,10 @@ _FORWARD, _BACKWARD, _BACKWARD_UNSYNCED = 0, 1, 2
 _instances = itertools.count()
 
 
+def _folded(fingerprint: int, value: int) -> int:
+    return (fingerprint * _BASE + value + 4) % _MODULUS
+
+
 class DivergenceError(RuntimeError):
     """Ranks ran different units: raised on every rank, naming the step and the unit."""
 
@@ -144,6 +148,10 @@ class OrderCheck:
         self._step = 0
         self._count = 0
         self._fingerprint = 0
+        # The collectives since the last check, folded apart from the units: a rank may note a
+        # unit's backward before or after issuing the previous unit's reduction (the order in
+        # which autograd runs their hooks), which changes neither sequence.
+        self._collectives = 0
         # Which collectives need a word. See [Note: order words only where ranks could part].
         self._sequence = CollectiveSequence()
         # The order words' own gloo group over the same ranks (see the note).
@@ -174,10 +182,7 @@ class OrderCheck:
     def _note(self, code: int) -> None:
         self._current.append(code)
         self._count += 1
-        self._fold(code)
-
-    def _fold(self, value: int) -> None:
-        self._fingerprint = (self._fingerprint * _BASE + value + 4) % _MODULUS
+        self._fingerprint = _folded(self._fingerprint, code)
 
     def end_step(self) -> None:
         self._sequence.end_step()
@@ -193,7 +198,7 @@ class OrderCheck:
 
     def words(self) -> list[int]:
         """What rides on the end-of-backward all-reduce (see the note)."""
-        return [self._step, self._count, self._fingerprint]
+        return [self._step, self._count, self._fingerprint, self._collectives]
 
     def verify(self, maxima: Sequence[int], minima: Sequence[int]) -> None:
         """Raise on every rank if any rank's words differed; else start a new check."""
@@ -206,6 +211,7 @@ class OrderCheck:
         self._current = []
         self._count = 0
         self._fingerprint = 0
+        self._collectives = 0
         self._sequence.verified()
 
     # ---- the order word before each collective --------------------------------------------
@@ -217,7 +223,7 @@ class OrderCheck:
         others (see [Note: order words only where ranks could part])."""
         what = f"{kind} of {unit!r} ({nbytes} bytes)"
         code = zlib.crc32(what.encode())
-        self._fold(code)                 # the end-of-backward check compares the collectives too
+        self._collectives = _folded(self._collectives, code)   # the end-of-backward check compares them too
         self._sequence.add(code)
         if not self.before_each_collective or self._sequence.follows:
             return
