@@ -33,7 +33,6 @@ class ParamViews:
 
     def __init__(self, split_sizes: Sequence[int], shapes: Sequence[torch.Size]) -> None:
         self.split_sizes = list(split_sizes)
-        self.shapes = list(shapes)
         self.reshaped = [(i, shape) for i, shape in enumerate(shapes) if len(shape) != 1]
         self.ndims = [len(shape) for shape in shapes]
         self.dims = [size for shape in shapes for size in shape]
