@@ -244,6 +244,24 @@ def test_the_cell_trains_like_one_process(cell: Cell) -> None:
     assert within_bound(got["compression"], result), (bound(cell, got["compression"]), result)
 
 
+# One cell of each sharding, run again without order words (OVERLAP_ORDER_CHECK=step).
+STEP_CELLS = tuple(next(c for c in CELLS if c.sharding == sharding) for sharding in ("full", "hybrid", "hpz"))
+
+
+@pytest.mark.timeout(400)
+def test_without_order_words_the_cells_train_as_with_them() -> None:
+    """The order check's per-step mode changes no collective: each sharding trains within its
+    cell's bound of one process, and every rank's weights agree."""
+    per_rank = run_distributed(_train_cells, WORLD, list(STEP_CELLS), env={"OVERLAP_ORDER_CHECK": "step"},
+                               timeout=360)
+    for cell in STEP_CELLS:
+        got = per_rank[0][cell]
+        assert "refused" not in got and all(math.isfinite(loss) for loss in got["losses"]), cell.label
+        for outcome in per_rank[1:]:
+            assert all(torch.equal(outcome[cell]["state"][k], v) for k, v in got["state"].items()), cell.label
+        assert within_bound(got["compression"], compare(cell, got)), (cell.label, bound(cell, got["compression"]))
+
+
 def table(cells: list[Cell]) -> str:
     """The markdown table of each cell's outcome (docs/combinations.md)."""
     rows = ["| sharding | compression | precision | no_sync | checkpointing | meta init | ran as | "
