@@ -106,6 +106,27 @@ def _per_round_pairs(pick: Callable) -> Reader:
     return lambda data: pick(r["steps_during_write_s"] / r["steps_alone_s"] for r in data["rounds"])
 
 
+def _host(ranks: str, impl: str, *fields: str) -> tuple:
+    """Readers of overhead_*.json's 16-unit rows: for each field, its median, min and max
+    ("host" is host µs per unit; anything else a ratio to that implementation)."""
+    base = ("results", ranks, "16", impl)
+    return tuple(at(*base, *(("host_us_per_unit",) if field == "host" else ("ratios", field)), stat)
+                 for field in fields for stat in ("median", "min", "max"))
+
+
+_HOST_ROW = "{0:.0f} ({1:.0f}–{2:.0f}) | {3:.2f} ({4:.2f}–{5:.2f}) | {6:.2f} ({7:.2f}–{8:.2f})"
+
+
+def _timing(key: str) -> tuple:
+    base = ("timings", key)
+    return at(*base, "median_ms"), at(*base, "q1_ms"), at(*base, "q3_ms")
+
+
+def _padding(model: str, world: int, unit: str) -> tuple:
+    return tuple(row(("units",), field, model=model, world=world, unit=unit)
+                 for field in ("numel", "padding_bytes", "extra_bytes"))
+
+
 def _compression(link: str, impl: str) -> tuple:
     base = ("results", link, impl)
     return at(*base, "step_ms"), at(*base, "step_ms_quartiles", 0), at(*base, "step_ms_quartiles", 1)
@@ -280,7 +301,56 @@ FIGURES: list[Figure] = [
              (at("summary", build, "wrap_s"), lambda d, b=build: d["summary"][b]["rss_before"] / 2**30,
               lambda d, b=build: d["summary"][b]["rss_after_wrap"] / 2**30))
       for build in ("eager", "meta")],
+    # docs/parameters.md
+    Figure("docs/parameters.md", "| step-time ratio | {0:.2f} | {1:.2f} | {2:.2f} | {3:.2f} | {4:.2f} | {5:.2f} | {6:.2f} |",
+           "param_shapes_step_time.json", (*[at("summary", "paired_ratios", i) for i in range(6)],
+                                           at("summary", "median_ratio"))),
+    *[Figure("docs/parameters.md", f"| {label} | {{0:,}} | {{1:,}} B | {{2:,}} B |", "layout_padding.json",
+             _padding(model, world, unit))
+      for model, world, unit, label in (
+          ("benchmark GPT fp32", 2, "blocks.0", "benchmark GPT (fp32) | 2 | each block"),
+          ("benchmark GPT fp32", 8, "blocks.0", "benchmark GPT (fp32) | 8 | each block"),
+          ("benchmark GPT fp32", 8, "<root>", "benchmark GPT (fp32) | 8 | root"),
+          ("Llama-3-8B bf16", 8, "decoder layer", "Llama-3-8B (bf16) | 8 | decoder layer"),
+          ("Llama-3-8B bf16", 8, "embedding + head", "Llama-3-8B (bf16) | 8 | embedding + head"),
+          ("Llama-3-8B bf16", 64, "decoder layer", "Llama-3-8B (bf16) | 64 | decoder layer"),
+          ("Llama-3-8B bf16", 64, "embedding + head", "Llama-3-8B (bf16) | 64 | embedding + head"))],
+    Figure("docs/parameters.md", "| all-gather of every unit into per-parameter tensors | {0:.1f} [{1:.1f}–{2:.1f}] | "
+                                 "{3:.1f} [{4:.1f}–{5:.1f}] | – | +{6:.1f} [+{7:.1f}–+{8:.1f}] |", "param_layout.json",
+           (*_timing("forward/A/total"), *_timing("forward/B/total"), *_timing("forward/B-A/total"))),
+    Figure("docs/parameters.md", "| of which (B)'s copy-in + copy-out | – | {0:.1f} [{1:.1f}–{2:.1f}] |",
+           "param_layout.json", _timing("forward/B/copies")),
+    Figure("docs/parameters.md", "| gradient reduce-scatter path, every unit | {0:.1f} [{1:.1f}–{2:.1f}] | "
+                                 "{3:.1f} [{4:.1f}–{5:.1f}] | – | +{6:.1f} [+{7:.1f}–+{8:.1f}] |", "param_layout.json",
+           (*_timing("gradient/A/total"), *_timing("gradient/B/total"), *_timing("gradient/B-A/total"))),
+    Figure("docs/parameters.md", "| AdamW default (per-tensor loop on CPU) | {0:.1f} [{1:.1f}–{2:.1f}] | "
+                                 "{3:.1f} [{4:.1f}–{5:.1f}] | {6:.1f} [{7:.1f}–{8:.1f}] | +{9:.1f} [+{10:.1f}–+{11:.1f}] |",
+           "param_layout.json", (*_timing("adamw_default/A/total"), *_timing("adamw_default/B/total"),
+                                 *_timing("adamw_default/C/total"), *_timing("adamw_default/B-A/total"))),
     # docs/host_cost.md
+    Figure("docs/host_cost.md", "| 1 | ShardedModule | " + _HOST_ROW + " | {9:.2f} ({10:.2f}–{11:.2f}) |",
+           "overhead_after.json", _host("1", "overlap-full", "host", "fsdp2-tuned", "fsdp2", "overlap-full-base")),
+    Figure("docs/host_cost.md", "| 1 | before (4e25dfe) | " + _HOST_ROW + " |", "overhead_after.json",
+           _host("1", "overlap-full-base", "host", "fsdp2-tuned", "fsdp2")),
+    Figure("docs/host_cost.md", "| 1 | FSDP2 / tuned FSDP2 | {0:.0f} / {1:.0f} |", "overhead_after.json",
+           (at("results", "1", "16", "fsdp2", "host_us_per_unit", "median"),
+            at("results", "1", "16", "fsdp2-tuned", "host_us_per_unit", "median"))),
+    Figure("docs/host_cost.md", "| 1 | DeepSpeed ZeRO-3 | {0:.0f} | {3:.2f} ({4:.2f}–{5:.2f}) |", "overhead_after.json",
+           _host("1", "deepspeed", "host", "fsdp2-tuned")),
+    Figure("docs/host_cost.md", "| 2 | ShardedModule | " + _HOST_ROW + " | {9:.2f} ({10:.2f}–{11:.2f}) |",
+           "overhead_after.json", _host("2", "overlap-full", "host", "fsdp2-tuned", "fsdp2", "overlap-full-base")),
+    Figure("docs/host_cost.md", "| 2 | ShardedModule, `OVERLAP_ORDER_CHECK=step` | " + _HOST_ROW + " |",
+           "overhead_after.json", _host("2", "overlap-full-order-step", "host", "fsdp2-tuned", "fsdp2")),
+    Figure("docs/host_cost.md", "| 2 | FSDP2 / tuned FSDP2 | {0:.0f} / {1:.0f} |", "overhead_after.json",
+           (at("results", "2", "16", "fsdp2", "host_us_per_unit", "median"),
+            at("results", "2", "16", "fsdp2-tuned", "host_us_per_unit", "median"))),
+    Figure("docs/host_cost.md", "| 2 | DeepSpeed ZeRO-3 | {0:.0f} | {3:.2f} ({4:.2f}–{5:.2f}) | {6:.2f} ({7:.2f}–{8:.2f}) |",
+           "overhead_after.json", _host("2", "deepspeed", "host", "fsdp2-tuned", "fsdp2")),
+    Figure("docs/host_cost.md", "ShardedModule {0:.0f} µs per unit per step ({1:.0f}–{2:.0f}), {3:.2f} ({4:.2f}–{5:.2f}) "
+                                "of tuned FSDP2's and {6:.2f} of FSDP2's; with `OVERLAP_ORDER_CHECK=step` {9:.0f} µs "
+                                "({12:.2f} of tuned FSDP2's)", "overhead_after_two_ranks.json",
+           (*_host("2", "overlap-full", "host", "fsdp2-tuned", "fsdp2"),
+            *_host("2", "overlap-full-order-step", "host", "fsdp2-tuned"))),
     Figure("docs/host_cost.md", "the report's runtime share of the step is {0:.1f}% ({1:.1f}–{2:.1f}%), against {3:.1f}% "
                                 "before this work, and the step is {4:.2f} ({5:.2f}–{6:.2f}) of the step before it",
            "runtime_share.json", (*[lambda d, k=k: 100 * d["summary"]["this"]["runtime_share"][k]
@@ -295,14 +365,9 @@ FIGURES: list[Figure] = [
 UNCHECKED = {
     "train_defaults.txt": "a log of one run, quoted as a log, not as figures",
     "overhead_before.json": "host-cost rows and profiles of an older commit, kept as the baseline of docs/host_cost.md",
-    "overhead_after.json": "host-cost rows of docs/host_cost.md; not yet in this table",
-    "overhead_after_two_ranks.json": "host-cost rows of docs/host_cost.md; not yet in this table",
     "overhead_profile_before.txt": "a profiler listing, quoted as such",
     "compile_compare_tiny.md": "a generated markdown report, linked, not quoted",
     "compile_compare_tiny_3rounds.md": "a generated markdown report, linked, not quoted",
-    "layout_padding.json": "padding per unit of docs/parameters.md; not yet in this table",
-    "param_layout.json": "layout timings of docs/parameters.md; not yet in this table",
-    "param_shapes_step_time.json": "paired step ratios of docs/parameters.md; not yet in this table",
 }
 
 
