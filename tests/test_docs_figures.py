@@ -127,6 +127,20 @@ def _padding(model: str, world: int, unit: str) -> tuple:
                  for field in ("numel", "padding_bytes", "extra_bytes"))
 
 
+def _optim_row(index: int) -> tuple:
+    """optim_step.json's row `index`: overlap's M params/s; for torch fused, DeepSpeed and torch
+    foreach their M params/s and time over overlap's (median, range); copy GB/s, the bound's
+    M params/s and overlap's share of it."""
+    def impl(name: str) -> tuple:
+        base = ("results", index, "implementations", name)
+        return (lambda d: at(*base, "params_per_s")(d) / 1e6, at(*base, "time_over_overlap_median"),
+                at(*base, "time_over_overlap_range", 0), at(*base, "time_over_overlap_range", 1))
+
+    return (impl("overlap")[0], *impl("torch-fused"), *impl("deepspeed-cpu-adam"), *impl("torch-foreach"),
+            at("results", index, "copy_GBps"), lambda d: d["results"][index]["bound_params_per_s"] / 1e6,
+            at("results", index, "implementations", "overlap", "fraction_of_bound"))
+
+
 def _compression(link: str, impl: str) -> tuple:
     base = ("results", link, impl)
     return at(*base, "step_ms"), at(*base, "step_ms_quartiles", 0), at(*base, "step_ms_quartiles", 1)
@@ -284,18 +298,12 @@ FIGURES: list[Figure] = [
                                 _quant("quantize_int4 +feedback", "overlap ext", "ms"),
                                 _quant("dequant_acc int8 x2", "overlap ext", "ms"),
                                 _quant("dequant_into int8->bf16", "overlap ext", "ms"))),
-    # docs/optim.md: the first row (50M parameters, one thread).
-    Figure("docs/optim.md", "| 50M | 1 | {0:.0f} | {1:.0f} ({2:.2f}, {3:.2f}–{4:.2f}) | {5:.0f} ({6:.2f}, {7:.2f}–{8:.2f}) "
-                            "| {9:.0f} ({10:.2f}, {11:.2f}–{12:.2f}) | {13:.1f} | {14:.0f} | {15:.2f} |", "optim_step.json",
-           tuple(r for r in (
-               lambda d: d["results"][0]["implementations"]["overlap"]["params_per_s"] / 1e6,
-               *[g for impl in ("torch-fused", "deepspeed-cpu-adam", "torch-foreach") for g in (
-                   lambda d, impl=impl: d["results"][0]["implementations"][impl]["params_per_s"] / 1e6,
-                   at("results", 0, "implementations", impl, "time_over_overlap_median"),
-                   at("results", 0, "implementations", impl, "time_over_overlap_range", 0),
-                   at("results", 0, "implementations", impl, "time_over_overlap_range", 1))],
-               at("results", 0, "copy_GBps"), lambda d: d["results"][0]["bound_params_per_s"] / 1e6,
-               at("results", 0, "implementations", "overlap", "fraction_of_bound")))),
+    # docs/optim.md: one row per size and thread count.
+    *[Figure("docs/optim.md", f"| {size} | {threads} | " + "{0:.0f} | {1:.0f} ({2:.2f}, {3:.2f}–{4:.2f}) | "
+             "{5:.0f} ({6:.2f}, {7:.2f}–{8:.2f}) | {9:.0f} ({10:.2f}, {11:.2f}–{12:.2f}) | {13:.1f} | {14:.0f} | {15:.2f} |",
+             "optim_step.json", _optim_row(index))
+      for index, (size, threads) in enumerate((("50M", 1), ("50M", 2), ("100M", 1), ("100M", 2), ("250M", 1),
+                                               ("250M", 2), ("500M", 1), ("500M", 2)))],
     # docs/memory.md: the wrap.
     *[Figure("docs/memory.md", f"| {build} | {{0:.1f}} | {{1:.2f}} | {{2:.2f}} |", "wrap_memory.json",
              (at("summary", build, "wrap_s"), lambda d, b=build: d["summary"][b]["rss_before"] / 2**30,
