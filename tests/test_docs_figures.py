@@ -141,6 +141,33 @@ def _optim_row(index: int) -> tuple:
             at("results", index, "implementations", "overlap", "fraction_of_bound"))
 
 
+def _round_steps(data: Any, link: str) -> list[dict[str, float]]:
+    """compare.py's runs as one {impl: median step of the slower rank} per round of `link`."""
+    rounds: dict[int, dict[str, float]] = {}
+    for run in data["runs"]:
+        if run["link"] == link:
+            steps = [max(times) for times in zip(*(rank["step_s"] for rank in run["ranks"]))]
+            rounds.setdefault(run["round"], {})[run["impl"]] = statistics.median(steps)
+    return [rounds[k] for k in sorted(rounds)]
+
+
+def _paired(link: str, impl: str, peers: tuple[str, ...]) -> list[float]:
+    """Per round, `impl`'s median step over the faster of `peers` in the same round."""
+    return lambda data: [r[impl] / min(r[p] for p in peers) for r in _round_steps(data, link)]
+
+
+def listed(ratios: Reader) -> Reader:
+    return lambda data: ", ".join(f"{r:.2f}" for r in ratios(data))
+
+
+def held(ratios: Reader, limit: float) -> Reader:
+    return lambda data: sum(r <= limit for r in ratios(data))
+
+
+_VS_FSDP2 = {link: _paired(link, "overlap", ("fsdp2-tuned",)) for link in ("loopback", "2gbit")}
+_VS_DDP = {link: _paired(link, "overlap", ("ddp", "ddp-tuned")) for link in ("loopback", "2gbit")}
+
+
 def _compression(link: str, impl: str) -> tuple:
     base = ("results", link, impl)
     return at(*base, "step_ms"), at(*base, "step_ms_quartiles", 0), at(*base, "step_ms_quartiles", 1)
@@ -150,10 +177,20 @@ FIGURES: list[Figure] = [
     # README.md: the comparison with FSDP2, DDP and DeepSpeed.
     *[Figure("README.md", _COMPARE_ROW.format(link=link), "compare.json", _compare_row(link, _COMPARE_IMPLS))
       for link in ("loopback", "2gbit")],
-    Figure("README.md", "is met on both links ({0:.2f}×, {1:.2f}×)", "compare.json",
-           (_target("loopback", "step time / FSDP2 tuned"), _target("2gbit", "step time / FSDP2 tuned"))),
-    Figure("README.md", "{0:.2f}× tuned DDP on loopback", "compare.json",
-           (_target("loopback", "step time / faster DDP"),)),
+    Figure("README.md", "gives {0:.2f}× and {1:.2f}× as ratios of the pooled medians, but is not shown to be met: "
+                        "paired per round (every implementation runs once in each round, in turn) the ratio was {2} "
+                        "on loopback and {3} at 2 Gbit/s, so it held in {4} and {5} of the 3 rounds", "compare.json",
+           (_target("loopback", "step time / FSDP2 tuned"), _target("2gbit", "step time / FSDP2 tuned"),
+            listed(_VS_FSDP2["loopback"]), listed(_VS_FSDP2["2gbit"]), held(_VS_FSDP2["loopback"], 0.9),
+            held(_VS_FSDP2["2gbit"], 0.9))),
+    Figure("README.md", "{0:.2f}× tuned DDP on loopback (inside both IQRs) and {1:.2f}× at 2 Gbit/s; per round {2} and "
+                        "{3}", "compare.json",
+           (_target("loopback", "step time / faster DDP"), _target("2gbit", "step time / faster DDP"),
+            listed(_VS_DDP["loopback"]), listed(_VS_DDP["2gbit"]))),
+    Figure("docs/benchmarks.md", "paired per round {0} on loopback and {1} at 2 Gbit/s: the 0.9 target held in {2} and "
+                                 "{3} of 3 rounds", "compare.json",
+           (listed(_VS_FSDP2["loopback"]), listed(_VS_FSDP2["2gbit"]), held(_VS_FSDP2["loopback"], 0.9),
+            held(_VS_FSDP2["2gbit"], 0.9))),
     Figure("README.md", _COMPARE_ROW.format(link="10gbit"), "compare_10gbit.json", _compare_row("10gbit", _COMPARE_IMPLS)),
     Figure("README.md", "measured uncompressed {0:.0f} ms, int8-compressed (`compression=\"int8\"`) {1:.0f} ms, "
                         "tuned DDP {2:.0f} ms and tuned FSDP2 {3:.0f} ms: compressed, we are {4:.2f}× DDP and "
@@ -161,6 +198,9 @@ FIGURES: list[Figure] = [
            (*_compare_row("10gbit", ("overlap", "overlap-int8", "ddp-tuned", "fsdp2-tuned")),
             ratio(at("results", "10gbit", "overlap-int8", "step_ms"), at("results", "10gbit", "ddp-tuned", "step_ms")),
             ratio(at("results", "10gbit", "overlap-int8", "step_ms"), at("results", "10gbit", "fsdp2-tuned", "step_ms")))),
+    Figure("README.md", "(per round {0} and {1})", "compare_10gbit_compression.json",
+           (listed(_paired("10gbit", "overlap-int8", ("ddp-tuned",))),
+            listed(_paired("10gbit", "overlap-int8", ("fsdp2-tuned",))))),
     # README.md: framework overhead.
     Figure("README.md", "| hand-written loop, `ShardedModule` | {0:.0f} | {1:.2f}, {2:.2f}, {3:.2f}, {4:.2f} | {5:.2f} |",
            "integrations.json", (at("variants", "loop", "step_ms_median"), *_per_round("loop"),
