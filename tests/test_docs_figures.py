@@ -151,7 +151,7 @@ def _round_steps(data: Any, link: str) -> list[dict[str, float]]:
     return [rounds[k] for k in sorted(rounds)]
 
 
-def _paired(link: str, impl: str, peers: tuple[str, ...]) -> list[float]:
+def _paired(link: str, impl: str, peers: tuple[str, ...]) -> Reader:
     """Per round, `impl`'s median step over the faster of `peers` in the same round."""
     return lambda data: [r[impl] / min(r[p] for p in peers) for r in _round_steps(data, link)]
 
