@@ -381,8 +381,9 @@ def check_targets(summary: dict) -> list[dict]:
 
 
 def compression_targets(summary: dict) -> list[dict]:
-    """Each compressed ShardedModule row measured against the uncompressed one and DDP with
-    fp16 compression (step time), and the uncompressed one (peak memory)."""
+    """Each compressed ShardedModule row measured against the uncompressed one, DDP with fp16
+    compression (the compressed peer), and, where they ran, tuned FSDP2 and tuned DDP (step
+    time, the same targets as the uncompressed row), and the uncompressed one (peak memory)."""
     targets = []
     for link in summary:
         for impl in (peers.OVERLAP_INT8, peers.OVERLAP_INT8_INT4):
@@ -393,6 +394,10 @@ def compression_targets(summary: dict) -> list[dict]:
                                 ratio=_ratio(step, _step(summary, link, peers.OVERLAP))))
             targets.append(dict(link=link, what=f"{impl} step time / ddp-fp16", limit=1.0,
                                 ratio=_ratio(step, _step(summary, link, peers.DDP_FP16))))
+            for peer, limit in ((peers.FSDP2_TUNED, TIME_TARGET_VS_FSDP2_TUNED), (peers.DDP_TUNED, TIME_TARGET_VS_DDP)):
+                if peer in summary[link]:
+                    targets.append(dict(link=link, what=f"{impl} step time / {peer}", limit=limit,
+                                        ratio=_ratio(step, _step(summary, link, peer))))
             memory = _ratio(_peak(summary, link, impl), _peak(summary, link, peers.OVERLAP))
             if memory is not None:
                 targets.append(dict(link=link, what=f"{impl} peak memory / overlap", limit=1.0, ratio=memory))

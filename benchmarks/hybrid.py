@@ -3,13 +3,19 @@ two-node cluster (benchmarks/cluster.py): 2 nodes × 2 gloo ranks, unthrottled i
 a throttled link between them, at one or more rates.
 
 Rows: ShardedModule sharding over all 4 ranks (full); inside each node, replicated across
-(hybrid); over all ranks with a node copy for backward (hpZ); sharding="auto" (the planner's
-choice, whose log line is kept); FSDP2 on the same 2-D mesh (HSDP: fully_shard per block and
-root); DDP. The benchmark GPT (23.2M parameters), batch 4×128 per rank, AdamW (fused where the
-CPU build has it) for all; implementations alternate within each round, rates run one after
-the other. A step's time is the slower rank's.
+(hybrid); hybrid with int8-compressed collectives (hybrid-int8); over all ranks with a node
+copy for backward (hpZ); sharding="auto" (the planner's choice, whose log line is kept). Peers
+on the same 2-D mesh: FSDP2 HSDP with torch's defaults (fsdp2-hsdp) and tuned as compare.py's
+full-shard row is (fsdp2-hsdp-tuned: async unshard, explicit prefetch lists, the all-to-all
+reduce-scatter; `peers.fsdp2`); DDP with its defaults, tuned as in compare.py (ddp-tuned:
+gradient buffers as bucket views, `--ddp-bucket-mb` buckets) and tuned with torch's fp16
+compression hook (ddp-fp16, the compressed peer of hybrid-int8). The benchmark GPT (23.2M
+parameters; `--tiny` for a seconds-long smoke run), batch 4×128 per rank, AdamW (fused where
+the CPU build has it) for all; implementations alternate within each round, rates run one
+after the other. A step's time is the slower rank's. Besides pooled medians, each round's
+median steps give paired per-round ratios against the tuned peers.
 
-    python benchmarks/hybrid.py --rate 1gbit,10gbit --rounds 2 --steps 3 --out docs/results/hybrid.json
+    python benchmarks/hybrid.py --rate 1gbit,10gbit --rounds 3 --steps 10 --out docs/results/hybrid.json
 """
 from __future__ import annotations
 
@@ -25,8 +31,17 @@ import torch
 from cluster import run_on_cluster
 from common import markdown_table, median, quartiles, read_json, script_main, write_json
 
-IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hpz", "overlap-auto", "fsdp2-hsdp", "ddp")
+IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
+                   "fsdp2-hsdp", "fsdp2-hsdp-tuned", "ddp", "ddp-tuned", "ddp-fp16")
 GRID = ("overlap-full", "overlap-hybrid", "overlap-hpz")     # what sharding="auto" chooses among
+# ShardedModule's rows: (sharding, compression).
+SHARDED = {"overlap-full": ("full", "none"), "overlap-hybrid": ("hybrid", "none"),
+           "overlap-hybrid-int8": ("hybrid", "int8"), "overlap-hpz": ("hpz", "none"), "overlap-auto": ("auto", "none")}
+# Paired per-round ratios reported: (row, peer). Compressed rows against the compressed peer too.
+PAIRS = (("overlap-hybrid", "fsdp2-hsdp-tuned"), ("overlap-hybrid", "ddp-tuned"), ("overlap-auto", "fsdp2-hsdp-tuned"),
+         ("overlap-auto", "ddp-tuned"), ("overlap-hybrid", "overlap-full"), ("overlap-hybrid-int8", "ddp-fp16"),
+         ("overlap-hybrid-int8", "fsdp2-hsdp-tuned"), ("overlap-hybrid-int8", "overlap-hybrid"))
+TINY_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
 
 
 def _optimizer(params) -> torch.optim.Optimizer:
@@ -47,30 +62,34 @@ def run_worker(args: argparse.Namespace) -> None:
     from overlap.models import GPT, GPTConfig
     from overlap.models.gpt import Block
 
+    import peers
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_WORLD_SIZE"])
-    config = GPTConfig()
+    config = GPTConfig(**(TINY_MODEL if args.tiny else {}))
     torch.manual_seed(0)
     model = GPT(config)
     decision = None
-    if args.worker.startswith("overlap"):
-        model = ShardedModule(model, unit_types=(Block,), sharding=args.worker.split("-", 1)[1])
+    if args.worker in SHARDED:
+        sharding, compression = SHARDED[args.worker]
+        model = ShardedModule(model, unit_types=(Block,), sharding=sharding, compression=compression)
         decision = model.sharding.describe()
         if model.sharding_choice is not None:
             decision = f"{decision} ({model.sharding_choice.describe()})"
-    elif args.worker == "fsdp2-hsdp":
-        from torch.distributed.fsdp import fully_shard
-
+    elif args.worker.startswith("fsdp2-hsdp"):
         mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = peers.fsdp2(model, args.worker == "fsdp2-hsdp-tuned", args.fsdp2_prefetch, mesh=mesh)
     else:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        tuned = dict(gradient_as_bucket_view=True, bucket_cap_mb=args.ddp_bucket_mb) if args.worker != "ddp" else {}
+        model = DistributedDataParallel(model, **tuned)
+        if args.worker == "ddp-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+            model.register_comm_hook(None, fp16_compress_hook)
     optimizer = _optimizer(model.parameters())
     gen = torch.Generator().manual_seed(rank)
     times = []
@@ -96,22 +115,43 @@ def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
     """Every implementation, alternated within each round, at one inter-node rate."""
     script = os.path.abspath(__file__)
     steps: dict[str, list[float]] = {impl: [] for impl in args.impls}
+    per_round: list[dict[str, list[float]]] = []
     decisions: dict[str, list[str]] = {}
+    load_before = os.getloadavg()
     for round_index in range(args.rounds):
+        per_round.append({})
         for impl in args.impls:
             result = os.path.join(scratch, f"{rate}-{impl}-{round_index}.json")
             command = [script, "--worker", impl, "--result", result, "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--batch", str(args.batch)]
+                       "--warmup", str(args.warmup), "--batch", str(args.batch),
+                       "--fsdp2-prefetch", str(args.fsdp2_prefetch), "--ddp-bucket-mb", str(args.ddp_bucket_mb),
+                       *(["--tiny"] if args.tiny else [])]
             nodes = run_on_cluster(rate, 2, command, args.timeout, env={"OMP_NUM_THREADS": "1"})
             for node, done in enumerate(nodes):
                 if done.returncode != 0:
                     raise RuntimeError(f"{impl} at {rate} failed on node {node}:\n{done.stdout[-3000:]}")
             measured = read_json(result)
             steps[impl] += measured["step_s"]
+            per_round[-1][impl] = measured["step_s"]
             if measured.get("decision"):
                 decisions.setdefault(impl, []).append(measured["decision"])
             print(f"{rate} round {round_index + 1} {impl}: done", flush=True)
-    return summarise(args, rate, steps, decisions)
+    result = summarise(args, rate, steps, decisions)
+    result.update(per_round_steps_s=per_round, paired=paired_ratios(per_round),
+                  load_average=dict(before=load_before, after=os.getloadavg()))
+    return result
+
+
+def paired_ratios(per_round: list[dict[str, list[float]]]) -> dict[str, dict]:
+    """For each (row, peer) in PAIRS that ran: the ratio of their median steps in each round
+    (they alternate within a round, so each ratio pairs runs made under the same load), with
+    the median and range of those ratios."""
+    out = {}
+    for row, peer in PAIRS:
+        ratios = [median(r[row]) / median(r[peer]) for r in per_round if r.get(row) and r.get(peer)]
+        if ratios:
+            out[f"{row} / {peer}"] = dict(per_round=ratios, median=median(ratios), min=min(ratios), max=max(ratios))
+    return out
 
 
 def summarise(args: argparse.Namespace, rate: str, steps: dict[str, list[float]],
@@ -143,9 +183,24 @@ def run_driver(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for rate in args.rates:
             rates[rate] = _one_rate(args, rate, scratch)
+            for pair, entry in rates[rate]["paired"].items():
+                print(f"{rate} {pair}: per round {', '.join(f'{r:.2f}' for r in entry['per_round'])}; "
+                      f"median {entry['median']:.2f} [{entry['min']:.2f}-{entry['max']:.2f}]", flush=True)
             if args.out:            # after each rate, so that a run cut short keeps what it measured
-                write_json(args.out, dict(command="python benchmarks/hybrid.py " + " ".join(args.argv), rates=rates))
+                write_json(args.out, dict(command="python benchmarks/hybrid.py " + " ".join(args.argv),
+                                          commit=_commit(), rates=rates))
     return 0
+
+
+def _commit() -> Optional[str]:
+    """The checkout's commit, with "+changes" when the working tree differs from it."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=here)
+    return (head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) or None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -158,6 +213,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--out", default=None)
     parser.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide GPT: a smoke run of seconds")
+    parser.add_argument("--fsdp2-prefetch", type=int, default=2, help="fsdp2-hsdp-tuned's prefetch lists, in blocks")
+    parser.add_argument("--ddp-bucket-mb", type=float, default=10.0, help="ddp-tuned's and ddp-fp16's bucket_cap_mb")
     parser.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

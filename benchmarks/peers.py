@@ -125,15 +125,18 @@ class AllToAllReduceScatter:
         return None
 
 
-def fsdp2(model: torch.nn.Module, tuned: bool, depth: int) -> torch.nn.Module:
-    """FSDP2 on `model.blocks` (each block, then the root) over every rank: torch's defaults, or
-    tuned as the notes above say, with explicit prefetch lists of `depth` blocks."""
+def fsdp2(model: torch.nn.Module, tuned: bool, depth: int, mesh=None) -> torch.nn.Module:
+    """FSDP2 on `model.blocks` (each block, then the root): torch's defaults, or tuned as the
+    notes above say, with explicit prefetch lists of `depth` blocks. `mesh`: every rank in one
+    dimension by default; a 2-D (replicate, shard) mesh makes it HSDP, tuned the same way (the
+    custom reduce-scatter then runs over the shard group, and FSDP2 all-reduces across
+    replicas itself)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if mesh is None else mesh
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=not (tuned and i == len(blocks) - 1))

@@ -14,9 +14,18 @@ def _profile(compute_s_per_unit: float, units: int = 4, nbytes: int = 16 * MB) -
                          for i in range(units)), world_size=2)
 
 
-def test_wire_ratio_counts_values_and_scales() -> None:
-    assert wire_ratio(8, 128, 4) == (1 + 4 / 128) / 4
-    assert wire_ratio(4, 128, 2) == (0.5 + 4 / 128) / 2
+def test_wire_ratio_is_what_the_codec_sends() -> None:
+    """The planner's ratio against the buffers the codec actually fills and sends (values and
+    scales, `overlap.kernels.quantized.empty_quantized`), over the uncompressed bytes."""
+    import torch
+
+    from overlap.kernels.quantized import empty_quantized
+
+    numel = 128 * 96
+    for bits, block, itemsize in ((8, 128, 4), (4, 128, 4), (8, 64, 2), (4, 256, 2)):
+        q, scales = empty_quantized(numel, block, bits, torch.device("cpu"))
+        sent = q.numel() * q.element_size() + scales.numel() * scales.element_size()
+        assert wire_ratio(bits, block, itemsize) == sent / (numel * itemsize), (bits, block, itemsize)
 
 
 def test_slow_link_compresses_and_says_why() -> None:

