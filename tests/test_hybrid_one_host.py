@@ -21,8 +21,9 @@ from parity import Case, train
 from parity_cases import CASES
 
 # SGD with momentum (parity.Case's default optimizer). features: a unit skipped on one step, a
-# forward that raises inside a unit, evaluation forwards; gpt_no_sync: no_sync micro-batches.
-HYBRID_CASES = ["features", "gpt_no_sync"]
+# forward that raises inside a unit, evaluation forwards; features_bucketed: the same with
+# merged units; gpt_no_sync: no_sync micro-batches.
+HYBRID_CASES = ["features", "features_bucketed", "gpt_no_sync"]
 WORLD, PER_NODE = 4, 2
 
 

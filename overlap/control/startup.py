@@ -137,10 +137,15 @@ def _controllers(decision: StartupDecision, built: BuiltUnits, collectives: Coll
                  reshard_after_forward: bool) -> list[StepEndController]:
     controllers: list[StepEndController] = []
     if decision.replan_depth:
-        # Depth follows measured steps; see overlap.control.replanner.Replanner.
-        group = decision.sharding.shard
-        base = base_profile(built.root, built.units, dist.get_world_size(group), reshard_after_forward)
-        controllers.append(replanner_for(base, decision.startup_plan, decision.bucket_bytes, group, depths))
+        # Depth follows measured steps; see overlap.control.replanner.Replanner. The step is
+        # priced over the shard group, but rank 0 of all ranks decides for every rank: with
+        # hybrid sharding, shard groups that chose depths of their own would issue their gathers
+        # at different points of the step, and the end-of-backward check, which compares every
+        # rank's collectives, could not tell that from ranks that parted.
+        shard = decision.sharding.shard
+        base = base_profile(built.root, built.units, dist.get_world_size(shard), reshard_after_forward)
+        controllers.append(replanner_for(base, decision.startup_plan, decision.bucket_bytes, decision.all_group,
+                                         depths))
     if decision.config.compress == "auto":
         # Every rank, replicas included, must compress alike: the choice is rank 0's.
         group = decision.all_group
