@@ -918,7 +918,7 @@ def _offload_runs(device: torch.device, wrap: dict) -> dict:
                       if p.grad is not None}
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         out[offload] = dict(losses=losses, state=model.full_state_dict(), places=places)
     return out
 
