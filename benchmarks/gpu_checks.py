@@ -974,7 +974,7 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
     compute = torch.cuda.current_stream(device)
 
     def upload() -> None:                      # what a gather sends, as the runtime queues it
-        place.gather_source(master, torch.float32, encoded=False)
+        place.gather_source(master, torch.float32, encoded=False, local=False)
         compute.wait_stream(gather_stream)
 
     def download() -> None:                    # a reduced gradient going home
@@ -990,8 +990,8 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
             (("plain_h2d", plain_h2d), ("plain_d2h", plain_d2h), ("h2d", ours_h2d), ("d2h", ours_d2h))}
     shares = {"h2d": gbps["h2d"] / gbps["plain_h2d"], "d2h": gbps["d2h"] / gbps["plain_d2h"]}
     checks.verdict("offload[bandwidth]", min(shares.values()) >= OFFLOAD_BANDWIDTH_SHARE,
-                   f"{nbytes / 2**20:.0f} MiB: host->device {gbps['h2d']:.1f} GB/s ({shares['h2d']:.2f} of a plain pinned "
-                   f"copy's {gbps['plain_h2d']:.1f}), device->host {gbps['d2h']:.1f} GB/s ({shares['d2h']:.2f} of "
+                   f"{nbytes / 2**20:.0f} MiB: host->device {gbps['h2d']:.1f} GB/s ({shares['h2d']:.2f} of a plain "
+                   f"pinned copy's {gbps['plain_h2d']:.1f}), device->host {gbps['d2h']:.1f} GB/s ({shares['d2h']:.2f} of "
                    f"{gbps['plain_d2h']:.1f}); pass at >= {OFFLOAD_BANDWIDTH_SHARE} each")
 
     # Compute about three copies long: square bf16 matmuls on the compute stream.
@@ -1009,7 +1009,7 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
         # before it), the matmuls after it on the compute stream; the end waits for both.
         def both() -> None:
             if name == "h2d":
-                place.gather_source(master, torch.float32, encoded=False)
+                place.gather_source(master, torch.float32, encoded=False, local=False)
                 matmuls()
                 compute.wait_stream(gather_stream)
             else:
@@ -1091,7 +1091,8 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
 
 
 RUNNERS: dict[str, Callable[[Checks, bool], None]] = {
-    "offload": check_offload, "compressed": check_compressed, "report_timing": check_report_timing, "sync_free": check_sync_free,
+    "offload": check_offload, "compressed": check_compressed, "report_timing": check_report_timing,
+    "sync_free": check_sync_free,
     "hybrid": check_hybrid, "hpz": check_hpz, "slow_link": check_slow_link, "device": check_device,
     "parity": check_parity, "large_index": check_large_index, "overhead": check_overhead,
 }

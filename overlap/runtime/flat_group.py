@@ -179,7 +179,8 @@ class FlatGroup:
         else:
             codec = self.collectives.codec
             source = self.place.gather_source(self.shard, self.gather_dtype,
-                                              encoded=codec is not None and codec.gathers(full))
+                                              encoded=codec is not None and codec.gathers(full),
+                                              local=self.node_copy is None and self.collectives.gathers_locally(full))
             gather = self.collectives.all_gather if self.node_copy is None else self.node_copy.gather
             pending = gather(full.detach(), source, unit_name)
         torch._C._autograd._unsafe_set_version_counter((full,), (version,))
