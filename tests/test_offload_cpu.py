@@ -70,6 +70,7 @@ CASES = [
     ("w2-overlap-adamw-bf16", 2, "overlap_adamw", {"mixed_precision": BF16}, 1, None, None),
     ("w2-bf16-no_sync-clip", 2, "sgd", {"mixed_precision": BF16}, 2, 0.05, None),
     ("w2-int8", 2, "sgd", {"compression": "int8"}, 1, None, None),
+    ("w2-bf16-sgd-through-data", 2, "sgd_through_data", {"mixed_precision": BF16}, 1, None, None),
     ("w2-int8-int4-bf16", 2, "adamw", {"compression": "int8-int4", "mixed_precision": BF16}, 1, None, None),
     ("w2-hybrid", 2, "sgd", {"sharding": "hybrid"}, 1, None, 1),
     ("w2-hpz-bf16", 2, "sgd", {"sharding": "hpz", "mixed_precision": BF16}, 1, 0.05, 1),
@@ -166,3 +167,26 @@ def test_a_killed_offloaded_run_resumes_from_its_checkpoint(tmp_path) -> None:
     resumed = run_distributed(_resume, 2, killed, timeout=200)
     for whole, again in zip(uninterrupted, resumed):
         assert again["losses"] == whole["losses"][2:], (again["losses"], whole["losses"])
+
+
+def _load_after_forward(rank: int, world: int) -> tuple[float, float, float]:
+    """A model that already gathered (its bf16 device copy made) loads another's full state
+    dict: its next forward must compute with the loaded values."""
+    from overlap import ShardedModule
+    from parity import _slice
+
+    batch = _slice(token_batches(SMALL_GPT.vocab_size, 12, steps=1)()[0], rank, world)
+    torch.manual_seed(0)
+    source = ShardedModule(GPT(SMALL_GPT), offload="cpu", mixed_precision=BF16)
+    torch.manual_seed(1)
+    target = ShardedModule(GPT(SMALL_GPT), offload="cpu", mixed_precision=BF16)
+    with torch.no_grad():
+        before = float(target(*batch))
+        target.load_full_state_dict(source.full_state_dict())
+        return before, float(source(*batch)), float(target(*batch))
+
+
+@pytest.mark.timeout(150)
+def test_a_state_dict_loaded_after_a_forward_is_what_the_next_forward_sends() -> None:
+    for before, expected, got in run_distributed(_load_after_forward, 2, timeout=120):
+        assert before != expected and got == expected, (before, got, expected)

@@ -44,9 +44,9 @@ With mixed precision the device keeps one copy of the shard in the gather dtype,
 all-gather sends, as the offload estimate's table has it (overlap.plan.offload): refreshing
 it costs one host -> device copy of the master and one cast per optimizer step, where a
 transient buffer would copy the master again for every gather (forward and backward). It is
-refreshed only when the master may have changed: gradients were published since the last
-refresh (an optimizer step follows them; one that writes through raw pointers, as C++ CPU
-optimizers do, changes no `_version`), or the master's `_version` (which every in-place
+refreshed only when the master may have changed: a reduction produced gradients since the
+last refresh (an optimizer step follows them; one that writes through raw pointers, as C++
+CPU optimizers do, changes no `_version`), or the master's `_version` (which every in-place
 torch write of the master or of a parameter view of it bumps: a state dict or checkpoint
 loaded) differs from the one last copied. Forward passes without a step in between (no_sync
 micro-batches, evaluation) copy nothing. A codec that
@@ -150,7 +150,7 @@ class HostShard(ShardPlace):
         # and the master's `_version` it was copied at (None: never).
         self.sent: Optional[torch.Tensor] = None
         self.sent_version: Optional[int] = None
-        self.stepped = False              # gradients were published since the last refresh
+        self.reduced = False              # a reduction ran since the last refresh
         # The device buffer this group's reductions add into, from the first reduction of a
         # backward until the copy of the latest one to the host completed; `issued` and
         # `copied` count those reductions and copies.
@@ -181,7 +181,7 @@ class HostShard(ShardPlace):
         all-gather stream (called before the gather is issued on it), or on the current
         stream where the gather is a `local` copy there (one rank)."""
         persistent = dtype != master.dtype and not encoded
-        if persistent and self.sent is not None and self.sent_version == master._version and not self.stepped:
+        if persistent and self.sent is not None and self.sent_version == master._version and not self.reduced:
             return self.sent
         with self._on(None if local else self.tier.upload_stream):
             copy = torch.empty(master.numel(), dtype=master.dtype, device=self.tier.device)
@@ -191,7 +191,7 @@ class HostShard(ShardPlace):
             if self.sent is None:
                 self.sent = torch.empty(master.numel(), dtype=dtype, device=self.tier.device)
             self.tier.kernels.pack([copy], self.sent, [0])
-        self.sent_version, self.stepped = master._version, False
+        self.sent_version, self.reduced = master._version, False
         return self.sent
 
     def _on(self, stream: Optional[torch.cuda.Stream]):
@@ -209,6 +209,7 @@ class HostShard(ShardPlace):
         """The device buffer the next reduction adds into, holding `grad_shard`'s values (the
         host gradient shard, as `.grad` holds it), or zeros where `.grad` holds nothing."""
         self.grad_shard = grad_shard
+        self.reduced = True
         self._drop_finished()
         if self.staging is None:
             if zeros:
@@ -261,7 +262,6 @@ class HostShard(ShardPlace):
         for download in self.downloads:
             download.event.synchronize()
         self.downloads.clear()
-        self.stepped = True
         if self.copied == self.issued:
             self.staging = None
 
