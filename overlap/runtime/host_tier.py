@@ -7,8 +7,8 @@ A flat group asks its `ShardPlace`:
   lives) and the gradient shard (the `.grad` views);
 - `gather_source(master, dtype, encoded, local)`: a device tensor an all-gather sends,
   holding the master's values (cast to `dtype` where the place keeps a copy in the gather
-  dtype);
-  `on_device(master)`: the same in the master dtype, for a state dict's gather;
+  dtype; `local`: the gather is a copy on the current stream); `on_device(master)`: the same
+  in the master dtype, for a state dict's gather;
 - `reduce_target(grad_shard, zeros)`: the device tensor a reduction adds into, holding what
   the gradient shard holds now (zeros: nothing), so reduced gradients accumulate exactly as
   they would in place;
@@ -16,8 +16,8 @@ and tells it `reduction_issued(pending)`: a reduction into that target was issue
 (and what it chains: hybrid's all-reduce) completes, its sum belongs in the gradient shard.
 `grads_ready()` waits until it is there, before `.grad` is published.
 
-`DeviceShard` keeps both shards on the device (offload="none"): each answer is the tensor
-given. `HostShard` keeps them in host memory (pinned where CUDA is available, so the copies
+`ShardPlace` itself keeps both shards on the device (offload="none"): each answer is the
+tensor given. `HostShard` keeps them in host memory (pinned where CUDA is available, so the copies
 are asynchronous DMA) and copies them in and out; on a machine without CUDA host and device
 are one memory and the copies are plain synchronous copies between separate buffers, so the
 same logic runs and is tested.
@@ -48,11 +48,11 @@ refreshed only when the master may have changed: a reduction produced gradients 
 last refresh (an optimizer step follows them; one that writes through raw pointers, as C++
 CPU optimizers do, changes no `_version`), or the master's `_version` (which every in-place
 torch write of the master or of a parameter view of it bumps: a state dict or checkpoint
-loaded) differs from the one last copied. Forward passes without a step in between (no_sync
-micro-batches, evaluation) copy nothing. A codec that
-encodes the master itself (int8 gathers) is sent a transient copy in the master dtype, as
-without offload. In the master dtype nothing persistent is kept: the transient copy is freed
-when its gather's consumer has waited.
+loaded) differs from the one last copied. Forward passes with neither in between (no_sync
+micro-batches, evaluation) copy nothing. A codec that encodes the master itself (int8
+gathers) is sent a transient copy in the master dtype, as without offload. In the master
+dtype nothing persistent is kept: the transient copy is freed when its gather's consumer has
+waited.
 """
 from __future__ import annotations
 
@@ -147,16 +147,18 @@ class HostShard(ShardPlace):
     def __init__(self, tier: HostTier) -> None:
         self.tier = tier
         # See [Note: the persistent gather copy]: the shard in the gather dtype on the device,
-        # and the master's `_version` it was copied at (None: never).
+        # the master's `_version` it was copied at (None: never), and whether a reduction ran
+        # since (an optimizer step may have changed the master without a version).
         self.sent: Optional[torch.Tensor] = None
         self.sent_version: Optional[int] = None
-        self.reduced = False              # a reduction ran since the last refresh
+        self.reduced_since_refresh = False
         # The device buffer this group's reductions add into, from the first reduction of a
         # backward until the copy of the latest one to the host completed; `issued` and
         # `copied` count those reductions and copies.
         self.staging: Optional[torch.Tensor] = None
         self.issued = 0
         self.copied = 0
+        # The host gradient shard the copies go to (the flat group's; set at its first reduction).
         self.grad_shard: Optional[torch.Tensor] = None
         # CUDA: copies queued on the download stream and not yet seen complete.
         self.downloads: list[_Download] = []
@@ -181,7 +183,8 @@ class HostShard(ShardPlace):
         all-gather stream (called before the gather is issued on it), or on the current
         stream where the gather is a `local` copy there (one rank)."""
         persistent = dtype != master.dtype and not encoded
-        if persistent and self.sent is not None and self.sent_version == master._version and not self.reduced:
+        fresh = self.sent_version == master._version and not self.reduced_since_refresh
+        if persistent and self.sent is not None and fresh:
             return self.sent
         with self._on(None if local else self.tier.upload_stream):
             copy = torch.empty(master.numel(), dtype=master.dtype, device=self.tier.device)
@@ -191,7 +194,7 @@ class HostShard(ShardPlace):
             if self.sent is None:
                 self.sent = torch.empty(master.numel(), dtype=dtype, device=self.tier.device)
             self.tier.kernels.pack([copy], self.sent, [0])
-        self.sent_version, self.reduced = master._version, False
+        self.sent_version, self.reduced_since_refresh = master._version, False
         return self.sent
 
     def _on(self, stream: Optional[torch.cuda.Stream]):
@@ -209,7 +212,7 @@ class HostShard(ShardPlace):
         """The device buffer the next reduction adds into, holding `grad_shard`'s values (the
         host gradient shard, as `.grad` holds it), or zeros where `.grad` holds nothing."""
         self.grad_shard = grad_shard
-        self.reduced = True
+        self.reduced_since_refresh = True
         self._drop_finished()
         if self.staging is None:
             if zeros:
