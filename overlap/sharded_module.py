@@ -61,6 +61,9 @@ class ShardedModule(nn.Module):
             reductions outside the compiled regions: argument > OVERLAP_COMPILE > False.
             Blocks compiled before wrapping (`block.compile()`) are compiled the same way.
             See docs/compile.md.
+        offload: where this rank's master shards, gradient shards and optimizer state live:
+            "none" (on the device it computes on), "cpu" (host memory; the optimizer steps
+            host tensors) or "disk": argument > OVERLAP_OFFLOAD > "none". See docs/offload.md.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
@@ -69,13 +72,14 @@ class ShardedModule(nn.Module):
                  bucket_mb: Optional[float] = None, reshard_after_forward: bool = True,
                  param_init_fn: Optional[Callable[[nn.Module], None]] = None,
                  mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None,
-                 compression: Optional[str] = None, compile: Optional[bool] = None) -> None:
+                 compression: Optional[str] = None, compile: Optional[bool] = None,
+                 offload: Optional[str] = None) -> None:
         super().__init__()
         started = start_up(module, StartupRequest(
             unit_types=unit_types, process_group=process_group, mixed_precision=mixed_precision,
             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, reshard_after_forward=reshard_after_forward,
             param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression, compile=compile,
-            nested=any(isinstance(m, ShardedModule) for m in module.modules())))
+            offload=offload, nested=any(isinstance(m, ShardedModule) for m in module.modules())))
         self.module = module
         # Sharding groups, link, plan and settings, the same on every rank; see overlap.control.startup.
         self.startup = started.decision
@@ -167,16 +171,18 @@ class ShardedModule(nn.Module):
         device = self.collectives.device
         group = self.collectives.group
         norms = torch._foreach_norm(grads, norm_type) if grads else []
+        # Offloaded gradients are host tensors; their norm crosses the group on its device.
         if norm_type == math.inf:
-            total = torch.stack(norms).max().float() if grads else torch.zeros((), device=device)
+            total = torch.stack(norms).max().float().to(device) if grads else torch.zeros((), device=device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         else:
-            local = torch.stack(norms).float().pow(norm_type).sum() if grads else torch.zeros((), device=device)
+            local = torch.stack(norms).float().pow(norm_type).sum().to(device) if grads \
+                else torch.zeros((), device=device)
             dist.all_reduce(local, group=group)
             total = local.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
         return total
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:

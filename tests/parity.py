@@ -44,6 +44,21 @@ def _no_decay(name: str) -> bool:
     return name.endswith("bias") or "norm" in name or "ln_" in name or "embed" in name or "wte" in name
 
 
+class _SGDThroughData(torch.optim.Optimizer):
+    """Plain SGD writing through `p.data`, whose in-place updates leave `p._version` as it was
+    (as an optimizer writing through raw pointers does)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
 def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     from factored import Factored
     from overlap import ShardedModule
@@ -54,6 +69,12 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    if kind == "sgd_through_data":
+        return _SGDThroughData(model.parameters(), lr=0.05)
+    if kind == "overlap_adamw":
+        from overlap.optim import AdamW
+
+        return AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     if kind == "adamw_groups":
         named = list(model.named_parameters())
         return torch.optim.AdamW([

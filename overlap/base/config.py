@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
-from overlap.base.choices import COMPRESS_CHOICES, KERNEL_CHOICES, LINK_CHOICES, ORDER_CHECKS, SHARDING_CHOICES
+from overlap.base.choices import (COMPRESS_CHOICES, KERNEL_CHOICES, LINK_CHOICES, OFFLOAD_CHOICES, ORDER_CHECKS,
+                                  SHARDING_CHOICES)
 from overlap.kernels.quantized import DEFAULT_BLOCK, MAX_BLOCK
 
 LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -40,6 +41,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_HOST_GBPS": ("number > 0 or 'auto'", "device <-> host copy bandwidth (GB/s) the offload estimate assumes"),
     "OVERLAP_DISK_GBPS": ("number > 0 or 'auto'", "disk bandwidth (GB/s) the disk-offload estimate assumes"),
     "OVERLAP_COMPILE": ("0|1", "compile each unit's compute with torch.compile, collectives outside (docs/compile.md)"),
+    "OVERLAP_OFFLOAD": ("|".join(OFFLOAD_CHOICES),
+                        "where master shards, gradient shards and optimizer state live: the device, host memory "
+                        "or local disk (docs/offload.md)"),
 }
 
 
@@ -61,6 +65,7 @@ class Config:
     host_gbps: Optional[float] = None      # None: the link table's (overlap.plan.links)
     disk_gbps: Optional[float] = None
     compile: bool = False
+    offload: str = "none"
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -114,6 +119,12 @@ def validate_sharding(value: str, source: str = "sharding") -> str:
 def validate_compress(value: str, source: str = "compression") -> str:
     if value not in COMPRESS_CHOICES:
         raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(COMPRESS_CHOICES)}")
+    return value
+
+
+def validate_offload(value: str, source: str = "offload") -> str:
+    if value not in OFFLOAD_CHOICES:
+        raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(OFFLOAD_CHOICES)}")
     return value
 
 
@@ -195,6 +206,8 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
             fields[field] = _parse_auto_number(name, env[name], integer=False, minimum=0, strict=True)
     if "OVERLAP_COMPILE" in env:
         fields["compile"] = _parse_flag("OVERLAP_COMPILE", env["OVERLAP_COMPILE"])
+    if "OVERLAP_OFFLOAD" in env:
+        fields["offload"] = _parse_choice("OVERLAP_OFFLOAD", env["OVERLAP_OFFLOAD"], OFFLOAD_CHOICES)
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)
