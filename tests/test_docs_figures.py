@@ -428,6 +428,8 @@ FIGURES: list[Figure] = [
                                   at("summary", "step_this_over_baseline", "median"),
                                   at("summary", "step_this_over_baseline", "min"),
                                   at("summary", "step_this_over_baseline", "max"))),
+    Figure("docs/offload.md", '| step time, offload="cpu" / "none", paired per round | {0:.2f} | {1:.2f}–{2:.2f} |',
+           "offload_cpu.json", tuple(at("summary", "step_cpu_over_none", k) for k in ("median", "min", "max"))),
 ]
 
 # Result files a doc links to whose figures no row above checks, and why.
