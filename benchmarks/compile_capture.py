@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import traceback
@@ -318,12 +319,20 @@ def run_worker(args: argparse.Namespace) -> None:
 
 # ---- the driver --------------------------------------------------------------------------
 
+def _exception_line(error: Optional[str]) -> Optional[str]:
+    """The last 'SomeError: message' line of a traceback (Dynamo appends advice after it)."""
+    if error is None:
+        return None
+    lines = [line for line in error.splitlines() if re.match(r"^[\w.]+(Error|Exception|StopIteration)\b", line)]
+    return lines[-1] if lines else error.strip().splitlines()[-1]
+
+
 def summarize(result: dict) -> dict:
     by_name = {v["name"]: v for v in result["variants"]}
     base = by_name.get(BASELINE)
     summary = {}
     for name, v in by_name.items():
-        entry = dict(runs=v["error"] is None, error=(v["error"] or "").strip().splitlines()[-1:] or None,
+        entry = dict(runs=v["error"] is None, error=_exception_line(v["error"]),
                      max_loss_rdiff=v["max_loss_rdiff"], max_param_diff=v["max_param_diff"],
                      parity=None if v["error"] else (v["max_loss_rdiff"] <= LOSS_RTOL and v["param_excess"] <= 0),
                      nan=any(x != x for x in v["losses"]), warmup_counts=v["counts"].get("warmup"),
