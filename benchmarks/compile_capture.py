@@ -245,12 +245,18 @@ def _collectives_in_one_step(variant: Variant, batch) -> dict[str, int]:
     return counts
 
 
+def _relative_paths(text: str) -> str:
+    """A traceback with this checkout's and the installed packages' paths relative."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    return re.sub(r'"[^"]*site-packages/', '"site-packages/', text.replace(checkout, ""))
+
+
 def _guarded(variant: Variant, work: Callable[[], Any]) -> Any:
     """Run `work`; a failure is recorded as the variant's result (and the variant dropped)."""
     try:
         return work()
     except Exception:                                      # the experiment's finding, not a crash
-        variant.error = traceback.format_exc(limit=4)[-2500:]
+        variant.error = _relative_paths(traceback.format_exc(limit=4)[-2500:])
         return None
 
 
