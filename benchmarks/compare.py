@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 import peers
-from common import (LOOPBACK, PROCESS_GROUP_TIMEOUT, checkout_python, markdown_table, median, on_link,
+from common import (LOOPBACK, PROCESS_GROUP_TIMEOUT, checkout_python, git_commit, markdown_table, median, on_link,
                     parse_choices, parse_links, quartiles, read_json, run_with_deadline, script_main,
                     single_thread_env, torchrun, write_json, write_text)
 
@@ -173,9 +173,20 @@ def _memory_step(impl: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     return dict(peak={str(getattr(key, "value", key)): int(value) for key, value in peak.items()}, phases=phases)
 
 
+def _build_model(args: argparse.Namespace, config: "GPTConfig") -> torch.nn.Module:
+    """The benchmark model: the GPT, or (`--model mlp`) many narrow layers where compiling
+    helps on CPU (narrow_mlp.py)."""
+    if args.model == "mlp":
+        from narrow_mlp import NarrowMLP
+
+        return NarrowMLP(config.n_layer, config.n_embd, config.vocab_size)
+    from overlap.models import GPT
+
+    return GPT(config)
+
+
 def run_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
-    from overlap.models import GPT
 
     impl = args.worker
     torch.set_num_threads(1)
@@ -187,7 +198,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     config = _model_config(args)
     torch.manual_seed(args.seed)
-    plain = GPT(config)
+    plain = _build_model(args, config)
     params = sum(p.numel() for p in plain.parameters())
     root_params = params - sum(p.numel() for p in plain.blocks.parameters())
     block_params = sum(p.numel() for p in plain.blocks[-1].parameters())
@@ -239,7 +250,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def _worker_args(args: argparse.Namespace, impl: str, result: str, memory: bool) -> list[str]:
     out = ["--worker", impl, "--result", result]
-    for key in ("seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb",
+    for key in ("model", "seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb",
                 "ddp_bucket_mb", "fsdp2_prefetch"):
         if getattr(args, key) is not None:
             out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -299,6 +310,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
                                                WORLD_SIZE)
         entry["sent_source"] = "algorithm" if entry["sent_bytes"] is not None else None
         entry["final_loss"] = ranks[0]["loss"][-1]
+        entry.setdefault("round_step_ms", []).append(median([max(t) for t in zip(*(r["step_s"] for r in ranks))]) * 1e3)
         if run["impl"] in MEASURED:
             entry.setdefault("comm", []).extend(step for r in ranks[:1] for step in r["comm"])
             entry["trace"] = ranks[0]["trace"]
@@ -306,8 +318,9 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
         if run["impl"] in peers.COMPILED:
             entry.setdefault("first_step_s", []).append(max(r.get("first_step_s") or 0.0 for r in ranks))
     for link, by_impl in _compiled_over_eager(runs).items():
-        for impl, ratio in by_impl.items():
-            summary[link][impl]["compiled_over_eager"] = ratio
+        for impl, ratios in by_impl.items():
+            summary[link][impl]["compiled_over_eager"] = median(ratios)
+            summary[link][impl]["compiled_over_eager_rounds"] = ratios
     for by_impl in summary.values():
         for impl, entry in by_impl.items():
             entry["step_ms"] = median(entry["steps_s"]) * 1e3
@@ -325,9 +338,9 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
     return summary
 
 
-def _compiled_over_eager(runs: list[dict]) -> dict[str, dict[str, float]]:
-    """link -> compiled row -> the median over rounds of its median step time ÷ its eager
-    twin's in the same round (paired: load on the host that varies between rounds cancels)."""
+def _compiled_over_eager(runs: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """link -> compiled row -> per round, its median step time ÷ its eager twin's in the same
+    round (paired: load on the host that varies between rounds cancels)."""
     per_round = {(run["link"], run["round"], run["impl"]): median([max(times) for times in zip(*(
         r["step_s"] for r in run["ranks"]))]) for run in runs}
     ratios: dict[str, dict[str, list[float]]] = {}
@@ -335,7 +348,7 @@ def _compiled_over_eager(runs: list[dict]) -> dict[str, dict[str, float]]:
         twin = per_round.get((link, round_index, peers.EAGER_TWIN.get(impl, "")))
         if twin:
             ratios.setdefault(link, {}).setdefault(impl, []).append(step / twin)
-    return {link: {impl: median(r) for impl, r in by_impl.items()} for link, by_impl in ratios.items()}
+    return ratios
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -413,20 +426,29 @@ def compile_targets(summary: dict) -> list[dict]:
         overlap = by_impl.get(peers.OVERLAP_COMPILED, {}).get("compiled_over_eager")
         local = by_impl.get(peers.LOCAL_COMPILED, {}).get("compiled_over_eager")
         if overlap is not None and local is not None:
+            rounds = [o / l for o, l in zip(by_impl[peers.OVERLAP_COMPILED]["compiled_over_eager_rounds"],
+                                            by_impl[peers.LOCAL_COMPILED]["compiled_over_eager_rounds"])]
             targets.append(dict(link=link, what="(overlap compiled ÷ eager) / (local compiled ÷ eager)",
-                                limit=COMPILED_KEEPS_GAIN, ratio=overlap / local))
+                                limit=COMPILED_KEEPS_GAIN, ratio=overlap / local, rounds=rounds))
         fsdp2 = _step(summary, link, peers.FSDP2_TUNED_COMPILED)
         if peers.OVERLAP_COMPILED in by_impl and fsdp2 is not None:
+            rounds = [a / b for a, b in zip(by_impl[peers.OVERLAP_COMPILED]["round_step_ms"],
+                                            by_impl[peers.FSDP2_TUNED_COMPILED]["round_step_ms"])]
             targets.append(dict(link=link, what="overlap-compiled step time / fsdp2-tuned-compiled", limit=1.0,
-                                ratio=_ratio(_step(summary, link, peers.OVERLAP_COMPILED), fsdp2)))
+                                ratio=_ratio(_step(summary, link, peers.OVERLAP_COMPILED), fsdp2), rounds=rounds))
     return targets
+
+
+def _range(values: Optional[list[float]]) -> str:
+    return "–" if not values else f"{min(values):.3f}–{max(values):.3f}"
 
 
 def compile_table(summary: dict) -> str:
     rows = [[link, impl, _fmt(entry["step_ms"]), _fmt(entry.get("compiled_over_eager"), 3),
+             _range(entry.get("compiled_over_eager_rounds")),
              " / ".join(f"{s:.1f}" for s in entry["first_step_s"])]
             for link, by_impl in summary.items() for impl, entry in by_impl.items() if impl in peers.COMPILED]
-    return markdown_table(["link", "impl", "step ms (median)", "compiled ÷ eager (paired by round)",
+    return markdown_table(["link", "impl", "step ms (median)", "compiled ÷ eager (median of rounds)", "range",
                            "first step s, by round (compiles; cold cache in round 1)"], rows)
 
 
@@ -482,7 +504,10 @@ def target_lines(targets: list[dict]) -> str:
     lines = []
     for t in targets:
         state = "not measured" if t["met"] is None else ("met" if t["met"] else "MISSED")
-        lines.append(f"- {t['link']}: {t['what']} = {_fmt(t['ratio'], 2)} (target ≤ {t['limit']:.2f}): {state}")
+        rounds = t.get("rounds")
+        by_round = "" if not rounds else "; by round: " + ", ".join(
+            f"{r:.2f} ({'met' if r <= t['limit'] else 'missed'})" for r in rounds)
+        lines.append(f"- {t['link']}: {t['what']} = {_fmt(t['ratio'], 2)} (target ≤ {t['limit']:.2f}): {state}{by_round}")
     return "\n".join(lines)
 
 
@@ -525,12 +550,18 @@ def plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _loads(loads: Sequence[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in loads)
+
+
 def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, targets: list[dict]) -> str:
     """compare.json, compare.md and compare.png under args.out; returns the markdown."""
     command = "python benchmarks/compare.py " + " ".join(args.argv)
     markdown = "\n\n".join([
         f"Command: `{command.strip()}`",
-        f"Model: {args.n_layer} layers, d={args.n_embd}, vocab {args.vocab_size}, batch {args.batch}×{args.block_size}"
+        f"Host load average (1, 5, 15 min) before: {_loads(args.load_before)}; after: {_loads(args.load_after)}"
+        f" ({os.cpu_count()} CPUs, shared with other jobs).",
+        f"Model: {args.model}, {args.n_layer} blocks, d={args.n_embd}, vocab {args.vocab_size}, batch {args.batch}×{args.block_size}"
         f" per rank, {WORLD_SIZE} ranks (gloo); {args.rounds} round(s) × {args.steps} timed steps"
         f" after {args.warmup} warm-up.",
         *(f"{impl}: skipped ({reason})." for impl, reason in args.skipped.items()),
@@ -541,9 +572,11 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, tar
     for entry in (e for by_impl in summary.values() for e in by_impl.values()):
         entry.pop("steps_s")
     meta = dict(command=command.strip(), argv=args.argv, skipped=args.skipped, sources=args.sources,
-                model={key: getattr(args, key) for key in MODEL_FIELDS},
+                model={"kind": args.model, **{key: getattr(args, key) for key in MODEL_FIELDS}},
                 batch=args.batch, world_size=WORLD_SIZE, torch=torch.__version__, python=platform.python_version(),
-                cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+                cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                commit=git_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                loadavg_before=args.load_before, loadavg_after=args.load_after)
     write_json(os.path.join(args.out, "compare.json"),
                dict(meta=meta, results=summary, targets=targets, runs=runs))
     write_text(os.path.join(args.out, "compare.md"), markdown + "\n")
@@ -560,6 +593,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
+                        help="gpt: overlap.models.GPT; mlp: narrow_mlp.NarrowMLP (blocks of narrow "
+                        "LayerNorm/GELU layers, where compiling helps on CPU; --n-head unused)")
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--n-embd", type=int, default=512)
     parser.add_argument("--n-head", type=int, default=8)
@@ -620,7 +656,7 @@ def merged_runs(args: argparse.Namespace) -> list[dict]:
     for path in args.merge:
         data = read_json(path)
         recorded = parse_args(data["meta"]["argv"])
-        these = {key: getattr(recorded, key) for key in ("batch", "steps", "warmup", "seed", "lr", *MODEL_FIELDS)}
+        these = {key: getattr(recorded, key) for key in ("model", "batch", "steps", "warmup", "seed", "lr", *MODEL_FIELDS)}
         if settings is None:
             settings = these
             args.skipped = data["meta"].get("skipped", {})
@@ -640,7 +676,9 @@ def merged_runs(args: argparse.Namespace) -> list[dict]:
 
 
 def run_driver(args: argparse.Namespace) -> int:
+    args.load_before = os.getloadavg()
     runs = merged_runs(args) if args.merge else run_all(args)
+    args.load_after = os.getloadavg()
     summary = summarize(runs)
     targets = check_targets(summary)
     print(write_outputs(args, runs, summary, targets))

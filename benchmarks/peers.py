@@ -202,9 +202,8 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
         wrapped = fsdp2(model, impl == FSDP2_TUNED, args.fsdp2_prefetch)
     else:
         from overlap import ShardedModule
-        from overlap.models import Block
 
-        wrapped = ShardedModule(model, unit_types=(Block,), prefetch_depth=args.prefetch_depth,
+        wrapped = ShardedModule(model, unit_types=(type(model.blocks[0]),), prefetch_depth=args.prefetch_depth,
                                 bucket_mb=args.bucket_mb, compression=SHARDED_MODULE[impl],
                                 compile=impl == OVERLAP_COMPILED)
     optimizer = make_optimizer(wrapped.parameters(), args.lr)

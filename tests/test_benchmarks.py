@@ -183,3 +183,48 @@ def test_overhead_profile_paths_are_relative():
     assert relative_paths(text, REPO).splitlines() == [
         "overlap/runtime/unit.py:10(f)", "site-packages/torch/nn/modules/module.py:1(g)", "stdlib/threading.py:2(h)",
         "x.py:3(i)", "{built-in method builtins.len}"]
+
+
+@pytest.mark.timeout(200)
+def test_compare_trains_the_narrow_mlp(tmp_path):
+    """`--model mlp`: every implementation wraps the narrow MLP's blocks (ShardedModule with
+    the MLP's block class as its unit) and trains it to the same loss; the run records the
+    model, the commit and the host load."""
+    impls = "overlap,ddp-tuned,local"
+    proc = _run("compare.py", "--quick", "--model", "mlp", "--links", "loopback", "--impls", impls,
+                "--out", str(tmp_path), timeout=190)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "compare.json") as f:
+        report = json.load(f)
+    meta, results = report["meta"], report["results"]["loopback"]
+    assert meta["model"]["kind"] == "mlp"
+    assert len(meta["loadavg_before"]) == 3 and len(meta["loadavg_after"]) == 3 and meta["commit"]
+    assert results["overlap"]["settings"]["units"] == meta["model"]["n_layer"]
+    losses = {impl: results[impl]["final_loss"] for impl in ("overlap", "ddp-tuned")}
+    assert all(math.isfinite(loss) for loss in losses.values())
+    assert abs(losses["overlap"] - losses["ddp-tuned"]) < 1e-3 * abs(losses["ddp-tuned"]), losses
+
+
+def test_compile_targets_hold_or_miss_by_round():
+    """The compiled targets' ratios, paired round by round from the rows' per-round medians."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import compare
+    finally:
+        sys.path.remove(BENCHMARKS)
+    runs = [dict(link="loopback", round=r, impl=impl, ranks=[dict(step_s=[ms / 1e3])])
+            for r, steps in enumerate([dict(overlap=10, local=4), dict(overlap=10, local=4)])
+            for impl, ms in [*steps.items(), ("overlap-compiled", 9 if r == 0 else 10), ("local-compiled", 3.6)]]
+    ratios = compare._compiled_over_eager(runs)["loopback"]
+    assert ratios["overlap-compiled"] == pytest.approx([0.9, 1.0])
+    assert ratios["local-compiled"] == pytest.approx([0.9, 0.9])
+    summary = {"loopback": {
+        "overlap-compiled": dict(compiled_over_eager=0.95, compiled_over_eager_rounds=ratios["overlap-compiled"],
+                                 round_step_ms=[9.0, 10.0], step_ms=9.5),
+        "local-compiled": dict(compiled_over_eager=0.9, compiled_over_eager_rounds=ratios["local-compiled"]),
+        "fsdp2-tuned-compiled": dict(round_step_ms=[9.5, 9.5], step_ms=9.5)}}
+    keeps, ahead = compare.compile_targets(summary)
+    assert keeps["rounds"] == pytest.approx([1.0, 1.0 / 0.9])     # met in round 1, missed in round 2
+    assert ahead["rounds"] == pytest.approx([9 / 9.5, 10 / 9.5])
+    lines = compare.target_lines([{**t, "met": t["ratio"] <= t["limit"]} for t in (keeps, ahead)])
+    assert "by round: 1.00 (met), 1.11 (missed)" in lines
