@@ -40,6 +40,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_HOST_GBPS": ("number > 0 or 'auto'", "device <-> host copy bandwidth (GB/s) the offload estimate assumes"),
     "OVERLAP_DISK_GBPS": ("number > 0 or 'auto'", "disk bandwidth (GB/s) the disk-offload estimate assumes"),
     "OVERLAP_COMPILE": ("0|1", "compile each unit's compute with torch.compile, collectives outside (docs/compile.md)"),
+    "OVERLAP_OFFLOAD_DIR": ("directory path", "where offload='disk' keeps each rank's state file (default: a fresh "
+                            "temporary directory per rank, removed at exit)"),
 }
 
 
@@ -61,6 +63,7 @@ class Config:
     host_gbps: Optional[float] = None      # None: the link table's (overlap.plan.links)
     disk_gbps: Optional[float] = None
     compile: bool = False
+    offload_dir: Optional[str] = None      # None: a fresh temporary directory per rank
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -195,6 +198,10 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
             fields[field] = _parse_auto_number(name, env[name], integer=False, minimum=0, strict=True)
     if "OVERLAP_COMPILE" in env:
         fields["compile"] = _parse_flag("OVERLAP_COMPILE", env["OVERLAP_COMPILE"])
+    if "OVERLAP_OFFLOAD_DIR" in env:
+        if not env["OVERLAP_OFFLOAD_DIR"].strip():
+            raise ValueError(f"OVERLAP_OFFLOAD_DIR='' is invalid; accepted values: {ENV_VARS['OVERLAP_OFFLOAD_DIR'][0]}")
+        fields["offload_dir"] = env["OVERLAP_OFFLOAD_DIR"].strip()
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)
