@@ -61,6 +61,9 @@ class ShardedModule(nn.Module):
             reductions outside the compiled regions: argument > OVERLAP_COMPILE > False.
             Blocks compiled before wrapping (`block.compile()`) are compiled the same way.
             See docs/compile.md.
+        offload: where this rank's master shards, gradient shards and optimizer state live:
+            "none" (on the device it computes on), "cpu" (host memory; the optimizer steps
+            host tensors) or "disk": argument > OVERLAP_OFFLOAD > "none". See docs/offload.md.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
@@ -69,13 +72,14 @@ class ShardedModule(nn.Module):
                  bucket_mb: Optional[float] = None, reshard_after_forward: bool = True,
                  param_init_fn: Optional[Callable[[nn.Module], None]] = None,
                  mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None,
-                 compression: Optional[str] = None, compile: Optional[bool] = None) -> None:
+                 compression: Optional[str] = None, compile: Optional[bool] = None,
+                 offload: Optional[str] = None) -> None:
         super().__init__()
         started = start_up(module, StartupRequest(
             unit_types=unit_types, process_group=process_group, mixed_precision=mixed_precision,
             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, reshard_after_forward=reshard_after_forward,
             param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression, compile=compile,
-            nested=any(isinstance(m, ShardedModule) for m in module.modules())))
+            offload=offload, nested=any(isinstance(m, ShardedModule) for m in module.modules())))
         self.module = module
         # Sharding groups, link, plan and settings, the same on every rank; see overlap.control.startup.
         self.startup = started.decision

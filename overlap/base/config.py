@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
-from overlap.base.choices import COMPRESS_CHOICES, KERNEL_CHOICES, LINK_CHOICES, ORDER_CHECKS, SHARDING_CHOICES
+from overlap.base.choices import (COMPRESS_CHOICES, KERNEL_CHOICES, LINK_CHOICES, OFFLOAD_CHOICES, ORDER_CHECKS,
+                                  SHARDING_CHOICES)
 from overlap.kernels.quantized import DEFAULT_BLOCK, MAX_BLOCK
 
 LOG_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -40,6 +41,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_HOST_GBPS": ("number > 0 or 'auto'", "device <-> host copy bandwidth (GB/s) the offload estimate assumes"),
     "OVERLAP_DISK_GBPS": ("number > 0 or 'auto'", "disk bandwidth (GB/s) the disk-offload estimate assumes"),
     "OVERLAP_COMPILE": ("0|1", "compile each unit's compute with torch.compile, collectives outside (docs/compile.md)"),
+    "OVERLAP_OFFLOAD": ("|".join(OFFLOAD_CHOICES),
+                        "where master shards, gradient shards and optimizer state live: the device, host memory "
+                        "or local disk (docs/offload.md)"),
     "OVERLAP_OFFLOAD_DIR": ("directory path", "where offload='disk' keeps each rank's state file (default: a fresh "
                             "temporary directory per rank, removed at exit)"),
 }
@@ -63,6 +67,7 @@ class Config:
     host_gbps: Optional[float] = None      # None: the link table's (overlap.plan.links)
     disk_gbps: Optional[float] = None
     compile: bool = False
+    offload: str = "none"
     offload_dir: Optional[str] = None      # None: a fresh temporary directory per rank
 
     def with_overrides(self, **overrides: object) -> "Config":
@@ -117,6 +122,12 @@ def validate_sharding(value: str, source: str = "sharding") -> str:
 def validate_compress(value: str, source: str = "compression") -> str:
     if value not in COMPRESS_CHOICES:
         raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(COMPRESS_CHOICES)}")
+    return value
+
+
+def validate_offload(value: str, source: str = "offload") -> str:
+    if value not in OFFLOAD_CHOICES:
+        raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(OFFLOAD_CHOICES)}")
     return value
 
 
@@ -198,6 +209,8 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
             fields[field] = _parse_auto_number(name, env[name], integer=False, minimum=0, strict=True)
     if "OVERLAP_COMPILE" in env:
         fields["compile"] = _parse_flag("OVERLAP_COMPILE", env["OVERLAP_COMPILE"])
+    if "OVERLAP_OFFLOAD" in env:
+        fields["offload"] = _parse_choice("OVERLAP_OFFLOAD", env["OVERLAP_OFFLOAD"], OFFLOAD_CHOICES)
     if "OVERLAP_OFFLOAD_DIR" in env:
         if not env["OVERLAP_OFFLOAD_DIR"].strip():
             raise ValueError(f"OVERLAP_OFFLOAD_DIR='' is invalid; accepted values: {ENV_VARS['OVERLAP_OFFLOAD_DIR'][0]}")

@@ -14,9 +14,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.base.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
-                                 validate_bucket_mb, validate_compress, validate_prefetch_depth, validate_sharding)
+                                 validate_bucket_mb, validate_compress, validate_offload, validate_prefetch_depth,
+                                 validate_sharding)
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.kernels import BackendUnavailable, KernelBackend, get_backend
+from overlap.runtime.host_tier import offload_error
 from overlap.runtime.mesh import sharding_error
 from overlap.runtime.process_group import device_backend
 
@@ -36,6 +38,7 @@ class StartupRequest:
     sharding: Optional[str] = None
     compression: Optional[str] = None
     compile: Optional[bool] = None
+    offload: Optional[str] = None
     nested: bool = False                 # the module already contains a ShardedModule
 
     @property
@@ -87,9 +90,11 @@ def resolve_settings(request: StartupRequest) -> RankSettings:
             bucket_mb=None if request.bucket_mb is None else validate_bucket_mb(request.bucket_mb),
             sharding=None if request.sharding is None else validate_sharding(request.sharding),
             compress=None if request.compression is None else validate_compress(request.compression),
-            compile=request.compile)
+            compile=request.compile,
+            offload=None if request.offload is None else validate_offload(request.offload))
         local_world_size = local_world_size_from_env()
-        error = sharding_error(request.process_group, request.mesh, config.sharding, local_world_size)
+        error = (sharding_error(request.process_group, request.mesh, config.sharding, local_world_size)
+                 or offload_error(config.offload))
         kernels = get_backend(config.kernels, device)
     except (ValueError, BackendUnavailable) as exc:
         error = str(exc)

@@ -43,6 +43,7 @@ class ShardingOptions:
     unit_types: Optional[Sequence[type]] = None
     sharding: Optional[str] = None
     compression: Optional[str] = None
+    offload: Optional[str] = None
     mixed_precision: Optional[MixedPrecision] = None
     prefetch_depth: Optional[int] = None
     bucket_mb: Optional[float] = None
@@ -55,4 +56,5 @@ class ShardingOptions:
         return ShardedModule(module, unit_types=self.unit_types, process_group=self.process_group,
                              mixed_precision=mixed, prefetch_depth=self.prefetch_depth, bucket_mb=self.bucket_mb,
                              reshard_after_forward=self.reshard_after_forward, param_init_fn=self.param_init_fn,
-                             sharding=self.sharding, compression=self.compression)
+                             sharding=self.sharding, compression=self.compression,
+                             offload=self.offload)

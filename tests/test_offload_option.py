@@ -1,0 +1,60 @@
+"""The `offload` option: argument > OVERLAP_OFFLOAD > "none", and clear errors on every rank
+for values that are wrong or tiers that are not available."""
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from distributed import RankError, run_distributed
+from overlap.base.choices import OFFLOAD_CHOICES
+from overlap.base.config import ENV_VARS, config_from_env
+from overlap.runtime.host_tier import offload_error
+
+
+def test_environment_is_parsed_and_argument_wins() -> None:
+    assert config_from_env({}).offload == "none"
+    assert config_from_env({"OVERLAP_OFFLOAD": " CPU "}).offload == "cpu"
+    assert config_from_env({"OVERLAP_OFFLOAD": "cpu"}).with_overrides(offload="none").offload == "none"
+
+
+def test_bad_environment_value_names_the_variable_and_choices() -> None:
+    with pytest.raises(ValueError) as info:
+        config_from_env({"OVERLAP_OFFLOAD": "nvme"})
+    message = str(info.value)
+    assert "OVERLAP_OFFLOAD='nvme'" in message and ENV_VARS["OVERLAP_OFFLOAD"][0] in message
+    assert all(choice in message for choice in OFFLOAD_CHOICES)
+
+
+def test_none_is_always_available() -> None:
+    assert offload_error("none") is None
+
+
+def _wrap(rank: int, world: int, kwargs: dict) -> str:
+    from overlap import ShardedModule
+
+    ShardedModule(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), **kwargs)
+    return "built"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kwargs,env,expected", [
+    ({"offload": "ram"}, {}, "offload='ram' is invalid"),
+    ({"offload": "CPU"}, {}, "offload='CPU' is invalid"),
+    ({}, {"OVERLAP_OFFLOAD": "ssd"}, "OVERLAP_OFFLOAD='ssd' is invalid"),
+    ({"offload": "disk"}, {}, "offload='disk'"),
+    ({"offload": "cpu"}, {}, "offload='cpu' is not available yet"),
+    ({}, {"OVERLAP_OFFLOAD": "disk"}, "offload='disk'"),
+])
+def test_bad_or_unavailable_offload_fails_on_every_rank(kwargs: dict, env: dict, expected: str) -> None:
+    with pytest.raises(RankError) as info:
+        run_distributed(_wrap, 2, kwargs, env=env, timeout=120)
+    errors = info.value.errors
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert "ValueError" in message and expected in message, message
+
+
+@pytest.mark.timeout(150)
+def test_none_by_argument_beats_the_environment() -> None:
+    assert run_distributed(_wrap, 2, {"offload": "none"}, env={"OVERLAP_OFFLOAD": "disk"}, timeout=120) == \
+        ["built", "built"]
