@@ -239,3 +239,23 @@ def test_offload_dir_setting():
     assert config_from_env({"OVERLAP_OFFLOAD_DIR": " /data/state "}).offload_dir == "/data/state"
     with pytest.raises(ValueError, match="OVERLAP_OFFLOAD_DIR"):
         config_from_env({"OVERLAP_OFFLOAD_DIR": " "})
+
+
+def test_new_file_reads_as_zeros_and_state_dict_views_follow_the_file(tmp_path):
+    engine = PagedAdamW([700, 300], directory=str(tmp_path), bucket_params=128)
+    try:
+        views = engine.state_dict()
+        assert all(torch.count_nonzero(t) == 0 for bucket in views["buckets"] for t in bucket.values())
+        masters = [torch.randn(700), torch.randn(300)]
+        engine.load_masters(masters)
+        hyper = Hyper(1e-2, (0.9, 0.999), 1e-8, 0.1, 1.0)
+        engine.step([torch.randn(700), torch.randn(300)], [Segment(0, 0, 700, hyper), Segment(1, 0, 300, hyper)])
+        after = [torch.empty(700), torch.empty(300)]
+        engine.copy_masters_to(after)
+        assert not torch.equal(after[0], masters[0])
+        # views made before the writes (direct IO where the file system has it) show the new values
+        for (shard, start, stop), bucket in zip(views["layout"], views["buckets"]):
+            assert torch.equal(bucket["master"], after[shard][start:stop])
+            assert torch.count_nonzero(bucket["exp_avg"]) > 0
+    finally:
+        engine.close()

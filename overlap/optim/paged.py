@@ -71,7 +71,9 @@ class PagedAdamW:
     """AdamW for flat shards whose master weights and moments live in a state file.
 
     `shard_sizes`: elements of each flat shard of this rank. The file is created under
-    `directory` (a fresh temporary one when None) and removed by `close()` or at exit.
+    `directory` (a fresh temporary one when None) and removed by `close()` or at exit. A new
+    file reads as zeros (reserved or sparse space), so masters and moments start at zero
+    without writing it; `load_masters` sets the masters.
     """
 
     def __init__(self, shard_sizes: Sequence[int], *, directory: Optional[str] = None, rank: int = 0,
@@ -96,7 +98,6 @@ class PagedAdamW:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="overlap-offload-write")
         self._broken: Optional[str] = None
         self.last_step = StepTimes(0.0, 0.0, 0.0)
-        self._zero_state()
 
     # -- buffer accounting --------------------------------------------------------------
     def _take(self) -> None:
@@ -178,12 +179,6 @@ class PagedAdamW:
             raise RuntimeError("the offloaded optimizer state was closed")
 
     # -- state ---------------------------------------------------------------------------
-    def _zero_state(self) -> None:
-        """Every bucket's master and moments set to zero (the file is new)."""
-        def zero(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
-            buffer[:bucket.nbytes].zero_()
-        self._run(range(len(self.buckets)), zero, read=False)
-
     def load_masters(self, masters: Sequence[torch.Tensor]) -> None:
         """Set each shard's fp32 master to `masters[i]` (any float dtype, shard-sized) and both
         moments to zero, a bucket at a time."""
