@@ -233,6 +233,35 @@ def test_bucket_plan_cuts_shards_in_order():
         plan_buckets([5], 0)
 
 
+def test_buckets_cut_on_parameter_boundaries():
+    # shard 0: parameters of 3, 3, 9 and 2 elements; shard 1: one of 4
+    buckets = plan_buckets([17, 4], 6, [[0, 3, 6, 15], [0]])
+    assert [(b.shard, b.start, b.stop) for b in buckets] == [(0, 0, 6), (0, 6, 12), (0, 12, 15), (0, 15, 17),
+                                                             (1, 0, 4)]
+    assert all(b.numel <= 6 for b in buckets)
+    with pytest.raises(ValueError, match="param_starts"):
+        plan_buckets([4], 6, [[5]])
+
+
+def test_parameters_map_to_one_contiguous_range(tmp_path):
+    seed = _seed()
+    shards, places = _layout()
+    starts = [[lo for shard, lo, _, _ in places if shard == i] for i in range(len(shards))]
+    engine = PagedAdamW(shards, directory=str(tmp_path), bucket_params=400, param_starts=starts)
+    try:
+        masters = [torch.randn(n) for n in shards]
+        engine.load_masters(masters)
+        for shard, lo, hi, _ in places:
+            views = engine.map_range(shard, lo, hi)
+            if hi - lo > 400:
+                assert views is None, "a parameter longer than a bucket spans buckets"
+                continue
+            assert views is not None, f"seed {seed}: parameter at {shard}:{lo} spans buckets"
+            assert torch.equal(views[0], masters[shard][lo:hi]) and torch.count_nonzero(views[1]) == 0
+    finally:
+        engine.close()
+
+
 def test_offload_dir_setting():
     from overlap.base.config import config_from_env
     assert config_from_env({}).offload_dir is None
@@ -257,5 +286,28 @@ def test_new_file_reads_as_zeros_and_state_dict_views_follow_the_file(tmp_path):
         for (shard, start, stop), bucket in zip(views["layout"], views["buckets"]):
             assert torch.equal(bucket["master"], after[shard][start:stop])
             assert torch.count_nonzero(bucket["exp_avg"]) > 0
+    finally:
+        engine.close()
+
+
+def test_masters_load_from_a_function_one_bucket_at_a_time(tmp_path):
+    _seed()
+    masters = [torch.randn(900), torch.randn(50)]
+    asked = []
+
+    def slice_of(shard, start, stop):
+        asked.append(stop - start)
+        return masters[shard][start:stop].double()          # any float dtype; cast on the way in
+    engine = PagedAdamW([900, 50], directory=str(tmp_path), bucket_params=256)
+    try:
+        engine.load_masters(slice_of)
+        assert max(asked) <= 256 and sum(asked) == 950
+        out = [torch.empty(900), torch.empty(50)]
+        engine.copy_masters_to(out)
+        assert all(torch.equal(o, m) for o, m in zip(out, masters))
+        with pytest.raises(ValueError, match="returned 1 elements"):
+            engine.load_masters(lambda shard, start, stop: torch.zeros(1))
+        with pytest.raises(RuntimeError, match="inconsistent"):
+            engine.copy_masters_to(out)
     finally:
         engine.close()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -70,7 +70,8 @@ class Segment:
 class PagedAdamW:
     """AdamW for flat shards whose master weights and moments live in a state file.
 
-    `shard_sizes`: elements of each flat shard of this rank. The file is created under
+    `shard_sizes`: elements of each flat shard of this rank; `param_starts`, where each
+    shard's parameters begin, to cut buckets on their boundaries (`plan_buckets`). The file is created under
     `directory` (a fresh temporary one when None) and removed by `close()` or at exit. A new
     file reads as zeros (reserved or sparse space), so masters and moments start at zero
     without writing it; `load_masters` sets the masters.
@@ -78,12 +79,12 @@ class PagedAdamW:
 
     def __init__(self, shard_sizes: Sequence[int], *, directory: Optional[str] = None, rank: int = 0,
                  bucket_params: int = DEFAULT_BUCKET_PARAMS, buffers: int = DEFAULT_BUFFERS, direct: bool = True,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", param_starts: Optional[Sequence[Sequence[int]]] = None) -> None:
         if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 3:
             raise ValueError(f"buffers={buffers!r} is invalid; the pipeline needs at least 3 (read ahead, "
                              "stepping, writing back)")
         self.shard_sizes = tuple(shard_sizes)
-        self.buckets = plan_buckets(self.shard_sizes, bucket_params)
+        self.buckets = plan_buckets(self.shard_sizes, bucket_params, param_starts)
         self.backend = backend
         self.file = StateFile(self.buckets, directory, rank=rank, direct=direct)
         largest = max((b.nbytes for b in self.buckets), default=0)
@@ -117,8 +118,8 @@ class PagedAdamW:
 
     # -- the pipeline ----------------------------------------------------------------------
     def _run(self, indices: Sequence[int], work, *, read: bool = True, write: bool = True) -> None:
-        """For each bucket index in order: read it (if `read`), call `work(bucket, buffer)` on the
-        main thread (with the bucket's index), write it back (if `write`), pipelined as in [Note: the disk pipeline]."""
+        """For each bucket index in order: read it (if `read`), call `work(index, bucket, buffer)`
+        on the main thread, write it back (if `write`); see [Note: the disk pipeline]."""
         self._check_usable()
         count = len(self._buffers)
         reads: dict[int, Future] = {}
@@ -179,14 +180,28 @@ class PagedAdamW:
             raise RuntimeError("the offloaded optimizer state was closed")
 
     # -- state ---------------------------------------------------------------------------
-    def load_masters(self, masters: Sequence[torch.Tensor]) -> None:
-        """Set each shard's fp32 master to `masters[i]` (any float dtype, shard-sized) and both
-        moments to zero, a bucket at a time."""
-        self._check_sizes(masters, "masters")
+    def load_masters(self, masters: Union[Sequence[torch.Tensor], Callable[[int, int, int], torch.Tensor]]) -> None:
+        """Set every shard's fp32 master and both moments to zero, a bucket at a time.
+
+        `masters`: shard-sized tensors (any float dtype), or a function `(shard, start, stop)`
+        returning those elements, so that no more than one bucket of masters need exist in
+        memory at once (a model materialised piece by piece, a checkpoint read in slices)."""
+        if callable(masters):
+            values = masters
+        else:
+            self._check_sizes(masters, "masters")
+
+            def values(shard: int, start: int, stop: int) -> torch.Tensor:
+                return masters[shard].reshape(-1)[start:stop]
+        self._broken = None           # every bucket is written whole
 
         def fill(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
             master, exp_avg, exp_avg_sq = bucket_views(buffer, bucket.numel)
-            master.copy_(masters[bucket.shard].reshape(-1)[bucket.start:bucket.stop])
+            value = values(bucket.shard, bucket.start, bucket.stop)
+            if value.numel() != bucket.numel:
+                raise ValueError(f"masters({bucket.shard}, {bucket.start}, {bucket.stop}) returned "
+                                 f"{value.numel()} elements; expected {bucket.numel}")
+            master.copy_(value.reshape(-1))
             exp_avg.zero_()
             exp_avg_sq.zero_()
         self._run(list(range(len(self.buckets))), fill, read=False)
@@ -212,6 +227,17 @@ class PagedAdamW:
             n = bucket.numel
             buckets.append({name: floats[i * n:(i + 1) * n] for i, name in enumerate(STATE_NAMES)})
         return {"layout": [(b.shard, b.start, b.stop) for b in self.buckets], "buckets": buckets}
+
+    def map_range(self, shard: int, start: int, stop: int) -> Optional[tuple[torch.Tensor, ...]]:
+        """Elements [start, stop) of shard `shard` as (master, exp_avg, exp_avg_sq) views of the
+        file, as `state_dict()`'s; None when they do not lie inside one bucket."""
+        self._check_usable()
+        for bucket in self.buckets:
+            if bucket.shard == shard and bucket.start <= start and stop <= bucket.stop:
+                floats, n = self.file.map(bucket), bucket.numel
+                a, b = start - bucket.start, stop - bucket.start
+                return tuple(floats[i * n + a:i * n + b] for i in range(len(STATE_NAMES)))
+        return None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Write a state dict of `state_dict()`'s form (the same layout) into the file, one

@@ -71,19 +71,52 @@ def region_bytes(numel: int) -> int:
     return -(-raw // ALIGN) * ALIGN
 
 
-def plan_buckets(shard_sizes: Sequence[int], bucket_params: int) -> list[Bucket]:
-    """Cut each shard into buckets of at most `bucket_params` elements, laid out in order."""
+def plan_buckets(shard_sizes: Sequence[int], bucket_params: int,
+                 param_starts: Optional[Sequence[Sequence[int]]] = None) -> list[Bucket]:
+    """Cut each shard into buckets of at most `bucket_params` elements, laid out in order.
+
+    With `param_starts` (per shard, the offsets where its parameters begin) buckets are cut on
+    parameter boundaries wherever that keeps them within `bucket_params`: consecutive
+    parameters share a bucket up to that size, and only a parameter longer than a bucket is
+    cut, into chunks of its own. A parameter that fits a bucket then lies in one bucket, one
+    contiguous range of the file (`StateFile.map`). Without it, fixed chunks.
+    """
     if isinstance(bucket_params, bool) or not isinstance(bucket_params, int) or bucket_params < 1:
         raise ValueError(f"bucket_params={bucket_params!r} is invalid; expected an integer >= 1")
-    buckets, offset = [], 0
+    if param_starts is not None and len(param_starts) != len(shard_sizes):
+        raise ValueError(f"param_starts has {len(param_starts)} entries for {len(shard_sizes)} shards")
+    buckets: list[Bucket] = []
+    offset = 0
     for shard, size in enumerate(shard_sizes):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"shard {shard} has size {size!r}; expected an integer >= 0")
-        for start in range(0, size, bucket_params):
-            bucket = Bucket(shard, start, min(size, start + bucket_params), offset)
-            buckets.append(bucket)
-            offset += bucket.nbytes
+        if param_starts is None:
+            ranges = [(start, min(size, start + bucket_params)) for start in range(0, size, bucket_params)]
+        else:
+            starts = sorted(set(param_starts[shard]) | {0})
+            if starts[-1] >= size > 0 or any(not isinstance(x, int) or x < 0 for x in starts):
+                raise ValueError(f"param_starts[{shard}]={list(param_starts[shard])!r} must lie in [0, {size})")
+            ranges = _cut_on_boundaries(starts if size else [], size, bucket_params)
+        for start, stop in ranges:
+            buckets.append(Bucket(shard, start, stop, offset))
+            offset += buckets[-1].nbytes
     return buckets
+
+
+def _cut_on_boundaries(starts: list[int], size: int, bucket_params: int) -> list[tuple[int, int]]:
+    ranges, open_at = [], 0
+    for lo, hi in zip(starts, starts[1:] + [size]):
+        if hi - lo > bucket_params:                  # a parameter longer than a bucket: chunks
+            if lo > open_at:
+                ranges.append((open_at, lo))
+            ranges.extend((c, min(hi, c + bucket_params)) for c in range(lo, hi, bucket_params))
+            open_at = hi
+        elif hi - open_at > bucket_params:           # the next parameter starts a new bucket
+            ranges.append((open_at, lo))
+            open_at = lo
+    if size > open_at:
+        ranges.append((open_at, size))
+    return ranges
 
 
 def aligned_buffer(nbytes: int) -> torch.Tensor:
