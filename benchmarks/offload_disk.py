@@ -15,6 +15,9 @@ pipelined / (io + update) (1: nothing overlapped) and pipelined / max(io, update
 it), with their median and range. Disk bandwidth reached = bytes read and written / io time,
 against `dd` with direct IO on a 1 GiB file, measured once at the start.
 
+Memory: the peak RSS from the engine's creation to the end of its first step, above the RSS
+before it (the engine's own memory, against its buffers), and the whole run's peak RSS.
+
 Also measured once: whether `torch.ops.overlap.adamw_step` runs without the GIL (a Python
 thread counting while the kernel steps a bucket; with the GIL held it would stop counting).
 """
@@ -104,6 +107,25 @@ def gil_check() -> dict:
             "kernel_calls": calls, "bucket_params": n}
 
 
+def _status_bytes(field: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux 4.0+); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _time(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -112,11 +134,16 @@ def _time(fn) -> float:
 
 def measure(count: int, rounds: int, directory: str) -> dict:
     shard_sizes = [min(SHARD_PARAMS, count - s) for s in range(0, count, SHARD_PARAMS)]
+    masters = [torch.randn(n) * 0.02 for n in shard_sizes]
+    grads = [torch.randn(n) * 1e-3 for n in shard_sizes]
+    resident = [torch.zeros(n, dtype=torch.bfloat16) for n in shard_sizes]
+    # The engine's own memory: the peak RSS from its creation to the end of its first step
+    # above the RSS before it (masters, gradients and resident shards already counted).
+    reset = _reset_peak_rss()
+    rss_before = _status_bytes("VmRSS")
     engine = PagedAdamW(shard_sizes, directory=directory)
     try:
-        engine.load_masters([torch.randn(n) * 0.02 for n in shard_sizes])
-        grads = [torch.randn(n) * 1e-3 for n in shard_sizes]
-        resident = [torch.empty(n, dtype=torch.bfloat16) for n in shard_sizes]
+        engine.load_masters(masters)
         step = [0]
 
         def segments() -> list[Segment]:
@@ -144,7 +171,9 @@ def measure(count: int, rounds: int, directory: str) -> dict:
             engine.step(grads, segments(), resident)
 
         fns = {"io": io, "update": update, "pipelined": pipelined}
-        pipelined()                          # untimed: first touch of buffers and pages
+        pipelined()                          # untimed
+        engine_rss_growth = _status_bytes("VmHWM") - rss_before if reset else None
+        del masters
         raw = []
         for r in range(rounds):
             order = MODES[r % 3:] + MODES[:r % 3]
@@ -163,7 +192,7 @@ def measure(count: int, rounds: int, directory: str) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
     return {"params": count, "shards": len(shard_sizes), "buckets": len(engine.buckets),
             "file_bytes": io_bytes // 2, "io_bytes_per_step": io_bytes, "buffer_bytes": buffer_bytes,
-            "peak_buffers": peak, "rounds": raw,
+            "peak_buffers": peak, "engine_peak_rss_growth_bytes": engine_rss_growth, "rounds": raw,
             "pipelined_over_sum": summary(vs_sum), "pipelined_over_max": summary(vs_max),
             "share_of_shorter_hidden": summary(hidden),
             "disk_gbps_io_alone": summary([io_bytes / x["io"] / 1e9 for x in raw]),
@@ -199,7 +228,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"pipelined/(io+update) {entry['pipelined_over_sum']['median']:.2f} "
                   f"[{entry['pipelined_over_sum']['min']:.2f}-{entry['pipelined_over_sum']['max']:.2f}]  "
                   f"pipelined/max {entry['pipelined_over_max']['median']:.2f}  "
-                  f"disk {entry['disk_gbps_io_alone']['median']:.2f} GB/s", flush=True)
+                  f"disk {entry['disk_gbps_io_alone']['median']:.2f} GB/s  engine RSS growth "
+                  f"{(entry['engine_peak_rss_growth_bytes'] or 0) / 2**20:.0f} MiB "
+                  f"(buffers {entry['buffer_bytes'] / 2**20:.0f} MiB)", flush=True)
     result = {
         "commit": _commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
