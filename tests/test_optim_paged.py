@@ -311,3 +311,19 @@ def test_masters_load_from_a_function_one_bucket_at_a_time(tmp_path):
             engine.copy_masters_to(out)
     finally:
         engine.close()
+
+
+def test_file_size_limit_at_creation_is_a_clear_error(tmp_path):
+    """A real refusal from the kernel (RLIMIT_FSIZE: EFBIG), not a mocked one."""
+    import resource
+    import signal
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, old_limit[1]))
+        with pytest.raises(StateFileError, match="rank 0: cannot reserve space for the offload state file"):
+            PagedAdamW([1 << 20], directory=str(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert not os.listdir(tmp_path)
