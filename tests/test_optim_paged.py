@@ -327,3 +327,14 @@ def test_file_size_limit_at_creation_is_a_clear_error(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
     assert not os.listdir(tmp_path)
+
+
+def test_outputs_must_be_shard_sized_and_contiguous(tmp_path):
+    engine = PagedAdamW([12], directory=str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=r"outputs\[0\] is not contiguous"):
+            engine.copy_masters_to([torch.empty(4, 3).t()])
+        with pytest.raises(ValueError, match=r"resident\[0\] is \(\(5,\), 'cpu'\); expected a CPU tensor of 12"):
+            engine.step([torch.zeros(12)], [], [torch.empty(5)])
+    finally:
+        engine.close()

@@ -208,6 +208,7 @@ class PagedAdamW:
 
     def copy_masters_to(self, outputs: Sequence[Optional[torch.Tensor]]) -> None:
         """Copy each shard's master into `outputs[i]` (cast to its dtype; None skips it)."""
+        self._check_sizes(outputs, "outputs", allow_none=True, contiguous=True)
         wanted = [i for i, b in enumerate(self.buckets) if outputs[b.shard] is not None]
 
         def copy(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -275,9 +276,9 @@ class PagedAdamW:
         updated master is copied (e.g. the 16-bit shard the all-gather sends), or None.
         Buckets with no segment are neither read nor written.
         """
-        self._check_sizes([g for g in grads], "grads", allow_none=True)
+        self._check_sizes(grads, "grads", allow_none=True, contiguous=True)
         if resident is not None:
-            self._check_sizes(resident, "resident", allow_none=True)
+            self._check_sizes(resident, "resident", allow_none=True, contiguous=True)
         pieces = self._pieces(segments, grads)
         wanted = [k for k in range(len(self.buckets)) if pieces[k]]
         clock = _Clock()
@@ -317,7 +318,10 @@ class PagedAdamW:
                     pieces[k].append((lo, hi, seg.hyper))
         return pieces
 
-    def _check_sizes(self, tensors: Sequence[Optional[torch.Tensor]], what: str, allow_none: bool = False) -> None:
+    def _check_sizes(self, tensors: Sequence[Optional[torch.Tensor]], what: str, allow_none: bool = False,
+                     contiguous: bool = False) -> None:
+        """Shard-sized CPU tensors, `contiguous` where asked: a strided one would be flattened
+        into a copy for every bucket, and writes into it lost."""
         if len(tensors) != len(self.shard_sizes):
             raise ValueError(f"{what}: {len(tensors)} tensors for {len(self.shard_sizes)} shards")
         for i, (t, size) in enumerate(zip(tensors, self.shard_sizes)):
@@ -326,6 +330,9 @@ class PagedAdamW:
             if t is None or t.numel() != size or t.device.type != "cpu":
                 raise ValueError(f"{what}[{i}] is {None if t is None else (tuple(t.shape), str(t.device))}; "
                                  f"expected a CPU tensor of {size} elements")
+            if contiguous and not t.is_contiguous():
+                raise ValueError(f"{what}[{i}] is not contiguous; the engine reads and writes shards through flat "
+                                 "views")
 
     def close(self) -> None:
         """Stop the threads and remove the state file."""
