@@ -171,16 +171,18 @@ class ShardedModule(nn.Module):
         device = self.collectives.device
         group = self.collectives.group
         norms = torch._foreach_norm(grads, norm_type) if grads else []
+        # Offloaded gradients are host tensors; their norm crosses the group on its device.
         if norm_type == math.inf:
-            total = torch.stack(norms).max().float() if grads else torch.zeros((), device=device)
+            total = torch.stack(norms).max().float().to(device) if grads else torch.zeros((), device=device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         else:
-            local = torch.stack(norms).float().pow(norm_type).sum() if grads else torch.zeros((), device=device)
+            local = torch.stack(norms).float().pow(norm_type).sum().to(device) if grads \
+                else torch.zeros((), device=device)
             dist.all_reduce(local, group=group)
             total = local.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
         return total
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:

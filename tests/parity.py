@@ -54,6 +54,10 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    if kind == "overlap_adamw":
+        from overlap.optim import AdamW
+
+        return AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     if kind == "adamw_groups":
         named = list(model.named_parameters())
         return torch.optim.AdamW([

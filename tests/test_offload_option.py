@@ -42,7 +42,6 @@ def _wrap(rank: int, world: int, kwargs: dict) -> str:
     ({"offload": "CPU"}, {}, "offload='CPU' is invalid"),
     ({}, {"OVERLAP_OFFLOAD": "ssd"}, "OVERLAP_OFFLOAD='ssd' is invalid"),
     ({"offload": "disk"}, {}, "offload='disk'"),
-    ({"offload": "cpu"}, {}, "offload='cpu' is not available yet"),
     ({}, {"OVERLAP_OFFLOAD": "disk"}, "offload='disk'"),
 ])
 def test_bad_or_unavailable_offload_fails_on_every_rank(kwargs: dict, env: dict, expected: str) -> None:

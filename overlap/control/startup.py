@@ -38,6 +38,7 @@ from overlap.observe.report import OverlapMonitor
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.compiled import CompileTimeLog, compile_modules, compiled_by_user
 from overlap.runtime.compression import Compression, QuantizedCodec
+from overlap.runtime.host_tier import HostTier
 from overlap.runtime.mesh import ShardingGroups, resolve_sharding
 from overlap.runtime.scheduler import Scheduler
 
@@ -66,7 +67,11 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     check_ranks_agree(request.all_group, settings.error, model_signature(root_spec, unit_specs), settings.config)
     decision = decide(request, settings, unit_specs)
     collectives = _collectives(decision)
-    built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn)
+    # offload="cpu": master and gradient shards in host memory, and the copies to and from it.
+    host = None
+    if decision.config.offload == "cpu":
+        host = HostTier(decision.device, decision.kernels, collectives.all_gather_stream)
+    built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check)
     # Per-step timings of compute and communication for `overlap_report()`.

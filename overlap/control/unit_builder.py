@@ -15,6 +15,7 @@ from overlap.base.layout import group_by_kind
 from overlap.control.decision import StartupDecision
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.flat_group import FlatGroup
+from overlap.runtime.host_tier import HostTier
 from overlap.runtime.materialize import check_same_values, materialize, meta_places
 from overlap.runtime.unit import Unit
 
@@ -36,8 +37,9 @@ class BuiltUnits:
 class _FlatGroups:
     """Packs units' parameters into flat groups, remembering each parameter's slot."""
 
-    def __init__(self, collectives: Collectives, decision: StartupDecision) -> None:
+    def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier]) -> None:
         self.collectives = collectives
+        self.host = host
         self.mixed_precision = decision.mixed_precision
         self.node = decision.sharding.node
         self.slot_of: dict[int, tuple[FlatGroup, int]] = {}
@@ -46,7 +48,8 @@ class _FlatGroups:
         groups = []
         for (dtype, _), entries in group_by_kind(spec.params, lambda entry: entry[1]).items():
             group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
-                              self.mixed_precision.grad_reduce_dtype(dtype), self.node)
+                              self.mixed_precision.grad_reduce_dtype(dtype), self.node,
+                              None if self.host is None else self.host.place())
             for index, (_, param, _) in enumerate(entries):
                 self.slot_of[id(param)] = (group, index)
             groups.append(group)
@@ -54,8 +57,10 @@ class _FlatGroups:
 
 
 def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpec], collectives: Collectives,
-                decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]]) -> BuiltUnits:
-    """Units over `module`'s parameters, which become views of this rank's flat shards."""
+                decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]],
+                host: Optional[HostTier] = None) -> BuiltUnits:
+    """Units over `module`'s parameters, which become views of this rank's flat shards (in host
+    memory with `host`: offload="cpu")."""
     device = decision.device
     for sub in module.modules():
         for name, buf in sub._buffers.items():
@@ -64,7 +69,7 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     on_meta = meta_places(module)
     # State-dict keys in the module's own order, read before parameters leave their modules.
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
-    flat = _FlatGroups(collectives, decision)
+    flat = _FlatGroups(collectives, decision, host)
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
     units = [flat.unit(spec, spec.modules) for spec in merge_into_buckets(unit_specs, decision.bucket_bytes)]
     if on_meta or any(b.is_meta for b in module.buffers()):

@@ -61,6 +61,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     if backend != "torch" and extension_available() and kernel_covers(param, grad, exp_avg, exp_avg_sq):
         torch.ops.overlap.adamw_step(param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
                                      *scalars, maximize)
+        # The kernel writes through raw pointers: tell autograd (and whoever watches `_version`,
+        # as offload's device copy does) that these tensors changed, as an in-place op would.
+        torch.autograd.graph.increment_version((param, exp_avg, exp_avg_sq))
         return "ext"
     if backend == "ext":
         reason = ("overlap._C was not built (reinstall with a C++ compiler)" if not extension_available() else

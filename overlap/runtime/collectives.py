@@ -183,9 +183,12 @@ class Collectives:
     # ---- reduce-scatter: see [Note: reducing a gradient] ------------------------------------
 
     def reduce_scatter(self, grad_full: torch.Tensor, shard_grad: torch.Tensor, reduce_dtype: torch.dtype,
-                       unit: str) -> Pending:
+                       unit: str, grad_shard: Optional[torch.Tensor] = None) -> Pending:
         """Average `grad_full` over ranks and add this rank's chunk into `shard_grad` (fp32),
-        in `reduce_dtype` on the wire, or through the codec where it compresses `grad_full`."""
+        in `reduce_dtype` on the wire, or through the codec where it compresses `grad_full`.
+        `grad_shard`: the gradient shard the sum ends up in when `shard_grad` is only a device
+        buffer staging it (offload, overlap.runtime.host_tier); the codec keeps its state per
+        gradient shard."""
         world = self.world_size
         nbytes = uncompressed = grad_full.numel() * reduce_dtype.itemsize * (world - 1) // world
         wire = None
@@ -201,7 +204,8 @@ class Collectives:
             source = self._pre_divided(grad_full, reduce_dtype)
             call.keep(grad_full, source, shard_grad)
             if wire is not None:
-                reduced = self._reduce_encoded(call, source, shard_grad, wire)
+                reduced = self._reduce_encoded(call, source, shard_grad, wire,
+                                               shard_grad if grad_shard is None else grad_shard)
             elif self.reduce_with_all_to_all and not call.on_stream:
                 reduced = self._reduce_by_all_to_all(call, source, shard_grad)
             else:
@@ -287,14 +291,14 @@ class Collectives:
         return target
 
     def _reduce_encoded(self, call: CollectiveCall, source: torch.Tensor, shard_grad: torch.Tensor,
-                        wire: WireFormat) -> torch.Tensor:
+                        wire: WireFormat, grad_shard: torch.Tensor) -> torch.Tensor:
         """The codec's reduction: each rank encodes the chunk of `source` destined to every
         other rank, an all-to-all delivers them, and the receiver sums its own exact chunk and
         the decoded ones in fp32; returns where the sum goes."""
         world, rank, shard = self.world_size, self.rank, shard_grad.numel()
         sizes = [0 if r == rank else wire.nbytes for r in range(world)]
         send = torch.empty(wire.nbytes * (world - 1), dtype=torch.uint8, device=self.device)
-        self.codec.encode_chunks(source, send, wire, rank, world, shard_grad)
+        self.codec.encode_chunks(source, send, wire, rank, world, grad_shard)
         received = torch.empty_like(send)
         call.launch(lambda async_op: self._all_to_all(received, send, sizes, async_op))
         # fp32, as the fused decode-accumulate wants.

@@ -187,7 +187,7 @@ class QuantizedCodec:
         count, shard, whole = world - 1, wire.numel, wire.whole_numel
         if count == 0:
             return
-        error = self._error_for(reduced_into, count * shard) if self._settings.error_feedback else None
+        error = self._error_for(reduced_into, count * shard, send.device) if self._settings.error_feedback else None
         quantize = self.kernels.quantize_int8 if wire.bits == 8 else self.kernels.quantize_int4
         q = torch.empty(count * quantized_bytes(whole, wire.bits), dtype=Q_DTYPES[wire.bits], device=send.device)
         scales = torch.empty(count * num_blocks(whole, wire.block), dtype=torch.float32, device=send.device)
@@ -228,9 +228,11 @@ class QuantizedCodec:
         self.kernels.dequantize_accumulate(target, values.contiguous().view(-1), scales.contiguous().view(-1),
                                            wire.block, wire.bits, count)
 
-    def _error_for(self, reduced_into: torch.Tensor, numel: int) -> torch.Tensor:
+    def _error_for(self, reduced_into: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+        # Keyed by the gradient shard, on the device that quantises (the shard may be in host
+        # memory: overlap.runtime.host_tier).
         error = self._errors.get(reduced_into)
         if error is None:
-            error = torch.zeros(numel, dtype=torch.float32, device=reduced_into.device)
+            error = torch.zeros(numel, dtype=torch.float32, device=device)
             self._errors[reduced_into] = error
         return error

@@ -51,6 +51,7 @@ from overlap.base.layout import FlatLayout
 from overlap.runtime.row_dtensors import as_dtensor, shard_mesh
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.pending import COMPLETED
+from overlap.runtime.host_tier import ShardPlace
 from overlap.runtime.node_copy import NodeCopy
 from overlap.runtime.param_views import ParamViews
 
@@ -69,8 +70,11 @@ class ParamSlot:
 class FlatGroup:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
                  collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 node_group: Optional[dist.ProcessGroup] = None) -> None:
+                 node_group: Optional[dist.ProcessGroup] = None, place: Optional[ShardPlace] = None) -> None:
         self.collectives = collectives
+        # Where the master and gradient shards live: on the device, or offloaded to the host
+        # (overlap.runtime.host_tier).
+        self.place = place if place is not None else ShardPlace()
         # hpZ: backward re-gathers from a copy kept inside the node (None: from the shards).
         self.node_copy = None if node_group is None else NodeCopy(collectives, node_group)
         self.kernels = collectives.kernels
@@ -107,6 +111,7 @@ class FlatGroup:
             if replicate is not None:
                 # Replicas of this shard take the first replica's (so, in the end, rank 0's) values.
                 dist.broadcast(self.shard, src=dist.get_global_rank(replicate, 0), group=replicate)
+        self.shard = self.place.place_master(self.shard)
         # This rank's part of each original parameter, as a view of the shard. See [Note:
         # original parameters are views of the flat shard].
         self.parts = self.layout.parts_on(rank)
@@ -129,7 +134,8 @@ class FlatGroup:
         self.full = torch.empty(self.padded_numel, dtype=gather_dtype, device=device)
         # See [Note: one rank computing in the master dtype].
         self.resident = (world == 1 and collectives.local_when_alone and collectives.replicate_group is None
-                         and self.node_copy is None and collectives.codec is None and gather_dtype == self.master_dtype)
+                         and self.node_copy is None and collectives.codec is None and gather_dtype == self.master_dtype
+                         and not self.place.offloaded)
         if self.resident:
             self.full.set_(self.shard.untyped_storage(), self.shard.storage_offset(), (self.padded_numel,))
         self.full.requires_grad_(self.requires_grad)
@@ -168,10 +174,14 @@ class FlatGroup:
         storage = full.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self._full_nbytes)
-        if self.node_copy is not None:
-            pending = self.node_copy.gather(full.detach(), self.shard, unit_name)
+        if self.node_copy is not None and self.node_copy.secondary is not None:
+            pending = self.node_copy.gather(full.detach(), self.shard, unit_name)   # from the node copy
         else:
-            pending = self.collectives.all_gather(full.detach(), self.shard, unit_name)
+            codec = self.collectives.codec
+            source = self.place.gather_source(self.shard, self.gather_dtype,
+                                              encoded=codec is not None and codec.gathers(full))
+            gather = self.collectives.all_gather if self.node_copy is None else self.node_copy.gather
+            pending = gather(full.detach(), source, unit_name)
         torch._C._autograd._unsafe_set_version_counter((full,), (version,))
         return pending
 
@@ -234,14 +244,17 @@ class FlatGroup:
     def grad_for_reduce(self) -> torch.Tensor:
         """The flat shard gradient a reduction adds into, holding what the parameters' `.grad`
         hold now: zero where `.grad` is None (cleared by `zero_grad()`), so that reduced
-        gradients accumulate across backward passes exactly as `.grad` does."""
+        gradients accumulate across backward passes exactly as `.grad` does. Offloaded, a
+        device buffer holding the same (see overlap.runtime.host_tier)."""
+        zeros = False
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.shard)
+            self.grad_shard = self.place.zeros_like(self.shard)
             self._grad_views = [self._shard_view(self.grad_shard, index) for index in range(len(self.slots))]
+            zeros = True
         elif not self.reduced:
             grads = [param.grad for param in self.params]
             if grads.count(None) == len(grads):             # after zero_grad(): one fill
-                self.grad_shard.zero_()
+                zeros = True
             else:
                 for grad, view in zip(grads, self._grad_views):
                     if grad is None:
@@ -249,11 +262,12 @@ class FlatGroup:
                     elif grad is not view:
                         view.copy_(grad)                    # a gradient the user assigned
         self.reduced = True
-        return self.grad_shard
+        return self.place.reduce_target(self.grad_shard, zeros)
 
     def publish_grads(self, got_grad: list[bool]) -> None:
         """After this group's reductions completed: give `.grad` to every parameter that got a
         gradient on some rank; the others keep theirs (None after `zero_grad()`)."""
+        self.place.grads_ready()
         if self.reduced:
             for param, view, used in zip(self.params, self._grad_views, got_grad):
                 if used or param.grad is not None:
@@ -277,7 +291,7 @@ class FlatGroup:
     def full_values(self) -> torch.Tensor:
         """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""
         out = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
-        all_gather_flat(out, self.shard, group=self.collectives.group)
+        all_gather_flat(out, self.place.on_device(self.shard), group=self.collectives.group)
         return out
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:

@@ -31,10 +31,12 @@ class GradReduction:
 
     def reduce(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
         """Issue the reduce-scatter of `group`'s full gradient into its shard gradient."""
-        shard_grad = group.grad_for_reduce()
+        target = group.grad_for_reduce()
         self.collectives.log.mark(Mark.REDUCE, unit.name)
-        self._reduce_scatters.append(
-            self.collectives.reduce_scatter(grad, shard_grad, group.reduce_dtype, unit.name))
+        pending = self.collectives.reduce_scatter(grad, target, group.reduce_dtype, unit.name, group.grad_shard)
+        # Offloaded: the sum goes home to the host gradient shard once it is complete.
+        group.place.reduction_issued(pending)
+        self._reduce_scatters.append(pending)
         self._bound_in_flight(self._reduce_scatters, "wait_reduce_scatter")
         if self._bound_all_reduces:
             self._bound_in_flight(self._all_reduces, "wait_all_reduce")
@@ -90,4 +92,5 @@ class GradReduction:
         self.wait_all()
         for unit in units:
             for group in unit.trainable_groups:
+                group.place.grads_ready()
                 group.reduced = False

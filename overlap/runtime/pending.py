@@ -97,6 +97,8 @@ class Pending:
     chained: Optional[Callable[[], "Pending"]] = None
     follow_up: Optional["Pending"] = None
     done: bool = False
+    # gloo: completion work for the chained collective, added to it once it is issued.
+    after_chained: list[Callable[[], None]] = field(default_factory=list)
 
     def then_run(self, work: Callable[[], None]) -> None:
         """Run `work` when the consumer waits, after the collective and after the completion
@@ -106,6 +108,17 @@ class Pending:
             raise RuntimeError(f"completion work added to the {self.record.kind} of {self.record.unit} "
                                "after it was waited for")
         self.callbacks.append(work)
+
+    def then_run_chained(self, work: Callable[[], None]) -> None:
+        """Run `work` as the completion work of the collective chained to this one (hybrid's
+        all-reduce across replicas), after its own: on CUDA it was issued with this one, on
+        gloo it is issued when this one is waited for."""
+        if self.follow_up is not None:
+            self.follow_up.then_run(work)
+        elif self.chained is not None:
+            self.after_chained.append(work)
+        else:
+            raise RuntimeError(f"the {self.record.kind} of {self.record.unit} chains no collective")
 
     def wait(self) -> None:
         if self.done:
@@ -118,6 +131,9 @@ class Pending:
         if self.chained is not None:
             chained, self.chained = self.chained, None
             self.follow_up = chained()
+            for work in self.after_chained:
+                self.follow_up.then_run(work)
+            self.after_chained.clear()
         self.record.wait_end = self.clock.stamp()
         self.signal = None
         self.done = True

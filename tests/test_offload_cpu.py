@@ -1,0 +1,165 @@
+"""offload="cpu" trains exactly as offload="none": the same model, batches and optimizer run
+both ways in one launch, at world sizes 1-3, with mixed precision, no_sync, clipping,
+hybrid sharding, hpZ and compression; a run killed after a checkpoint taken with offloaded
+state resumes to the uninterrupted run's losses.
+
+On a machine without CUDA host and device are one memory, but the offloaded run still keeps
+separate host shards and device buffers and copies between them (overlap.runtime.host_tier),
+so every comparison here can fail: a copy missed or late leaves stale weights or gradients.
+Both runs do the same arithmetic in the same order, so they are compared bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from parity import Case, train, token_batches
+from parity_cases import SMALL_GPT, _lm_loss
+
+from overlap import MixedPrecision
+from overlap.models import GPT
+
+STEPS = 3
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _case(optimizer: str, wrap: dict, micro_batches: int = 1, clip: float | None = None) -> Case:
+    return Case("offload", lambda: GPT(SMALL_GPT), _lm_loss, token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS),
+                optimizer=optimizer, wrap=wrap, micro_batches=micro_batches, clip=clip)
+
+
+def _both(rank: int, world: int, optimizer: str, wrap: dict, micro_batches: int, clip: float | None,
+          local_world_size: int | None) -> dict:
+    """The run without offload and with it, on this rank, plus what the offloaded model held."""
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    seen = {}
+
+    def inspect(model) -> None:
+        groups = [g for unit in model.scheduler.all_units for g in unit.groups]
+        seen["offloaded"] = all(g.place.offloaded for g in groups)
+        seen["resident"] = any(g.resident for g in groups)
+        # The user's parameters and gradients are views of the host shards; nothing stays staged.
+        seen["params_on_host"] = all(p.numel() == 0 or any(
+            g.shard.data_ptr() <= p.data_ptr() < g.shard.data_ptr() + g.shard.nbytes for g in groups)
+            for p in model.parameters())
+        seen["staging_left"] = sum(g.place.staging is not None for g in groups)
+
+    out = {"none": train(_case(optimizer, {**wrap, "offload": "none"}, micro_batches, clip), rank, world, sharded=True)}
+    out["cpu"] = train(_case(optimizer, {**wrap, "offload": "cpu"}, micro_batches, clip), rank, world, sharded=True,
+                       after=inspect)
+    out["cpu"].update(seen)
+    return out
+
+
+CASES = [
+    # (id, world, optimizer, wrap, micro-batches, clip, LOCAL_WORLD_SIZE)
+    ("w1-sgd", 1, "sgd", {}, 1, None, None),
+    ("w1-adamw-bf16", 1, "adamw", {"mixed_precision": BF16}, 1, None, None),
+    ("w2-sgd", 2, "sgd", {}, 1, None, None),
+    ("w2-adamw-groups", 2, "adamw_groups", {}, 1, None, None),
+    ("w2-overlap-adamw", 2, "overlap_adamw", {}, 1, None, None),
+    ("w2-overlap-adamw-bf16", 2, "overlap_adamw", {"mixed_precision": BF16}, 1, None, None),
+    ("w2-bf16-no_sync-clip", 2, "sgd", {"mixed_precision": BF16}, 2, 0.05, None),
+    ("w2-int8", 2, "sgd", {"compression": "int8"}, 1, None, None),
+    ("w2-int8-int4-bf16", 2, "adamw", {"compression": "int8-int4", "mixed_precision": BF16}, 1, None, None),
+    ("w2-hybrid", 2, "sgd", {"sharding": "hybrid"}, 1, None, 1),
+    ("w2-hpz-bf16", 2, "sgd", {"sharding": "hpz", "mixed_precision": BF16}, 1, 0.05, 1),
+    ("w3-sgd-no_sync", 3, "sgd", {}, 2, None, None),
+    ("w3-adamw-clip", 3, "adamw", {}, 1, 0.05, None),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,optimizer,wrap,micro_batches,clip,local_world_size",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_offloaded_training_equals_training_on_the_device(world: int, optimizer: str, wrap: dict,
+                                                          micro_batches: int, clip: float | None,
+                                                          local_world_size: int | None) -> None:
+    per_rank = run_distributed(_both, world, optimizer, wrap, micro_batches, clip, local_world_size, timeout=270)
+    for rank, result in enumerate(per_rank):
+        ref, got = result["none"], result["cpu"]
+        assert got["offloaded"] and not got["resident"] and got["params_on_host"], rank
+        assert got["staging_left"] == 0, rank
+        assert all(torch.isfinite(torch.tensor(got["losses"]))), got["losses"]
+        assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
+        assert got["norms"] == ref["norms"], (rank, got["norms"], ref["norms"])
+        for key, value in ref["state"].items():
+            assert torch.equal(got["state"][key], value), (rank, key)
+    # The comparison can fail: training changed the loss.
+    assert per_rank[0]["none"]["losses"][0] != per_rank[0]["none"]["losses"][-1]
+
+
+def _save_and_die(rank: int, world: int, path: str, kill: bool) -> dict:
+    """Two steps, a checkpoint taken from offloaded state, then either the process exits
+    at once (kill) or training goes on to the end (the uninterrupted run)."""
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="cpu", mixed_precision=BF16)
+    optimizer = _optimizer("adamw", model)
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=5)()
+    losses = []
+    for step in range(5):
+        if step == 2:
+            checkpoint.save(path, model, optimizer, extra={"step": 2})
+            if kill:
+                torch.distributed.barrier()
+                os._exit(3)        # killed: no clean shutdown, nothing after the save
+        loss = model(*_slice(batches[step], rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses}
+
+
+def _resume(rank: int, world: int, path: str) -> dict:
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(1)               # other initial values: everything must come from the file
+    model = ShardedModule(GPT(SMALL_GPT), offload="cpu", mixed_precision=BF16)
+    optimizer = _optimizer("adamw", model)
+    first = int(checkpoint.load(path, model, optimizer)["step"])
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=5)()
+    losses = []
+    for step in range(first, 5):
+        loss = model(*_slice(batches[step], rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses}
+
+
+_KILLED_RUN = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from distributed import run_distributed
+    import test_offload_cpu
+    if __name__ == "__main__":
+        run_distributed(test_offload_cpu._save_and_die, 2, {path!r}, True, timeout=200)
+""")
+
+
+@pytest.mark.timeout(500)
+def test_a_killed_offloaded_run_resumes_from_its_checkpoint(tmp_path) -> None:
+    tests = os.path.dirname(os.path.abspath(__file__))
+    killed = str(tmp_path / "killed")
+    # The killed run is a process of its own whose ranks exit right after the save.
+    done = subprocess.run([sys.executable, "-c", _KILLED_RUN.format(tests=tests, path=killed)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert os.path.exists(os.path.join(killed, ".metadata")), os.listdir(killed)
+    uninterrupted = run_distributed(_save_and_die, 2, str(tmp_path / "whole"), False, timeout=200)
+    resumed = run_distributed(_resume, 2, killed, timeout=200)
+    for whole, again in zip(uninterrupted, resumed):
+        assert again["losses"] == whole["losses"][2:], (again["losses"], whole["losses"])
