@@ -185,6 +185,13 @@ class ShardedModule(nn.Module):
             torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
         return total
 
+    def _refuse_disk(self, what: str) -> None:
+        if self.overlap_config.offload == "disk":
+            raise NotImplementedError(
+                f"ShardedModule.{what}() with offload='disk' is not implemented yet: the fp32 masters live in the "
+                "offload state file (full_state_dict() reads them); sharded state dicts and checkpoints of them "
+                "do not exist yet")
+
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The wrapped module's state dict with full (unsharded) CPU tensors, on every rank,
         or with `rank0_only` on rank 0 alone (the others return {}). Gathers one flat group
@@ -240,6 +247,7 @@ class ShardedModule(nn.Module):
         `overlap.runtime.row_dtensors`), buffers as they are. `torch.distributed.checkpoint`
         saves it without gathering and loads into it in place, at any world size and from
         FSDP2's checkpoints; `overlap.checkpoint` does both, with the optimizer."""
+        self._refuse_disk("state_dict")
         others = self.module.state_dict()
         out: dict[str, Any] = {}
         for key, where in self._state_dict_layout:
@@ -254,6 +262,7 @@ class ShardedModule(nn.Module):
                         assign: bool = False) -> Any:
         """Load a state dict from `state_dict()` (sharded, this world size and layout) or
         from `full_state_dict()` (full tensors, any layout)."""
+        self._refuse_disk("load_state_dict")
         if assign:
             raise ValueError("ShardedModule.load_state_dict: assign=True would replace the views of the flat shards")
         sharded = {key: value for key, value in state_dict.items() if isinstance(value, DTensor)}
@@ -281,6 +290,7 @@ class ShardedModule(nn.Module):
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load full tensors (as `full_state_dict` returns them); every rank passes the same."""
+        self._refuse_disk("load_full_state_dict")
         expected = [key for key, _ in self._state_dict_layout]
         missing = [key for key in expected if key not in state_dict]
         unexpected = sorted(set(state_dict) - set(expected))

@@ -239,6 +239,7 @@ def test_buckets_cut_on_parameter_boundaries():
     assert [(b.shard, b.start, b.stop) for b in buckets] == [(0, 0, 6), (0, 6, 12), (0, 12, 15), (0, 15, 17),
                                                              (1, 0, 4)]
     assert all(b.numel <= 6 for b in buckets)
+    assert [(b.start, b.stop) for b in plan_buckets([4], 6, [[0, 4, 4]])] == [(0, 4)]   # empty parts at the end
     with pytest.raises(ValueError, match="param_starts"):
         plan_buckets([4], 6, [[5]])
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Tuple, Union
 import torch
 
 from .flat_step import OPTIM_BACKENDS, adamw_step
+from .paged import Hyper, PagedAdamW, PagedParam, Segment, paged_of
 
 ParamsT = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
 
@@ -92,6 +93,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        paged = _PagedSteps()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -99,6 +101,15 @@ class AdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("overlap.optim.AdamW does not support sparse gradients")
                 state = self.state[p]
+                where = paged_of(p)
+                if where is not None:
+                    # offload="disk": master and moments in the state file; only the step count here.
+                    if not state:
+                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] += 1
+                    paged.add(p, where, Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                              state["step"].item(), group["maximize"]))
+                    continue
                 if not state:
                     # As torch: a float32 step count on the CPU, moments shaped like the parameter.
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -108,4 +119,48 @@ class AdamW(torch.optim.Optimizer):
                 adamw_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], betas=group["betas"],
                            eps=group["eps"], weight_decay=group["weight_decay"], step=state["step"].item(),
                            maximize=group["maximize"], backend=self.backend)
+        paged.run()
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        self._refuse_paged("state_dict")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._refuse_paged("load_state_dict")
+        super().load_state_dict(state_dict)
+
+    def _refuse_paged(self, what: str) -> None:
+        if any(paged_of(p) is not None for group in self.param_groups for p in group["params"]):
+            raise NotImplementedError(
+                f"overlap.optim.AdamW.{what}(): the moments of parameters of a model wrapped with offload='disk' "
+                "live in its offload state file, and optimizer state dicts of them are not implemented yet")
+
+
+class _PagedSteps:
+    """The segments of one step that go through each disk-offload engine, stepped together."""
+
+    def __init__(self) -> None:
+        self.segments: dict[PagedAdamW, list[Segment]] = {}
+        self.shards: dict[PagedAdamW, dict[int, PagedParam]] = {}
+
+    def add(self, param: torch.Tensor, where: PagedParam, hyper: Hyper) -> None:
+        grad_shard = where.grad_shard()
+        if grad_shard is None:
+            raise RuntimeError("offload='disk': a parameter has a .grad but its group reduced no gradient")
+        view = grad_shard[where.start:where.stop]
+        if param.grad.data_ptr() != view.data_ptr() or param.grad.dtype != view.dtype:
+            view.copy_(param.grad.reshape(-1))          # a .grad the user assigned
+        self.segments.setdefault(where.engine, []).append(Segment(where.shard, where.start, where.stop, hyper))
+        self.shards.setdefault(where.engine, {})[where.shard] = where
+
+    def run(self) -> None:
+        for engine, segments in self.segments.items():
+            shards = self.shards[engine]
+            grads: list[Optional[torch.Tensor]] = [None] * len(engine.shard_sizes)
+            resident: list[Optional[torch.Tensor]] = [None] * len(engine.shard_sizes)
+            for index, where in shards.items():
+                grads[index], resident[index] = where.grad_shard(), where.resident
+            engine.step(grads, segments, resident)
+            for where in shards.values():
+                where.on_stepped(where.resident)

@@ -342,6 +342,36 @@ class PagedAdamW:
 
 
 @dataclass(frozen=True)
+class PagedParam:
+    """Where a parameter of a disk-offloaded model lives: elements [start, stop) of shard
+    `shard` of `engine`; `resident` is that shard's 16-bit copy (the parameter is a view of
+    it), `grad_shard()` its fp32 gradient shard (`.grad` is a view of it), `on_stepped` is
+    told after each step that wrote `resident`."""
+
+    engine: PagedAdamW
+    shard: int
+    start: int
+    stop: int
+    resident: torch.Tensor
+    grad_shard: Callable[[], Optional[torch.Tensor]]
+    on_stepped: Callable[[torch.Tensor], None]
+
+
+# The attribute that marks a parameter whose master and moments are paged, for
+# overlap.optim.AdamW to find; it lives and dies with the parameter.
+_PAGED_ATTR = "_overlap_paged"
+
+
+def register_paged(param: torch.Tensor, where: PagedParam) -> None:
+    setattr(param, _PAGED_ATTR, where)
+
+
+def paged_of(param: torch.Tensor) -> Optional[PagedParam]:
+    """Where `param`'s master and moments are paged, or None for an ordinary parameter."""
+    return getattr(param, _PAGED_ATTR, None)
+
+
+@dataclass(frozen=True)
 class StepTimes:
     """The last step: wall seconds, seconds in the kernel (and resident copies), bytes moved."""
 

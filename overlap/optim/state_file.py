@@ -93,9 +93,11 @@ def plan_buckets(shard_sizes: Sequence[int], bucket_params: int,
         if param_starts is None:
             ranges = [(start, min(size, start + bucket_params)) for start in range(0, size, bucket_params)]
         else:
-            starts = sorted(set(param_starts[shard]) | {0})
-            if starts[-1] >= size > 0 or any(not isinstance(x, int) or x < 0 for x in starts):
-                raise ValueError(f"param_starts[{shard}]={list(param_starts[shard])!r} must lie in [0, {size})")
+            given = list(param_starts[shard])
+            if any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= size for x in given):
+                raise ValueError(f"param_starts[{shard}]={given!r} must lie in [0, {size}]")
+            # a parameter with no elements in this shard starts at its end: nothing to cut
+            starts = sorted({x for x in given if x < size} | {0})
             ranges = _cut_on_boundaries(starts if size else [], size, bucket_params)
         for start, stop in ranges:
             buckets.append(Bucket(shard, start, stop, offset))

@@ -64,10 +64,7 @@ if TYPE_CHECKING:
 
 # The offload tiers this runtime can hold state in; a tier missing here is refused at start-up
 # with the reason given.
-UNAVAILABLE_TIERS: dict[str, str] = {
-    "disk": "offload='disk' (master shards and optimizer state in files) is not available; "
-            "use offload='cpu' or offload='none'",
-}
+UNAVAILABLE_TIERS: dict[str, str] = {}
 
 
 def offload_error(offload: str) -> Optional[str]:

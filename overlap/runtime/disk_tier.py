@@ -1,0 +1,152 @@
+"""offload="disk": each trainable flat group's fp32 master shard and AdamW moments live in
+one state file per rank (overlap.optim.paged), and what stays in memory is the 16-bit copy of
+the shard that the all-gather sends.
+
+[Note: the disk tier's shards]
+The groups are built as on the device, in fp32 (rank 0's values broadcast, or materialised
+from the meta device), and `DiskTier.finish` then moves them: the fp32 shards are streamed
+into the state file bucket by bucket, and each group's shard becomes its 16-bit copy, which
+the user's parameters are views of (new `nn.Parameter`s, dtype = the gather dtype, as
+ZeRO-Infinity exposes its 16-bit weights). Their `grad_dtype` is set to fp32, so `.grad` stays a view of
+the fp32 gradient shard, as without offload: gradient accumulation, `no_sync` and clipping
+run unchanged. `overlap.optim.AdamW` finds the parameters in `overlap.optim.paged`'s registry
+and steps them through the file, writing each updated bucket's 16-bit copy into the shard.
+The fp32 shards exist in full only while the model is built.
+
+Any other write of the 16-bit shard (another optimizer stepping the parameters, an
+in-place init) would part it from the master on disk, and the next step would overwrite it;
+the shard's version counter, recorded after each paged step, is checked before each gather
+and a change is an error naming overlap.optim.AdamW.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from overlap.optim.paged import PagedAdamW, PagedParam, register_paged
+from overlap.runtime.host_tier import ShardPlace
+
+if TYPE_CHECKING:
+    from overlap.base.config import Config
+    from overlap.base.mixed_precision import MixedPrecision
+    from overlap.runtime.flat_group import FlatGroup
+
+
+def disk_offload_error(config: "Config", mixed_precision: Optional["MixedPrecision"],
+                       device: torch.device) -> Optional[str]:
+    """Why offload="disk" cannot run with these settings, or None (and None for other tiers)."""
+    if config.offload != "disk":
+        return None
+    param_dtype = None if mixed_precision is None else mixed_precision.param_dtype
+    if param_dtype not in (torch.bfloat16, torch.float16):
+        return ("offload='disk' keeps only the 16-bit copy of each shard (the one the all-gather sends) in "
+                "memory, the fp32 master in the state file: it needs mixed_precision=MixedPrecision("
+                f"param_dtype=torch.bfloat16 or torch.float16), got param_dtype={param_dtype}")
+    if config.compress != "none":
+        return (f"offload='disk' with compression={config.compress!r} is not supported: the codecs encode the "
+                "fp32 master shard, which is on disk; use compression='none'")
+    if config.compile:
+        return "offload='disk' with compile=True is not supported yet; use compile=False"
+    if device.type != "cpu":
+        return (f"offload='disk' runs on CPU process groups only so far (this rank computes on {device}); "
+                "use offload='cpu' or offload='none'")
+    return None
+
+
+class DiskShard(ShardPlace):
+    """One flat group's place under offload="disk": on the device (the base's answers) until
+    `DiskTier.finish` pages it; frozen and non-float groups stay there."""
+
+    def __init__(self) -> None:
+        self.engine: Optional[PagedAdamW] = None
+        self.index = -1                   # the group's shard in the engine
+        self.version: Optional[int] = None
+
+    @property
+    def offloaded(self) -> bool:          # type: ignore[override]
+        return self.engine is not None
+
+    def zeros_like(self, master: torch.Tensor) -> torch.Tensor:
+        # The gradient shard stays fp32 while the shard itself is 16-bit.
+        return torch.zeros(master.numel(), dtype=torch.float32 if self.engine is not None else master.dtype,
+                           device=master.device)
+
+    def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool) -> torch.Tensor:
+        if self.engine is not None and master._version != self.version:
+            raise RuntimeError(
+                "offload='disk': the parameters of this model were changed in place by something other than "
+                "overlap.optim.AdamW (another optimizer, an in-place init, a state dict loaded into them). "
+                "Their fp32 masters live in the offload state file, and only overlap.optim.AdamW steps them; "
+                "use overlap.optim.AdamW(model.parameters(), ...)")
+        return master
+
+    def on_device(self, master: torch.Tensor) -> torch.Tensor:
+        """The fp32 master from the state file (for full state dicts)."""
+        if self.engine is None:
+            return master
+        out = torch.empty(master.numel(), dtype=torch.float32, device=master.device)
+        outputs: list[Optional[torch.Tensor]] = [None] * len(self.engine.shard_sizes)
+        outputs[self.index] = out
+        self.engine.copy_masters_to(outputs)
+        return out
+
+    def stepped(self, resident: torch.Tensor) -> None:
+        """overlap.optim.AdamW wrote the shard: this version is the legitimate one."""
+        self.version = resident._version
+
+
+class DiskTier:
+    """The state file of one `ShardedModule` on this rank, and the groups paged through it."""
+
+    def __init__(self, directory: Optional[str], rank: int) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.engine: Optional[PagedAdamW] = None
+
+    def place(self) -> DiskShard:
+        return DiskShard()
+
+    def finish(self, groups: list["FlatGroup"]) -> None:
+        """Page the trainable 16-bit-gathered groups (see [Note: the disk tier's shards])."""
+        paged = [g for g in groups if isinstance(g.place, DiskShard) and g.requires_grad
+                 and g.master_dtype == torch.float32 and g.gather_dtype != g.master_dtype]
+        if not paged:
+            return
+        starts = [[_local_start(g, index) for index in range(len(g.slots))] for g in paged]
+        self.engine = PagedAdamW([g.shard_numel for g in paged], directory=self.directory, rank=self.rank,
+                                 param_starts=starts)
+        self.engine.load_masters([g.shard for g in paged])
+        for index, group in enumerate(paged):
+            resident = group.shard.to(group.gather_dtype)
+            group.shard = resident
+            place = group.place
+            place.engine, place.index = self.engine, index
+            for slot_index, slot in enumerate(group.slots):
+                # A new Parameter over the 16-bit shard: a view made this way shares the shard's
+                # version counter, which the check in `gather_source` reads.
+                param = nn.Parameter(group._shard_view(resident, slot_index), requires_grad=True)
+                param.grad_dtype = torch.float32
+                group.params[slot_index] = param
+                for module, attr in slot.owners:
+                    module._parameters[attr] = param
+                start = starts[index][slot_index]
+                register_paged(param, PagedParam(self.engine, index, start, start + param.numel(), resident,
+                                                 _grad_shard_of(group), place.stepped))
+            place.stepped(resident)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _local_start(group: "FlatGroup", index: int) -> int:
+    """Where parameter `index`'s part begins in this rank's shard (as `FlatGroup._shard_view`)."""
+    start, _ = group.parts[index]
+    offset = group.slots[index].offset + start - group.collectives.rank * group.shard_numel
+    return min(max(offset, 0), group.shard_numel)
+
+
+def _grad_shard_of(group: "FlatGroup"):
+    return lambda: group.grad_shard

@@ -1,0 +1,155 @@
+"""offload="disk" trains as offload="none" does with the same mixed precision and
+overlap.optim.AdamW: the same model, batches and optimizer run both ways in one launch, at
+world sizes 1-3, with no_sync, clipping, nanoGPT's weight-decay groups, hybrid sharding and
+hpZ.
+
+Both runs gather the same bf16 values (the disk tier's 16-bit shard is the master rounded as
+the gather would round it), reduce the same fp32 gradients and step the same fp32 masters
+with the same kernel and scalars (per parameter without offload, per segment of a bucket
+with it), so losses, clip norms and the final fp32 masters (read back from the state file by
+`full_state_dict`) are compared bit for bit. Also: the parameters are 16-bit views of the
+resident shard with fp32 `.grad`, the settings that cannot work are refused on every rank,
+and another optimizer stepping the parameters is an error, not a silent divergence.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import RankError, run_distributed
+from parity import Case, train, token_batches
+from parity_cases import SMALL_GPT, _lm_loss
+
+from overlap import MixedPrecision
+from overlap.models import GPT
+
+STEPS = 3
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _case(wrap: dict, micro_batches: int, clip: float | None, optimizer: str = "overlap_adamw_dim_groups") -> Case:
+    return Case("offload-disk", lambda: GPT(SMALL_GPT), _lm_loss, token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS),
+                optimizer=optimizer, wrap=wrap, micro_batches=micro_batches, clip=clip)
+
+
+def _both(rank: int, world: int, wrap: dict, micro_batches: int, clip: float | None,
+          local_world_size: int | None) -> dict:
+    import os
+
+    from overlap.optim.paged import paged_of
+
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    seen = {}
+
+    def inspect(model) -> None:
+        groups = [g for unit in model.scheduler.all_units for g in unit.groups]
+        params = list(model.parameters())
+        seen["paged"] = all(paged_of(p) is not None for p in params)
+        seen["dtypes"] = {str(p.dtype) for p in params} | {str(g.shard.dtype) for g in groups}
+        seen["grad_dtypes"] = {str(p.grad.dtype) for p in params if p.grad is not None}
+        engine = paged_of(params[0]).engine
+        seen["peak_buffers"], seen["buffers"] = engine.peak_buffers, len(engine._buffers)
+        seen["views_of_shard"] = all(p.numel() == 0 or any(
+            g.shard.data_ptr() <= p.data_ptr() < g.shard.data_ptr() + g.shard.nbytes for g in groups) for p in params)
+
+    out = {"none": train(_case({**wrap, "offload": "none"}, micro_batches, clip), rank, world, sharded=True)}
+    out["disk"] = train(_case({**wrap, "offload": "disk"}, micro_batches, clip), rank, world, sharded=True,
+                        after=inspect)
+    out["disk"].update(seen)
+    return out
+
+
+CASES = [
+    # (id, world, wrap, micro-batches, clip, LOCAL_WORLD_SIZE)
+    ("w1", 1, {"mixed_precision": BF16}, 1, None, None),
+    ("w2-no_sync-clip", 2, {"mixed_precision": BF16}, 2, 0.05, None),
+    ("w3-clip", 3, {"mixed_precision": BF16}, 1, 0.05, None),
+    ("w2-hybrid", 2, {"mixed_precision": BF16, "sharding": "hybrid"}, 1, None, 1),
+    ("w2-hpz-clip", 2, {"mixed_precision": BF16, "sharding": "hpz"}, 1, 0.05, 1),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,wrap,micro_batches,clip,local_world_size", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_disk_offload_trains_as_without(world, wrap, micro_batches, clip, local_world_size):
+    per_rank = run_distributed(_both, world, wrap, micro_batches, clip, local_world_size, timeout=270)
+    for rank, result in enumerate(per_rank):
+        ref, got = result["none"], result["disk"]
+        assert got["paged"] and got["views_of_shard"], rank
+        assert got["dtypes"] == {"torch.bfloat16"} and got["grad_dtypes"] <= {"torch.float32"}, rank
+        assert 1 <= got["peak_buffers"] <= got["buffers"] == 3, rank
+        assert all(torch.isfinite(torch.tensor(got["losses"]))), got["losses"]
+        assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
+        assert got["norms"] == ref["norms"], (rank, got["norms"], ref["norms"])
+        for key, value in ref["state"].items():
+            assert got["state"][key].dtype == value.dtype and torch.equal(got["state"][key], value), (rank, key)
+    assert per_rank[0]["none"]["losses"][0] != per_rank[0]["none"]["losses"][-1]
+
+
+def _wrap(rank: int, world: int, kwargs: dict) -> str:
+    from torch import nn
+
+    from overlap import ShardedModule
+
+    ShardedModule(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), **kwargs)
+    return "built"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kwargs,expected", [
+    ({"offload": "disk"}, "needs mixed_precision=MixedPrecision(param_dtype=torch.bfloat16"),
+    ({"offload": "disk", "mixed_precision": BF16, "compression": "int8"}, "compression='int8' is not supported"),
+    ({"offload": "disk", "mixed_precision": BF16, "compression": "int8-int4"}, "compression='int8-int4' is not"),
+    ({"offload": "disk", "mixed_precision": BF16, "compile": True}, "compile=True is not supported"),
+])
+def test_combinations_that_cannot_work_are_refused_on_every_rank(kwargs, expected):
+    with pytest.raises(RankError) as info:
+        run_distributed(_wrap, 2, kwargs, timeout=150)
+    assert set(info.value.errors) == {0, 1}
+    for message in info.value.errors.values():
+        assert expected in message, message
+
+
+def _other_optimizer(rank: int, world: int) -> str:
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    batch = token_batches(SMALL_GPT.vocab_size, 12, steps=1)()[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _lm_loss(model, batch).backward()
+    opt.step()
+    try:
+        _lm_loss(model, batch)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+def test_another_optimizer_is_an_error_naming_overlap_adamw():
+    for message in run_distributed(_other_optimizer, 2, timeout=150):
+        assert "changed in place by something other than overlap.optim.AdamW" in message, message
+
+
+def _state_dicts(rank: int, world: int) -> list[str]:
+    from overlap import ShardedModule
+    from overlap.optim import AdamW
+
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    opt = AdamW(model.parameters())
+    errors = []
+    for call in (model.state_dict, lambda: model.load_full_state_dict({}), opt.state_dict):
+        try:
+            call()
+        except NotImplementedError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.timeout(200)
+def test_state_dicts_not_yet_written_are_refused():
+    for errors in run_distributed(_state_dicts, 1, timeout=150):
+        assert len(errors) == 3 and all("offload='disk'" in e for e in errors), errors
