@@ -18,6 +18,7 @@ from overlap.control.settings import StartupRequest
 from overlap.control.startup import start_up
 from overlap.observe.report import OverlapReport
 from overlap.runtime.compiled import eager_hook
+from overlap.runtime.disk_tier import master_part, refresh_resident
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.row_dtensors import local_part
 
@@ -189,8 +190,8 @@ class ShardedModule(nn.Module):
         if self.overlap_config.offload == "disk":
             raise NotImplementedError(
                 f"ShardedModule.{what}() with offload='disk' is not implemented yet: the fp32 masters live in the "
-                "offload state file (full_state_dict() reads them); sharded state dicts and checkpoints of them "
-                "do not exist yet")
+                "offload state file; load a sharded state dict (load_state_dict(state_dict()) form, or "
+                "overlap.checkpoint.load) instead")
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The wrapped module's state dict with full (unsharded) CPU tensors, on every rank,
@@ -247,7 +248,6 @@ class ShardedModule(nn.Module):
         `overlap.runtime.row_dtensors`), buffers as they are. `torch.distributed.checkpoint`
         saves it without gathering and loads into it in place, at any world size and from
         FSDP2's checkpoints; `overlap.checkpoint` does both, with the optimizer."""
-        self._refuse_disk("state_dict")
         others = self.module.state_dict()
         out: dict[str, Any] = {}
         for key, where in self._state_dict_layout:
@@ -255,14 +255,13 @@ class ShardedModule(nn.Module):
                 out[key] = others[key]
             else:
                 group, index = where
-                out[key] = group.dtensor(group.params[index], index)
+                out[key] = group.dtensor(master_part(group.params[index]), index)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """Load a state dict from `state_dict()` (sharded, this world size and layout) or
         from `full_state_dict()` (full tensors, any layout)."""
-        self._refuse_disk("load_state_dict")
         if assign:
             raise ValueError("ShardedModule.load_state_dict: assign=True would replace the views of the flat shards")
         sharded = {key: value for key, value in state_dict.items() if isinstance(value, DTensor)}
@@ -284,6 +283,8 @@ class ShardedModule(nn.Module):
                         raise ValueError(f"load_state_dict: {key} is not sharded like this model's parameter; "
                                          "load full tensors, or load a checkpoint with overlap.checkpoint.load")
                     ours[0].copy_(theirs[0])
+        if self.overlap_config.offload == "disk":
+            refresh_resident([group for unit in self.scheduler.all_units for group in unit.groups])
         others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}
         if others:
             self.module.load_state_dict(others, strict=False)

@@ -13,6 +13,11 @@ and another optimizer stepping the parameters is an error, not a silent divergen
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -36,6 +41,8 @@ def _both(rank: int, world: int, wrap: dict, micro_batches: int, clip: float | N
           local_world_size: int | None) -> dict:
     import os
 
+    from torch.distributed.tensor import DTensor
+
     from overlap.optim.paged import paged_of
 
     if local_world_size is not None:
@@ -50,6 +57,9 @@ def _both(rank: int, world: int, wrap: dict, micro_batches: int, clip: float | N
         seen["grad_dtypes"] = {str(p.grad.dtype) for p in params if p.grad is not None}
         engine = paged_of(params[0]).engine
         seen["peak_buffers"], seen["buffers"] = engine.peak_buffers, len(engine._buffers)
+        # The sharded state dict (checkpoints) holds the fp32 masters, read from the state file.
+        seen["state_dict_dtypes"] = {str(v.to_local().dtype) for v in model.state_dict().values()
+                                     if isinstance(v, DTensor)}
         seen["views_of_shard"] = all(p.numel() == 0 or any(
             g.shard.data_ptr() <= p.data_ptr() < g.shard.data_ptr() + g.shard.nbytes for g in groups) for p in params)
 
@@ -80,6 +90,7 @@ def test_disk_offload_trains_as_without(world, wrap, micro_batches, clip, local_
         assert got["paged"] and got["views_of_shard"], rank
         assert got["dtypes"] == {"torch.bfloat16"} and got["grad_dtypes"] <= {"torch.float32"}, rank
         assert 1 <= got["peak_buffers"] <= got["buffers"] == 3, rank
+        assert got["state_dict_dtypes"] == {"torch.float32"}, rank
         assert all(torch.isfinite(torch.tensor(got["losses"]))), got["losses"]
         assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
         assert got["norms"] == ref["norms"], (rank, got["norms"], ref["norms"])
@@ -134,22 +145,90 @@ def test_another_optimizer_is_an_error_naming_overlap_adamw():
         assert "changed in place by something other than overlap.optim.AdamW" in message, message
 
 
-def _state_dicts(rank: int, world: int) -> list[str]:
+def _full_load_refused(rank: int, world: int) -> str:
     from overlap import ShardedModule
-    from overlap.optim import AdamW
 
     model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
-    opt = AdamW(model.parameters())
-    errors = []
-    for call in (model.state_dict, lambda: model.load_full_state_dict({}), opt.state_dict):
-        try:
-            call()
-        except NotImplementedError as e:
-            errors.append(str(e))
-    return errors
+    try:
+        model.load_full_state_dict(model.full_state_dict())
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
 
 
 @pytest.mark.timeout(200)
-def test_state_dicts_not_yet_written_are_refused():
-    for errors in run_distributed(_state_dicts, 1, timeout=150):
-        assert len(errors) == 3 and all("offload='disk'" in e for e in errors), errors
+def test_loading_full_tensors_is_refused():
+    for message in run_distributed(_full_load_refused, 1, timeout=150):
+        assert "load_full_state_dict() with offload='disk' is not implemented" in message, message
+
+
+def _save_and_die(rank: int, world: int, path: str, kill: bool) -> dict:
+    """Two steps, a checkpoint taken from the disk-offloaded state, then either the process
+    exits at once (kill) or training goes on to the end (the uninterrupted run)."""
+    import os
+
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=5)()
+    losses = []
+    for step in range(5):
+        if step == 2:
+            checkpoint.save(path, model, optimizer, extra={"step": 2})
+            if kill:
+                torch.distributed.barrier()
+                os._exit(3)        # killed: no clean shutdown, nothing after the save
+        loss = model(*_slice(batches[step], rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses}
+
+
+def _resume(rank: int, world: int, path: str) -> dict:
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(1)               # other initial values: everything must come from the file
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    first = int(checkpoint.load(path, model, optimizer)["step"])
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=5)()
+    losses = []
+    for step in range(first, 5):
+        loss = model(*_slice(batches[step], rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses}
+
+
+_KILLED_RUN = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from distributed import run_distributed
+    import test_offload_disk
+    if __name__ == "__main__":
+        run_distributed(test_offload_disk._save_and_die, 2, {path!r}, True, timeout=200)
+""")
+
+
+@pytest.mark.timeout(500)
+def test_a_killed_disk_offloaded_run_resumes_from_its_checkpoint(tmp_path) -> None:
+    tests = os.path.dirname(os.path.abspath(__file__))
+    killed = str(tmp_path / "killed")
+    # The killed run is a process of its own whose ranks exit right after the save.
+    done = subprocess.run([sys.executable, "-c", _KILLED_RUN.format(tests=tests, path=killed)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert os.path.exists(os.path.join(killed, ".metadata")), os.listdir(killed)
+    uninterrupted = run_distributed(_save_and_die, 2, str(tmp_path / "whole"), False, timeout=200)
+    resumed = run_distributed(_resume, 2, killed, timeout=200)
+    for whole, again in zip(uninterrupted, resumed):
+        assert all(torch.isfinite(torch.tensor(whole["losses"])))
+        assert again["losses"] == whole["losses"][2:], (again["losses"], whole["losses"])

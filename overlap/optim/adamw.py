@@ -106,6 +106,7 @@ class AdamW(torch.optim.Optimizer):
                     # offload="disk": master and moments in the state file; only the step count here.
                     if not state:
                         state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                        state["exp_avg"], state["exp_avg_sq"] = _moment_maps(p, where)
                     state["step"] += 1
                     paged.add(p, where, Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                               state["step"].item(), group["maximize"]))
@@ -122,19 +123,30 @@ class AdamW(torch.optim.Optimizer):
         paged.run()
         return loss
 
-    def state_dict(self) -> dict[str, Any]:
-        self._refuse_paged("state_dict")
-        return super().state_dict()
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._refuse_paged("load_state_dict")
+        # offload="disk": torch casts loaded state to the parameter's dtype, 16-bit here; the
+        # moments are taken as saved (fp32) and written into the state file instead, and the
+        # state holds its maps again.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        ours = [p for group in self.param_groups for p in group["params"]]
+        moments = {p: state_dict["state"][i] for i, p in zip(saved_ids, ours)
+                   if paged_of(p) is not None and i in state_dict["state"]}
         super().load_state_dict(state_dict)
+        for p, saved in moments.items():
+            maps = _moment_maps(p, paged_of(p))
+            for name, target in zip(("exp_avg", "exp_avg_sq"), maps):
+                target.copy_(saved[name].reshape(target.shape))
+                self.state[p][name] = target
 
-    def _refuse_paged(self, what: str) -> None:
-        if any(paged_of(p) is not None for group in self.param_groups for p in group["params"]):
-            raise NotImplementedError(
-                f"overlap.optim.AdamW.{what}(): the moments of parameters of a model wrapped with offload='disk' "
-                "live in its offload state file, and optimizer state dicts of them are not implemented yet")
+
+def _moment_maps(param: torch.Tensor, where: PagedParam) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp_avg and exp_avg_sq of a paged parameter: memory maps of its range of the state file,
+    shaped like it, so that the optimizer's state (and its state dict, and checkpoints) are
+    the file's values without holding them in memory."""
+    maps = where.engine.map_range(where.shard, where.start, where.stop)
+    assert maps is not None, "the disk tier sizes its buckets to hold every parameter's part"
+    _, exp_avg, exp_avg_sq = maps
+    return exp_avg.view(param.shape), exp_avg_sq.view(param.shape)
 
 
 class _PagedSteps:

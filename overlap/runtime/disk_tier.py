@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
-from overlap.optim.paged import PagedAdamW, PagedParam, register_paged
+from overlap.optim.paged import DEFAULT_BUCKET_PARAMS, PagedAdamW, PagedParam, paged_of, register_paged
 from overlap.runtime.host_tier import ShardPlace
 
 if TYPE_CHECKING:
@@ -115,8 +115,11 @@ class DiskTier:
         if not paged:
             return
         starts = [[_local_start(g, index) for index in range(len(g.slots))] for g in paged]
+        # Every parameter's part in one bucket, so that it is one memory map of the file (state
+        # dicts and checkpoints read and write it in place): the buckets grow to the largest part.
+        largest = max(end - start for g in paged for start, end in g.parts)
         self.engine = PagedAdamW([g.shard_numel for g in paged], directory=self.directory, rank=self.rank,
-                                 param_starts=starts)
+                                 param_starts=starts, bucket_params=max(DEFAULT_BUCKET_PARAMS, largest))
         self.engine.load_masters([g.shard for g in paged])
         for index, group in enumerate(paged):
             resident = group.shard.to(group.gather_dtype)
@@ -150,3 +153,26 @@ def _local_start(group: "FlatGroup", index: int) -> int:
 
 def _grad_shard_of(group: "FlatGroup"):
     return lambda: group.grad_shard
+
+
+def master_part(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's fp32 master, shaped like it: a memory map of the state file where it is
+    paged (writes to it are writes to the file; `refresh_resident` then updates the 16-bit
+    copy), the parameter itself otherwise."""
+    where = paged_of(param)
+    if where is None:
+        return param
+    return where.engine.map_range(where.shard, where.start, where.stop)[0].view(param.shape)
+
+
+def refresh_resident(groups: list["FlatGroup"]) -> None:
+    """Copy the masters in the state file into the 16-bit shards (after a load wrote them)."""
+    paged = [g for g in groups if isinstance(g.place, DiskShard) and g.place.engine is not None]
+    by_engine: dict[PagedAdamW, list[Optional[torch.Tensor]]] = {}
+    for group in paged:
+        outputs = by_engine.setdefault(group.place.engine, [None] * len(group.place.engine.shard_sizes))
+        outputs[group.place.index] = group.shard
+    for engine, outputs in by_engine.items():
+        engine.copy_masters_to(outputs)
+    for group in paged:
+        group.place.stepped(group.shard)
