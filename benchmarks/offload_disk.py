@@ -18,6 +18,14 @@ against `dd` with direct IO on a 1 GiB file (--dd-mib), measured once at the sta
 Memory: the peak RSS from the engine's creation to the end of its first step, above the RSS
 before it (the engine's own memory, against its buffers), and the whole run's peak RSS.
 
+With --model-params N it trains instead a GPT of about N parameters (built on the meta
+device) for 3 steps at 2 ranks with offload="disk" and bf16 gathers, and prints per rank: peak
+RSS, each step's time split into compute (forward and backward, collectives included) and
+optimizer step, the update's share of the step (kernel seconds), the IO alone (one read and
+write pass over the state file, timed after training), the share of the shorter of IO and
+update hidden, and the disk bandwidth; --out gets the JSON (default
+docs/results/offload_disk_model.json).
+
 Also measured once: whether `torch.ops.overlap.adamw_step` runs without the GIL (a Python
 thread counting while the kernel steps a bucket; with the GIL held it would stop counting).
 """
@@ -44,6 +52,8 @@ from overlap.optim import adamw_step, extension_available
 from overlap.optim.paged import Hyper, PagedAdamW, Segment
 from overlap.optim.state_file import bucket_views
 
+MODEL_STEPS = 3
+MODEL_RANKS = 2
 SHARD_PARAMS = 24 * 2**20     # one flat shard per this many parameters (a block of a large GPT)
 MODES = ("io", "update", "pipelined")
 
@@ -200,6 +210,98 @@ def measure(count: int, rounds: int, directory: str) -> dict:
             "update_params_per_s": summary([count / x["update"] for x in raw])}
 
 
+def gpt_config(params: int, layers: int):
+    """A GPT config of about `params` parameters with `layers` blocks (width a multiple of 64)."""
+    from overlap.models.gpt import GPTConfig
+
+    vocab = 8192
+    # 12·d² per block plus the embedding v·d: the positive root, rounded to heads of 64
+    d = (-vocab + (vocab ** 2 + 48 * layers * params) ** 0.5) / (24 * layers)
+    d = max(64, int(round(d / 64)) * 64)
+    return GPTConfig(vocab_size=vocab, block_size=128, n_layer=layers, n_head=d // 64, n_embd=d)
+
+
+def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(MODEL_RANKS),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(MODEL_RANKS), OVERLAP_OFFLOAD_DIR=directory)
+    dist.init_process_group("gloo", rank=rank, world_size=MODEL_RANKS)
+    try:
+        from overlap import MixedPrecision, ShardedModule
+        from overlap.models import GPT
+        from overlap.optim import AdamW
+        from overlap.optim.paged import paged_of
+
+        config = gpt_config(params, layers)
+        with torch.device("meta"):
+            inner = GPT(config)
+        start = time.perf_counter()
+        model = ShardedModule(inner, offload="disk",
+                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        wrap_s = time.perf_counter() - start
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
+                           {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=1e-4)
+        engine = paged_of(trainable[0]).engine
+        generator = torch.Generator().manual_seed(rank)
+        steps = []
+        for _ in range(MODEL_STEPS):
+            tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=generator)
+            start = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            compute_s = time.perf_counter() - start
+            start = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad()
+            step_s = time.perf_counter() - start
+            if not torch.isfinite(loss.detach()):
+                raise RuntimeError(f"rank {rank}: the loss is {float(loss)}")
+            steps.append({"loss": loss.item(), "compute_s": compute_s, "optimizer_s": step_s,
+                          "update_s": engine.last_step.update_s, "io_bytes": engine.last_step.io_bytes})
+        start = time.perf_counter()
+        engine._run(range(len(engine.buckets)), lambda k, b, buf: None)      # IO alone: read and write all
+        io_s = time.perf_counter() - start
+        last = steps[-1]
+        queue.put({"rank": rank, "params": config.num_params, "config": vars(config), "wrap_s": wrap_s,
+                   "steps": steps, "io_alone_s": io_s, "state_file_bytes": engine.file.size,
+                   "buffer_bytes": engine.buffer_bytes, "peak_buffers": engine.peak_buffers,
+                   "io_hidden_share": (io_s + last["update_s"] - last["optimizer_s"]) / min(io_s, last["update_s"]),
+                   "disk_gbps": last["io_bytes"] / io_s / 1e9,
+                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
+    finally:
+        dist.destroy_process_group()
+
+
+def train_model(params: int, layers: int, directory: str) -> list[dict]:
+    """3 steps of a GPT of about `params` parameters at 2 ranks with offload="disk"; per rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_train_rank, args=(r, port, params, layers, directory, queue))
+             for r in range(MODEL_RANKS)]
+    for proc in procs:
+        proc.start()
+    results = []
+    try:
+        for _ in procs:
+            results.append(queue.get(timeout=3600))
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+    if any(proc.exitcode != 0 for proc in procs):
+        raise RuntimeError(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="50M,200M,400M")
@@ -207,10 +309,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dir", default=None, help="where the state files go (default: a temporary directory "
                                                     "under the current one, on its disk)")
     parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd reference file")
-    parser.add_argument("--out", default="docs/results/offload_disk.json")
+    parser.add_argument("--out", default=None, help="default docs/results/offload_disk.json, "
+                                                     "or offload_disk_model.json with --model-params")
+    parser.add_argument("--model-params", default=None, help="train a GPT of about this many parameters instead")
+    parser.add_argument("--model-layers", type=int, default=24)
     args = parser.parse_args(argv)
     if not extension_available():
         parser.error("overlap._C was not built: the paged step has no kernel to measure")
+    if args.model_params is not None:
+        main_model(args)
+        return
+    args.out = args.out or "docs/results/offload_disk.json"
     sizes = [parse_count(s) for s in args.sizes.split(",")]
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="offload-disk-bench-", dir=args.dir or ".") as directory:
@@ -242,6 +351,28 @@ def main(argv: Optional[list[str]] = None) -> None:
         "results": entries,
     }
     out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+
+def main_model(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="offload-disk-model-", dir=args.dir or ".") as directory:
+        ranks = train_model(parse_count(args.model_params), args.model_layers, directory)
+    for r in ranks:
+        last = r["steps"][-1]
+        print(f"rank {r['rank']}: {r['params'] / 1e6:.0f}M params, state file {r['state_file_bytes'] / 2**30:.2f} GiB, "
+              f"peak RSS {r['peak_rss_gib']:.2f} GiB; last step: compute {last['compute_s']:.2f} s, optimizer "
+              f"{last['optimizer_s']:.2f} s (update {last['update_s']:.2f} s, IO alone {r['io_alone_s']:.2f} s, "
+              f"hidden {100 * r['io_hidden_share']:.0f}% of the shorter), disk {r['disk_gbps']:.2f} GB/s, "
+              f"losses {[round(s['loss'], 4) for s in r['steps']]}")
+    result = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+              "host": {"cores": os.cpu_count(), "torch": torch.__version__, "load_before": load_before,
+                       "load_after": os.getloadavg()},
+              "ranks": ranks}
+    out = pathlib.Path(args.out or "docs/results/offload_disk_model.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -139,6 +139,25 @@ def test_offload_disk_tiny(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["offload_disk.json"], "state files must be removed"
 
 
+@pytest.mark.timeout(300)
+def test_offload_disk_model_tiny(tmp_path):
+    """The large-run mode at a tiny size: a GPT built on the meta device trains 3 steps at 2
+    ranks with offload="disk" and reports memory, the step's split and the disk bandwidth."""
+    pytest.importorskip("overlap._C", reason="the overlap._C extension was not built")
+    out = tmp_path / "model.json"
+    proc = _run("offload_disk.py", "--model-params", "3M", "--model-layers", "2", "--dir", str(tmp_path),
+                "--out", str(out), timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert len(r["steps"]) == 3 and all(math.isfinite(s["loss"]) for s in r["steps"])
+        assert all(s["compute_s"] > 0 and s["optimizer_s"] > 0 for s in r["steps"])
+        assert r["peak_rss_gib"] > 0 and r["disk_gbps"] > 0 and r["state_file_bytes"] >= 12 * r["params"] / 2
+        assert r["peak_buffers"] <= 3
+    assert [p.name for p in tmp_path.iterdir()] == ["model.json"], "state files must be removed"
+
+
 def test_compare_rejects_a_bad_link():
     proc = _run("compare.py", "--links", "loopback,fast", timeout=60)
     assert proc.returncode != 0
