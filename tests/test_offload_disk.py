@@ -232,3 +232,54 @@ def test_a_killed_disk_offloaded_run_resumes_from_its_checkpoint(tmp_path) -> No
     for whole, again in zip(uninterrupted, resumed):
         assert all(torch.isfinite(torch.tensor(whole["losses"])))
         assert again["losses"] == whole["losses"][2:], (again["losses"], whole["losses"])
+
+
+def _save_at(rank: int, world: int, path: str) -> dict:
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    batch = token_batches(SMALL_GPT.vocab_size, 12, steps=1)()[0]
+    model(*_slice(batch, rank, world)).backward()
+    optimizer.step()
+    checkpoint.save(path, model, optimizer)
+    return {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
+
+
+def _load_at(rank: int, world: int, path: str) -> dict:
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer
+
+    torch.manual_seed(1)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    checkpoint.load(path, model, optimizer)
+    return {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
+
+
+def _full_moments(model, optimizer) -> dict:
+    """Each parameter's exp_avg in full (all-gathered rows), by name."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, p in model.named_parameters():
+        local = optimizer.state[p]["exp_avg"].reshape(-1) if p in optimizer.state else torch.zeros(0)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local.clone())
+        out[name] = torch.cat(parts)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_from_disk_state_reshards_on_load(tmp_path):
+    """Saved at 2 ranks, loaded at 3 and at 1: the same fp32 masters and moments."""
+    saved = run_distributed(_save_at, 2, str(tmp_path / "ckpt"), timeout=200)[0]
+    for world in (3, 1):
+        loaded = run_distributed(_load_at, world, str(tmp_path / "ckpt"), timeout=200)[0]
+        for key, value in saved["state"].items():
+            assert value.dtype == torch.float32 or not value.is_floating_point(), key
+            assert torch.equal(loaded["state"][key], value), (world, key)
+        for name, value in saved["moments"].items():
+            assert torch.count_nonzero(value) > 0 and torch.equal(loaded["moments"][name], value), (world, name)
