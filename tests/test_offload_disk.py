@@ -283,3 +283,40 @@ def test_checkpoint_from_disk_state_reshards_on_load(tmp_path):
             assert torch.equal(loaded["state"][key], value), (world, key)
         for name, value in saved["moments"].items():
             assert torch.count_nonzero(value) > 0 and torch.equal(loaded["moments"][name], value), (world, name)
+
+
+def _meta_and_eager(rank: int, world: int) -> dict:
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    eager = ShardedModule(GPT(SMALL_GPT), mixed_precision=BF16).full_state_dict()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        inner = GPT(SMALL_GPT)
+    model = ShardedModule(inner, offload="disk", mixed_precision=BF16)
+    return {"eager": eager, "meta": model.full_state_dict(), "losses": _two_steps(model, rank, world)}
+
+
+def _two_steps(model, rank: int, world: int) -> list[float]:
+    from parity import _optimizer, _slice
+
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    losses = []
+    for batch in token_batches(SMALL_GPT.vocab_size, 12, steps=2)():
+        loss = model(*_slice(batch, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.timeout(200)
+def test_a_meta_device_model_is_materialised_into_the_state_file():
+    """Built on the meta device, each part is written into the state file as it is made: the
+    fp32 masters equal an eager build's, and it trains."""
+    for result in run_distributed(_meta_and_eager, 2, timeout=150):
+        assert result["eager"].keys() == result["meta"].keys()
+        for key, value in result["eager"].items():
+            assert torch.equal(result["meta"][key], value), key
+        assert all(torch.isfinite(torch.tensor(result["losses"]))) and result["losses"][0] != result["losses"][1]

@@ -339,3 +339,20 @@ def test_outputs_must_be_shard_sized_and_contiguous(tmp_path):
             engine.step([torch.zeros(12)], [], [torch.empty(5)])
     finally:
         engine.close()
+
+
+def test_shards_added_later_extend_the_file(tmp_path):
+    _seed()
+    engine = PagedAdamW([300], directory=str(tmp_path), bucket_params=128)
+    try:
+        index = engine.add_shard(500, [0, 200], bucket_params=300)
+        assert index == 1 and engine.shard_sizes == (300, 500)
+        assert [(b.shard, b.start, b.stop) for b in engine.buckets[-2:]] == [(1, 0, 200), (1, 200, 500)]
+        assert os.path.getsize(engine.file.path) == engine.file.size == sum(b.nbytes for b in engine.buckets)
+        assert engine.buffer_bytes == DEFAULT_BUFFERS * engine.buckets[-1].nbytes
+        masters = [torch.randn(300), torch.randn(500)]
+        engine.load_masters(masters)
+        views = engine.map_range(1, 200, 500)
+        assert torch.equal(views[0], masters[1][200:500])
+    finally:
+        engine.close()

@@ -76,8 +76,6 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         # offload="disk": fp32 masters and moments in a state file; see overlap.runtime.disk_tier.
         host = DiskTier(decision.config.offload_dir, dist.get_rank())
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host)
-    if isinstance(host, DiskTier):
-        host.finish([group for unit in built.all_units for group in unit.groups])
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check)
     # Per-step timings of compute and communication for `overlap_report()`.

@@ -84,6 +84,7 @@ class PagedAdamW:
             raise ValueError(f"buffers={buffers!r} is invalid; the pipeline needs at least 3 (read ahead, "
                              "stepping, writing back)")
         self.shard_sizes = tuple(shard_sizes)
+        self.bucket_params = bucket_params
         self.buckets = plan_buckets(self.shard_sizes, bucket_params, param_starts)
         self.backend = backend
         self.file = StateFile(self.buckets, directory, rank=rank, direct=direct)
@@ -99,6 +100,22 @@ class PagedAdamW:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="overlap-offload-write")
         self._broken: Optional[str] = None
         self.last_step = StepTimes(0.0, 0.0, 0.0)
+
+    def add_shard(self, size: int, param_starts: Optional[Sequence[int]] = None,
+                  bucket_params: Optional[int] = None) -> int:
+        """Add a shard of `size` elements at the end of the file (reading as zeros) and return
+        its index; its buckets hold at most `bucket_params` elements (default: the engine's)."""
+        self._check_usable()
+        buckets = plan_buckets([size], bucket_params or self.bucket_params,
+                               None if param_starts is None else [param_starts], first_shard=len(self.shard_sizes),
+                               offset=self.file.size)
+        self.file.grow(buckets)
+        self.buckets = list(self.buckets) + buckets
+        self.shard_sizes += (size,)
+        largest = max((b.nbytes for b in buckets), default=0)
+        if largest > self._buffers[0].numel():
+            self._buffers = [aligned_buffer(largest) for _ in self._buffers]
+        return len(self.shard_sizes) - 1
 
     # -- buffer accounting --------------------------------------------------------------
     def _take(self) -> None:
@@ -205,6 +222,20 @@ class PagedAdamW:
             exp_avg.zero_()
             exp_avg_sq.zero_()
         self._run(list(range(len(self.buckets))), fill, read=False)
+
+    def write_shard(self, index: int, master: torch.Tensor) -> None:
+        """Set shard `index`'s fp32 master to `master` (shard-sized, any float dtype) and its
+        moments to zero, a bucket at a time; the other shards keep theirs."""
+        if master.numel() != self.shard_sizes[index]:
+            raise ValueError(f"shard {index} has {self.shard_sizes[index]} elements; got {master.numel()}")
+        flat = master.reshape(-1)
+
+        def fill(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
+            views = bucket_views(buffer, bucket.numel)
+            views[0].copy_(flat[bucket.start:bucket.stop])
+            views[1].zero_()
+            views[2].zero_()
+        self._run([k for k, b in enumerate(self.buckets) if b.shard == index], fill, read=False)
 
     def copy_masters_to(self, outputs: Sequence[Optional[torch.Tensor]]) -> None:
         """Copy each shard's master into `outputs[i]` (cast to its dtype; None skips it)."""

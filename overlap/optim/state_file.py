@@ -72,21 +72,22 @@ def region_bytes(numel: int) -> int:
 
 
 def plan_buckets(shard_sizes: Sequence[int], bucket_params: int,
-                 param_starts: Optional[Sequence[Sequence[int]]] = None) -> list[Bucket]:
+                 param_starts: Optional[Sequence[Sequence[int]]] = None, *, first_shard: int = 0,
+                 offset: int = 0) -> list[Bucket]:
     """Cut each shard into buckets of at most `bucket_params` elements, laid out in order.
 
     With `param_starts` (per shard, the offsets where its parameters begin) buckets are cut on
     parameter boundaries wherever that keeps them within `bucket_params`: consecutive
     parameters share a bucket up to that size, and only a parameter longer than a bucket is
     cut, into chunks of its own. A parameter that fits a bucket then lies in one bucket, one
-    contiguous range of the file (`StateFile.map`). Without it, fixed chunks.
+    contiguous range of the file (`StateFile.map`). Without it, fixed chunks. Shards are
+    numbered from `first_shard` and laid out from byte `offset` (a shard added to a file).
     """
     if isinstance(bucket_params, bool) or not isinstance(bucket_params, int) or bucket_params < 1:
         raise ValueError(f"bucket_params={bucket_params!r} is invalid; expected an integer >= 1")
     if param_starts is not None and len(param_starts) != len(shard_sizes):
         raise ValueError(f"param_starts has {len(param_starts)} entries for {len(shard_sizes)} shards")
     buckets: list[Bucket] = []
-    offset = 0
     for shard, size in enumerate(shard_sizes):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"shard {shard} has size {size!r}; expected an integer >= 0")
@@ -100,7 +101,7 @@ def plan_buckets(shard_sizes: Sequence[int], bucket_params: int,
             starts = sorted({x for x in given if x < size} | {0})
             ranges = _cut_on_boundaries(starts if size else [], size, bucket_params)
         for start, stop in ranges:
-            buckets.append(Bucket(shard, start, stop, offset))
+            buckets.append(Bucket(first_shard + shard, start, stop, offset))
             offset += buckets[-1].nbytes
     return buckets
 
@@ -177,20 +178,28 @@ class StateFile:
         except OSError as e:
             raise self._error("cannot create", e) from e
 
-    def _reserve(self) -> None:
-        if self.size == 0:
+    def grow(self, buckets: Sequence[Bucket]) -> None:
+        """Add buckets laid out after the current end of the file, reserving their space."""
+        size = self.size + sum(b.nbytes for b in buckets)
+        self._reserve(self.size, size)
+        self.buckets += tuple(buckets)
+        self.size = size
+
+    def _reserve(self, start: int = 0, end: Optional[int] = None) -> None:
+        end = self.size if end is None else end
+        if end <= start:
             return
         try:
-            os.posix_fallocate(self.fd, 0, self.size)
+            os.posix_fallocate(self.fd, start, end - start)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 free = shutil.disk_usage(self.directory).free
                 raise StateFileError(
-                    f"rank {self.rank}: the offload state needs {self.size / 2**30:.2f} GiB in {self.directory!r} "
+                    f"rank {self.rank}: the offload state needs {end / 2**30:.2f} GiB in {self.directory!r} "
                     f"but {free / 2**30:.2f} GiB are free; point OVERLAP_OFFLOAD_DIR at a larger disk") from e
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise self._error("cannot reserve space for", e) from e
-            os.ftruncate(self.fd, self.size)     # a file system without fallocate: sparse file
+            os.ftruncate(self.fd, end)           # a file system without fallocate: sparse file
 
     def _error(self, what: str, e: OSError) -> StateFileError:
         return StateFileError(f"rank {self.rank}: {what} the offload state file {self.path!r}: {e.strerror or e}")

@@ -3,15 +3,17 @@ one state file per rank (overlap.optim.paged), and what stays in memory is the 1
 the shard that the all-gather sends.
 
 [Note: the disk tier's shards]
-The groups are built as on the device, in fp32 (rank 0's values broadcast, or materialised
-from the meta device), and `DiskTier.finish` then moves them: the fp32 shards are streamed
-into the state file bucket by bucket, and each group's shard becomes its 16-bit copy, which
-the user's parameters are views of (new `nn.Parameter`s, dtype = the gather dtype, as
-ZeRO-Infinity exposes its 16-bit weights). Their `grad_dtype` is set to fp32, so `.grad` stays a view of
+Each group is paged as soon as it is built (`DiskShard.adopt`): its fp32 shard (rank 0's
+values, broadcast) is streamed into the state file bucket by bucket, and the group's shard
+becomes its 16-bit copy, which the user's parameters are views of (new `nn.Parameter`s,
+dtype = the gather dtype, as ZeRO-Infinity exposes its 16-bit weights). A model on the meta
+device is materialised afterwards, one module at a time, each part written into the file
+(through its memory map) and into the 16-bit copy, so a rank never holds more than one
+group's fp32 shard. Their `grad_dtype` is set to fp32, so `.grad` stays a view of
 the fp32 gradient shard, as without offload: gradient accumulation, `no_sync` and clipping
 run unchanged. `overlap.optim.AdamW` finds the parameters in `overlap.optim.paged`'s registry
 and steps them through the file, writing each updated bucket's 16-bit copy into the shard.
-The fp32 shards exist in full only while the model is built.
+
 
 Any other write of the 16-bit shard (another optimizer stepping the parameters, an
 in-place init) would part it from the master on disk, and the next step would overwrite it;
@@ -56,10 +58,11 @@ def disk_offload_error(config: "Config", mixed_precision: Optional["MixedPrecisi
 
 
 class DiskShard(ShardPlace):
-    """One flat group's place under offload="disk": on the device (the base's answers) until
-    `DiskTier.finish` pages it; frozen and non-float groups stay there."""
+    """One flat group's place under offload="disk": paged once built (`adopt`) when it is
+    trainable fp32 gathered in 16 bits; frozen and non-float groups stay as they are."""
 
-    def __init__(self) -> None:
+    def __init__(self, tier: "DiskTier") -> None:
+        self.tier = tier
         self.engine: Optional[PagedAdamW] = None
         self.index = -1                   # the group's shard in the engine
         self.version: Optional[int] = None
@@ -67,6 +70,43 @@ class DiskShard(ShardPlace):
     @property
     def offloaded(self) -> bool:          # type: ignore[override]
         return self.engine is not None
+
+    def adopt(self, group: "FlatGroup") -> None:
+        """Page the group (see [Note: the disk tier's shards]): its fp32 shard into the state
+        file, the 16-bit copy in its place, new parameters over that copy."""
+        if not (group.requires_grad and group.master_dtype == torch.float32
+                and group.gather_dtype in (torch.bfloat16, torch.float16)):
+            return
+        engine = self.tier.engine
+        starts = [_local_start(group, index) for index in range(len(group.slots))]
+        # Every parameter's part in one bucket, so that it is one memory map of the file (state
+        # dicts and checkpoints read and write it in place): buckets grow to the largest part.
+        largest = max((end - start for start, end in group.parts), default=0)
+        self.index = engine.add_shard(group.shard_numel, starts, max(DEFAULT_BUCKET_PARAMS, largest))
+        self.engine = engine
+        if torch.count_nonzero(group.shard):           # a new file already reads as zeros
+            engine.write_shard(self.index, group.shard)
+        resident = group.shard.to(group.gather_dtype)
+        group.shard = resident
+        for slot_index, slot in enumerate(group.slots):
+            # A new Parameter over the 16-bit shard: a view made this way shares the shard's
+            # version counter, which the check in `gather_source` reads.
+            param = nn.Parameter(group._shard_view(resident, slot_index), requires_grad=True)
+            param.grad_dtype = torch.float32
+            group.params[slot_index] = param
+            for module, attr in slot.owners:
+                module._parameters[attr] = param
+            start = starts[slot_index]
+            register_paged(param, PagedParam(engine, self.index, start, start + param.numel(), resident,
+                                             _grad_shard_of(group), self.stepped))
+        self.stepped(resident)
+
+    def part_written(self, group: "FlatGroup", index: int, part: torch.Tensor) -> None:
+        """A parameter materialised from the meta device: its fp32 part goes to the file too."""
+        where = paged_of(group.params[index])
+        if where is not None:
+            where.engine.map_range(where.shard, where.start, where.stop)[0].copy_(part.reshape(-1))
+            self.stepped(group.shard)
 
     def zeros_like(self, master: torch.Tensor) -> torch.Tensor:
         # The gradient shard stays fp32 while the shard itself is 16-bit.
@@ -93,55 +133,19 @@ class DiskShard(ShardPlace):
         return out
 
     def stepped(self, resident: torch.Tensor) -> None:
-        """overlap.optim.AdamW wrote the shard: this version is the legitimate one."""
+        """overlap.optim.AdamW (or a load) wrote the shard: this version is the legitimate one."""
         self.version = resident._version
 
 
 class DiskTier:
-    """The state file of one `ShardedModule` on this rank, and the groups paged through it."""
+    """The state file of one `ShardedModule` on this rank, which its groups are paged into as
+    they are built."""
 
     def __init__(self, directory: Optional[str], rank: int) -> None:
-        self.directory = directory
-        self.rank = rank
-        self.engine: Optional[PagedAdamW] = None
+        self.engine = PagedAdamW([], directory=directory, rank=rank)
 
     def place(self) -> DiskShard:
-        return DiskShard()
-
-    def finish(self, groups: list["FlatGroup"]) -> None:
-        """Page the trainable 16-bit-gathered groups (see [Note: the disk tier's shards])."""
-        paged = [g for g in groups if isinstance(g.place, DiskShard) and g.requires_grad
-                 and g.master_dtype == torch.float32 and g.gather_dtype != g.master_dtype]
-        if not paged:
-            return
-        starts = [[_local_start(g, index) for index in range(len(g.slots))] for g in paged]
-        # Every parameter's part in one bucket, so that it is one memory map of the file (state
-        # dicts and checkpoints read and write it in place): the buckets grow to the largest part.
-        largest = max(end - start for g in paged for start, end in g.parts)
-        self.engine = PagedAdamW([g.shard_numel for g in paged], directory=self.directory, rank=self.rank,
-                                 param_starts=starts, bucket_params=max(DEFAULT_BUCKET_PARAMS, largest))
-        self.engine.load_masters([g.shard for g in paged])
-        for index, group in enumerate(paged):
-            resident = group.shard.to(group.gather_dtype)
-            group.shard = resident
-            place = group.place
-            place.engine, place.index = self.engine, index
-            for slot_index, slot in enumerate(group.slots):
-                # A new Parameter over the 16-bit shard: a view made this way shares the shard's
-                # version counter, which the check in `gather_source` reads.
-                param = nn.Parameter(group._shard_view(resident, slot_index), requires_grad=True)
-                param.grad_dtype = torch.float32
-                group.params[slot_index] = param
-                for module, attr in slot.owners:
-                    module._parameters[attr] = param
-                start = starts[index][slot_index]
-                register_paged(param, PagedParam(self.engine, index, start, start + param.numel(), resident,
-                                                 _grad_shard_of(group), place.stepped))
-            place.stepped(resident)
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        return DiskShard(self)
 
 
 def _local_start(group: "FlatGroup", index: int) -> int:

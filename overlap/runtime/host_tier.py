@@ -54,7 +54,7 @@ when its gather's consumer has waited.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -99,6 +99,13 @@ class ShardPlace:
 
     def grads_ready(self) -> None:
         pass
+
+    # `group` is the FlatGroup (not imported: flat_group imports this module).
+    def adopt(self, group: Any) -> None:
+        """The group is built (its parameters made and registered on their modules)."""
+
+    def part_written(self, group: Any, index: int, part: torch.Tensor) -> None:
+        """`part` (in the master dtype) was written as this rank's part of parameter `index`."""
 
 
 class _Download(NamedTuple):
