@@ -11,9 +11,9 @@ device is materialised afterwards, one module at a time, each part written into 
 (through its memory map) and into the 16-bit copy, so a rank never holds more than one
 group's fp32 shard. Their `grad_dtype` is set to fp32, so `.grad` stays a view of
 the fp32 gradient shard, as without offload: gradient accumulation, `no_sync` and clipping
-run unchanged. `overlap.optim.AdamW` finds the parameters in `overlap.optim.paged`'s registry
-and steps them through the file, writing each updated bucket's 16-bit copy into the shard.
-
+run unchanged. `overlap.optim.AdamW` recognises the parameters by the `PagedParam` each one
+carries (`overlap.optim.paged.register_paged`) and steps them through the file, writing each
+updated bucket's 16-bit copy into the shard.
 
 Any other write of the 16-bit shard (another optimizer stepping the parameters, an
 in-place init) would part it from the master on disk, and the next step would overwrite it;
@@ -142,6 +142,8 @@ class DiskTier:
     they are built."""
 
     def __init__(self, directory: Optional[str], rank: int) -> None:
+        # One state file per rank and model, each paged group one shard of it, so that one
+        # optimizer step is one pipelined pass over the file; removed when the process exits.
         self.engine = PagedAdamW([], directory=directory, rank=rank)
 
     def place(self) -> DiskShard:
