@@ -9,9 +9,11 @@
 #                   without nvcc the ext backend's CUDA half is a SKIP
 #   quant_kernels   tests/test_quant_kernels.py's CUDA cases: every backend against the torch
 #                   reference
-#   compressed ... overhead
+#   offload ... overhead
 #                   benchmarks/gpu_checks.py, one process per step (its docstring says what
-#                   each checks): compressed collectives at world size 1, the step record's
+#                   each checks): offload="cpu" against none, its host<->device copies' bandwidth
+#                   against a plain pinned copy and their overlap with compute; compressed
+#                   collectives at world size 1, the step record's
 #                   CUDA clock against CUPTI, no host syncs in steady state (and SKIPs for
 #                   hybrid and hpZ), an emulated slow link (the exposed share of the injected
 #                   communication against the overlap report's, beside FSDP2's), device
@@ -46,13 +48,13 @@ start_s=$SECONDS
 # The steps in the order they run, and each one's cap in seconds; the caps add up to at most
 # BUDGET_S, so the script ends within it even when every step runs to its cap.
 BUDGET_S=480
-STEPS=(machine install extension quant_kernels compressed report_timing sync_free slow_link parity
+STEPS=(machine install extension quant_kernels offload compressed report_timing sync_free slow_link parity
        large_index overhead kernel_tests kernel_bandwidth)
-declare -A CAP=([machine]=20 [install]=30 [extension]=115 [quant_kernels]=60 [compressed]=25 [report_timing]=25
-                [sync_free]=20 [slow_link]=45 [parity]=40 [large_index]=25 [overhead]=35 [kernel_tests]=25
+declare -A CAP=([machine]=20 [install]=30 [extension]=115 [quant_kernels]=50 [offload]=20 [compressed]=25 [report_timing]=25
+                [sync_free]=20 [slow_link]=35 [parity]=40 [large_index]=25 [overhead]=35 [kernel_tests]=25
                 [kernel_bandwidth]=15)
 # The checks of benchmarks/gpu_checks.py that each step runs.
-declare -A CHECKS=([compressed]=compressed [report_timing]=report_timing [sync_free]=sync_free,hybrid,hpz
+declare -A CHECKS=([offload]=offload [compressed]=compressed [report_timing]=report_timing [sync_free]=sync_free,hybrid,hpz
                    [slow_link]=slow_link [parity]=device,parity [large_index]=large_index [overhead]=overhead)
 
 echo "plan: step, cap (budget $BUDGET_S s)"
@@ -233,7 +235,7 @@ checks_step() {
         checks_logs+=("$OUT_DIR/$name.log")
     fi
 }
-for name in compressed report_timing sync_free slow_link parity large_index overhead; do
+for name in offload compressed report_timing sync_free slow_link parity large_index overhead; do
     checks_step "$name"
 done
 

@@ -1,6 +1,11 @@
 """The checks of benchmarks/gpu_check.sh that run Python, on one CUDA device, each printing
 `PASS`, `FAIL` or `SKIP` with its name and figures, newest code first:
 
+  offload       offload="cpu" against "none" on a small GPT, fp32 and bf16 gathers (equal
+                losses, parameters and gradients pinned on the host); the offload copies'
+                bandwidth (host->device as a gather's source, device->host as a reduced
+                gradient going home) against a plain pinned copy of the same 256 MiB; and the
+                share of each copy hidden when it runs beside matmuls on the compute stream
   compressed    ShardedModule with NCCL at world size 1 uncompressed, int8 and int8-int4:
                 finite, losses close to uncompressed, bit-identical with delays injected on
                 the side streams, every collective seen by the injection (the compressed
@@ -58,7 +63,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))        # tests/models.py: the awkward model
 
-CHECKS = ("compressed", "report_timing", "sync_free", "hybrid", "hpz", "slow_link", "device", "parity",
+CHECKS = ("offload", "compressed", "report_timing", "sync_free", "hybrid", "hpz", "slow_link", "device", "parity",
           "large_index", "overhead")
 # torch.cuda._sleep cycles injected around each side-stream collective: ~0.5 ms at ~2 GHz.
 SLEEP_CYCLES = 1_000_000
@@ -884,6 +889,158 @@ def check_large_index(checks: Checks, rehearse: bool) -> None:
                 checks.report("FAIL", f"large_index[{name}.{label}]", f"{type(exc).__name__}: {exc}")
 
 
+# ---- offload="cpu": parity, copy bandwidth, copies under compute -----------------------------------
+
+# Bytes each copy of the bandwidth and overlap checks moves: 256 MiB, long enough (several ms
+# on PCIe) that a launch's few µs do not count.
+OFFLOAD_COPY_NUMEL = 64 * 2**20
+# The offload copies must reach this share of a plain pinned copy's bandwidth, and hide this
+# share of their time under compute when they run beside it.
+OFFLOAD_BANDWIDTH_SHARE, OFFLOAD_HIDDEN_SHARE = 0.8, 0.5
+
+
+def _offload_runs(device: torch.device, wrap: dict) -> dict:
+    """`_parity_steps` steps of a GPT with offload "none" and "cpu"; losses, states and where the
+    offloaded parameters and gradients lived."""
+    from overlap import ShardedModule
+
+    out = {}
+    batches = _batches(device, _parity_steps(device))
+    for offload in ("none", "cpu"):
+        torch.manual_seed(0)
+        model = ShardedModule(_gpt(), offload=offload, **wrap)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for inputs, targets in batches:
+            loss = model(inputs, targets)
+            loss.backward()
+            places = {(p.device.type, p.is_pinned(), p.grad.device.type) for p in model.parameters()
+                      if p.grad is not None}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        out[offload] = dict(losses=losses, state=model.full_state_dict(), places=places)
+    return out
+
+
+def _offload_parity(checks: Checks, device: torch.device) -> None:
+    for name, wrap in (("fp32", {}), ("bf16", dict(mixed_precision=_bf16()))):
+        try:
+            runs = _offload_runs(device, wrap)
+        except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+            checks.error(f"offload[parity_{name}]", exc)
+            continue
+        ref, got = runs["none"], runs["cpu"]
+        identical = ref["losses"] == got["losses"] and all(torch.equal(got["state"][k], v)
+                                                            for k, v in ref["state"].items())
+        close = all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(ref["losses"], got["losses"]))
+        pinned = torch.cuda.is_available()
+        on_host = got["places"] == {("cpu", pinned, "cpu")}
+        checks.verdict(f"offload[parity_{name}]", close and on_host and _finite(got["losses"]),
+                       f"offload=cpu against none: identical {identical}, losses within 1e-6: {close}; "
+                       f"parameters and gradients (device, pinned, grad device): {sorted(got['places'])}; "
+                       f"losses {['%.5f' % v for v in got['losses']]}")
+
+
+def _elapsed_ms(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
+    """The fastest of `repeats` runs of `run`, timed by events on the compute stream (`run`
+    makes the compute stream wait for whatever it queued elsewhere)."""
+    best = math.inf
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
+def _offload_copies(checks: Checks, device: torch.device) -> None:
+    """The offload copies' bandwidth against a plain pinned copy, and how much of them runs
+    hidden under compute on the compute stream."""
+    from overlap.kernels import get_backend
+    from overlap.runtime.host_tier import HostTier
+    from overlap.runtime.pending import COMPLETED
+
+    n = OFFLOAD_COPY_NUMEL
+    nbytes = 4 * n
+    gather_stream = torch.cuda.Stream(device=device, priority=-1)
+    tier = HostTier(device, get_backend("auto", device), gather_stream)
+    place = tier.place()
+    master = place.place_master(torch.randn(n))
+    grad_shard = place.zeros_like(master)
+    device_buffer = torch.empty(n, device=device)
+    compute = torch.cuda.current_stream(device)
+
+    def upload() -> None:                      # what a gather sends, as the runtime queues it
+        place.gather_source(master, torch.float32, encoded=False, local=False)
+        compute.wait_stream(gather_stream)
+
+    def download() -> None:                    # a reduced gradient going home
+        place.reduce_target(grad_shard, zeros=True)
+        place.reduction_issued(COMPLETED)
+        compute.wait_stream(tier.download_stream)
+        place.grads_ready()
+
+    plain_h2d = _elapsed_ms(lambda: device_buffer.copy_(master, non_blocking=True), device)
+    plain_d2h = _elapsed_ms(lambda: grad_shard.copy_(device_buffer, non_blocking=True), device)
+    ours_h2d, ours_d2h = _elapsed_ms(upload, device), _elapsed_ms(download, device)
+    gbps = {name: nbytes / (ms * 1e-3) / 1e9 for name, ms in
+            (("plain_h2d", plain_h2d), ("plain_d2h", plain_d2h), ("h2d", ours_h2d), ("d2h", ours_d2h))}
+    shares = {"h2d": gbps["h2d"] / gbps["plain_h2d"], "d2h": gbps["d2h"] / gbps["plain_d2h"]}
+    checks.verdict("offload[bandwidth]", min(shares.values()) >= OFFLOAD_BANDWIDTH_SHARE,
+                   f"{nbytes / 2**20:.0f} MiB: host->device {gbps['h2d']:.1f} GB/s ({shares['h2d']:.2f} of a plain "
+                   f"pinned copy's {gbps['plain_h2d']:.1f}), device->host {gbps['d2h']:.1f} GB/s ({shares['d2h']:.2f} of "
+                   f"{gbps['plain_d2h']:.1f}); pass at >= {OFFLOAD_BANDWIDTH_SHARE} each")
+
+    # Compute about three copies long: square bf16 matmuls on the compute stream.
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    one_ms = _elapsed_ms(lambda: a @ a, device)
+    reps = max(1, int(3 * max(ours_h2d, ours_d2h) / max(one_ms, 1e-3)))
+
+    def matmuls() -> None:
+        for _ in range(reps):
+            a @ a
+
+    compute_ms = _elapsed_ms(matmuls, device)
+    for name, copy_ms in (("h2d", ours_h2d), ("d2h", ours_d2h)):
+        # The copy is queued first (its stream waits only for what the compute stream queued
+        # before it), the matmuls after it on the compute stream; the end waits for both.
+        def both() -> None:
+            if name == "h2d":
+                place.gather_source(master, torch.float32, encoded=False, local=False)
+                matmuls()
+                compute.wait_stream(gather_stream)
+            else:
+                place.reduce_target(grad_shard, zeros=True)
+                place.reduction_issued(COMPLETED)
+                matmuls()
+                compute.wait_stream(tier.download_stream)
+
+        together_ms = _elapsed_ms(both, device)
+        place.grads_ready()
+        hidden = (compute_ms + copy_ms - together_ms) / copy_ms
+        checks.verdict(f"offload[overlap_{name}]", hidden >= OFFLOAD_HIDDEN_SHARE,
+                       f"copy {copy_ms:.2f} ms, compute {compute_ms:.2f} ms, both {together_ms:.2f} ms: "
+                       f"{100 * hidden:.0f}% of the copy hidden (pass at >= {100 * OFFLOAD_HIDDEN_SHARE:.0f}%)")
+
+
+def check_offload(checks: Checks, rehearse: bool) -> None:
+    device = _device(rehearse)
+    with one_rank_on(device):
+        _offload_parity(checks, device)
+    if rehearse:
+        for name in ("bandwidth", "overlap"):
+            checks.report("SKIP", f"offload[{name}]", "CPU rehearsal: host and device are one memory, there is no "
+                                                      "copy engine to measure or overlap")
+        return
+    try:
+        _offload_copies(checks, device)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error("offload[copies]", exc)
+
+
 # ---- the runtime's overhead at world size 1 -------------------------------------------------------
 
 def check_overhead(checks: Checks, rehearse: bool) -> None:
@@ -934,7 +1091,8 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
 
 
 RUNNERS: dict[str, Callable[[Checks, bool], None]] = {
-    "compressed": check_compressed, "report_timing": check_report_timing, "sync_free": check_sync_free,
+    "offload": check_offload, "compressed": check_compressed, "report_timing": check_report_timing,
+    "sync_free": check_sync_free,
     "hybrid": check_hybrid, "hpz": check_hpz, "slow_link": check_slow_link, "device": check_device,
     "parity": check_parity, "large_index": check_large_index, "overhead": check_overhead,
 }

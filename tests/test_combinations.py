@@ -1,7 +1,7 @@
 """Every pairing of features trains like one process or is refused at construction.
 
 The factors: sharding × compression × mixed precision × `no_sync` × activation checkpointing ×
-meta-device construction. 128 cells are too many launches, so the cells are an all-pairs
+meta-device construction × offload. 256 cells are too many launches, so the cells are an all-pairs
 covering (every value of any factor meets every value of any other in at least one cell) plus
 the whole sharding × compression grid with the other factors at their defaults, all trained
 in one launch of 4 ranks that are told they form 2 nodes of 2 (LOCAL_WORLD_SIZE=2), each cell
@@ -47,6 +47,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "no_sync": (False, True),
     "checkpointing": (False, True),
     "meta_init": (False, True),
+    "offload": ("none", "cpu"),
 }
 
 # Lossless tolerances: fp32 as tests/parity.py's default Case, bf16 gathers as its gpt_bf16.
@@ -62,10 +63,13 @@ class Cell:
     no_sync: bool
     checkpointing: bool
     meta_init: bool
+    offload: str = "none"
 
     @property
     def label(self) -> str:
         flags = [name for name in ("no_sync", "checkpointing", "meta_init") if getattr(self, name)]
+        if self.offload != "none":
+            flags.append(f"offload_{self.offload}")
         return "-".join([self.sharding, self.compression, self.precision, *flags])
 
 
@@ -124,7 +128,7 @@ def _build(checkpointing: bool, meta_init: bool) -> torch.nn.Module:
 
 def case_for(cell: Cell, sharded: bool = True) -> Case:
     """The cell's training run; unsharded, the one-process reference (fp32, built eagerly)."""
-    wrap: dict[str, Any] = {"sharding": cell.sharding, "compression": cell.compression}
+    wrap: dict[str, Any] = {"sharding": cell.sharding, "compression": cell.compression, "offload": cell.offload}
     if cell.precision == "bf16":
         wrap["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     meta_init = cell.meta_init and sharded
@@ -264,14 +268,14 @@ def test_without_order_words_the_cells_train_as_with_them() -> None:
 
 def table(cells: list[Cell]) -> str:
     """The markdown table of each cell's outcome (docs/combinations.md)."""
-    rows = ["| sharding | compression | precision | no_sync | checkpointing | meta init | ran as | "
+    rows = ["| sharding | compression | precision | no_sync | checkpointing | meta init | offload | ran as | "
             "compression used | outcome | max loss rel. diff | update rel. diff | bound |",
-            "|" + "---|" * 12]
+            "|" + "---|" * 13]
     results = _sharded_results(tuple(cells))
     for cell in cells:
         got = results[0][cell]
         flags = ["on" if getattr(cell, name) else "off" for name in ("no_sync", "checkpointing", "meta_init")]
-        head = f"| {cell.sharding} | {cell.compression} | {cell.precision} | " + " | ".join(flags)
+        head = f"| {cell.sharding} | {cell.compression} | {cell.precision} | " + " | ".join(flags) + f" | {cell.offload}"
         if "refused" in got:
             rows.append(f"{head} | | | refused: {got['refused']} | | | |")
             continue

@@ -30,8 +30,10 @@ BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _case(optimizer: str, wrap: dict, micro_batches: int = 1, clip: float | None = None) -> Case:
+    # An evaluation forward (no_grad) after every step: a forward with no step before the next
+    # one, which must send what the step left (the persistent bf16 copy is not refreshed twice).
     return Case("offload", lambda: GPT(SMALL_GPT), _lm_loss, token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS),
-                optimizer=optimizer, wrap=wrap, micro_batches=micro_batches, clip=clip)
+                optimizer=optimizer, wrap=wrap, micro_batches=micro_batches, clip=clip, eval_every_step=True)
 
 
 def _both(rank: int, world: int, optimizer: str, wrap: dict, micro_batches: int, clip: float | None,
@@ -90,6 +92,7 @@ def test_offloaded_training_equals_training_on_the_device(world: int, optimizer:
         assert all(torch.isfinite(torch.tensor(got["losses"]))), got["losses"]
         assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
         assert got["norms"] == ref["norms"], (rank, got["norms"], ref["norms"])
+        assert got["eval_losses"] == ref["eval_losses"], (rank, got["eval_losses"], ref["eval_losses"])
         for key, value in ref["state"].items():
             assert torch.equal(got["state"][key], value), (rank, key)
     # The comparison can fail: training changed the loss.

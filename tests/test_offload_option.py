@@ -32,8 +32,9 @@ def test_none_is_always_available() -> None:
 def _wrap(rank: int, world: int, kwargs: dict) -> str:
     from overlap import ShardedModule
 
-    ShardedModule(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), **kwargs)
-    return "built"
+    model = ShardedModule(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), **kwargs)
+    groups = [group for unit in model.scheduler.all_units for group in unit.groups]
+    return "offloaded" if all(group.place.offloaded for group in groups) else "built"
 
 
 @pytest.mark.timeout(150)
@@ -57,3 +58,9 @@ def test_bad_or_unavailable_offload_fails_on_every_rank(kwargs: dict, env: dict,
 def test_none_by_argument_beats_the_environment() -> None:
     assert run_distributed(_wrap, 2, {"offload": "none"}, env={"OVERLAP_OFFLOAD": "disk"}, timeout=120) == \
         ["built", "built"]
+
+
+@pytest.mark.timeout(150)
+def test_the_environment_turns_offload_on() -> None:
+    assert run_distributed(_wrap, 2, {}, env={"OVERLAP_OFFLOAD": "cpu"}, timeout=120) == ["offloaded", "offloaded"]
+    assert run_distributed(_wrap, 2, {}, timeout=120) == ["built", "built"]

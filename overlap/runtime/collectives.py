@@ -141,7 +141,7 @@ class Collectives:
         node copies, see overlap.runtime.node_copy: those stay uncompressed, inside the node)."""
         if group is None and self.codec is not None and self.codec.gathers(out):
             return self._all_gather_encoded(out, shard, unit)
-        if group is None and self.world_size == 1 and self.local_when_alone:
+        if group is None and self.gathers_locally(out):
             out.copy_(shard)                   # its shard is the whole; cast in the copy
             return COMPLETED
         world = self.world_size if group is None else dist.get_world_size(group)
@@ -157,6 +157,12 @@ class Collectives:
             call.then_run(lambda: torch._C._autograd._unsafe_set_version_counter((out,), (version,)))
             call.keep(source, shard, out)
         return call.pending
+
+    def gathers_locally(self, out: torch.Tensor) -> bool:
+        """Whether a gather into `out` over the shard group is a copy on the current stream
+        (one rank, uncompressed) rather than a collective on the all-gather stream."""
+        return (self.world_size == 1 and self.local_when_alone
+                and not (self.codec is not None and self.codec.gathers(out)))
 
     def _cast(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if shard.dtype == dtype:

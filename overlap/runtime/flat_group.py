@@ -9,7 +9,9 @@ of dimensions (see [Note: original parameters are views of the flat shard]). To 
 the shards are all-gathered into `full`, a leaf tensor in the gather dtype whose views stand
 in for the original parameters on their modules. Autograd accumulates the gradients of all
 those views into `full.grad`, which is already in the flat layout the reduce-scatter wants:
-no copy-in or copy-out is needed on the way in or out.
+no copy-in or copy-out is needed on the way in or out. With offload="cpu" the master shard
+and the shard gradient live in host memory, and what a gather sends and what a reduction sums
+are device copies of them (the group's `place`, overlap.runtime.host_tier).
 
 [Note: original parameters are views of the flat shard]
 Each original parameter is registered on its modules (under its own names, a tied one once)
@@ -180,7 +182,8 @@ class FlatGroup:
         else:
             codec = self.collectives.codec
             source = self.place.gather_source(self.shard, self.gather_dtype,
-                                              encoded=codec is not None and codec.gathers(full))
+                                              encoded=codec is not None and codec.gathers(full),
+                                              local=self.node_copy is None and self.collectives.gathers_locally(full))
             gather = self.collectives.all_gather if self.node_copy is None else self.node_copy.gather
             pending = gather(full.detach(), source, unit_name)
         torch._C._autograd._unsafe_set_version_counter((full,), (version,))

@@ -5,8 +5,9 @@ A flat group asks its `ShardPlace`:
 - `place_master(shard)` / `zeros_like(master)`: the tensors that hold the master shard (the
   user's parameters are views of it, so a user's torch.optim optimizer steps it where it
   lives) and the gradient shard (the `.grad` views);
-- `gather_source(master, dtype, encoded)`: a device tensor an all-gather sends, holding the
-  master's values (cast to `dtype` where the place keeps a copy in the gather dtype);
+- `gather_source(master, dtype, encoded, local)`: a device tensor an all-gather sends,
+  holding the master's values (cast to `dtype` where the place keeps a copy in the gather
+  dtype);
   `on_device(master)`: the same in the master dtype, for a state dict's gather;
 - `reduce_target(grad_shard, zeros)`: the device tensor a reduction adds into, holding what
   the gradient shard holds now (zeros: nothing), so reduced gradients accumulate exactly as
@@ -26,7 +27,8 @@ Host -> device (what a gather sends) runs on the all-gather stream, queued right
 gather that reads it: the gather cannot start before its copy ends, and that stream already
 runs ahead of compute (prefetch), so a stream of its own would add an event and hide nothing
 more. Its buffer is held by the gather's `Pending` until the consumer waited, as every
-collective's input is (see [Note: keeping buffers alive until the consumer waited]).
+collective's input is (see [Note: keeping buffers alive until the consumer waited]). Where
+the gather is a copy on the compute stream (one rank, uncompressed), so is its source's.
 Device -> host (a reduced gradient) runs on the download stream, which exists so that these
 copies overlap the rest of backward and the next reductions, instead of queueing behind
 reductions on the reduce-scatter stream: it waits on the event that ends the reduction (or
@@ -54,6 +56,7 @@ when its gather's consumer has waited.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
@@ -83,7 +86,7 @@ class ShardPlace:
     def zeros_like(self, master: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(master)
 
-    def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool) -> torch.Tensor:
+    def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool, local: bool) -> torch.Tensor:
         return master           # the collective casts it
 
     def on_device(self, master: torch.Tensor) -> torch.Tensor:
@@ -176,14 +179,15 @@ class HostShard(ShardPlace):
 
     # ---- host -> device ---------------------------------------------------------------------
 
-    def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool) -> torch.Tensor:
+    def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool, local: bool) -> torch.Tensor:
         """The device tensor a gather sends: the persistent copy in the gather dtype, refreshed
         if the master changed, or a transient one in the master dtype. Queued on the
-        all-gather stream (called before the gather is issued on it)."""
+        all-gather stream (called before the gather is issued on it), or on the current
+        stream where the gather is a `local` copy there (one rank)."""
         persistent = dtype != master.dtype and not encoded
         if persistent and self.sent is not None and self.sent_version == master._version and not self.stepped:
             return self.sent
-        with self._on(self.tier.upload_stream):
+        with self._on(None if local else self.tier.upload_stream):
             copy = torch.empty(master.numel(), dtype=master.dtype, device=self.tier.device)
             copy.copy_(master, non_blocking=True)
             if not persistent:
@@ -199,7 +203,7 @@ class HostShard(ShardPlace):
         (which last wrote the master's device buffers and may still read old ones), or the
         current stream on a machine without one."""
         if stream is None:
-            return _NO_STREAM
+            return contextlib.nullcontext()
         stream.wait_stream(torch.cuda.current_stream(self.tier.device))
         return torch.cuda.stream(stream)
 
@@ -264,17 +268,6 @@ class HostShard(ShardPlace):
         self.stepped = True
         if self.copied == self.issued:
             self.staging = None
-
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_STREAM = _NoStream()
 
 
 def after_all(pending: "Pending", work: Callable[[], None]) -> None:

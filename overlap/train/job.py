@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap.base.choices import COMPRESS_CHOICES
+from overlap.base.choices import COMPRESS_CHOICES, OFFLOAD_CHOICES
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "meta device and materialise only each rank's parts; same values)")
     runtime.add_argument("--compress", choices=COMPRESS_CHOICES, default=None,
                          help="quantise weights / gradients on the wire (default: OVERLAP_COMPRESS, else none)")
+    runtime.add_argument("--offload", choices=OFFLOAD_CHOICES, default=None,
+                         help="where master shards, gradients and optimizer state live (default: OVERLAP_OFFLOAD, "
+                              "else none; docs/offload.md)")
     runtime.add_argument("--compile", action="store_const", const=True, default=None,
                          help="compile each block's compute with torch.compile (default: OVERLAP_COMPILE, else "
                               "eager; docs/compile.md)")
@@ -312,7 +315,7 @@ def run_rank(args: argparse.Namespace) -> int:
             gpt = GPT(config)
         model = ShardedModule(gpt, unit_types=(Block,), mixed_precision=precision,
                               prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb,
-                              compression=args.compress, compile=args.compile)
+                              compression=args.compress, compile=args.compile, offload=args.offload)
         optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), args.weight_decay),
                                       lr=args.lr, betas=(0.9, 0.95))
         name, text = _read_text(args.data)
