@@ -6,7 +6,7 @@ hpZ.
 Both runs gather the same bf16 values (the disk tier's 16-bit shard is the master rounded as
 the gather would round it), reduce the same fp32 gradients and step the same fp32 masters
 with the same kernel and scalars (per parameter without offload, per segment of a bucket
-with it), so losses, clip norms and the final fp32 masters (read back from the state file by
+with it), so losses (and an evaluation forward's after every step), clip norms and the final fp32 masters (read back from the state file by
 `full_state_dict`) are compared bit for bit. Also: the parameters are 16-bit views of the
 resident shard with fp32 `.grad`, the settings that cannot work are refused on every rank,
 and another optimizer stepping the parameters is an error, not a silent divergence.
@@ -34,7 +34,7 @@ BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 def _case(wrap: dict, micro_batches: int, clip: float | None, optimizer: str = "overlap_adamw_dim_groups") -> Case:
     return Case("offload-disk", lambda: GPT(SMALL_GPT), _lm_loss, token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS),
-                optimizer=optimizer, wrap=wrap, micro_batches=micro_batches, clip=clip)
+                optimizer=optimizer, wrap=wrap, micro_batches=micro_batches, clip=clip, eval_every_step=True)
 
 
 def _both(rank: int, world: int, wrap: dict, micro_batches: int, clip: float | None,
@@ -93,6 +93,7 @@ def test_disk_offload_trains_as_without(world, wrap, micro_batches, clip, local_
         assert got["state_dict_dtypes"] == {"torch.float32"}, rank
         assert all(torch.isfinite(torch.tensor(got["losses"]))), got["losses"]
         assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
+        assert got["eval_losses"] == ref["eval_losses"] and len(got["eval_losses"]) == STEPS, rank
         assert got["norms"] == ref["norms"], (rank, got["norms"], ref["norms"])
         for key, value in ref["state"].items():
             assert got["state"][key].dtype == value.dtype and torch.equal(got["state"][key], value), (rank, key)

@@ -113,7 +113,7 @@ class DiskShard(ShardPlace):
         return torch.zeros(master.numel(), dtype=torch.float32 if self.engine is not None else master.dtype,
                            device=master.device)
 
-    def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool) -> torch.Tensor:
+    def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool, local: bool) -> torch.Tensor:
         if self.engine is not None and master._version != self.version:
             raise RuntimeError(
                 "offload='disk': the parameters of this model were changed in place by something other than "
