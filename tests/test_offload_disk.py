@@ -6,8 +6,9 @@ hpZ.
 Both runs gather the same bf16 values (the disk tier's 16-bit shard is the master rounded as
 the gather would round it), reduce the same fp32 gradients and step the same fp32 masters
 with the same kernel and scalars (per parameter without offload, per segment of a bucket
-with it), so losses (and an evaluation forward's after every step), clip norms and the final fp32 masters (read back from the state file by
-`full_state_dict`) are compared bit for bit. Also: the parameters are 16-bit views of the
+with it), so losses (and an evaluation forward's after every step), clip norms and the
+final fp32 masters (read back from the state file by `full_state_dict`) are compared bit
+for bit. Also: the parameters are 16-bit views of the
 resident shard with fp32 `.grad`, the settings that cannot work are refused on every rank,
 and another optimizer stepping the parameters is an error, not a silent divergence.
 """
