@@ -7,6 +7,12 @@ Param groups, per-group lr / betas / eps / weight decay, `state_dict()` and
 torch.optim.AdamW loads here and one saved here loads into torch.optim.AdamW, and training
 goes on as if it had never changed optimizer. `maximize` is supported; `amsgrad` is refused.
 
+Parameters of a model wrapped with offload="disk" carry a `PagedParam` (overlap.optim.paged):
+their fp32 masters and moments live in the model's state file, and they are stepped
+together, one segment each, by the pipelined engine there; their state here holds the
+`step` count and memory maps of the file for `exp_avg` and `exp_avg_sq`, so state dicts and
+checkpoints read and write the file in place.
+
 Tensors the kernel does not take (off the CPU, not float32, strided) are stepped by the
 torch reference (`overlap.optim.reference`), which is torch.optim.AdamW's single-tensor
 step op for op. The kernel rounds every operation as torch's CPU kernels do except the
