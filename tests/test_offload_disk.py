@@ -33,6 +33,13 @@ STEPS = 3
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+@pytest.fixture(autouse=True)
+def _state_files_in_tmp_path(tmp_path, monkeypatch):
+    """The ranks' state files go to the test's directory (the launched ranks leave through
+    os._exit, so nothing removes a temporary directory of their own)."""
+    monkeypatch.setenv("OVERLAP_OFFLOAD_DIR", str(tmp_path))
+
+
 def _case(wrap: dict, micro_batches: int, clip: float | None, optimizer: str = "overlap_adamw_dim_groups") -> Case:
     return Case("offload-disk", lambda: GPT(SMALL_GPT), _lm_loss, token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS),
                 optimizer=optimizer, wrap=wrap, micro_batches=micro_batches, clip=clip, eval_every_step=True)

@@ -356,3 +356,18 @@ def test_shards_added_later_extend_the_file(tmp_path):
         assert torch.equal(views[0], masters[1][200:500])
     finally:
         engine.close()
+
+
+def test_engines_sharing_a_directory_keep_their_own_files(tmp_path):
+    first, second = (PagedAdamW([64], directory=str(tmp_path)) for _ in range(2))
+    try:
+        assert first.file.path != second.file.path
+        first.load_masters([torch.ones(64)])
+        second.load_masters([torch.full((64,), 2.0)])
+        out = torch.empty(64)
+        first.copy_masters_to([out])
+        assert torch.equal(out, torch.ones(64))
+    finally:
+        first.close()
+        second.close()
+    assert not os.listdir(tmp_path)

@@ -24,11 +24,12 @@ fails halfway through a step.
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
+import multiprocessing.util
 import os
 import shutil
 import tempfile
-import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -40,6 +41,9 @@ STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 # Linux moves at most this many bytes per read or write call (0x7ffff000); longer buckets
 # take several calls, each continuing where the last one stopped.
 _MAX_IO = 0x7FFFF000
+
+
+_FILE_NUMBERS = itertools.count()
 
 
 class StateFileError(RuntimeError):
@@ -150,12 +154,16 @@ class StateFile:
             raise StateFileError(f"rank {rank}: offload directory {directory!r} does not exist or is not a "
                                  "directory (OVERLAP_OFFLOAD_DIR); create it first")
         self.directory = directory
-        self.path = os.path.join(directory, f"rank{rank}.state")
+        # A name no other file has: several models, ranks or runs may share the directory.
+        self.path = os.path.join(directory, f"rank{rank}-{os.getpid()}-{next(_FILE_NUMBERS)}.state")
         self.rank = rank
         self.fd = -1
         self.direct = False
-        # Removes the file (and a directory made here) at exit or collection if close() was not called.
-        self._finalizer = weakref.finalize(self, _remove, self.path, directory if self._own_dir else None)
+        # Removes the file (and a directory made here) if close() was not called: when this object
+        # is collected, or when the process exits. multiprocessing's finalizers run at exit in the
+        # main process and in processes it started (which leave through os._exit, past atexit).
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _remove, (self.path, directory if self._own_dir else None), exitpriority=0)
         try:
             self._open(direct)
             self._reserve()
@@ -164,7 +172,7 @@ class StateFile:
             raise
 
     def _open(self, direct: bool) -> None:
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
@@ -173,6 +181,8 @@ class StateFile:
             except OSError as e:
                 if e.errno != errno.EINVAL:      # EINVAL: the file system has no direct IO
                     raise self._error("cannot create", e) from e
+                if os.path.exists(self.path):   # created before the flag was refused
+                    os.remove(self.path)
         try:
             self.fd = os.open(self.path, flags, 0o600)
         except OSError as e:
