@@ -18,6 +18,7 @@ from overlap.control.settings import StartupRequest
 from overlap.control.startup import start_up
 from overlap.observe.report import OverlapReport
 from overlap.runtime.compiled import eager_hook
+from overlap.runtime.disk_tier import master_part, refresh_resident
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.row_dtensors import local_part
 
@@ -185,6 +186,13 @@ class ShardedModule(nn.Module):
             torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
         return total
 
+    def _refuse_disk(self, what: str) -> None:
+        if self.overlap_config.offload == "disk":
+            raise NotImplementedError(
+                f"ShardedModule.{what}() with offload='disk' is not implemented yet: the fp32 masters live in the "
+                "offload state file; load a sharded state dict (load_state_dict(state_dict()) form, or "
+                "overlap.checkpoint.load) instead")
+
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The wrapped module's state dict with full (unsharded) CPU tensors, on every rank,
         or with `rank0_only` on rank 0 alone (the others return {}). Gathers one flat group
@@ -247,7 +255,7 @@ class ShardedModule(nn.Module):
                 out[key] = others[key]
             else:
                 group, index = where
-                out[key] = group.dtensor(group.params[index], index)
+                out[key] = group.dtensor(master_part(group.params[index]), index)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
@@ -275,12 +283,15 @@ class ShardedModule(nn.Module):
                         raise ValueError(f"load_state_dict: {key} is not sharded like this model's parameter; "
                                          "load full tensors, or load a checkpoint with overlap.checkpoint.load")
                     ours[0].copy_(theirs[0])
+        if self.overlap_config.offload == "disk":
+            refresh_resident([group for unit in self.scheduler.all_units for group in unit.groups])
         others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}
         if others:
             self.module.load_state_dict(others, strict=False)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load full tensors (as `full_state_dict` returns them); every rank passes the same."""
+        self._refuse_disk("load_full_state_dict")
         expected = [key for key, _ in self._state_dict_layout]
         missing = [key for key in expected if key not in state_dict]
         unexpected = sorted(set(state_dict) - set(expected))

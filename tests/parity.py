@@ -88,6 +88,14 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3},
         ], lr=1e-3)
+    if kind == "overlap_adamw_dim_groups":
+        from overlap.optim import AdamW
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        return AdamW([
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3},
+        ], lr=1e-3)
     if kind == "factored":
         if isinstance(model, ShardedModule):
             group = model.collectives.group

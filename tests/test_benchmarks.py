@@ -121,6 +121,43 @@ def test_optim_step_tiny(tmp_path):
     assert report["commit"] and report["command"] and len(report["host"]["load_before"]) == 3
 
 
+@pytest.mark.timeout(200)
+def test_offload_disk_tiny(tmp_path):
+    """The disk tier's three modes at two tiny sizes, with paired ratios and the dd reference."""
+    pytest.importorskip("overlap._C", reason="the overlap._C extension was not built")
+    out = tmp_path / "offload_disk.json"
+    proc = _run("offload_disk.py", "--sizes", "300k,1M", "--rounds", "2", "--dd-mib", "8", "--dir", str(tmp_path),
+                "--out", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dd_direct"]["read_gbps"] > 0 and report["dd_direct"]["write_gbps"] > 0
+    assert report["commit"] and len(report["host"]["load_before"]) == 3
+    for entry in report["results"]:
+        assert len(entry["rounds"]) == 2 and all(r[m] > 0 for r in entry["rounds"] for m in ("io", "update", "pipelined"))
+        assert len(entry["pipelined_over_sum"]["per_round"]) == 2
+        assert entry["peak_buffers"] <= 3 and entry["file_bytes"] >= 12 * entry["params"]
+    assert [p.name for p in tmp_path.iterdir()] == ["offload_disk.json"], "state files must be removed"
+
+
+@pytest.mark.timeout(300)
+def test_offload_disk_model_tiny(tmp_path):
+    """The large-run mode at a tiny size: a GPT built on the meta device trains 3 steps at 2
+    ranks with offload="disk" and reports memory, the step's split and the disk bandwidth."""
+    pytest.importorskip("overlap._C", reason="the overlap._C extension was not built")
+    out = tmp_path / "model.json"
+    proc = _run("offload_disk.py", "--model-params", "3M", "--model-layers", "2", "--dir", str(tmp_path),
+                "--out", str(out), timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert len(r["steps"]) == 3 and all(math.isfinite(s["loss"]) for s in r["steps"])
+        assert all(s["compute_s"] > 0 and s["optimizer_s"] > 0 for s in r["steps"])
+        assert r["peak_rss_gib"] > 0 and r["disk_gbps"] > 0 and r["state_file_bytes"] >= 12 * r["params"] / 2
+        assert r["peak_buffers"] <= 3
+    assert [p.name for p in tmp_path.iterdir()] == ["model.json"], "state files must be removed"
+
+
 def test_compare_rejects_a_bad_link():
     proc = _run("compare.py", "--links", "loopback,fast", timeout=60)
     assert proc.returncode != 0

@@ -44,6 +44,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_OFFLOAD": ("|".join(OFFLOAD_CHOICES),
                         "where master shards, gradient shards and optimizer state live: the device, host memory "
                         "or local disk (docs/offload.md)"),
+    "OVERLAP_OFFLOAD_DIR": ("directory path", "where offload='disk' keeps each rank's state file (default: a fresh "
+                            "temporary directory per rank, removed at exit)"),
 }
 
 
@@ -66,6 +68,7 @@ class Config:
     disk_gbps: Optional[float] = None
     compile: bool = False
     offload: str = "none"
+    offload_dir: Optional[str] = None      # None: a fresh temporary directory per rank
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -208,6 +211,10 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         fields["compile"] = _parse_flag("OVERLAP_COMPILE", env["OVERLAP_COMPILE"])
     if "OVERLAP_OFFLOAD" in env:
         fields["offload"] = _parse_choice("OVERLAP_OFFLOAD", env["OVERLAP_OFFLOAD"], OFFLOAD_CHOICES)
+    if "OVERLAP_OFFLOAD_DIR" in env:
+        if not env["OVERLAP_OFFLOAD_DIR"].strip():
+            raise ValueError(f"OVERLAP_OFFLOAD_DIR='' is invalid; accepted values: {ENV_VARS['OVERLAP_OFFLOAD_DIR'][0]}")
+        fields["offload_dir"] = env["OVERLAP_OFFLOAD_DIR"].strip()
     config = Config(**fields)
     if config.log_level is not None:
         logging.getLogger("overlap").setLevel(config.log_level)

@@ -18,6 +18,7 @@ from overlap.base.config import (Config, config_from_env, local_rank_from_env, l
                                  validate_sharding)
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.kernels import BackendUnavailable, KernelBackend, get_backend
+from overlap.runtime.disk_tier import disk_offload_error
 from overlap.runtime.host_tier import offload_error
 from overlap.runtime.mesh import sharding_error
 from overlap.runtime.process_group import device_backend
@@ -94,7 +95,8 @@ def resolve_settings(request: StartupRequest) -> RankSettings:
             offload=None if request.offload is None else validate_offload(request.offload))
         local_world_size = local_world_size_from_env()
         error = (sharding_error(request.process_group, request.mesh, config.sharding, local_world_size)
-                 or offload_error(config.offload))
+                 or offload_error(config.offload)
+                 or disk_offload_error(config, request.mixed_precision, device))
         kernels = get_backend(config.kernels, device)
     except (ValueError, BackendUnavailable) as exc:
         error = str(exc)

@@ -38,6 +38,7 @@ from overlap.observe.report import OverlapMonitor
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.compiled import CompileTimeLog, compile_modules, compiled_by_user
 from overlap.runtime.compression import Compression, QuantizedCodec
+from overlap.runtime.disk_tier import DiskTier
 from overlap.runtime.host_tier import HostTier
 from overlap.runtime.mesh import ShardingGroups, resolve_sharding
 from overlap.runtime.scheduler import Scheduler
@@ -71,6 +72,9 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     host = None
     if decision.config.offload == "cpu":
         host = HostTier(decision.device, decision.kernels, collectives.all_gather_stream)
+    elif decision.config.offload == "disk":
+        # offload="disk": fp32 masters and moments in a state file; see overlap.runtime.disk_tier.
+        host = DiskTier(decision.config.offload_dir, dist.get_rank())
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check)

@@ -7,6 +7,12 @@ Param groups, per-group lr / betas / eps / weight decay, `state_dict()` and
 torch.optim.AdamW loads here and one saved here loads into torch.optim.AdamW, and training
 goes on as if it had never changed optimizer. `maximize` is supported; `amsgrad` is refused.
 
+Parameters of a model wrapped with offload="disk" carry a `PagedParam` (overlap.optim.paged):
+their fp32 masters and moments live in the model's state file, and they are stepped
+together, one segment each, by the pipelined engine there; their state here holds the
+`step` count and memory maps of the file for `exp_avg` and `exp_avg_sq`, so state dicts and
+checkpoints read and write the file in place.
+
 Tensors the kernel does not take (off the CPU, not float32, strided) are stepped by the
 torch reference (`overlap.optim.reference`), which is torch.optim.AdamW's single-tensor
 step op for op. The kernel rounds every operation as torch's CPU kernels do except the
@@ -21,6 +27,7 @@ from typing import Any, Callable, Iterable, Optional, Tuple, Union
 import torch
 
 from .flat_step import OPTIM_BACKENDS, adamw_step
+from .paged import Hyper, PagedAdamW, PagedParam, Segment, paged_of
 
 ParamsT = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
 
@@ -92,6 +99,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        paged = _PagedSteps()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -99,6 +107,16 @@ class AdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("overlap.optim.AdamW does not support sparse gradients")
                 state = self.state[p]
+                where = paged_of(p)
+                if where is not None:
+                    # offload="disk": master and moments in the state file; only the step count here.
+                    if not state:
+                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                        state["exp_avg"], state["exp_avg_sq"] = _moment_maps(p, where)
+                    state["step"] += 1
+                    paged.add(p, where, Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                              state["step"].item(), group["maximize"]))
+                    continue
                 if not state:
                     # As torch: a float32 step count on the CPU, moments shaped like the parameter.
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -108,4 +126,59 @@ class AdamW(torch.optim.Optimizer):
                 adamw_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], betas=group["betas"],
                            eps=group["eps"], weight_decay=group["weight_decay"], step=state["step"].item(),
                            maximize=group["maximize"], backend=self.backend)
+        paged.run()
         return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # offload="disk": torch casts loaded state to the parameter's dtype, 16-bit here; the
+        # moments are taken as saved (fp32) and written into the state file instead, and the
+        # state holds its maps again.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        ours = [p for group in self.param_groups for p in group["params"]]
+        moments = {p: state_dict["state"][i] for i, p in zip(saved_ids, ours)
+                   if paged_of(p) is not None and i in state_dict["state"]}
+        super().load_state_dict(state_dict)
+        for p, saved in moments.items():
+            maps = _moment_maps(p, paged_of(p))
+            for name, target in zip(("exp_avg", "exp_avg_sq"), maps):
+                target.copy_(saved[name].reshape(target.shape))
+                self.state[p][name] = target
+
+
+def _moment_maps(param: torch.Tensor, where: PagedParam) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp_avg and exp_avg_sq of a paged parameter: memory maps of its range of the state file,
+    shaped like it, so that the optimizer's state (and its state dict, and checkpoints) are
+    the file's values without holding them in memory."""
+    maps = where.engine.map_range(where.shard, where.start, where.stop)
+    assert maps is not None, "the disk tier sizes its buckets to hold every parameter's part"
+    _, exp_avg, exp_avg_sq = maps
+    return exp_avg.view(param.shape), exp_avg_sq.view(param.shape)
+
+
+class _PagedSteps:
+    """The segments of one step that go through each disk-offload engine, stepped together."""
+
+    def __init__(self) -> None:
+        self.segments: dict[PagedAdamW, list[Segment]] = {}
+        self.shards: dict[PagedAdamW, dict[int, PagedParam]] = {}
+
+    def add(self, param: torch.Tensor, where: PagedParam, hyper: Hyper) -> None:
+        grad_shard = where.grad_shard()
+        if grad_shard is None:
+            raise RuntimeError("offload='disk': a parameter has a .grad but its group reduced no gradient")
+        view = grad_shard[where.start:where.stop]
+        if param.grad.data_ptr() != view.data_ptr() or param.grad.dtype != view.dtype:
+            view.copy_(param.grad.reshape(-1))          # a .grad the user assigned
+        self.segments.setdefault(where.engine, []).append(Segment(where.shard, where.start, where.stop, hyper))
+        self.shards.setdefault(where.engine, {})[where.shard] = where
+
+    def run(self) -> None:
+        for engine, segments in self.segments.items():
+            shards = self.shards[engine]
+            grads: list[Optional[torch.Tensor]] = [None] * len(engine.shard_sizes)
+            resident: list[Optional[torch.Tensor]] = [None] * len(engine.shard_sizes)
+            for index, where in shards.items():
+                grads[index], resident[index] = where.grad_shard(), where.resident
+            engine.step(grads, segments, resident)
+            for where in shards.values():
+                where.on_stepped(where.resident)

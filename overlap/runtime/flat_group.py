@@ -150,6 +150,7 @@ class FlatGroup:
         for slot, param in zip(self.slots, self.params):
             for module, attr in slot.owners:
                 module._parameters[attr] = param
+        self.place.adopt(self)
 
     def _shard_view(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's part of parameter `index` in `flat_shard` (the master shard, or its
@@ -289,7 +290,9 @@ class FlatGroup:
         """Set this rank's part of parameter `index` from its full value (any device)."""
         start, end = self.parts[index]
         with torch.no_grad():
-            self.params[index].view(-1).copy_(value.detach().reshape(-1)[start:end])
+            part = value.detach().reshape(-1)[start:end]
+            self.params[index].view(-1).copy_(part)
+            self.place.part_written(self, index, part)
 
     def full_values(self) -> torch.Tensor:
         """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""

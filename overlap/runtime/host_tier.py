@@ -57,7 +57,7 @@ waited.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -67,10 +67,7 @@ if TYPE_CHECKING:
 
 # The offload tiers this runtime can hold state in; a tier missing here is refused at start-up
 # with the reason given.
-UNAVAILABLE_TIERS: dict[str, str] = {
-    "disk": "offload='disk' (master shards and optimizer state in files) is not available; "
-            "use offload='cpu' or offload='none'",
-}
+UNAVAILABLE_TIERS: dict[str, str] = {}
 
 
 def offload_error(offload: str) -> Optional[str]:
@@ -105,6 +102,13 @@ class ShardPlace:
 
     def grads_ready(self) -> None:
         pass
+
+    # `group` is the FlatGroup (not imported: flat_group imports this module).
+    def adopt(self, group: Any) -> None:
+        """The group is built (its parameters made and registered on their modules)."""
+
+    def part_written(self, group: Any, index: int, part: torch.Tensor) -> None:
+        """`part` (in the master dtype) was written as this rank's part of parameter `index`."""
 
 
 class _Download(NamedTuple):

@@ -1,0 +1,382 @@
+"""The disk tier's optimizer step alone (overlap/optim/paged.py): IO, update and the
+pipelined step, measured side by side at a few model sizes.
+
+    python benchmarks/offload_disk.py [--sizes 50M,200M,400M] [--rounds 3] [--dir DIR]
+                                      [--out docs/results/offload_disk.json]
+
+For each size one state file of 12 bytes per parameter (fp32 master and both moments) is
+created under --dir (default: a temporary directory on the working directory's disk) and
+removed after. Each round runs three modes in turn, in an order that rotates per round:
+  io        every bucket read and written back through the pipeline, no update
+  update    the fused kernel over every bucket, held in the host buffers, no IO
+  pipelined the real step: read k+1 and write k-1 while stepping k
+and the JSON keeps every round's seconds and, per round, the paired ratios
+pipelined / (io + update) (1: nothing overlapped) and pipelined / max(io, update) (1: all of
+it), with their median and range. Disk bandwidth reached = bytes read and written / io time,
+against `dd` with direct IO on a 1 GiB file (--dd-mib), measured once at the start.
+
+Memory: the peak RSS from the engine's creation to the end of its first step, above the RSS
+before it (the engine's own memory, against its buffers), and the whole run's peak RSS.
+
+With --model-params N it trains instead a GPT of about N parameters (built on the meta
+device) for 3 steps at 2 ranks with offload="disk" and bf16 gathers, and prints per rank: peak
+RSS, each step's time split into compute (forward and backward, collectives included) and
+optimizer step, the update's share of the step (kernel seconds), the IO alone (one read and
+write pass over the state file, timed after training), the share of the shorter of IO and
+update hidden, and the disk bandwidth; --out gets the JSON (default
+docs/results/offload_disk_model.json).
+
+Also measured once: whether `torch.ops.overlap.adamw_step` runs without the GIL (a Python
+thread counting while the kernel steps a bucket; with the GIL held it would stop counting).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from overlap.optim import adamw_step, extension_available
+from overlap.optim.paged import Hyper, PagedAdamW, Segment
+from overlap.optim.state_file import bucket_views
+
+MODEL_STEPS = 3
+MODEL_RANKS = 2
+SHARD_PARAMS = 24 * 2**20     # one flat shard per this many parameters (a block of a large GPT)
+MODES = ("io", "update", "pipelined")
+
+
+def parse_count(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kMG]?)\s*", text)
+    if not match:
+        raise ValueError(f"size {text!r} is invalid; expected e.g. 50M")
+    return int(float(match.group(1)) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}[match.group(2)])
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=pathlib.Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def dd_direct(directory: str, mib: int = 1024) -> dict:
+    """Write then read a file of `mib` MiB with dd's direct IO; GB/s each way (1e9 bytes)."""
+    path = os.path.join(directory, "dd.bin")
+    speeds = {}
+    try:
+        for way, args in (("write", [f"of={path}", "if=/dev/zero", "oflag=direct"]),
+                          ("read", [f"if={path}", "of=/dev/null", "iflag=direct"])):
+            out = subprocess.run(["dd", "bs=1M", f"count={mib}", *args], capture_output=True, text=True, check=True)
+            seconds = float(re.search(r"copied, ([0-9.e-]+) s", out.stderr).group(1))
+            speeds[f"{way}_gbps"] = mib * 2**20 / seconds / 1e9
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return speeds
+
+
+def gil_check() -> dict:
+    """Counts of a Python thread per second while idle-waiting and while the kernel runs."""
+    n = 16 * 2**20
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    counter, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+    thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        start, before = time.perf_counter(), counter[0]
+        time.sleep(0.3)
+        idle_rate = (counter[0] - before) / (time.perf_counter() - start)
+        start, before, calls = time.perf_counter(), counter[0], 0
+        while time.perf_counter() - start < 0.3:
+            adamw_step(p, g, m, v, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1.0)
+            calls += 1
+        kernel_rate = (counter[0] - before) / (time.perf_counter() - start)
+    finally:
+        stop.set()
+        thread.join()
+    return {"counts_per_s_idle_main": idle_rate, "counts_per_s_kernel_running": kernel_rate,
+            "kernel_calls": calls, "bucket_params": n}
+
+
+def _status_bytes(field: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux 4.0+); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(count: int, rounds: int, directory: str) -> dict:
+    shard_sizes = [min(SHARD_PARAMS, count - s) for s in range(0, count, SHARD_PARAMS)]
+    masters = [torch.randn(n) * 0.02 for n in shard_sizes]
+    grads = [torch.randn(n) * 1e-3 for n in shard_sizes]
+    resident = [torch.zeros(n, dtype=torch.bfloat16) for n in shard_sizes]
+    # The engine's own memory: the peak RSS from its creation to the end of its first step
+    # above the RSS before it (masters, gradients and resident shards already counted).
+    reset = _reset_peak_rss()
+    rss_before = _status_bytes("VmRSS")
+    engine = PagedAdamW(shard_sizes, directory=directory)
+    try:
+        engine.load_masters(masters)
+        step = [0]
+
+        def segments() -> list[Segment]:
+            # two parameter groups in every shard: weight decay on the first half only
+            hypers = [Hyper(1e-4, (0.9, 0.95), 1e-8, wd, float(step[0])) for wd in (0.1, 0.0)]
+            return [Segment(i, lo, hi, h) for i, n in enumerate(shard_sizes)
+                    for (lo, hi), h in zip(((0, n // 2), (n // 2, n)), hypers)]
+
+        def io() -> None:
+            engine._run(range(len(engine.buckets)), lambda k, b, buf: None)
+
+        def update() -> None:
+            step[0] += 1
+            hyper = segments()[0].hyper
+
+            def kernel(k, bucket, buffer):
+                master, m, v = bucket_views(buffer, bucket.numel)
+                adamw_step(master, grads[bucket.shard][bucket.start:bucket.stop], m, v, lr=hyper.lr,
+                           betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay, step=hyper.step)
+                resident[bucket.shard][bucket.start:bucket.stop].copy_(master)
+            engine._run(range(len(engine.buckets)), kernel, read=False, write=False)
+
+        def pipelined() -> None:
+            step[0] += 1
+            engine.step(grads, segments(), resident)
+
+        fns = {"io": io, "update": update, "pipelined": pipelined}
+        pipelined()                          # untimed
+        engine_rss_growth = _status_bytes("VmHWM") - rss_before if reset else None
+        del masters
+        raw = []
+        for r in range(rounds):
+            order = MODES[r % 3:] + MODES[:r % 3]
+            raw.append({mode: _time(fns[mode]) for mode in order} | {"order": list(order)})
+            assert torch.isfinite(resident[0][:1000].float()).all(), "the step produced non-finite values"
+        io_bytes = 2 * sum(b.nbytes for b in engine.buckets)
+        peak = engine.peak_buffers
+        buffer_bytes = engine.buffer_bytes
+    finally:
+        engine.close()
+    vs_sum = [x["pipelined"] / (x["io"] + x["update"]) for x in raw]
+    vs_max = [x["pipelined"] / max(x["io"], x["update"]) for x in raw]
+    hidden = [(x["io"] + x["update"] - x["pipelined"]) / min(x["io"], x["update"]) for x in raw]
+
+    def summary(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
+    return {"params": count, "shards": len(shard_sizes), "buckets": len(engine.buckets),
+            "file_bytes": io_bytes // 2, "io_bytes_per_step": io_bytes, "buffer_bytes": buffer_bytes,
+            "peak_buffers": peak, "engine_peak_rss_growth_bytes": engine_rss_growth, "rounds": raw,
+            "pipelined_over_sum": summary(vs_sum), "pipelined_over_max": summary(vs_max),
+            "share_of_shorter_hidden": summary(hidden),
+            "disk_gbps_io_alone": summary([io_bytes / x["io"] / 1e9 for x in raw]),
+            "disk_gbps_pipelined": summary([io_bytes / x["pipelined"] / 1e9 for x in raw]),
+            "update_params_per_s": summary([count / x["update"] for x in raw])}
+
+
+def gpt_config(params: int, layers: int):
+    """A GPT config of about `params` parameters with `layers` blocks (width a multiple of 64)."""
+    from overlap.models.gpt import GPTConfig
+
+    vocab = 8192
+    # 12·d² per block plus the embedding v·d: the positive root, rounded to heads of 64
+    d = (-vocab + (vocab ** 2 + 48 * layers * params) ** 0.5) / (24 * layers)
+    d = max(64, int(round(d / 64)) * 64)
+    return GPTConfig(vocab_size=vocab, block_size=128, n_layer=layers, n_head=d // 64, n_embd=d)
+
+
+def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(MODEL_RANKS),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(MODEL_RANKS), OVERLAP_OFFLOAD_DIR=directory)
+    dist.init_process_group("gloo", rank=rank, world_size=MODEL_RANKS)
+    try:
+        from overlap import MixedPrecision, ShardedModule
+        from overlap.models import GPT
+        from overlap.optim import AdamW
+        from overlap.optim.paged import paged_of
+
+        config = gpt_config(params, layers)
+        with torch.device("meta"):
+            inner = GPT(config)
+        start = time.perf_counter()
+        model = ShardedModule(inner, offload="disk",
+                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        wrap_s = time.perf_counter() - start
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
+                           {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=1e-4)
+        engine = paged_of(trainable[0]).engine
+        generator = torch.Generator().manual_seed(rank)
+        steps = []
+        for _ in range(MODEL_STEPS):
+            tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=generator)
+            start = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            compute_s = time.perf_counter() - start
+            start = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad()
+            step_s = time.perf_counter() - start
+            if not torch.isfinite(loss.detach()):
+                raise RuntimeError(f"rank {rank}: the loss is {float(loss)}")
+            steps.append({"loss": loss.item(), "compute_s": compute_s, "optimizer_s": step_s,
+                          "update_s": engine.last_step.update_s, "io_bytes": engine.last_step.io_bytes})
+        start = time.perf_counter()
+        engine._run(range(len(engine.buckets)), lambda k, b, buf: None)      # IO alone: read and write all
+        io_s = time.perf_counter() - start
+        last = steps[-1]
+        queue.put({"rank": rank, "params": config.num_params, "config": vars(config), "wrap_s": wrap_s,
+                   "steps": steps, "io_alone_s": io_s, "state_file_bytes": engine.file.size,
+                   "buffer_bytes": engine.buffer_bytes, "peak_buffers": engine.peak_buffers,
+                   "io_hidden_share": (io_s + last["update_s"] - last["optimizer_s"]) / min(io_s, last["update_s"]),
+                   "disk_gbps": last["io_bytes"] / io_s / 1e9,
+                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
+    finally:
+        dist.destroy_process_group()
+
+
+def train_model(params: int, layers: int, directory: str) -> list[dict]:
+    """3 steps of a GPT of about `params` parameters at 2 ranks with offload="disk"; per rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_train_rank, args=(r, port, params, layers, directory, queue))
+             for r in range(MODEL_RANKS)]
+    for proc in procs:
+        proc.start()
+    results = []
+    try:
+        for _ in procs:
+            results.append(queue.get(timeout=3600))
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+    if any(proc.exitcode != 0 for proc in procs):
+        raise RuntimeError(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="50M,200M,400M")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where the state files go (default: a temporary directory "
+                                                    "under the current one, on its disk)")
+    parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd reference file")
+    parser.add_argument("--out", default=None, help="default docs/results/offload_disk.json, "
+                                                     "or offload_disk_model.json with --model-params")
+    parser.add_argument("--model-params", default=None, help="train a GPT of about this many parameters instead")
+    parser.add_argument("--model-layers", type=int, default=24)
+    args = parser.parse_args(argv)
+    if not extension_available():
+        parser.error("overlap._C was not built: the paged step has no kernel to measure")
+    if args.model_params is not None:
+        main_model(args)
+        return
+    args.out = args.out or "docs/results/offload_disk.json"
+    sizes = [parse_count(s) for s in args.sizes.split(",")]
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="offload-disk-bench-", dir=args.dir or ".") as directory:
+        dd = dd_direct(directory, args.dd_mib) | {"mib": args.dd_mib}
+        print(f"dd direct IO: write {dd['write_gbps']:.2f} GB/s, read {dd['read_gbps']:.2f} GB/s", flush=True)
+        gil = gil_check()
+        print(f"GIL: a Python thread counts {gil['counts_per_s_kernel_running']:.0f}/s while the kernel runs "
+              f"({gil['counts_per_s_idle_main']:.0f}/s with the main thread asleep)", flush=True)
+        entries = []
+        for count in sizes:
+            print(f"{count / 1e6:.0f}M parameters ({12 * count / 1e9:.1f} GB of state)...", flush=True)
+            entry = measure(count, args.rounds, directory)
+            entries.append(entry)
+            med = {m: statistics.median(x[m] for x in entry["rounds"]) for m in MODES}
+            print(f"  io {med['io']:.2f} s  update {med['update']:.2f} s  pipelined {med['pipelined']:.2f} s  "
+                  f"pipelined/(io+update) {entry['pipelined_over_sum']['median']:.2f} "
+                  f"[{entry['pipelined_over_sum']['min']:.2f}-{entry['pipelined_over_sum']['max']:.2f}]  "
+                  f"pipelined/max {entry['pipelined_over_max']['median']:.2f}  "
+                  f"disk {entry['disk_gbps_io_alone']['median']:.2f} GB/s  engine RSS growth "
+                  f"{(entry['engine_peak_rss_growth_bytes'] or 0) / 2**20:.0f} MiB "
+                  f"(buffers {entry['buffer_bytes'] / 2**20:.0f} MiB)", flush=True)
+    result = {
+        "commit": _commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                 "torch": torch.__version__, "threads": torch.get_num_threads(),
+                 "load_before": load_before, "load_after": os.getloadavg()},
+        "dd_direct": dd, "gil": gil,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "results": entries,
+    }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+
+def main_model(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="offload-disk-model-", dir=args.dir or ".") as directory:
+        ranks = train_model(parse_count(args.model_params), args.model_layers, directory)
+    for r in ranks:
+        last = r["steps"][-1]
+        print(f"rank {r['rank']}: {r['params'] / 1e6:.0f}M params, state file {r['state_file_bytes'] / 2**30:.2f} GiB, "
+              f"peak RSS {r['peak_rss_gib']:.2f} GiB; last step: compute {last['compute_s']:.2f} s, optimizer "
+              f"{last['optimizer_s']:.2f} s (update {last['update_s']:.2f} s, IO alone {r['io_alone_s']:.2f} s, "
+              f"hidden {100 * r['io_hidden_share']:.0f}% of the shorter), disk {r['disk_gbps']:.2f} GB/s, "
+              f"losses {[round(s['loss'], 4) for s in r['steps']]}")
+    result = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+              "host": {"cores": os.cpu_count(), "torch": torch.__version__, "load_before": load_before,
+                       "load_after": os.getloadavg()},
+              "ranks": ranks}
+    out = pathlib.Path(args.out or "docs/results/offload_disk_model.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""offload="disk": each trainable flat group's fp32 master shard and AdamW moments live in
+one state file per rank (overlap.optim.paged), and what stays in memory is the 16-bit copy of
+the shard that the all-gather sends.
+
+[Note: the disk tier's shards]
+Each group is paged as soon as it is built (`DiskShard.adopt`): its fp32 shard (rank 0's
+values, broadcast) is streamed into the state file bucket by bucket, and the group's shard
+becomes its 16-bit copy, which the user's parameters are views of (new `nn.Parameter`s,
+dtype = the gather dtype, as ZeRO-Infinity exposes its 16-bit weights). A model on the meta
+device is materialised afterwards, one module at a time, each part written into the file
+(through its memory map) and into the 16-bit copy, so a rank never holds more than one
+group's fp32 shard. Their `grad_dtype` is set to fp32, so `.grad` stays a view of
+the fp32 gradient shard, as without offload: gradient accumulation, `no_sync` and clipping
+run unchanged. `overlap.optim.AdamW` recognises the parameters by the `PagedParam` each one
+carries (`overlap.optim.paged.register_paged`) and steps them through the file, writing each
+updated bucket's 16-bit copy into the shard.
+
+Any other write of the 16-bit shard (another optimizer stepping the parameters, an
+in-place init) would part it from the master on disk, and the next step would overwrite it;
+the shard's version counter, recorded after each paged step, is checked before each gather
+and a change is an error naming overlap.optim.AdamW.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from overlap.optim.paged import DEFAULT_BUCKET_PARAMS, PagedAdamW, PagedParam, paged_of, register_paged
+from overlap.runtime.host_tier import ShardPlace
+
+if TYPE_CHECKING:
+    from overlap.base.config import Config
+    from overlap.base.mixed_precision import MixedPrecision
+    from overlap.runtime.flat_group import FlatGroup
+
+
+def disk_offload_error(config: "Config", mixed_precision: Optional["MixedPrecision"],
+                       device: torch.device) -> Optional[str]:
+    """Why offload="disk" cannot run with these settings, or None (and None for other tiers)."""
+    if config.offload != "disk":
+        return None
+    param_dtype = None if mixed_precision is None else mixed_precision.param_dtype
+    if param_dtype not in (torch.bfloat16, torch.float16):
+        return ("offload='disk' keeps only the 16-bit copy of each shard (the one the all-gather sends) in "
+                "memory, the fp32 master in the state file: it needs mixed_precision=MixedPrecision("
+                f"param_dtype=torch.bfloat16 or torch.float16), got param_dtype={param_dtype}")
+    if config.compress != "none":
+        return (f"offload='disk' with compression={config.compress!r} is not supported: the codecs encode the "
+                "fp32 master shard, which is on disk; use compression='none'")
+    if config.compile:
+        return "offload='disk' with compile=True is not supported yet; use compile=False"
+    if device.type != "cpu":
+        return (f"offload='disk' runs on CPU process groups only so far (this rank computes on {device}); "
+                "use offload='cpu' or offload='none'")
+    return None
+
+
+class DiskShard(ShardPlace):
+    """One flat group's place under offload="disk": paged once built (`adopt`) when it is
+    trainable fp32 gathered in 16 bits; frozen and non-float groups stay as they are."""
+
+    def __init__(self, tier: "DiskTier") -> None:
+        self.tier = tier
+        self.engine: Optional[PagedAdamW] = None
+        self.index = -1                   # the group's shard in the engine
+        self.version: Optional[int] = None
+
+    @property
+    def offloaded(self) -> bool:          # type: ignore[override]
+        return self.engine is not None
+
+    def adopt(self, group: "FlatGroup") -> None:
+        """Page the group (see [Note: the disk tier's shards]): its fp32 shard into the state
+        file, the 16-bit copy in its place, new parameters over that copy."""
+        if not (group.requires_grad and group.master_dtype == torch.float32
+                and group.gather_dtype in (torch.bfloat16, torch.float16)):
+            return
+        engine = self.tier.engine
+        starts = [_local_start(group, index) for index in range(len(group.slots))]
+        # Every parameter's part in one bucket, so that it is one memory map of the file (state
+        # dicts and checkpoints read and write it in place): buckets grow to the largest part.
+        largest = max((end - start for start, end in group.parts), default=0)
+        self.index = engine.add_shard(group.shard_numel, starts, max(DEFAULT_BUCKET_PARAMS, largest))
+        self.engine = engine
+        if torch.count_nonzero(group.shard):           # a new file already reads as zeros
+            engine.write_shard(self.index, group.shard)
+        resident = group.shard.to(group.gather_dtype)
+        group.shard = resident
+        for slot_index, slot in enumerate(group.slots):
+            # A new Parameter over the 16-bit shard: a view made this way shares the shard's
+            # version counter, which the check in `gather_source` reads.
+            param = nn.Parameter(group._shard_view(resident, slot_index), requires_grad=True)
+            param.grad_dtype = torch.float32
+            group.params[slot_index] = param
+            for module, attr in slot.owners:
+                module._parameters[attr] = param
+            start = starts[slot_index]
+            register_paged(param, PagedParam(engine, self.index, start, start + param.numel(), resident,
+                                             _grad_shard_of(group), self.stepped))
+        self.stepped(resident)
+
+    def part_written(self, group: "FlatGroup", index: int, part: torch.Tensor) -> None:
+        """A parameter materialised from the meta device: its fp32 part goes to the file too."""
+        where = paged_of(group.params[index])
+        if where is not None:
+            where.engine.map_range(where.shard, where.start, where.stop)[0].copy_(part.reshape(-1))
+            self.stepped(group.shard)
+
+    def zeros_like(self, master: torch.Tensor) -> torch.Tensor:
+        # The gradient shard stays fp32 while the shard itself is 16-bit.
+        return torch.zeros(master.numel(), dtype=torch.float32 if self.engine is not None else master.dtype,
+                           device=master.device)
+
+    def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool, local: bool) -> torch.Tensor:
+        if self.engine is not None and master._version != self.version:
+            raise RuntimeError(
+                "offload='disk': the parameters of this model were changed in place by something other than "
+                "overlap.optim.AdamW (another optimizer, an in-place init, a state dict loaded into them). "
+                "Their fp32 masters live in the offload state file, and only overlap.optim.AdamW steps them; "
+                "use overlap.optim.AdamW(model.parameters(), ...)")
+        return master
+
+    def on_device(self, master: torch.Tensor) -> torch.Tensor:
+        """The fp32 master from the state file (for full state dicts)."""
+        if self.engine is None:
+            return master
+        out = torch.empty(master.numel(), dtype=torch.float32, device=master.device)
+        outputs: list[Optional[torch.Tensor]] = [None] * len(self.engine.shard_sizes)
+        outputs[self.index] = out
+        self.engine.copy_masters_to(outputs)
+        return out
+
+    def stepped(self, resident: torch.Tensor) -> None:
+        """overlap.optim.AdamW (or a load) wrote the shard: this version is the legitimate one."""
+        self.version = resident._version
+
+
+class DiskTier:
+    """The state file of one `ShardedModule` on this rank, which its groups are paged into as
+    they are built."""
+
+    def __init__(self, directory: Optional[str], rank: int) -> None:
+        # One state file per rank and model, each paged group one shard of it, so that one
+        # optimizer step is one pipelined pass over the file; removed when the process exits.
+        self.engine = PagedAdamW([], directory=directory, rank=rank)
+
+    def place(self) -> DiskShard:
+        return DiskShard(self)
+
+
+def _local_start(group: "FlatGroup", index: int) -> int:
+    """Where parameter `index`'s part begins in this rank's shard (as `FlatGroup._shard_view`)."""
+    start, _ = group.parts[index]
+    offset = group.slots[index].offset + start - group.collectives.rank * group.shard_numel
+    return min(max(offset, 0), group.shard_numel)
+
+
+def _grad_shard_of(group: "FlatGroup"):
+    return lambda: group.grad_shard
+
+
+def master_part(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's fp32 master, shaped like it: a memory map of the state file where it is
+    paged (writes to it are writes to the file; `refresh_resident` then updates the 16-bit
+    copy), the parameter itself otherwise."""
+    where = paged_of(param)
+    if where is None:
+        return param
+    return where.engine.map_range(where.shard, where.start, where.stop)[0].view(param.shape)
+
+
+def refresh_resident(groups: list["FlatGroup"]) -> None:
+    """Copy the masters in the state file into the 16-bit shards (after a load wrote them)."""
+    paged = [g for g in groups if isinstance(g.place, DiskShard) and g.place.engine is not None]
+    by_engine: dict[PagedAdamW, list[Optional[torch.Tensor]]] = {}
+    for group in paged:
+        outputs = by_engine.setdefault(group.place.engine, [None] * len(group.place.engine.shard_sizes))
+        outputs[group.place.index] = group.shard
+    for engine, outputs in by_engine.items():
+        engine.copy_masters_to(outputs)
+    for group in paged:
+        group.place.stepped(group.shard)

@@ -1,0 +1,331 @@
+"""offload="disk" trains as offload="none" does with the same mixed precision and
+overlap.optim.AdamW: the same model, batches and optimizer run both ways in one launch, at
+world sizes 1-3, with no_sync, clipping, nanoGPT's weight-decay groups, hybrid sharding and
+hpZ.
+
+Both runs gather the same bf16 values (the disk tier's 16-bit shard is the master rounded as
+the gather would round it), reduce the same fp32 gradients and step the same fp32 masters
+with the same kernel and scalars (per parameter without offload, per segment of a bucket
+with it), so losses (and an evaluation forward's after every step), clip norms and the
+final fp32 masters (read back from the state file by `full_state_dict`) are compared bit
+for bit. Also: the parameters are 16-bit views of the
+resident shard with fp32 `.grad`, the settings that cannot work are refused on every rank,
+and another optimizer stepping the parameters is an error, not a silent divergence.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from distributed import RankError, run_distributed
+from parity import Case, train, token_batches
+from parity_cases import SMALL_GPT, _lm_loss
+
+from overlap import MixedPrecision
+from overlap.models import GPT
+
+STEPS = 3
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _state_files_in_tmp_path(tmp_path, monkeypatch):
+    """The ranks' state files go to the test's directory (the launched ranks leave through
+    os._exit, so nothing removes a temporary directory of their own)."""
+    monkeypatch.setenv("OVERLAP_OFFLOAD_DIR", str(tmp_path))
+
+
+def _case(wrap: dict, micro_batches: int, clip: float | None, optimizer: str = "overlap_adamw_dim_groups") -> Case:
+    return Case("offload-disk", lambda: GPT(SMALL_GPT), _lm_loss, token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS),
+                optimizer=optimizer, wrap=wrap, micro_batches=micro_batches, clip=clip, eval_every_step=True)
+
+
+def _both(rank: int, world: int, wrap: dict, micro_batches: int, clip: float | None,
+          local_world_size: int | None) -> dict:
+    import os
+
+    from torch.distributed.tensor import DTensor
+
+    from overlap.optim.paged import paged_of
+
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    seen = {}
+
+    def inspect(model) -> None:
+        groups = [g for unit in model.scheduler.all_units for g in unit.groups]
+        params = list(model.parameters())
+        seen["paged"] = all(paged_of(p) is not None for p in params)
+        seen["dtypes"] = {str(p.dtype) for p in params} | {str(g.shard.dtype) for g in groups}
+        seen["grad_dtypes"] = {str(p.grad.dtype) for p in params if p.grad is not None}
+        engine = paged_of(params[0]).engine
+        seen["peak_buffers"], seen["buffers"] = engine.peak_buffers, len(engine._buffers)
+        # The sharded state dict (checkpoints) holds the fp32 masters, read from the state file.
+        seen["state_dict_dtypes"] = {str(v.to_local().dtype) for v in model.state_dict().values()
+                                     if isinstance(v, DTensor)}
+        seen["views_of_shard"] = all(p.numel() == 0 or any(
+            g.shard.data_ptr() <= p.data_ptr() < g.shard.data_ptr() + g.shard.nbytes for g in groups) for p in params)
+
+    out = {"none": train(_case({**wrap, "offload": "none"}, micro_batches, clip), rank, world, sharded=True)}
+    out["disk"] = train(_case({**wrap, "offload": "disk"}, micro_batches, clip), rank, world, sharded=True,
+                        after=inspect)
+    out["disk"].update(seen)
+    return out
+
+
+CASES = [
+    # (id, world, wrap, micro-batches, clip, LOCAL_WORLD_SIZE)
+    ("w1", 1, {"mixed_precision": BF16}, 1, None, None),
+    ("w2-no_sync-clip", 2, {"mixed_precision": BF16}, 2, 0.05, None),
+    ("w3-clip", 3, {"mixed_precision": BF16}, 1, 0.05, None),
+    ("w2-hybrid", 2, {"mixed_precision": BF16, "sharding": "hybrid"}, 1, None, 1),
+    ("w2-hpz-clip", 2, {"mixed_precision": BF16, "sharding": "hpz"}, 1, 0.05, 1),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,wrap,micro_batches,clip,local_world_size", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_disk_offload_trains_as_without(world, wrap, micro_batches, clip, local_world_size):
+    per_rank = run_distributed(_both, world, wrap, micro_batches, clip, local_world_size, timeout=270)
+    for rank, result in enumerate(per_rank):
+        ref, got = result["none"], result["disk"]
+        assert got["paged"] and got["views_of_shard"], rank
+        assert got["dtypes"] == {"torch.bfloat16"} and got["grad_dtypes"] <= {"torch.float32"}, rank
+        assert 1 <= got["peak_buffers"] <= got["buffers"] == 3, rank
+        assert got["state_dict_dtypes"] == {"torch.float32"}, rank
+        assert all(torch.isfinite(torch.tensor(got["losses"]))), got["losses"]
+        assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
+        assert got["eval_losses"] == ref["eval_losses"] and len(got["eval_losses"]) == STEPS, rank
+        assert got["norms"] == ref["norms"], (rank, got["norms"], ref["norms"])
+        for key, value in ref["state"].items():
+            assert got["state"][key].dtype == value.dtype and torch.equal(got["state"][key], value), (rank, key)
+    assert per_rank[0]["none"]["losses"][0] != per_rank[0]["none"]["losses"][-1]
+
+
+def _wrap(rank: int, world: int, kwargs: dict) -> str:
+    from torch import nn
+
+    from overlap import ShardedModule
+
+    ShardedModule(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), **kwargs)
+    return "built"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kwargs,expected", [
+    ({"offload": "disk"}, "needs mixed_precision=MixedPrecision(param_dtype=torch.bfloat16"),
+    ({"offload": "disk", "mixed_precision": BF16, "compression": "int8"}, "compression='int8' is not supported"),
+    ({"offload": "disk", "mixed_precision": BF16, "compression": "int8-int4"}, "compression='int8-int4' is not"),
+    ({"offload": "disk", "mixed_precision": BF16, "compile": True}, "compile=True is not supported"),
+])
+def test_combinations_that_cannot_work_are_refused_on_every_rank(kwargs, expected):
+    with pytest.raises(RankError) as info:
+        run_distributed(_wrap, 2, kwargs, timeout=150)
+    assert set(info.value.errors) == {0, 1}
+    for message in info.value.errors.values():
+        assert expected in message, message
+
+
+def _other_optimizer(rank: int, world: int) -> str:
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    batch = token_batches(SMALL_GPT.vocab_size, 12, steps=1)()[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _lm_loss(model, batch).backward()
+    opt.step()
+    try:
+        _lm_loss(model, batch)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+def test_another_optimizer_is_an_error_naming_overlap_adamw():
+    for message in run_distributed(_other_optimizer, 2, timeout=150):
+        assert "changed in place by something other than overlap.optim.AdamW" in message, message
+
+
+def _full_load_refused(rank: int, world: int) -> str:
+    from overlap import ShardedModule
+
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    try:
+        model.load_full_state_dict(model.full_state_dict())
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+def test_loading_full_tensors_is_refused():
+    for message in run_distributed(_full_load_refused, 1, timeout=150):
+        assert "load_full_state_dict() with offload='disk' is not implemented" in message, message
+
+
+def _save_and_die(rank: int, world: int, path: str, kill: bool) -> dict:
+    """Two steps, a checkpoint taken from the disk-offloaded state, then either the process
+    exits at once (kill) or training goes on to the end (the uninterrupted run)."""
+    import os
+
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=5)()
+    losses = []
+    for step in range(5):
+        if step == 2:
+            checkpoint.save(path, model, optimizer, extra={"step": 2})
+            if kill:
+                torch.distributed.barrier()
+                os._exit(3)        # killed: no clean shutdown, nothing after the save
+        loss = model(*_slice(batches[step], rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses}
+
+
+def _resume(rank: int, world: int, path: str) -> dict:
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(1)               # other initial values: everything must come from the file
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    first = int(checkpoint.load(path, model, optimizer)["step"])
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=5)()
+    losses = []
+    for step in range(first, 5):
+        loss = model(*_slice(batches[step], rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses}
+
+
+_KILLED_RUN = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from distributed import run_distributed
+    import test_offload_disk
+    if __name__ == "__main__":
+        run_distributed(test_offload_disk._save_and_die, 2, {path!r}, True, timeout=200)
+""")
+
+
+@pytest.mark.timeout(500)
+def test_a_killed_disk_offloaded_run_resumes_from_its_checkpoint(tmp_path) -> None:
+    tests = os.path.dirname(os.path.abspath(__file__))
+    killed = str(tmp_path / "killed")
+    # The killed run is a process of its own whose ranks exit right after the save.
+    done = subprocess.run([sys.executable, "-c", _KILLED_RUN.format(tests=tests, path=killed)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert os.path.exists(os.path.join(killed, ".metadata")), os.listdir(killed)
+    uninterrupted = run_distributed(_save_and_die, 2, str(tmp_path / "whole"), False, timeout=200)
+    resumed = run_distributed(_resume, 2, killed, timeout=200)
+    for whole, again in zip(uninterrupted, resumed):
+        assert all(torch.isfinite(torch.tensor(whole["losses"])))
+        assert again["losses"] == whole["losses"][2:], (again["losses"], whole["losses"])
+
+
+def _save_at(rank: int, world: int, path: str) -> dict:
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    batch = token_batches(SMALL_GPT.vocab_size, 12, steps=1)()[0]
+    model(*_slice(batch, rank, world)).backward()
+    optimizer.step()
+    checkpoint.save(path, model, optimizer)
+    return {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
+
+
+def _load_at(rank: int, world: int, path: str) -> dict:
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer
+
+    torch.manual_seed(1)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    checkpoint.load(path, model, optimizer)
+    return {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
+
+
+def _full_moments(model, optimizer) -> dict:
+    """Each parameter's exp_avg in full (all-gathered rows), by name."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, p in model.named_parameters():
+        local = optimizer.state[p]["exp_avg"].reshape(-1) if p in optimizer.state else torch.zeros(0)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local.clone())
+        out[name] = torch.cat(parts)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_from_disk_state_reshards_on_load(tmp_path):
+    """Saved at 2 ranks, loaded at 3 and at 1: the same fp32 masters and moments."""
+    saved = run_distributed(_save_at, 2, str(tmp_path / "ckpt"), timeout=200)[0]
+    for world in (3, 1):
+        loaded = run_distributed(_load_at, world, str(tmp_path / "ckpt"), timeout=200)[0]
+        for key, value in saved["state"].items():
+            assert value.dtype == torch.float32 or not value.is_floating_point(), key
+            assert torch.equal(loaded["state"][key], value), (world, key)
+        for name, value in saved["moments"].items():
+            assert torch.count_nonzero(value) > 0 and torch.equal(loaded["moments"][name], value), (world, name)
+
+
+def _meta_and_eager(rank: int, world: int) -> dict:
+    from overlap import ShardedModule
+
+    torch.manual_seed(0)
+    eager = ShardedModule(GPT(SMALL_GPT), mixed_precision=BF16).full_state_dict()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        inner = GPT(SMALL_GPT)
+    model = ShardedModule(inner, offload="disk", mixed_precision=BF16)
+    return {"eager": eager, "meta": model.full_state_dict(), "losses": _two_steps(model, rank, world)}
+
+
+def _two_steps(model, rank: int, world: int) -> list[float]:
+    from parity import _optimizer, _slice
+
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    losses = []
+    for batch in token_batches(SMALL_GPT.vocab_size, 12, steps=2)():
+        loss = model(*_slice(batch, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.timeout(200)
+def test_a_meta_device_model_is_materialised_into_the_state_file():
+    """Built on the meta device, each part is written into the state file as it is made: the
+    fp32 masters equal an eager build's, and it trains."""
+    for result in run_distributed(_meta_and_eager, 2, timeout=150):
+        assert result["eager"].keys() == result["meta"].keys()
+        for key, value in result["eager"].items():
+            assert torch.equal(result["meta"][key], value), key
+        assert all(torch.isfinite(torch.tensor(result["losses"]))) and result["losses"][0] != result["losses"][1]
