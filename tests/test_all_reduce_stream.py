@@ -87,9 +87,10 @@ def _reductions(use_streams: bool) -> tuple[list[str], list[str]]:
 
     collectives = SimpleNamespace(
         use_streams=use_streams, log=SimpleNamespace(mark=lambda *_: None),
-        reduce_scatter=lambda grad, shard, dtype, unit: FakePending(f"rs {unit}", FakePending(f"ar {unit}")))
+        reduce_scatter=lambda grad, shard, dtype, unit, home: FakePending(f"rs {unit}", FakePending(f"ar {unit}")))
     reduction = GradReduction(collectives)
-    group = SimpleNamespace(grad_for_reduce=lambda: None, reduce_dtype=torch.float32)
+    group = SimpleNamespace(grad_for_reduce=lambda: None, reduce_dtype=torch.float32, grad_shard=None,
+                            place=SimpleNamespace(reduction_issued=lambda pending: None))
     for index in range(6):
         reduction.reduce(SimpleNamespace(name=f"u{index}"), group, None)
     before = list(waits)

@@ -52,7 +52,7 @@ def test_encode_chunks_matches_one_record_at_a_time(backend: str, bits: int, wor
         error_before = None
         if codec.settings.error_feedback:
             error_before = torch.randn((world - 1) * shard) * 0.01
-            codec._error_for(reduced_into, (world - 1) * shard).copy_(error_before)
+            codec._error_for(reduced_into, (world - 1) * shard, send.device).copy_(error_before)
         codec.encode_chunks(source, send, wire, rank, world, reduced_into)
         expected_error = None if error_before is None else error_before.clone()
         expected = _one_by_one_encode(source, wire, rank, world, expected_error)

@@ -220,6 +220,20 @@ def _captured(key: str) -> tuple:
     return (at("summary", key, "step_ms"), at("summary", key, "over_per_unit"),
             lambda d: min(rounds(d)), lambda d: max(rounds(d)))
 
+
+def _engine_row(index: int) -> tuple:
+    """docs/offload_disk.md's engine table: the per-round ratios of one size."""
+    def field(name: str, key: str, scale: float = 1.0) -> Reader:
+        return lambda d: scale * d["results"][index][name][key]
+    return (*[field("pipelined_over_sum", k) for k in ("median", "min", "max")],
+            *[field("pipelined_over_max", k) for k in ("median", "min", "max")],
+            *[field("share_of_shorter_hidden", k, 100) for k in ("median", "min", "max")],
+            field("disk_gbps_io_alone", "median"), field("disk_gbps_pipelined", "median"))
+
+
+_ENGINE_ROW = ("| {0:.2f} [{1:.2f}–{2:.2f}] | {3:.2f} [{4:.2f}–{5:.2f}] | {6:.0f}% [{7:.0f}–{8:.0f}] | "
+               "{9:.2f} / {10:.2f} GB/s |")
+
 FIGURES: list[Figure] = [
     # README.md: the comparison with FSDP2, DDP and DeepSpeed.
     *[Figure("README.md", _COMPARE_ROW.format(link=link), "compare.json", _compare_row(link, _COMPARE_IMPLS))
@@ -500,6 +514,9 @@ FIGURES: list[Figure] = [
                                   at("summary", "step_this_over_baseline", "median"),
                                   at("summary", "step_this_over_baseline", "min"),
                                   at("summary", "step_this_over_baseline", "max"))),
+    # docs/offload_disk.md's engine tables, one row per size (the ratios and bandwidths of the row).
+    *[Figure("docs/offload_disk.md", _ENGINE_ROW, name, _engine_row(index))
+      for name in ("offload_disk.json", "offload_disk_first.json") for index in range(3)],
     Figure("docs/offload.md", '| step time, offload="cpu" / "none", paired per round | {0:.2f} | {1:.2f}–{2:.2f} |',
            "offload_cpu.json", tuple(at("summary", "step_cpu_over_none", k) for k in ("median", "min", "max"))),
 ]
