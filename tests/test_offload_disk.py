@@ -27,7 +27,7 @@ from parity import Case, train, token_batches
 from parity_cases import SMALL_GPT, _lm_loss
 
 from overlap import MixedPrecision
-from overlap.models import GPT
+from overlap.models import GPT, GPTConfig
 
 STEPS = 3
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -329,3 +329,82 @@ def test_a_meta_device_model_is_materialised_into_the_state_file():
         for key, value in result["eager"].items():
             assert torch.equal(result["meta"][key], value), key
         assert all(torch.isfinite(torch.tensor(result["losses"]))) and result["losses"][0] != result["losses"][1]
+
+
+# Wider than SMALL_GPT, so that this rank's moments (8 bytes per element of its shard) stand
+# well above anything a load holds for one stored item at a time (one parameter's chunk).
+WIDE_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=128)
+
+
+def _peak_allocated(events) -> int:
+    """The most bytes the CPU allocator held at once above where profiling began, from the
+    profiler's events in time order: each op's own net allocation, and the frees (and
+    allocations) made outside any op. Memory maps of the state file are not allocations."""
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+def _save_wide(rank: int, world: int, path: str) -> dict:
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(WIDE_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    batch = token_batches(WIDE_GPT.vocab_size, 12, steps=1)()[0]
+    model(*_slice(batch, rank, world)).backward()
+    optimizer.step()
+    checkpoint.save(path, model, optimizer)
+    steps = {name: float(optimizer.state[p]["step"]) for name, p in model.named_parameters()}
+    return {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer), "steps": steps}
+
+
+def _load_wide_tracked(rank: int, world: int, path: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from overlap import ShardedModule, checkpoint
+    from overlap.optim.paged import paged_of
+    from overlap.runtime.disk_tier import master_part
+    from parity import _optimizer
+
+    torch.manual_seed(1)
+    model = ShardedModule(GPT(WIDE_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    params = dict(model.named_parameters())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        checkpoint.load(path, model, optimizer)
+    moments_bytes = 8 * sum(p.numel() for p in params.values() if paged_of(p) is not None)
+    largest_param_bytes = 4 * max(p.numel() for p in GPT(WIDE_GPT).parameters())
+    with torch.no_grad():
+        resident_equal = all(torch.equal(p, master_part(p).to(p.dtype)) for p in params.values())
+    return {"peak": _peak_allocated(prof.events()), "moments_bytes": moments_bytes,
+            "largest_param_bytes": largest_param_bytes, "resident_equal": resident_equal,
+            "state": model.full_state_dict(), "moments": _full_moments(model, optimizer),
+            "steps": {name: float(optimizer.state[p]["step"]) for name, p in params.items()},
+            "moment_dtypes": {str(optimizer.state[p][k].dtype) for p in params.values()
+                              for k in ("exp_avg", "exp_avg_sq")}}
+
+
+@pytest.mark.timeout(300)
+def test_loading_writes_the_moments_into_the_state_file_without_holding_them(tmp_path):
+    """Saved at 2 ranks, loaded at 3 and at 1 under the profiler: the CPU allocator never
+    holds more than a few stored chunks at once, far below this rank's moments (8 bytes per
+    element; what the load allocated before it streamed), and what was loaded is what was
+    saved: fp32 masters and moments, step counts, and 16-bit shards that are the masters
+    rounded."""
+    saved = run_distributed(_save_wide, 2, str(tmp_path / "ckpt"), timeout=200)[0]
+    for world in (3, 1):
+        for rank, loaded in enumerate(run_distributed(_load_wide_tracked, world, str(tmp_path / "ckpt"), timeout=200)):
+            bound = 4 * loaded["largest_param_bytes"]
+            assert bound < loaded["moments_bytes"] / 2, "the model is too narrow for the check to mean anything"
+            assert 0 < loaded["peak"] < bound, (world, rank, loaded["peak"], bound, loaded["moments_bytes"])
+            assert loaded["resident_equal"], (world, rank)
+            assert loaded["moment_dtypes"] == {"torch.float32"}, (world, rank)
+            assert loaded["steps"] == saved["steps"] and set(saved["steps"].values()) == {1.0}, (world, rank)
+            for key, value in saved["state"].items():
+                assert torch.equal(loaded["state"][key], value), (world, key)
+            for name, value in saved["moments"].items():
+                assert torch.count_nonzero(value) > 0 and torch.equal(loaded["moments"][name], value), (world, name)
