@@ -261,14 +261,13 @@ class PagedAdamW:
         return {"layout": [(b.shard, b.start, b.stop) for b in self.buckets], "buckets": buckets}
 
     def map_range(self, shard: int, start: int, stop: int) -> Optional[tuple[torch.Tensor, ...]]:
-        """Elements [start, stop) of shard `shard` as (master, exp_avg, exp_avg_sq) views of the
-        file, as `state_dict()`'s; None when they do not lie inside one bucket."""
+        """Elements [start, stop) of shard `shard` as (master, exp_avg, exp_avg_sq) maps of the
+        file, each over those elements alone (`StateFile.map_elements`); None when they do not
+        lie inside one bucket."""
         self._check_usable()
         for bucket in self.buckets:
             if bucket.shard == shard and bucket.start <= start and stop <= bucket.stop:
-                floats, n = self.file.map(bucket), bucket.numel
-                a, b = start - bucket.start, stop - bucket.start
-                return tuple(floats[i * n + a:i * n + b] for i in range(len(STATE_NAMES)))
+                return self.file.map_elements(bucket, start - bucket.start, stop - bucket.start)
         return None
 
     def load_state_dict(self, state_dict: dict) -> None:
