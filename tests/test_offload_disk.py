@@ -428,3 +428,24 @@ def test_checkpoints_stream_the_moments_through_the_state_file(tmp_path):
                 assert torch.equal(loaded["state"][key], value), (world, key)
             for name, value in saved["moments"].items():
                 assert torch.count_nonzero(value) > 0 and torch.equal(loaded["moments"][name], value), (world, name)
+
+
+def _async_save_messages(rank: int, world: int, path: str) -> list[str]:
+    import logging
+
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("overlap").addHandler(handler)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    checkpoint.async_save(path, model, _optimizer("overlap_adamw_dim_groups", model)).wait()
+    return messages
+
+
+@pytest.mark.timeout(200)
+def test_async_save_warns_that_it_stages_the_offloaded_state(tmp_path):
+    for messages in run_distributed(_async_save_messages, 1, str(tmp_path / "ckpt"), timeout=150):
+        assert any("async_save with offload='disk' copies this rank's offloaded state" in m for m in messages), messages

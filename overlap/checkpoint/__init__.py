@@ -33,6 +33,7 @@ from overlap.checkpoint.staging import StagingWriter
 from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, UnsafeCheckpoint, read_metadata
 from overlap.checkpoint.state import (EXTRA, MODEL, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
                                       model_items, optimizer_items, optimizer_targets)
+from overlap.optim.paged import paged_of
 
 if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule
@@ -167,6 +168,7 @@ def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optio
     are written by a background thread while training goes on. The next save, or `wait()`,
     waits for it. Holds a copy of this rank's state until written."""
     path = os.fspath(path)
+    _warn_if_staging_offloaded_state(model, optimizer)
     group, partial = _prepare(path, model)
     response = dcp.async_save(_items(model, optimizer, extra), storage_writer=_writer(partial, checksums),
                               process_group=group, planner=_SavePlanner())
@@ -187,6 +189,17 @@ def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optio
     pending = PendingSave(finished, path)
     _in_flight[group] = pending
     return pending
+
+
+def _warn_if_staging_offloaded_state(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """offload="disk" keeps the masters and moments out of memory; staging them for an
+    asynchronous save brings all of them back, which the user should hear of."""
+    paged = sum(p.numel() for p in model.parameters() if paged_of(p) is not None)
+    if paged:
+        state_bytes = (12 if optimizer is not None else 4) * paged
+        logger.warning("async_save with offload='disk' copies this rank's offloaded state (%.2f GiB of fp32 masters%s) "
+                       "into host memory until it is written; checkpoint.save writes it from the state file instead",
+                       state_bytes / 2**30, " and moments" if optimizer is not None else "")
 
 
 def _complete_metadata(path: str):
