@@ -449,3 +449,66 @@ def _async_save_messages(rank: int, world: int, path: str) -> list[str]:
 def test_async_save_warns_that_it_stages_the_offloaded_state(tmp_path):
     for messages in run_distributed(_async_save_messages, 1, str(tmp_path / "ckpt"), timeout=150):
         assert any("async_save with offload='disk' copies this rank's offloaded state" in m for m in messages), messages
+
+
+def _failed_load_then_good(rank: int, world: int, good: str, bad: str) -> dict:
+    """A checkpoint, a damaged copy of it, a step on; then the damaged load fails partway
+    (the items before the damage may already be in the state file), and the step and the
+    save after it are refused; loading the good checkpoint makes the state whole again, and
+    the step from it has the loss it had the first time."""
+    import shutil
+
+    from overlap import ShardedModule, checkpoint
+    from overlap.checkpoint import CorruptCheckpoint
+    from parity import _optimizer, _slice
+
+    def step(batch) -> float:
+        loss = model(*_slice(batch, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss)
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=3)()
+    step(batches[0])
+    checkpoint.save(good, model, optimizer)
+    saved = {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
+    shutil.copytree(good, bad)
+    file = os.path.join(bad, max((n for n in os.listdir(bad) if n.endswith(".distcp")),
+                                 key=lambda n: os.path.getsize(os.path.join(bad, n))))
+    with open(file, "r+b") as f:                  # damage the last quarter: earlier items load first
+        f.seek(os.path.getsize(file) * 3 // 4)
+        tail = f.read()
+        f.seek(os.path.getsize(file) * 3 // 4)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    out: dict = {"first_loss": step(batches[1])}
+    try:
+        checkpoint.load(bad, model, optimizer)
+    except CorruptCheckpoint:
+        out["corrupt"] = True
+    loss = model(*_slice(batches[2], rank, world))
+    loss.backward()
+    for what, call in (("step", optimizer.step), ("save", lambda: checkpoint.save(bad + "-again", model, optimizer))):
+        try:
+            call()
+        except RuntimeError as e:
+            out[what] = str(e)
+    optimizer.zero_grad()
+    checkpoint.load(good, model, optimizer)
+    out["equal"] = all(torch.equal(v, saved["state"][k]) for k, v in model.full_state_dict().items()) and all(
+        torch.equal(v, saved["moments"][k]) for k, v in _full_moments(model, optimizer).items())
+    out["loss"] = step(batches[1])
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_load_that_fails_midway_leaves_the_state_refused_until_a_good_load(tmp_path):
+    for result in run_distributed(_failed_load_then_good, 1, str(tmp_path / "good"), str(tmp_path / "bad"), timeout=150):
+        assert result.get("corrupt"), result
+        for what in ("step", "save"):
+            assert "inconsistent since a failed step or load (loading checkpoint" in result.get(what, ""), (what, result)
+        assert result["equal"] and torch.isfinite(torch.tensor(result["loss"])), result
+        assert result["loss"] == result["first_loss"], result

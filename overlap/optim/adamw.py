@@ -144,6 +144,11 @@ class AdamW(torch.optim.Optimizer):
                 moments[p] = {name: state[i][name] for name in PAGED_MOMENTS}
                 state[i] = {key: value for key, value in state[i].items() if key not in PAGED_MOMENTS}
         super().load_state_dict({**state_dict, "state": state})
+        for p in ours:
+            if paged_of(p) is not None and p not in moments:
+                # No saved state: the next step starts its moments at zero, as torch's does.
+                for moment in paged_moments(p).values():
+                    moment.zero_()
         for p, saved in moments.items():
             maps = paged_moments(p)
             for name, target in maps.items():
