@@ -512,3 +512,44 @@ def test_a_load_that_fails_midway_leaves_the_state_refused_until_a_good_load(tmp
             assert "inconsistent since a failed step or load (loading checkpoint" in result.get(what, ""), (what, result)
         assert result["equal"] and torch.isfinite(torch.tensor(result["loss"])), result
         assert result["loss"] == result["first_loss"], result
+
+
+def _round_trip(rank: int, world: int, path: str, sharding: str) -> dict:
+    """Save after a step, go on one step; a fresh model loads the checkpoint and takes the
+    same step: the same masters, moments and loss."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=2)()
+    runs = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16, sharding=sharding)
+        optimizer = _optimizer("overlap_adamw_dim_groups", model)
+        if seed == 0:
+            model(*_slice(batches[0], rank, world)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            checkpoint.save(path, model, optimizer)
+        else:
+            checkpoint.load(path, model, optimizer)
+        state = {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
+        loss = model(*_slice(batches[1], rank, world))
+        loss.backward()
+        optimizer.step()
+        runs[seed] = {**state, "loss": float(loss), "after": model.full_state_dict()}
+    return runs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["hybrid", "hpz"])
+def test_checkpoint_round_trips_with_hybrid_and_hpz_sharding(tmp_path, sharding):
+    for runs in run_distributed(_round_trip, 2, str(tmp_path / "ckpt"), sharding, timeout=250):
+        saved, loaded = runs[0], runs[1]
+        assert torch.isfinite(torch.tensor(saved["loss"])) and loaded["loss"] == saved["loss"], (saved["loss"],
+                                                                                               loaded["loss"])
+        assert all(torch.count_nonzero(value) > 0 for value in saved["moments"].values()), sharding
+        for part in ("state", "moments", "after"):
+            for key, value in saved[part].items():
+                assert torch.equal(loaded[part][key], value), (sharding, part, key)
