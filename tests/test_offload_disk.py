@@ -27,7 +27,7 @@ from parity import Case, train, token_batches
 from parity_cases import SMALL_GPT, _lm_loss
 
 from overlap import MixedPrecision
-from overlap.models import GPT
+from overlap.models import GPT, GPTConfig
 
 STEPS = 3
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -329,3 +329,227 @@ def test_a_meta_device_model_is_materialised_into_the_state_file():
         for key, value in result["eager"].items():
             assert torch.equal(result["meta"][key], value), key
         assert all(torch.isfinite(torch.tensor(result["losses"]))) and result["losses"][0] != result["losses"][1]
+
+
+# Wider than SMALL_GPT, so that this rank's moments (8 bytes per element of its shard) stand
+# well above what a save or load holds for one stored item at a time (one parameter's chunk).
+# The peak does not grow with depth: at n_layer=12 (3x the moments) a load at 1 rank peaked
+# at the same 0.6 MB as here.
+WIDE_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=128)
+
+
+def _peak_allocated(events) -> int:
+    """The most bytes the CPU allocator held at once above where profiling began, from the
+    profiler's events in time order: each op's own net allocation, and the frees (and
+    allocations) made outside any op. Memory maps of the state file are not allocations."""
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+def _save_wide(rank: int, world: int, path: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(WIDE_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    batch = token_batches(WIDE_GPT.vocab_size, 12, steps=1)()[0]
+    model(*_slice(batch, rank, world)).backward()
+    optimizer.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        checkpoint.save(path, model, optimizer)
+    steps = {name: float(optimizer.state[p]["step"]) for name, p in model.named_parameters()}
+    return {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer), "steps": steps,
+            **_allocation_figures(model, _peak_allocated(prof.events()))}
+
+
+def _allocation_figures(model, peak: int) -> dict:
+    """The peak next to what holding this rank's moments would take and to the bound."""
+    from overlap.optim.paged import paged_of
+
+    return {"peak": peak, "moments_bytes": 8 * sum(p.numel() for p in model.parameters() if paged_of(p) is not None),
+            "largest_param_bytes": 4 * max(p.numel() for p in GPT(WIDE_GPT).parameters())}
+
+
+def _check_peak(figures: dict, what: str) -> None:
+    bound = 4 * figures["largest_param_bytes"]
+    assert bound < figures["moments_bytes"] / 2, "the model is too narrow for the check to mean anything"
+    assert 0 < figures["peak"] < bound, (what, figures)
+
+
+def _load_wide_tracked(rank: int, world: int, path: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from overlap import ShardedModule, checkpoint
+    from overlap.optim.paged import paged_of
+    from overlap.runtime.disk_tier import master_part
+    from parity import _optimizer
+
+    torch.manual_seed(1)
+    model = ShardedModule(GPT(WIDE_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    params = dict(model.named_parameters())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        checkpoint.load(path, model, optimizer)
+    with torch.no_grad():
+        resident_equal = all(paged_of(p) is not None and torch.equal(p, master_part(p).to(p.dtype))
+                             for p in params.values())
+    return {**_allocation_figures(model, _peak_allocated(prof.events())), "resident_equal": resident_equal,
+            "state": model.full_state_dict(), "moments": _full_moments(model, optimizer),
+            "steps": {name: float(optimizer.state[p]["step"]) for name, p in params.items()},
+            "moment_dtypes": {str(optimizer.state[p][k].dtype) for p in params.values()
+                              for k in ("exp_avg", "exp_avg_sq")}}
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_stream_the_moments_through_the_state_file(tmp_path):
+    """Saved at 2 ranks, loaded at 3 and at 1, each under the profiler: the CPU allocator
+    never holds more than 4 parameters' worth of fp32 at once, below half this rank's
+    moments. (Before they streamed, a load held all moments plus a 16-bit cast of them,
+    3.3 MB against a 1 MB bound at 3 ranks, and a save copied every map of the file, 4.9 MB
+    at 2.) What was loaded is what was saved: fp32 masters and moments, step counts, and
+    16-bit shards equal to the masters rounded."""
+    saved_per_rank = run_distributed(_save_wide, 2, str(tmp_path / "ckpt"), timeout=200)
+    for rank, figures in enumerate(saved_per_rank):
+        _check_peak(figures, f"save, rank {rank}")
+    saved = saved_per_rank[0]
+    for world in (3, 1):
+        for rank, loaded in enumerate(run_distributed(_load_wide_tracked, world, str(tmp_path / "ckpt"), timeout=200)):
+            _check_peak(loaded, f"load at {world} ranks, rank {rank}")
+            assert loaded["resident_equal"], (world, rank)
+            assert loaded["moment_dtypes"] == {"torch.float32"}, (world, rank)
+            assert loaded["steps"] == saved["steps"] and set(saved["steps"].values()) == {1.0}, (world, rank)
+            for key, value in saved["state"].items():
+                assert torch.equal(loaded["state"][key], value), (world, key)
+            for name, value in saved["moments"].items():
+                assert torch.count_nonzero(value) > 0 and torch.equal(loaded["moments"][name], value), (world, name)
+
+
+def _async_save_messages(rank: int, world: int, path: str) -> list[str]:
+    import logging
+
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("overlap").addHandler(handler)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    checkpoint.async_save(path, model, _optimizer("overlap_adamw_dim_groups", model)).wait()
+    return messages
+
+
+@pytest.mark.timeout(200)
+def test_async_save_warns_that_it_stages_the_offloaded_state(tmp_path):
+    for messages in run_distributed(_async_save_messages, 1, str(tmp_path / "ckpt"), timeout=150):
+        assert any("async_save with offload='disk' copies this rank's offloaded state" in m for m in messages), messages
+
+
+def _failed_load_then_good(rank: int, world: int, good: str, bad: str) -> dict:
+    """A checkpoint, a damaged copy of it, a step on; then the damaged load fails partway
+    (the items before the damage may already be in the state file), and the step and the
+    save after it are refused; loading the good checkpoint makes the state whole again, and
+    the step from it has the loss it had the first time."""
+    import shutil
+
+    from overlap import ShardedModule, checkpoint
+    from overlap.checkpoint import CorruptCheckpoint
+    from parity import _optimizer, _slice
+
+    def step(batch) -> float:
+        loss = model(*_slice(batch, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss)
+
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    optimizer = _optimizer("overlap_adamw_dim_groups", model)
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=3)()
+    step(batches[0])
+    checkpoint.save(good, model, optimizer)
+    saved = {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
+    shutil.copytree(good, bad)
+    file = os.path.join(bad, max((n for n in os.listdir(bad) if n.endswith(".distcp")),
+                                 key=lambda n: os.path.getsize(os.path.join(bad, n))))
+    with open(file, "r+b") as f:                  # damage the last quarter: earlier items load first
+        f.seek(os.path.getsize(file) * 3 // 4)
+        tail = f.read()
+        f.seek(os.path.getsize(file) * 3 // 4)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    out: dict = {"first_loss": step(batches[1])}
+    try:
+        checkpoint.load(bad, model, optimizer)
+    except CorruptCheckpoint:
+        out["corrupt"] = True
+    loss = model(*_slice(batches[2], rank, world))
+    loss.backward()
+    for what, call in (("step", optimizer.step), ("save", lambda: checkpoint.save(bad + "-again", model, optimizer))):
+        try:
+            call()
+        except RuntimeError as e:
+            out[what] = str(e)
+    optimizer.zero_grad()
+    checkpoint.load(good, model, optimizer)
+    out["equal"] = all(torch.equal(v, saved["state"][k]) for k, v in model.full_state_dict().items()) and all(
+        torch.equal(v, saved["moments"][k]) for k, v in _full_moments(model, optimizer).items())
+    out["loss"] = step(batches[1])
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_load_that_fails_midway_leaves_the_state_refused_until_a_good_load(tmp_path):
+    for result in run_distributed(_failed_load_then_good, 1, str(tmp_path / "good"), str(tmp_path / "bad"), timeout=150):
+        assert result.get("corrupt"), result
+        for what in ("step", "save"):
+            assert "inconsistent since a failed step or load (loading checkpoint" in result.get(what, ""), (what, result)
+        assert result["equal"] and torch.isfinite(torch.tensor(result["loss"])), result
+        assert result["loss"] == result["first_loss"], result
+
+
+def _round_trip(rank: int, world: int, path: str, sharding: str) -> dict:
+    """Save after a step, go on one step; a fresh model loads the checkpoint and takes the
+    same step: the same masters, moments and loss."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    from overlap import ShardedModule, checkpoint
+    from parity import _optimizer, _slice
+
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=2)()
+    runs = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16, sharding=sharding)
+        optimizer = _optimizer("overlap_adamw_dim_groups", model)
+        if seed == 0:
+            model(*_slice(batches[0], rank, world)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            checkpoint.save(path, model, optimizer)
+        else:
+            checkpoint.load(path, model, optimizer)
+        state = {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
+        loss = model(*_slice(batches[1], rank, world))
+        loss.backward()
+        optimizer.step()
+        runs[seed] = {**state, "loss": float(loss), "after": model.full_state_dict()}
+    return runs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["hybrid", "hpz"])
+def test_checkpoint_round_trips_with_hybrid_and_hpz_sharding(tmp_path, sharding):
+    for runs in run_distributed(_round_trip, 2, str(tmp_path / "ckpt"), sharding, timeout=250):
+        saved, loaded = runs[0], runs[1]
+        assert torch.isfinite(torch.tensor(saved["loss"])) and loaded["loss"] == saved["loss"], (saved["loss"],
+                                                                                               loaded["loss"])
+        assert all(torch.count_nonzero(value) > 0 for value in saved["moments"].values()), sharding
+        for part in ("state", "moments", "after"):
+            for key, value in saved[part].items():
+                assert torch.equal(loaded[part][key], value), (sharding, part, key)

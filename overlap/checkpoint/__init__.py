@@ -33,6 +33,7 @@ from overlap.checkpoint.staging import StagingWriter
 from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, UnsafeCheckpoint, read_metadata
 from overlap.checkpoint.state import (EXTRA, MODEL, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
                                       model_items, optimizer_items, optimizer_targets)
+from overlap.optim.paged import PagedAdamW, paged_of
 
 if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule
@@ -90,8 +91,16 @@ class PendingSave:
 _in_flight: dict[Any, PendingSave] = {}
 
 
+def _paged_engines(model: "ShardedModule") -> list[PagedAdamW]:
+    """The state files (offload="disk") the model's parameters live in."""
+    engines = {id(where.engine): where.engine for where in map(paged_of, model.parameters()) if where is not None}
+    return list(engines.values())
+
+
 def _items(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer],
            extra: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    for engine in _paged_engines(model):
+        engine.check_consistent()           # never save a state that is part one step, part another
     items = model_items(model)
     if optimizer is not None:
         items.update(optimizer_items(model, optimizer))
@@ -167,6 +176,7 @@ def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optio
     are written by a background thread while training goes on. The next save, or `wait()`,
     waits for it. Holds a copy of this rank's state until written."""
     path = os.fspath(path)
+    _warn_if_staging_offloaded_state(model, optimizer)
     group, partial = _prepare(path, model)
     response = dcp.async_save(_items(model, optimizer, extra), storage_writer=_writer(partial, checksums),
                               process_group=group, planner=_SavePlanner())
@@ -187,6 +197,17 @@ def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optio
     pending = PendingSave(finished, path)
     _in_flight[group] = pending
     return pending
+
+
+def _warn_if_staging_offloaded_state(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """offload="disk" keeps the masters and moments out of memory; staging them for an
+    asynchronous save brings all of them back, which the user should hear of."""
+    paged = sum(p.numel() for p in model.parameters() if paged_of(p) is not None)
+    if paged:
+        state_bytes = (12 if optimizer is not None else 4) * paged
+        logger.warning("async_save with offload='disk' copies this rank's offloaded state (%.2f GiB of fp32 masters%s) "
+                       "into host memory until it is written; checkpoint.save writes it from the state file instead",
+                       state_bytes / 2**30, " and moments" if optimizer is not None else "")
 
 
 def _complete_metadata(path: str):
@@ -241,10 +262,23 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
         if key.startswith(EXTRA):
             size = getattr(entry, "size", None)
             items[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
-    _read(items, path, metadata, group, verify)
-    model.load_state_dict({key[len(MODEL):]: value for key, value in items.items() if key.startswith(MODEL)})
-    if optimizer is not None:
-        load_optimizer(path, items, parts, model, optimizer)
+    engines = _paged_engines(model)
+    try:
+        _read(items, path, metadata, group, verify)
+        if optimizer is not None:
+            # Masters and moments were all written from the checkpoint (a moment without saved
+            # state is zeroed by the optimizer's load, as torch starts it).
+            for engine in engines:
+                engine.mark_consistent()
+        model.load_state_dict({key[len(MODEL):]: value for key, value in items.items() if key.startswith(MODEL)})
+        if optimizer is not None:
+            load_optimizer(path, items, parts, model, optimizer)
+    except BaseException as exc:
+        # offload="disk": DCP writes into the state file as it reads, so a load that fails
+        # midway leaves some parameters loaded and others not.
+        for engine in engines:
+            engine.mark_inconsistent(f"loading checkpoint {path} failed: {type(exc).__name__}: {exc}")
+        raise
     return {key[len(EXTRA):]: value for key, value in items.items() if key.startswith(EXTRA)}
 
 

@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from overlap.optim.adamw import PAGED_MOMENTS, paged_moments
+from overlap.optim.paged import paged_of
+
 if TYPE_CHECKING:
     from overlap.runtime.flat_group import FlatGroup
     from overlap.sharded_module import ShardedModule
@@ -108,7 +111,7 @@ def optimizer_targets(path: str, metadata: Metadata, model: "ShardedModule") -> 
         if isinstance(entry, BytesStorageMetadata):
             targets[key] = None
         elif list(entry.size) == (list(group.slots[index].shape) or [1]) and entry.size != torch.Size([]):
-            parts[key] = torch.zeros(param.shape, dtype=entry.properties.dtype, device=param.device)
+            parts[key] = _part_target(param, key.rsplit(".", 1)[1], entry.properties.dtype)
             targets[key] = group.dtensor(parts[key], index)
         else:
             targets[key] = torch.zeros(entry.size, dtype=entry.properties.dtype, device="cpu")
@@ -116,6 +119,17 @@ def optimizer_targets(path: str, metadata: Metadata, model: "ShardedModule") -> 
         if key.startswith(PARAM_GROUPS):
             targets[key] = None
     return targets, parts
+
+
+def _part_target(param: torch.Tensor, state_name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Where DCP loads this rank's part of a parameter's element-wise state. A disk-offloaded
+    parameter's moments are memory maps of the state file: DCP writes into the file in place,
+    one stored chunk at a time, and the optimizer's state is these maps (as saving reads
+    them), so no moment is ever held whole in memory nor cast to the parameter's 16-bit
+    dtype. Anything else is a new tensor of the saved dtype."""
+    if paged_of(param) is not None and state_name in PAGED_MOMENTS:
+        return paged_moments(param)[state_name]
+    return torch.zeros(param.shape, dtype=dtype, device=param.device)
 
 
 def load_optimizer(path: str, loaded: Mapping[str, Any], parts: Mapping[str, torch.Tensor],

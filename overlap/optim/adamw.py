@@ -112,7 +112,7 @@ class AdamW(torch.optim.Optimizer):
                     # offload="disk": master and moments in the state file; only the step count here.
                     if not state:
                         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                        state["exp_avg"], state["exp_avg_sq"] = _moment_maps(p, where)
+                        state.update(paged_moments(p))
                     state["step"] += 1
                     paged.add(p, where, Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                               state["step"].item(), group["maximize"]))
@@ -130,29 +130,65 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # offload="disk": torch casts loaded state to the parameter's dtype, 16-bit here; the
-        # moments are taken as saved (fp32) and written into the state file instead, and the
-        # state holds its maps again.
+        # offload="disk": torch would cast every loaded state tensor to the parameter's dtype
+        # (16-bit here) and hold all of them at once. The moments of paged parameters are kept
+        # out of torch's load and written into the state file as saved (fp32), one parameter at
+        # a time; a moment that already is the file's memory map (overlap.checkpoint.load
+        # reads into those in place) is not copied at all. The state then holds the maps.
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         ours = [p for group in self.param_groups for p in group["params"]]
-        moments = {p: state_dict["state"][i] for i, p in zip(saved_ids, ours)
-                   if paged_of(p) is not None and i in state_dict["state"]}
-        super().load_state_dict(state_dict)
+        state = dict(state_dict["state"])
+        moments: dict[torch.Tensor, dict[str, Any]] = {}
+        for i, p in zip(saved_ids, ours):
+            if paged_of(p) is not None and i in state:
+                moments[p] = {name: state[i][name] for name in PAGED_MOMENTS}
+                state[i] = {key: value for key, value in state[i].items() if key not in PAGED_MOMENTS}
+        super().load_state_dict({**state_dict, "state": state})
+        for p in ours:
+            if paged_of(p) is not None and p not in moments:
+                # No saved state: the next step starts its moments at zero, as torch's does.
+                for moment in paged_moments(p).values():
+                    moment.zero_()
         for p, saved in moments.items():
-            maps = _moment_maps(p, paged_of(p))
-            for name, target in zip(("exp_avg", "exp_avg_sq"), maps):
-                target.copy_(saved[name].reshape(target.shape))
-                self.state[p][name] = target
+            maps = paged_moments(p)
+            for name, target in maps.items():
+                source = saved[name]
+                if not _same_memory(source, target):
+                    target.copy_(source.reshape(target.shape))
+            self.state[p].update(maps)
 
 
-def _moment_maps(param: torch.Tensor, where: PagedParam) -> tuple[torch.Tensor, torch.Tensor]:
-    """exp_avg and exp_avg_sq of a paged parameter: memory maps of its range of the state file,
-    shaped like it, so that the optimizer's state (and its state dict, and checkpoints) are
-    the file's values without holding them in memory."""
-    maps = where.engine.map_range(where.shard, where.start, where.stop)
-    assert maps is not None, "the disk tier sizes its buckets to hold every parameter's part"
-    _, exp_avg, exp_avg_sq = maps
-    return exp_avg.view(param.shape), exp_avg_sq.view(param.shape)
+# The state a paged parameter keeps in the state file rather than in memory.
+PAGED_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+# The attribute that holds a paged parameter's moment maps once made; it lives and dies with
+# the parameter, as the optimizer state that holds the same maps does.
+_MAPS_ATTR = "_overlap_moment_maps"
+
+
+def paged_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """exp_avg and exp_avg_sq of a paged parameter: memory maps of its range of the state
+    file, shaped like it, so that the optimizer's state (and its state dict, and checkpoints)
+    are the file's values without holding them in memory. Made once per parameter: a
+    checkpoint load reads into these very tensors, and the optimizer's state is them too."""
+    maps = getattr(param, _MAPS_ATTR, None)
+    if maps is None:
+        where = paged_of(param)
+        if where is None:
+            raise ValueError("paged_moments: the parameter is not paged (offload='disk')")
+        if where.start == where.stop:
+            # This rank holds none of the parameter's rows: nothing in the file to map.
+            maps = {name: torch.zeros(param.shape, dtype=torch.float32) for name in PAGED_MOMENTS}
+        else:
+            ranges = where.engine.map_range(where.shard, where.start, where.stop)
+            assert ranges is not None, "the disk tier sizes its buckets to hold every parameter's part"
+            maps = {name: view.view(param.shape) for name, view in zip(PAGED_MOMENTS, ranges[1:])}
+        setattr(param, _MAPS_ATTR, maps)
+    return maps
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
 
 
 class _PagedSteps:

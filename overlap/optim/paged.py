@@ -193,8 +193,25 @@ class PagedAdamW:
             raise RuntimeError(f"rank {self.file.rank}: the offloaded optimizer state in {self.file.path!r} is "
                                f"inconsistent since a failed step or load ({self._broken}); some buckets hold the "
                                "new values and some the old. Load a checkpoint to go on.")
+        self._check_open()
+
+    def _check_open(self) -> None:
         if self.file.fd < 0:
             raise RuntimeError("the offloaded optimizer state was closed")
+
+    def check_consistent(self) -> None:
+        """Raise if a failed step or load left the file part old and part new (before reading
+        the state out, as a checkpoint save does)."""
+        self._check_usable()
+
+    def mark_inconsistent(self, reason: str) -> None:
+        """Something that writes the file through its maps (a checkpoint load) failed midway:
+        refuse steps and saves, as after a failed step, until `mark_consistent`."""
+        self._broken = reason
+
+    def mark_consistent(self) -> None:
+        """Every element was written again from one state (a complete checkpoint load)."""
+        self._broken = None
 
     # -- state ---------------------------------------------------------------------------
     def load_masters(self, masters: Union[Sequence[torch.Tensor], Callable[[int, int, int], torch.Tensor]]) -> None:
@@ -261,14 +278,14 @@ class PagedAdamW:
         return {"layout": [(b.shard, b.start, b.stop) for b in self.buckets], "buckets": buckets}
 
     def map_range(self, shard: int, start: int, stop: int) -> Optional[tuple[torch.Tensor, ...]]:
-        """Elements [start, stop) of shard `shard` as (master, exp_avg, exp_avg_sq) views of the
-        file, as `state_dict()`'s; None when they do not lie inside one bucket."""
-        self._check_usable()
+        """Elements [start, stop) of shard `shard` as (master, exp_avg, exp_avg_sq) maps of the
+        file, each over those elements alone (`StateFile.map_elements`); None when they do not
+        lie inside one bucket. Given also while the state is inconsistent: a checkpoint load
+        writes through them to make it whole again."""
+        self._check_open()
         for bucket in self.buckets:
             if bucket.shard == shard and bucket.start <= start and stop <= bucket.stop:
-                floats, n = self.file.map(bucket), bucket.numel
-                a, b = start - bucket.start, stop - bucket.start
-                return tuple(floats[i * n + a:i * n + b] for i in range(len(STATE_NAMES)))
+                return self.file.map_elements(bucket, start - bucket.start, stop - bucket.start)
         return None
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -241,14 +241,29 @@ class StateFile:
                     f"(file size {os.fstat(self.fd).st_size}); was it truncated?")
             done += n
 
-    def map(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's master, exp_avg and exp_avg_sq, one after the other, as a float32 tensor
-        that maps the file (shared: writes to it are writes to the file). Regions start on
-        ALIGN boundaries, which mmap's offsets need."""
+    def _mmap(self, bucket: Bucket) -> mmap.mmap:
+        """The bucket's bytes, mapped shared (writes to the map are writes to the file). Regions
+        start on ALIGN boundaries, which mmap's offsets need."""
         length = len(STATE_NAMES) * FLOAT_BYTES * bucket.numel
         with open(self.path, "r+b") as f:
-            mapped = mmap.mmap(f.fileno(), length, offset=bucket.offset, access=mmap.ACCESS_WRITE)
-        return torch.frombuffer(mapped, dtype=torch.float32)
+            return mmap.mmap(f.fileno(), length, offset=bucket.offset, access=mmap.ACCESS_WRITE)
+
+    def map(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's master, exp_avg and exp_avg_sq, one after the other, as a float32 tensor
+        that maps the file."""
+        return torch.frombuffer(self._mmap(bucket), dtype=torch.float32)
+
+    def map_elements(self, bucket: Bucket, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Elements [start, stop) of the bucket (counted from its first) of the master,
+        exp_avg and exp_avg_sq, each a float32 tensor that maps the file and whose storage is
+        those elements alone. DCP's file writer copies a tensor whose storage is larger than
+        it before saving it, and keeps every such copy until the file is written: a view of a
+        whole bucket's map would make a save hold this rank's state in memory."""
+        if start == stop:
+            return tuple(torch.zeros(0) for _ in STATE_NAMES)
+        mapped, n = self._mmap(bucket), bucket.numel
+        return tuple(torch.frombuffer(mapped, dtype=torch.float32, count=stop - start,
+                                      offset=FLOAT_BYTES * (i * n + start)) for i in range(len(STATE_NAMES)))
 
     def close(self) -> None:
         """Close the file; remove it (and the directory this object created) too."""
