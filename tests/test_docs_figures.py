@@ -234,6 +234,14 @@ def _engine_row(index: int) -> tuple:
 _ENGINE_ROW = ("| {0:.2f} [{1:.2f}–{2:.2f}] | {3:.2f} [{4:.2f}–{5:.2f}] | {6:.0f}% [{7:.0f}–{8:.0f}] | "
                "{9:.2f} / {10:.2f} GB/s |")
 
+
+def _model_ranks(field: Callable[[dict], float], scale: float = 1.0) -> tuple:
+    """One figure of benchmarks/offload_disk.py --model-params, rank 0 and rank 1."""
+    return tuple(lambda d, r=r: scale * field(d["ranks"][r]) for r in (0, 1))
+
+
+_LAST = lambda name: (lambda rank: rank["steps"][-1][name])  # noqa: E731
+
 FIGURES: list[Figure] = [
     # README.md: the comparison with FSDP2, DDP and DeepSpeed.
     *[Figure("README.md", _COMPARE_ROW.format(link=link), "compare.json", _compare_row(link, _COMPARE_IMPLS))
@@ -517,6 +525,42 @@ FIGURES: list[Figure] = [
     # docs/offload_disk.md's engine tables, one row per size (the ratios and bandwidths of the row).
     *[Figure("docs/offload_disk.md", _ENGINE_ROW, name, _engine_row(index))
       for name in ("offload_disk.json", "offload_disk_first.json") for index in range(3)],
+    # docs/offload_disk.md: the 2.46B-parameter run and the two 107M runs.
+    *[Figure("docs/offload_disk.md", text, "offload_disk_model_large.json", _model_ranks(field, scale))
+      for text, field, scale in (
+          ("| state file per rank (fp32 master and both moments) | {0:.2f} / {1:.2f} GiB |",
+           lambda r: r["state_file_bytes"], 2**-30),
+          ("| wrap (meta → sharded, written to the file) | {0:.1f} / {1:.1f} s |", lambda r: r["wrap_s"], 1),
+          ("| peak RSS | {0:.2f} / {1:.2f} GiB |", lambda r: r["peak_rss_gib"], 1),
+          ("| host buffers of the engine | {0:.0f} / {1:.0f} MiB |", lambda r: r["buffer_bytes"], 2**-20),
+          ("| compute, forward + backward, last step | {0:.1f} / {1:.1f} s |", _LAST("compute_s"), 1),
+          ("| optimizer step, last step | {0:.1f} / {1:.1f} s |", _LAST("optimizer_s"), 1),
+          ("| of which in the kernel | {0:.1f} / {1:.1f} s |", _LAST("update_s"), 1),
+          ("| IO alone (read and write every bucket once) | {0:.1f} / {1:.1f} s |", lambda r: r["io_alone_s"], 1),
+          ("| disk per rank, IO alone | {0:.2f} / {1:.2f} GB/s |", lambda r: r["disk_gbps"], 1))],
+    Figure("README.md", "a {0:.2f}B-parameter GPT ({1:.1f} GB of training state) trained at 2 ranks with "
+                        "{2:.1f}–{3:.1f} GiB peak RSS per rank", "offload_disk_model_large.json",
+           (lambda d: d["ranks"][0]["params"] / 1e9, lambda d: 16 * d["ranks"][0]["params"] / 1e9,
+            lambda d: min(r["peak_rss_gib"] for r in d["ranks"]), lambda d: max(r["peak_rss_gib"] for r in d["ranks"]))),
+    Figure("docs/offload_disk.md", "{0:,.0f} parameters", "offload_disk_model_large.json",
+           (lambda d: d["ranks"][0]["params"],)),
+    Figure("docs/offload_disk.md", "Its training state at 16 bytes per parameter is {0:.1f} GB ({1:.1f} GiB)",
+           "offload_disk_model_large.json", (lambda d: 16 * d["ranks"][0]["params"] / 1e9,
+                                             lambda d: 16 * d["ranks"][0]["params"] / 2**30)),
+    Figure("docs/offload_disk.md", "The two ranks' peaks add up to {0:.1f} GiB", "offload_disk_model_large.json",
+           (lambda d: sum(r["peak_rss_gib"] for r in d["ranks"]),)),
+    *[Figure("docs/offload_disk.md", text, name, _model_ranks(field, scale))
+      for name, text, field, scale in (
+          ("offload_disk_model_first.json", "| peak RSS | {0:.2f} / {1:.2f} GiB |", lambda r: r["peak_rss_gib"], 1),
+          ("offload_disk_model.json", "GiB | {0:.2f} / {1:.2f} GiB |", lambda r: r["peak_rss_gib"], 1),
+          ("offload_disk_model_first.json", "| compute (forward + backward) | {0:.2f} / {1:.2f} s |",
+           _LAST("compute_s"), 1),
+          ("offload_disk_model.json", "s | {0:.2f} / {1:.2f} s |", _LAST("compute_s"), 1),
+          ("offload_disk_model_first.json", "| optimizer step | {0:.2f} / {1:.2f} s |", _LAST("optimizer_s"), 1),
+          ("offload_disk_model_first.json", "| IO alone | {0:.2f} / {1:.2f} s |", lambda r: r["io_alone_s"], 1),
+          ("offload_disk_model.json", "| disk, per rank | 0.93 / 0.87 GB/s | {0:.2f} / {1:.2f} GB/s |",
+           lambda r: r["disk_gbps"], 1),
+          ("offload_disk_model_first.json", "| disk, per rank | {0:.2f} / {1:.2f} GB/s |", lambda r: r["disk_gbps"], 1))],
     Figure("docs/offload.md", '| step time, offload="cpu" / "none", paired per round | {0:.2f} | {1:.2f}–{2:.2f} |',
            "offload_cpu.json", tuple(at("summary", "step_cpu_over_none", k) for k in ("median", "min", "max"))),
 ]
