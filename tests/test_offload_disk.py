@@ -15,13 +15,11 @@ and another optimizer stepping the parameters is an error, not a silent divergen
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
+from killed_resume import check_killed_run_resumes
 from distributed import RankError, run_distributed
 from parity import Case, train, token_batches
 from parity_cases import SMALL_GPT, _lm_loss
@@ -171,76 +169,9 @@ def test_loading_full_tensors_is_refused():
         assert "load_full_state_dict() with offload='disk' is not implemented" in message, message
 
 
-def _save_and_die(rank: int, world: int, path: str, kill: bool) -> dict:
-    """Two steps, a checkpoint taken from the disk-offloaded state, then either the process
-    exits at once (kill) or training goes on to the end (the uninterrupted run)."""
-    import os
-
-    from overlap import ShardedModule, checkpoint
-    from parity import _optimizer, _slice
-
-    torch.manual_seed(0)
-    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
-    optimizer = _optimizer("overlap_adamw_dim_groups", model)
-    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=5)()
-    losses = []
-    for step in range(5):
-        if step == 2:
-            checkpoint.save(path, model, optimizer, extra={"step": 2})
-            if kill:
-                torch.distributed.barrier()
-                os._exit(3)        # killed: no clean shutdown, nothing after the save
-        loss = model(*_slice(batches[step], rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    return {"losses": losses}
-
-
-def _resume(rank: int, world: int, path: str) -> dict:
-    from overlap import ShardedModule, checkpoint
-    from parity import _optimizer, _slice
-
-    torch.manual_seed(1)               # other initial values: everything must come from the file
-    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
-    optimizer = _optimizer("overlap_adamw_dim_groups", model)
-    first = int(checkpoint.load(path, model, optimizer)["step"])
-    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=5)()
-    losses = []
-    for step in range(first, 5):
-        loss = model(*_slice(batches[step], rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    return {"losses": losses}
-
-
-_KILLED_RUN = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    from distributed import run_distributed
-    import test_offload_disk
-    if __name__ == "__main__":
-        run_distributed(test_offload_disk._save_and_die, 2, {path!r}, True, timeout=200)
-""")
-
-
 @pytest.mark.timeout(500)
 def test_a_killed_disk_offloaded_run_resumes_from_its_checkpoint(tmp_path) -> None:
-    tests = os.path.dirname(os.path.abspath(__file__))
-    killed = str(tmp_path / "killed")
-    # The killed run is a process of its own whose ranks exit right after the save.
-    done = subprocess.run([sys.executable, "-c", _KILLED_RUN.format(tests=tests, path=killed)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0, done.stdout + done.stderr
-    assert os.path.exists(os.path.join(killed, ".metadata")), os.listdir(killed)
-    uninterrupted = run_distributed(_save_and_die, 2, str(tmp_path / "whole"), False, timeout=200)
-    resumed = run_distributed(_resume, 2, killed, timeout=200)
-    for whole, again in zip(uninterrupted, resumed):
-        assert all(torch.isfinite(torch.tensor(whole["losses"])))
-        assert again["losses"] == whole["losses"][2:], (again["losses"], whole["losses"])
+    check_killed_run_resumes(tmp_path, "disk", "overlap_adamw_dim_groups")
 
 
 def _save_at(rank: int, world: int, path: str) -> dict:
