@@ -139,6 +139,28 @@ class HostTier:
         """A host buffer, pinned where CUDA can copy from it asynchronously."""
         return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
 
+    def on(self, stream: Optional[torch.cuda.Stream]):
+        """The context a copy is queued in: `stream` once it waited for the compute stream
+        (which last wrote the master's device buffers and may still read old ones), or the
+        current stream on a machine without one."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
+
+    def upload(self, device_out: torch.Tensor, host_in: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """Copy `host_in` into `device_out` on the upload stream, after what the compute stream
+        queued so far; the event that ends the copy (CUDA), or None where the copy was a
+        synchronous one (no streams). offload="disk" refreshes its device shard this way
+        (overlap.runtime.disk_tier)."""
+        with self.on(self.upload_stream):
+            device_out.copy_(host_in, non_blocking=True)
+            if not self.use_streams:
+                return None
+            event = torch.cuda.Event()
+            event.record(self.upload_stream)
+        return event
+
     def place(self) -> "HostShard":
         return HostShard(self)
 
@@ -190,7 +212,7 @@ class HostShard(ShardPlace):
         fresh = self.sent_version == master._version and not self.reduced_since_refresh
         if persistent and self.sent is not None and fresh:
             return self.sent
-        with self._on(None if local else self.tier.upload_stream):
+        with self.tier.on(None if local else self.tier.upload_stream):
             copy = torch.empty(master.numel(), dtype=master.dtype, device=self.tier.device)
             copy.copy_(master, non_blocking=True)
             if not persistent:
@@ -200,15 +222,6 @@ class HostShard(ShardPlace):
             self.tier.kernels.pack([copy], self.sent, [0])
         self.sent_version, self.reduced_since_refresh = master._version, False
         return self.sent
-
-    def _on(self, stream: Optional[torch.cuda.Stream]):
-        """The context a copy is queued in: `stream` once it waited for the compute stream
-        (which last wrote the master's device buffers and may still read old ones), or the
-        current stream on a machine without one."""
-        if stream is None:
-            return contextlib.nullcontext()
-        stream.wait_stream(torch.cuda.current_stream(self.tier.device))
-        return torch.cuda.stream(stream)
 
     # ---- device -> host ---------------------------------------------------------------------
 
