@@ -215,6 +215,7 @@ class _PagedSteps:
             resident: list[Optional[torch.Tensor]] = [None] * len(engine.shard_sizes)
             for index, where in shards.items():
                 grads[index], resident[index] = where.grad_shard(), where.resident
+                where.before_step()
 
             def written(bucket, shards=shards) -> None:
                 shards[bucket.shard].on_bucket(bucket)

@@ -399,9 +399,9 @@ class PagedAdamW:
 class PagedParam:
     """Where a parameter of a disk-offloaded model lives: elements [start, stop) of shard
     `shard` of `engine`; `resident` is that shard's 16-bit copy (the parameter is a view of
-    it), `grad_shard()` its fp32 gradient shard (`.grad` is a view of it), `on_bucket` is
-    told each bucket of `resident` a step wrote, as soon as it is written, and `on_stepped`
-    after the step."""
+    it), `grad_shard()` its fp32 gradient shard (`.grad` is a view of it); `before_step` is
+    called before a step writes `resident`, `on_bucket` told each bucket of it the step
+    wrote, as soon as it is written, and `on_stepped` after the step."""
 
     engine: PagedAdamW
     shard: int
@@ -411,6 +411,7 @@ class PagedParam:
     grad_shard: Callable[[], Optional[torch.Tensor]]
     on_stepped: Callable[[torch.Tensor], None]
     on_bucket: Callable[[Bucket], None]
+    before_step: Callable[[], None]
 
 
 # The attribute that marks a parameter whose master and moments are paged, for

@@ -1,6 +1,7 @@
 """offload="disk": each trainable flat group's fp32 master shard and AdamW moments live in
 one state file per rank (overlap.optim.paged), and what stays in memory is the 16-bit copy of
-the shard that the all-gather sends.
+the shard that the all-gather sends (on the device) and the one the parameters are views of
+(in host memory, where the paged step writes it).
 
 [Note: the disk tier's shards]
 Each group is paged as soon as it is built (`DiskShard.adopt`): its fp32 shard (rank 0's
@@ -14,6 +15,28 @@ the fp32 gradient shard, as without offload: gradient accumulation, `no_sync` an
 run unchanged. `overlap.optim.AdamW` recognises the parameters by the `PagedParam` each one
 carries (`overlap.optim.paged.register_paged`) and steps them through the file, writing each
 updated bucket's 16-bit copy into the shard.
+
+[Note: the disk tier on a device]
+The paged step runs on the host, so it writes the 16-bit shard in host memory (pinned where
+CUDA is available): that host shard is what the parameters are views of, and `.grad` is a
+view of the fp32 gradient shard beside it in host memory, as under offload="cpu" (torch
+refuses a `.grad` on another device than its parameter, and the gradient must be on the host
+for the step to read it). The device holds its own copy of the 16-bit shard, `sent`, the one
+the all-gather sends: 2 bytes per parameter of the shard, the device column of
+overlap.plan.offload's table. The copies between the two use offload="cpu"'s `HostTier`, one
+place for the stream rules (see [Note: the offload copies and their streams] in host_tier):
+- gradients: each reduction adds into a device buffer and is downloaded into the host
+  gradient shard on the download stream (`HostShard`, unchanged), and `.grad` is published
+  once the downloads completed;
+- the 16-bit shard: each bucket the step wrote is copied to `sent` on the upload stream (the
+  all-gather stream) as soon as it is written (`PagedParam.on_bucket`), so the copy of bucket
+  k runs while bucket k+1 is updated. The latest copy's event is what the compute stream
+  waits on before the next gather (side streams wait for the compute stream before their
+  collective; a local gather runs on it), and what the host waits on before it writes the
+  host shard again (the next step, a load).
+A load or a materialisation writes the host shard outside a step; `sent` is then copied whole
+before the next gather. On a machine without CUDA host and device are one memory: `sent` is
+a separate buffer and the copies are synchronous, so the same path runs and is tested.
 
 Any other write of the 16-bit shard (another optimizer stepping the parameters, an
 in-place init) would part it from the master on disk, and the next step would overwrite it;
@@ -119,7 +142,8 @@ class DiskShard(ShardPlace):
                 module._parameters[attr] = param
             start = starts[slot_index]
             register_paged(param, PagedParam(engine, self.index, start, start + param.numel(), resident,
-                                             _grad_shard_of(group), self.stepped, self.bucket_written))
+                                             _grad_shard_of(group), self.stepped, self.bucket_written,
+                                             self.wait_refreshed))
         self.loaded(resident)
 
     def part_written(self, group: "FlatGroup", index: int, part: torch.Tensor) -> None:
@@ -147,10 +171,7 @@ class DiskShard(ShardPlace):
             self.grads.reduction_issued(pending)
 
     def grads_ready(self) -> None:
-        """Before the optimizer reads the gradients and writes the host shard: the gradient
-        copies and the latest copy of the shard to the device have completed."""
         if self.engine is not None:
-            self.wait_refreshed()
             self.grads.grads_ready()
 
     # ---- the 16-bit shard: host -> device -----------------------------------------------------
@@ -187,8 +208,9 @@ class DiskShard(ShardPlace):
         self.uploads += 1
 
     def wait_refreshed(self) -> None:
-        """Block the host until the latest copy to the device read the host shard (before
-        anything writes the host shard again)."""
+        """Block the host until the latest copy to the device read the host shard: before a
+        step or a load writes the host shard again (the copies of a step are long done by
+        the next one, after a forward and backward that waited for them)."""
         if self.refreshed is not None:
             self.refreshed.synchronize()
             self.refreshed = None

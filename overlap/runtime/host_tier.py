@@ -26,7 +26,8 @@ same logic runs and is tested.
 Host -> device (what a gather sends) runs on the all-gather stream, queued right before the
 gather that reads it: the gather cannot start before its copy ends, and that stream already
 runs ahead of compute (prefetch), so a stream of its own would add an event and hide nothing
-more. Its buffer is held by the gather's `Pending` until the consumer waited, as every
+more (offload="disk" copies its 16-bit shard on that stream too, bucket by bucket during the
+optimizer step: [Note: the disk tier on a device] in disk_tier). Its buffer is held by the gather's `Pending` until the consumer waited, as every
 collective's input is (see [Note: keeping buffers alive until the consumer waited]). Where
 the gather is a copy on the compute stream (one rank, uncompressed), so is its source's.
 Device -> host (a reduced gradient) runs on the download stream, which exists so that these
