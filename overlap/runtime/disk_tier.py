@@ -94,13 +94,13 @@ class DiskShard(ShardPlace):
         # See [Note: the disk tier on a device]. The gradient path of offload="cpu": the fp32
         # gradient shard in pinned host memory, each reduction's sum downloaded into it.
         self.grads = HostShard(tier.host)
+        # The 16-bit shard in (pinned) host memory: the parameters are views of it, and the
+        # paged step writes it, bucket by bucket.
+        self.host_shard: Optional[torch.Tensor] = None
         # The device copy of the 16-bit shard, the one the all-gather sends; the host shard's
         # `_version` it holds (None: stale, copied whole before the next gather); the event
         # that ends the latest copy into it (CUDA; None once the host saw it complete).
         self.sent: Optional[torch.Tensor] = None
-        # The 16-bit shard in (pinned) host memory: the parameters are views of it, and the
-        # paged step writes it, bucket by bucket.
-        self.host_shard: Optional[torch.Tensor] = None
         self.sent_version: Optional[int] = None
         self.refreshed: Optional[torch.cuda.Event] = None
         # Parts of the shard copied to the device so far (bucket by bucket after each step,
