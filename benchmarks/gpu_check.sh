@@ -12,7 +12,8 @@
 #   offload ... overhead
 #                   benchmarks/gpu_checks.py, one process per step (its docstring says what
 #                   each checks): offload="cpu" against none, its host<->device copies' bandwidth
-#                   against a plain pinned copy and their overlap with compute; compressed
+#                   against a plain pinned copy and their overlap with compute; offload="disk"
+#                   against none in bf16 and its 16-bit shard's host->device refresh; compressed
 #                   collectives at world size 1, the step record's
 #                   CUDA clock against CUPTI, no host syncs in steady state (and SKIPs for
 #                   hybrid and hpZ), an emulated slow link (the exposed share of the injected

@@ -5,7 +5,11 @@
                 losses, parameters and gradients pinned on the host); the offload copies'
                 bandwidth (host->device as a gather's source, device->host as a reduced
                 gradient going home) against a plain pinned copy of the same 256 MiB; and the
-                share of each copy hidden when it runs beside matmuls on the compute stream
+                share of each copy hidden when it runs beside matmuls on the compute stream;
+                offload="disk" against "none" with bf16 gathers and overlap.optim.AdamW
+                (losses and fp32 masters close, parameters and gradients pinned on the host,
+                the gathered 16-bit shards on the GPU), and the bandwidth of the 16-bit
+                shard's refresh, bucket by bucket, against one plain pinned copy
   compressed    ShardedModule with NCCL at world size 1 uncompressed, int8 and int8-int4:
                 finite, losses close to uncompressed, bit-identical with delays injected on
                 the side streams, every collective seen by the injection (the compressed
@@ -1026,12 +1030,105 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
                        f"{100 * hidden:.0f}% of the copy hidden (pass at >= {100 * OFFLOAD_HIDDEN_SHARE:.0f}%)")
 
 
+# ---- offload="disk": parity, the 16-bit shard's refresh -------------------------------------------
+
+# The refresh must reach this share of a plain pinned copy's bandwidth over the same bytes: it
+# is one copy per bucket, each a few MB, so launches cost a little more than in one big copy.
+DISK_REFRESH_SHARE = 0.7
+
+
+def _disk_runs(device: torch.device) -> dict:
+    """`_parity_steps` steps of a bf16 GPT with offload "none" and "disk", both stepped by
+    overlap.optim.AdamW; losses, fp32 masters and where parameters, gradients and the
+    gathered 16-bit shards lived."""
+    from overlap import ShardedModule
+    from overlap.optim import AdamW
+
+    out = {}
+    batches = _batches(device, _parity_steps(device))
+    for offload in ("none", "disk"):             # "disk": a state file in a fresh temporary directory
+        torch.manual_seed(0)
+        model = ShardedModule(_gpt(), offload=offload, mixed_precision=_bf16())
+        optimizer = AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for inputs, targets in batches:
+            loss = model(inputs, targets)
+            loss.backward()
+            places = {(p.device.type, p.is_pinned(), str(p.dtype), p.grad.device.type, str(p.grad.dtype))
+                      for p in model.parameters() if p.grad is not None}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        groups = [g for unit in model.scheduler.all_units for g in unit.groups if g.place.offloaded]
+        sent = {g.place.sent.device.type for g in groups}
+        out[offload] = dict(losses=losses, state=model.full_state_dict(), places=places, sent=sent)
+    return out
+
+
+def _disk_parity(checks: Checks, device: torch.device) -> None:
+    try:
+        runs = _disk_runs(device)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error("offload[disk_parity_bf16]", exc)
+        return
+    ref, got = runs["none"], runs["disk"]
+    # The disk tier steps the masters with the CPU kernel, "none" on the device: the same
+    # arithmetic, not the same order of operations, so close rather than identical.
+    identical = ref["losses"] == got["losses"]
+    close = all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(ref["losses"], got["losses"]))
+    masters = all(torch.allclose(got["state"][k].float(), v.float(), rtol=1e-3, atol=1e-5)
+                  for k, v in ref["state"].items())
+    pinned = torch.cuda.is_available()
+    places_ok = got["places"] == {("cpu", pinned, "torch.bfloat16", "cpu", "torch.float32")}
+    sent_ok = bool(got["sent"]) and got["sent"] == {device.type}
+    checks.verdict("offload[disk_parity_bf16]",
+                   close and masters and places_ok and sent_ok and _finite(got["losses"]),
+                   f"offload=disk against none: identical losses {identical}, within 1e-3: {close}, fp32 masters "
+                   f"within 1e-3: {masters}; parameters and gradients (device, pinned, dtype, grad device, grad "
+                   f"dtype): {sorted(got['places'])}; gathered shards on {sorted(got['sent'])}; "
+                   f"losses {['%.5f' % v for v in got['losses']]} (none: {['%.5f' % v for v in ref['losses']]})")
+
+
+def _disk_refresh(checks: Checks, device: torch.device) -> None:
+    """The bandwidth of the 16-bit shard's refresh (host -> device, one copy per bucket, as a
+    step queues it) against one plain pinned copy of the same bytes."""
+    from overlap import ShardedModule
+    from overlap.optim.paged import paged_of
+
+    torch.manual_seed(0)
+    model = ShardedModule(_gpt(layers=4, width=512), offload="disk", mixed_precision=_bf16())
+    groups = [g for unit in model.scheduler.all_units for g in unit.groups if g.place.offloaded]
+    engine = paged_of(next(model.parameters())).engine
+    buckets = [(g.place, b) for g in groups for b in engine.buckets if b.shard == g.place.index]
+    nbytes = sum(g.shard.nbytes for g in groups)
+    compute = torch.cuda.current_stream(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def refresh() -> None:                 # every bucket, as a step queues them
+        for place, bucket in buckets:
+            place.bucket_written(bucket)
+        for g in groups:
+            if g.place.refreshed is not None:
+                compute.wait_event(g.place.refreshed)
+
+    plain_ms = _elapsed_ms(lambda: target.copy_(host, non_blocking=True), device)
+    ours_ms = _elapsed_ms(refresh, device)
+    equal = all(torch.equal(g.place.sent.cpu(), g.shard) for g in groups)
+    plain, ours = nbytes / (plain_ms * 1e-3) / 1e9, nbytes / (ours_ms * 1e-3) / 1e9
+    checks.verdict("offload[disk_refresh]", equal and ours / plain >= DISK_REFRESH_SHARE,
+                   f"{nbytes / 2**20:.1f} MiB in {len(buckets)} bucket copies: host->device {ours:.1f} GB/s "
+                   f"({ours / plain:.2f} of one plain pinned copy's {plain:.1f}); device shards equal the host's: "
+                   f"{equal}; pass at >= {DISK_REFRESH_SHARE}")
+
+
 def check_offload(checks: Checks, rehearse: bool) -> None:
     device = _device(rehearse)
     with one_rank_on(device):
         _offload_parity(checks, device)
+        _disk_parity(checks, device)
     if rehearse:
-        for name in ("bandwidth", "overlap"):
+        for name in ("bandwidth", "overlap", "disk_refresh"):
             checks.report("SKIP", f"offload[{name}]", "CPU rehearsal: host and device are one memory, there is no "
                                                       "copy engine to measure or overlap")
         return
@@ -1039,6 +1136,11 @@ def check_offload(checks: Checks, rehearse: bool) -> None:
         _offload_copies(checks, device)
     except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
         checks.error("offload[copies]", exc)
+    try:
+        with one_rank_on(device):
+            _disk_refresh(checks, device)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error("offload[disk_refresh]", exc)
 
 
 # ---- the runtime's overhead at world size 1 -------------------------------------------------------

@@ -106,6 +106,65 @@ def test_disk_offload_trains_as_without(world, wrap, micro_batches, clip, local_
     assert per_rank[0]["none"]["losses"][0] != per_rank[0]["none"]["losses"][-1]
 
 
+def _device_copy(rank: int, world: int) -> list[dict]:
+    import overlap.runtime.disk_tier as disk_tier
+    from overlap import ShardedModule
+    from overlap.optim import AdamW
+    from overlap.optim.paged import paged_of
+
+    # Buckets no larger than a parameter's part, so that a shard is stepped (and copied to the
+    # device) in several buckets.
+    disk_tier.DEFAULT_BUCKET_PARAMS = 1
+    torch.manual_seed(0)
+    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    groups = [g for unit in model.scheduler.all_units for g in unit.groups if g.place.offloaded]
+    engine = paged_of(next(model.parameters())).engine
+    opt = AdamW(model.parameters(), lr=1e-2)
+    records = []
+    for batch in token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS)():
+        before = [g.place.uploads for g in groups]
+        loss = _lm_loss(model, (batch[0][rank::world], batch[1][rank::world]))
+        loss.backward()
+        first = [g.place.uploads - b for g, b in zip(groups, before)]      # whole copies before a gather
+        grads_copied = all(g.place.grads.issued >= 1 and g.place.grads.copied == g.place.grads.issued
+                           and g.place.grads.staging is None for g in groups)
+        stepped_from = [g.place.uploads for g in groups]
+        opt.step()
+        opt.zero_grad()
+        masters = [torch.empty(n) for n in engine.shard_sizes]
+        engine.copy_masters_to(masters)
+        records.append({
+            "loss": loss.item(),
+            "whole_copies": first,
+            "bucket_copies": [g.place.uploads - s for g, s in zip(groups, stepped_from)],
+            "buckets": [sum(b.shard == g.place.index for b in engine.buckets) for g in groups],
+            "distinct": all(g.place.sent.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr()
+                            for g in groups),
+            "equal": all(torch.equal(g.place.sent, g.shard) for g in groups),
+            "masters": all(torch.equal(g.shard, masters[g.place.index].to(g.shard.dtype)) for g in groups),
+            "sent": all(g.place.gather_source(g.shard, g.gather_dtype, False, False) is g.place.sent for g in groups),
+            "grads_copied": grads_copied,
+        })
+    return records
+
+
+@pytest.mark.timeout(200)
+def test_the_gathered_shard_is_a_copy_refreshed_bucket_by_bucket():
+    """The parameters are views of a host shard; what the all-gather sends is a separate
+    (device) buffer, copied whole once and then bucket by bucket after each step; it equals
+    the host shard and the masters in the state file after every step, and the gradients came
+    back through offload="cpu"'s download path."""
+    for rank, records in enumerate(run_distributed(_device_copy, 2, timeout=150)):
+        assert len(records) == STEPS
+        for step, record in enumerate(records):
+            assert torch.isfinite(torch.tensor(record["loss"])), (rank, step)
+            assert record["distinct"] and record["equal"] and record["masters"] and record["sent"], (rank, step)
+            assert record["grads_copied"], (rank, step)
+            assert record["bucket_copies"] == record["buckets"], (rank, step, record)
+            assert record["whole_copies"] == [1 if step == 0 else 0] * len(record["buckets"]), (rank, step, record)
+        assert max(records[0]["buckets"]) > 1, records[0]["buckets"]
+
+
 def _wrap(rank: int, world: int, kwargs: dict) -> str:
     from torch import nn
 

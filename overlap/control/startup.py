@@ -74,7 +74,9 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         host = HostTier(decision.device, decision.kernels, collectives.all_gather_stream)
     elif decision.config.offload == "disk":
         # offload="disk": fp32 masters and moments in a state file; see overlap.runtime.disk_tier.
-        host = DiskTier(decision.config.offload_dir, dist.get_rank())
+        # The 16-bit shard's copies to the device and the gradients' to the host are offload="cpu"'s.
+        host = DiskTier(decision.config.offload_dir, dist.get_rank(),
+                        HostTier(decision.device, decision.kernels, collectives.all_gather_stream))
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check)

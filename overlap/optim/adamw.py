@@ -215,6 +215,10 @@ class _PagedSteps:
             resident: list[Optional[torch.Tensor]] = [None] * len(engine.shard_sizes)
             for index, where in shards.items():
                 grads[index], resident[index] = where.grad_shard(), where.resident
-            engine.step(grads, segments, resident)
+                where.before_step()
+
+            def written(bucket, shards=shards) -> None:
+                shards[bucket.shard].on_bucket(bucket)
+            engine.step(grads, segments, resident, written)
             for where in shards.values():
                 where.on_stepped(where.resident)

@@ -315,14 +315,18 @@ class PagedAdamW:
     # -- the step --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, grads: Sequence[Optional[torch.Tensor]], segments: Iterable[Segment],
-             resident: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+             resident: Optional[Sequence[Optional[torch.Tensor]]] = None,
+             on_bucket: Optional[Callable[[Bucket], None]] = None) -> None:
         """One AdamW step of every segment, pipelined through the file.
 
         `grads[i]`: shard i's gradient (float32, bfloat16 or float16, shard-sized); `segments`:
         which elements are stepped with which settings (elements in no segment keep their
         state, as a parameter without a gradient does in torch); `resident[i]`: where shard i's
-        updated master is copied (e.g. the 16-bit shard the all-gather sends), or None.
-        Buckets with no segment are neither read nor written.
+        updated master is copied (e.g. the 16-bit shard the all-gather sends), or None;
+        `on_bucket(bucket)` is called once a bucket's resident copy is written, before the next
+        bucket is stepped (the disk tier queues that part's copy to the device there, so that it
+        runs while the next bucket is updated). Buckets with no segment are neither read nor
+        written.
         """
         self._check_sizes(grads, "grads", allow_none=True, contiguous=True)
         if resident is not None:
@@ -342,6 +346,8 @@ class PagedAdamW:
                                maximize=hyper.maximize, backend=self.backend)
                 if resident is not None and resident[bucket.shard] is not None:
                     resident[bucket.shard].reshape(-1)[bucket.start:bucket.stop].copy_(master)
+                if on_bucket is not None:
+                    on_bucket(bucket)
         start = _Clock.now()
         self._run(wanted, update)
         total = _Clock.now() - start
@@ -393,8 +399,9 @@ class PagedAdamW:
 class PagedParam:
     """Where a parameter of a disk-offloaded model lives: elements [start, stop) of shard
     `shard` of `engine`; `resident` is that shard's 16-bit copy (the parameter is a view of
-    it), `grad_shard()` its fp32 gradient shard (`.grad` is a view of it), `on_stepped` is
-    told after each step that wrote `resident`."""
+    it), `grad_shard()` its fp32 gradient shard (`.grad` is a view of it); `before_step` is
+    called before a step writes `resident`, `on_bucket` told each bucket of it the step
+    wrote, as soon as it is written, and `on_stepped` after the step."""
 
     engine: PagedAdamW
     shard: int
@@ -403,6 +410,8 @@ class PagedParam:
     resident: torch.Tensor
     grad_shard: Callable[[], Optional[torch.Tensor]]
     on_stepped: Callable[[torch.Tensor], None]
+    on_bucket: Callable[[Bucket], None]
+    before_step: Callable[[], None]
 
 
 # The attribute that marks a parameter whose master and moments are paged, for

@@ -9,12 +9,14 @@ overlap's own layout maps onto these categories] in plan/memory.py): the fp32 ma
     offload   device                     host                               disk
     none      master + gradient + moments   0                               0
     cpu       e·Ψ/N (the shard to send)  master + gradient + moments        0
-    disk      e·Ψ/N                      gradient + B buffers of a bucket   master + moments
+    disk      e·Ψ/N                      e·Ψ/N + gradient + B buffers       master + moments
 
 e is the gathered dtype's element size under mixed precision (the 16-bit copy of the shard
 the all-gather sends, refreshed after each step); in fp32 the master shard itself is sent,
-copied to the device a unit at a time inside the gathered buffers, so e = 0 here. B host
-buffers each hold one bucket's master and moments: the disk pipeline reads bucket k+1 and
+copied to the device a unit at a time inside the gathered buffers, so e = 0 here. The disk
+tier's host also holds a 16-bit copy (e·Ψ/N): the one the parameters are views of and the
+paged step writes, copied to the device bucket by bucket. B host buffers each hold one
+bucket's master and moments: the disk pipeline reads bucket k+1 and
 writes bucket k-1 while bucket k is stepped (B = 3). Gathered units and activations stay on
 the device in every tier; callers add them.
 
@@ -131,7 +133,7 @@ def tier_bytes(offload: str, params: float, world: int, precision: str = "bf16",
         return TierBytes(device, master + gradient + moments, 0.0)
     per_param = MASTER_BYTES * (1 + OPTIMIZER_MOMENTS[optimizer])
     staging = buffers * per_param * min(bucket_params, shard)
-    return TierBytes(device, gradient + staging, master + moments)
+    return TierBytes(device, device + gradient + staging, master + moments)
 
 
 def offload_time(offload: str, params: float, world: int, precision: str = "bf16", optimizer: str = "adamw",

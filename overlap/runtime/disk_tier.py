@@ -1,6 +1,7 @@
 """offload="disk": each trainable flat group's fp32 master shard and AdamW moments live in
 one state file per rank (overlap.optim.paged), and what stays in memory is the 16-bit copy of
-the shard that the all-gather sends.
+the shard that the all-gather sends (on the device) and the one the parameters are views of
+(in host memory, where the paged step writes it).
 
 [Note: the disk tier's shards]
 Each group is paged as soon as it is built (`DiskShard.adopt`): its fp32 shard (rank 0's
@@ -15,6 +16,28 @@ run unchanged. `overlap.optim.AdamW` recognises the parameters by the `PagedPara
 carries (`overlap.optim.paged.register_paged`) and steps them through the file, writing each
 updated bucket's 16-bit copy into the shard.
 
+[Note: the disk tier on a device]
+The paged step runs on the host, so it writes the 16-bit shard in host memory (pinned where
+CUDA is available): that host shard is what the parameters are views of, and `.grad` is a
+view of the fp32 gradient shard beside it in host memory, as under offload="cpu" (torch
+refuses a `.grad` on another device than its parameter, and the gradient must be on the host
+for the step to read it). The device holds its own copy of the 16-bit shard, `sent`, the one
+the all-gather sends: 2 bytes per parameter of the shard, the device column of
+overlap.plan.offload's table. The copies between the two use offload="cpu"'s `HostTier`, one
+place for the stream rules (see [Note: the offload copies and their streams] in host_tier):
+- gradients: each reduction adds into a device buffer and is downloaded into the host
+  gradient shard on the download stream (`HostShard`, unchanged), and `.grad` is published
+  once the downloads completed;
+- the 16-bit shard: each bucket the step wrote is copied to `sent` on the upload stream (the
+  all-gather stream) as soon as it is written (`PagedParam.on_bucket`), so the copy of bucket
+  k runs while bucket k+1 is updated. The latest copy's event is what the compute stream
+  waits on before the next gather (side streams wait for the compute stream before their
+  collective; a local gather runs on it), and what the host waits on before it writes the
+  host shard again (the next step, a load).
+A load or a materialisation writes the host shard outside a step; `sent` is then copied whole
+before the next gather. On a machine without CUDA host and device are one memory: `sent` is
+a separate buffer and the copies are synchronous, so the same path runs and is tested.
+
 Any other write of the 16-bit shard (another optimizer stepping the parameters, an
 in-place init) would part it from the master on disk, and the next step would overwrite it;
 the shard's version counter, recorded after each paged step, is checked before each gather
@@ -28,12 +51,14 @@ import torch
 from torch import nn
 
 from overlap.optim.paged import DEFAULT_BUCKET_PARAMS, PagedAdamW, PagedParam, paged_of, register_paged
-from overlap.runtime.host_tier import ShardPlace
+from overlap.optim.state_file import Bucket
+from overlap.runtime.host_tier import HostShard, HostTier, ShardPlace
 
 if TYPE_CHECKING:
     from overlap.base.config import Config
     from overlap.base.mixed_precision import MixedPrecision
     from overlap.runtime.flat_group import FlatGroup
+    from overlap.runtime.pending import Pending
 
 
 def disk_offload_error(config: "Config", mixed_precision: Optional["MixedPrecision"],
@@ -51,9 +76,9 @@ def disk_offload_error(config: "Config", mixed_precision: Optional["MixedPrecisi
                 "fp32 master shard, which is on disk; use compression='none'")
     if config.compile:
         return "offload='disk' with compile=True is not supported yet; use compile=False"
-    if device.type != "cpu":
-        return (f"offload='disk' runs on CPU process groups only so far (this rank computes on {device}); "
-                "use offload='cpu' or offload='none'")
+    if device.type not in ("cpu", "cuda"):
+        return (f"offload='disk' runs on CPU and CUDA devices (this rank computes on {device}); "
+                "use offload='none'")
     return None
 
 
@@ -66,6 +91,21 @@ class DiskShard(ShardPlace):
         self.engine: Optional[PagedAdamW] = None
         self.index = -1                   # the group's shard in the engine
         self.version: Optional[int] = None
+        # See [Note: the disk tier on a device]. The gradient path of offload="cpu": the fp32
+        # gradient shard in pinned host memory, each reduction's sum downloaded into it.
+        self.grads = HostShard(tier.host)
+        # The 16-bit shard in (pinned) host memory: the parameters are views of it, and the
+        # paged step writes it, bucket by bucket.
+        self.host_shard: Optional[torch.Tensor] = None
+        # The device copy of the 16-bit shard, the one the all-gather sends; the host shard's
+        # `_version` it holds (None: stale, copied whole before the next gather); the event
+        # that ends the latest copy into it (CUDA; None once the host saw it complete).
+        self.sent: Optional[torch.Tensor] = None
+        self.sent_version: Optional[int] = None
+        self.refreshed: Optional[torch.cuda.Event] = None
+        # Parts of the shard copied to the device so far (bucket by bucket after each step,
+        # whole after a load): the tests read it to see that the copies ran.
+        self.uploads = 0
 
     @property
     def offloaded(self) -> bool:          # type: ignore[override]
@@ -73,7 +113,8 @@ class DiskShard(ShardPlace):
 
     def adopt(self, group: "FlatGroup") -> None:
         """Page the group (see [Note: the disk tier's shards]): its fp32 shard into the state
-        file, the 16-bit copy in its place, new parameters over that copy."""
+        file, the 16-bit copy in its place (host memory, with its device copy), new parameters
+        over that copy."""
         if not (group.requires_grad and group.master_dtype == torch.float32
                 and group.gather_dtype in (torch.bfloat16, torch.float16)):
             return
@@ -86,7 +127,10 @@ class DiskShard(ShardPlace):
         self.engine = engine
         if torch.count_nonzero(group.shard):           # a new file already reads as zeros
             engine.write_shard(self.index, group.shard)
-        resident = group.shard.to(group.gather_dtype)
+        host = self.tier.host
+        resident = host.host_empty(group.shard_numel, group.gather_dtype)
+        resident.copy_(group.shard)
+        self.sent = torch.empty(group.shard_numel, dtype=group.gather_dtype, device=host.device)
         group.shard = resident
         for slot_index, slot in enumerate(group.slots):
             # A new Parameter over the 16-bit shard: a view made this way shares the shard's
@@ -98,53 +142,115 @@ class DiskShard(ShardPlace):
                 module._parameters[attr] = param
             start = starts[slot_index]
             register_paged(param, PagedParam(engine, self.index, start, start + param.numel(), resident,
-                                             _grad_shard_of(group), self.stepped))
-        self.stepped(resident)
+                                             _grad_shard_of(group), self.stepped, self.bucket_written,
+                                             self.wait_refreshed))
+        self.loaded(resident)
 
     def part_written(self, group: "FlatGroup", index: int, part: torch.Tensor) -> None:
         """A parameter materialised from the meta device: its fp32 part goes to the file too."""
         where = paged_of(group.params[index])
         if where is not None:
             where.engine.map_range(where.shard, where.start, where.stop)[0].copy_(part.reshape(-1))
-            self.stepped(group.shard)
+            self.loaded(group.shard)
+
+    # ---- gradients: offload="cpu"'s download path -------------------------------------------
 
     def zeros_like(self, master: torch.Tensor) -> torch.Tensor:
+        if self.engine is None:
+            return super().zeros_like(master)
         # The gradient shard stays fp32 while the shard itself is 16-bit.
-        return torch.zeros(master.numel(), dtype=torch.float32 if self.engine is not None else master.dtype,
-                           device=master.device)
+        return self.tier.host.host_empty(master.numel(), torch.float32).zero_()
+
+    def reduce_target(self, grad_shard: torch.Tensor, zeros: bool) -> torch.Tensor:
+        if self.engine is None:
+            return super().reduce_target(grad_shard, zeros)
+        return self.grads.reduce_target(grad_shard, zeros)
+
+    def reduction_issued(self, pending: "Pending") -> None:
+        if self.engine is not None:
+            self.grads.reduction_issued(pending)
+
+    def grads_ready(self) -> None:
+        if self.engine is not None:
+            self.grads.grads_ready()
+
+    # ---- the 16-bit shard: host -> device -----------------------------------------------------
 
     def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool, local: bool) -> torch.Tensor:
-        if self.engine is not None and master._version != self.version:
+        if self.engine is None:
+            return master
+        if master._version != self.version:
             raise RuntimeError(
                 "offload='disk': the parameters of this model were changed in place by something other than "
                 "overlap.optim.AdamW (another optimizer, an in-place init, a state dict loaded into them). "
                 "Their fp32 masters live in the offload state file, and only overlap.optim.AdamW steps them; "
                 "use overlap.optim.AdamW(model.parameters(), ...)")
-        return master
+        if self.sent_version != master._version:
+            self.wait_refreshed()
+            self._upload(0, master.numel())
+            self.sent_version = master._version
+        if self.refreshed is not None:
+            # The compute stream waits for the copies, and every gather waits for the compute
+            # stream (a local one runs on it).
+            torch.cuda.current_stream(self.tier.host.device).wait_event(self.refreshed)
+        return self.sent
+
+    def bucket_written(self, bucket: Bucket) -> None:
+        """overlap.optim.AdamW wrote this bucket of the host shard: copy it to the device while
+        the next bucket is updated."""
+        self._upload(bucket.start, bucket.stop)
+
+    def _upload(self, start: int, stop: int) -> None:
+        assert self.sent is not None and self.host_shard is not None
+        event = self.tier.host.upload(self.sent[start:stop], self.host_shard[start:stop])
+        if event is not None:
+            self.refreshed = event
+        self.uploads += 1
+
+    def wait_refreshed(self) -> None:
+        """Block the host until the latest copy to the device read the host shard: before a
+        step or a load writes the host shard again (the copies of a step are long done by
+        the next one, after a forward and backward that waited for them)."""
+        if self.refreshed is not None:
+            self.refreshed.synchronize()
+            self.refreshed = None
 
     def on_device(self, master: torch.Tensor) -> torch.Tensor:
         """The fp32 master from the state file (for full state dicts)."""
         if self.engine is None:
             return master
-        out = torch.empty(master.numel(), dtype=torch.float32, device=master.device)
+        out = torch.empty(master.numel(), dtype=torch.float32)
         outputs: list[Optional[torch.Tensor]] = [None] * len(self.engine.shard_sizes)
         outputs[self.index] = out
         self.engine.copy_masters_to(outputs)
-        return out
+        return out.to(self.tier.host.device)
 
     def stepped(self, resident: torch.Tensor) -> None:
-        """overlap.optim.AdamW (or a load) wrote the shard: this version is the legitimate one."""
+        """overlap.optim.AdamW wrote the shard, and queued each bucket it wrote to the device:
+        this version is the legitimate one, and the device copy holds it where it held the
+        previous one (buckets the step left alone are unchanged)."""
+        fresh = self.sent_version is not None and self.sent_version == self.version
         self.version = resident._version
+        if fresh:
+            self.sent_version = self.version
+
+    def loaded(self, resident: torch.Tensor) -> None:
+        """The shard was written by a load or a materialisation: this version is the legitimate
+        one, and the device copy is refreshed whole before the next gather."""
+        self.host_shard = resident
+        self.version = resident._version
+        self.sent_version = None
 
 
 class DiskTier:
     """The state file of one `ShardedModule` on this rank, which its groups are paged into as
-    they are built."""
+    they are built, and the copies between host and device (offload="cpu"'s `HostTier`)."""
 
-    def __init__(self, directory: Optional[str], rank: int) -> None:
+    def __init__(self, directory: Optional[str], rank: int, host: HostTier) -> None:
         # One state file per rank and model, each paged group one shard of it, so that one
         # optimizer step is one pipelined pass over the file; removed when the process exits.
         self.engine = PagedAdamW([], directory=directory, rank=rank)
+        self.host = host
 
     def place(self) -> DiskShard:
         return DiskShard(self)
@@ -178,7 +284,9 @@ def refresh_resident(groups: list["FlatGroup"]) -> None:
     for group in paged:
         outputs = by_engine.setdefault(group.place.engine, [None] * len(group.place.engine.shard_sizes))
         outputs[group.place.index] = group.shard
+    for group in paged:
+        group.place.wait_refreshed()              # the host shard is about to be written
     for engine, outputs in by_engine.items():
         engine.copy_masters_to(outputs)
     for group in paged:
-        group.place.stepped(group.shard)
+        group.place.loaded(group.shard)

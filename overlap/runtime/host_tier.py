@@ -26,7 +26,8 @@ same logic runs and is tested.
 Host -> device (what a gather sends) runs on the all-gather stream, queued right before the
 gather that reads it: the gather cannot start before its copy ends, and that stream already
 runs ahead of compute (prefetch), so a stream of its own would add an event and hide nothing
-more. Its buffer is held by the gather's `Pending` until the consumer waited, as every
+more (offload="disk" copies its 16-bit shard on that stream too, bucket by bucket during the
+optimizer step: [Note: the disk tier on a device] in disk_tier). Its buffer is held by the gather's `Pending` until the consumer waited, as every
 collective's input is (see [Note: keeping buffers alive until the consumer waited]). Where
 the gather is a copy on the compute stream (one rank, uncompressed), so is its source's.
 Device -> host (a reduced gradient) runs on the download stream, which exists so that these
@@ -139,6 +140,28 @@ class HostTier:
         """A host buffer, pinned where CUDA can copy from it asynchronously."""
         return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
 
+    def on(self, stream: Optional[torch.cuda.Stream]):
+        """The context a copy is queued in: `stream` once it waited for the compute stream
+        (which last wrote the master's device buffers and may still read old ones), or the
+        current stream on a machine without one."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
+
+    def upload(self, device_out: torch.Tensor, host_in: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """Copy `host_in` into `device_out` on the upload stream, after what the compute stream
+        queued so far; the event that ends the copy (CUDA), or None where the copy was a
+        synchronous one (no streams). offload="disk" refreshes its device shard this way
+        (overlap.runtime.disk_tier)."""
+        with self.on(self.upload_stream):
+            device_out.copy_(host_in, non_blocking=True)
+            if not self.use_streams:
+                return None
+            event = torch.cuda.Event()
+            event.record(self.upload_stream)
+        return event
+
     def place(self) -> "HostShard":
         return HostShard(self)
 
@@ -190,7 +213,7 @@ class HostShard(ShardPlace):
         fresh = self.sent_version == master._version and not self.reduced_since_refresh
         if persistent and self.sent is not None and fresh:
             return self.sent
-        with self._on(None if local else self.tier.upload_stream):
+        with self.tier.on(None if local else self.tier.upload_stream):
             copy = torch.empty(master.numel(), dtype=master.dtype, device=self.tier.device)
             copy.copy_(master, non_blocking=True)
             if not persistent:
@@ -200,15 +223,6 @@ class HostShard(ShardPlace):
             self.tier.kernels.pack([copy], self.sent, [0])
         self.sent_version, self.reduced_since_refresh = master._version, False
         return self.sent
-
-    def _on(self, stream: Optional[torch.cuda.Stream]):
-        """The context a copy is queued in: `stream` once it waited for the compute stream
-        (which last wrote the master's device buffers and may still read old ones), or the
-        current stream on a machine without one."""
-        if stream is None:
-            return contextlib.nullcontext()
-        stream.wait_stream(torch.cuda.current_stream(self.tier.device))
-        return torch.cuda.stream(stream)
 
     # ---- device -> host ---------------------------------------------------------------------
 
