@@ -115,6 +115,8 @@ def _device_copy(rank: int, world: int) -> list[dict]:
     # Buckets no larger than a parameter's part, so that a shard is stepped (and copied to the
     # device) in several buckets.
     disk_tier.DEFAULT_BUCKET_PARAMS = 1
+    # A device copy of its own, as on CUDA (on CPU the tier sends the host shard itself).
+    disk_tier.SEPARATE_COPY_WITHOUT_DEVICE = True
     torch.manual_seed(0)
     model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
     groups = [g for unit in model.scheduler.all_units for g in unit.groups if g.place.offloaded]

@@ -35,8 +35,11 @@ place for the stream rules (see [Note: the offload copies and their streams] in 
   collective; a local gather runs on it), and what the host waits on before it writes the
   host shard again (the next step, a load).
 A load or a materialisation writes the host shard outside a step; `sent` is then copied whole
-before the next gather. On a machine without CUDA host and device are one memory: `sent` is
-a separate buffer and the copies are synchronous, so the same path runs and is tested.
+before the next gather. On a machine without CUDA host and device are one memory, and a
+second 16-bit copy would only cost 2 bytes per parameter of the shard, a third of what stays
+in memory: `sent` is the host shard itself and nothing is copied. The tests set
+`SEPARATE_COPY_WITHOUT_DEVICE` to run the device path there with a separate buffer and
+synchronous copies.
 
 Any other write of the 16-bit shard (another optimizer stepping the parameters, an
 in-place init) would part it from the master on disk, and the next step would overwrite it;
@@ -53,6 +56,10 @@ from torch import nn
 from overlap.optim.paged import DEFAULT_BUCKET_PARAMS, PagedAdamW, PagedParam, paged_of, register_paged
 from overlap.optim.state_file import Bucket
 from overlap.runtime.host_tier import HostShard, HostTier, ShardPlace
+
+# True: keep `sent` a buffer of its own and copy into it even where the device is the host
+# (see [Note: the disk tier on a device]); the tests set it to run the device path on CPU.
+SEPARATE_COPY_WITHOUT_DEVICE = False
 
 if TYPE_CHECKING:
     from overlap.base.config import Config
@@ -101,6 +108,7 @@ class DiskShard(ShardPlace):
         # `_version` it holds (None: stale, copied whole before the next gather); the event
         # that ends the latest copy into it (CUDA; None once the host saw it complete).
         self.sent: Optional[torch.Tensor] = None
+        self.shares_shard = False              # `sent` is the host shard (no device: see the note)
         self.sent_version: Optional[int] = None
         self.refreshed: Optional[torch.cuda.Event] = None
         # Parts of the shard copied to the device so far (bucket by bucket after each step,
@@ -130,7 +138,9 @@ class DiskShard(ShardPlace):
         host = self.tier.host
         resident = host.host_empty(group.shard_numel, group.gather_dtype)
         resident.copy_(group.shard)
-        self.sent = torch.empty(group.shard_numel, dtype=group.gather_dtype, device=host.device)
+        self.shares_shard = host.device.type == "cpu" and not SEPARATE_COPY_WITHOUT_DEVICE
+        self.sent = resident if self.shares_shard else torch.empty(group.shard_numel, dtype=group.gather_dtype,
+                                                                   device=host.device)
         group.shard = resident
         for slot_index, slot in enumerate(group.slots):
             # A new Parameter over the 16-bit shard: a view made this way shares the shard's
@@ -202,6 +212,8 @@ class DiskShard(ShardPlace):
 
     def _upload(self, start: int, stop: int) -> None:
         assert self.sent is not None and self.host_shard is not None
+        if self.shares_shard:
+            return
         event = self.tier.host.upload(self.sent[start:stop], self.host_shard[start:stop])
         if event is not None:
             self.refreshed = event
