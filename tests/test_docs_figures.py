@@ -242,6 +242,23 @@ def _model_ranks(field: Callable[[dict], float], scale: float = 1.0) -> tuple:
 
 _LAST = lambda name: (lambda rank: rank["steps"][-1][name])  # noqa: E731
 
+
+def _spread(ratios: Reader) -> tuple:
+    """The median, smallest and largest of per-round ratios."""
+    return (lambda d: statistics.median(ratios(d)), lambda d: min(ratios(d)), lambda d: max(ratios(d)))
+
+
+_CURRENT = {"loopback": "compare_current_loopback.json", "2gbit": "compare_current.json"}
+_CURRENT_IMPLS = ("overlap", "fsdp2-tuned", "ddp-tuned", "overlap-int8", "ddp-fp16")
+# README's table of the current run's paired ratios: (row words, impl, peer, target, words after the cells).
+_CURRENT_RATIOS = [
+    ("overlap ÷ fsdp2-tuned", "overlap", "fsdp2-tuned", 0.9, "≤ 0.9: held in {0} and {1} of 3 rounds"),
+    ("overlap ÷ ddp-tuned", "overlap", "ddp-tuned", 1.0, "≤ 1: missed in every round"),
+    ("overlap-int8 ÷ ddp-fp16", "overlap-int8", "ddp-fp16", 1.0, "≤ 1: held in {0} and {1} of 3 rounds"),
+    ("overlap-int8 ÷ fsdp2-tuned", "overlap-int8", "fsdp2-tuned", None, ""),
+    ("overlap-int8 ÷ overlap", "overlap-int8", "overlap", 0.6, "≤ 0.6: missed in every round"),
+]
+
 FIGURES: list[Figure] = [
     # README.md: the comparison with FSDP2, DDP and DeepSpeed.
     *[Figure("README.md", _COMPARE_ROW.format(link=link), "compare.json", _compare_row(link, _COMPARE_IMPLS))
@@ -561,6 +578,25 @@ FIGURES: list[Figure] = [
           ("offload_disk_model.json", "| disk, per rank | 0.93 / 0.87 GB/s | {0:.2f} / {1:.2f} GB/s |",
            lambda r: r["disk_gbps"], 1),
           ("offload_disk_model_first.json", "| disk, per rank | {0:.2f} / {1:.2f} GB/s |", lambda r: r["disk_gbps"], 1))],
+    # README: the comparison at the current code, one file per link.
+    *[Figure("README.md", f"| {label} | " + " | ".join(f"{{{i}:.0f}}" for i in range(5)) + " |", _CURRENT[link],
+             tuple(at("results", link, impl, "step_ms") for impl in _CURRENT_IMPLS))
+      for link, label in (("loopback", "loopback"), ("2gbit", "2 Gbit/s"))],
+    *[Figure("README.md", f"| {words} | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |", _CURRENT["loopback"],
+             _spread(_paired("loopback", impl, (peer,)))) for words, impl, peer, _, _ in _CURRENT_RATIOS],
+    *[Figure("README.md", f"| {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) | {after}", _CURRENT["2gbit"],
+             _spread(_paired("2gbit", impl, (peer,)))) for _, impl, peer, _, after in _CURRENT_RATIOS
+      if "{" not in after],
+    *[Figure("README.md", "| {0:.2f} ({1:.2f}–{2:.2f}) | " + after.format("{3}", "{4}"), _CURRENT["2gbit"],
+             (*_spread(_paired("2gbit", impl, (peer,))),
+              lambda d, i=impl, p=peer, t=limit: held(_paired("loopback", i, (p,)), t)(
+                  _result("compare_current_loopback.json")),
+              held(_paired("2gbit", impl, (peer,)), limit)))
+      for _, impl, peer, limit, after in _CURRENT_RATIOS if "{" in after],
+    Figure("README.md", "Peak memory per rank: {0:.0f} MiB for ShardedModule (int8 too), {1:.0f} for tuned FSDP2, "
+                        "{2:.0f} for DDP", _CURRENT["loopback"],
+           tuple(lambda d, i=impl: max(r["peak"]["Total"] for r in d["results"]["loopback"][i]["ranks_memory"]) / 2**20
+                 for impl in ("overlap", "fsdp2-tuned", "ddp-tuned"))),
     Figure("docs/offload.md", '| step time, offload="cpu" / "none", paired per round | {0:.2f} | {1:.2f}–{2:.2f} |',
            "offload_cpu.json", tuple(at("summary", "step_cpu_over_none", k) for k in ("median", "min", "max"))),
 ]
