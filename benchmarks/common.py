@@ -80,7 +80,11 @@ def checkout_python(checkout: str) -> str:
     return os.path.join(checkout, ".venv", "bin", "python")
 
 
-def git_commit(checkout: str) -> str:
+# This checkout: the repository the benchmarks are run from.
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit(checkout: str = REPOSITORY) -> str:
     """The commit `checkout` is at, with '+changes' when its tracked files differ from it."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True, check=True).stdout

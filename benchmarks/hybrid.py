@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from cluster import run_on_cluster
-from common import markdown_table, median, quartiles, read_json, script_main, write_json
+from common import git_commit, markdown_table, median, quartiles, read_json, script_main, write_json
 
 IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
                    "fsdp2-hsdp", "fsdp2-hsdp-tuned", "ddp", "ddp-tuned", "ddp-fp16")
@@ -188,19 +188,8 @@ def run_driver(args: argparse.Namespace) -> int:
                       f"median {entry['median']:.2f} [{entry['min']:.2f}-{entry['max']:.2f}]", flush=True)
             if args.out:            # after each rate, so that a run cut short keeps what it measured
                 write_json(args.out, dict(command="python benchmarks/hybrid.py " + " ".join(args.argv),
-                                          commit=_commit(), rates=rates))
+                                          commit=git_commit(), rates=rates))
     return 0
-
-
-def _commit() -> Optional[str]:
-    """The checkout's commit, with "+changes" when the working tree differs from it."""
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=here)
-    return (head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) or None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -48,6 +48,8 @@ from typing import Optional
 
 import torch
 
+from common import git_commit
+
 from overlap.optim import adamw_step, extension_available
 from overlap.optim.paged import Hyper, PagedAdamW, Segment
 from overlap.optim.state_file import bucket_views
@@ -63,14 +65,6 @@ def parse_count(text: str) -> int:
     if not match:
         raise ValueError(f"size {text!r} is invalid; expected e.g. 50M")
     return int(float(match.group(1)) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}[match.group(2)])
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def dd_direct(directory: str, mib: int = 1024) -> dict:
@@ -342,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"{(entry['engine_peak_rss_growth_bytes'] or 0) / 2**20:.0f} MiB "
                   f"(buffers {entry['buffer_bytes'] / 2**20:.0f} MiB)", flush=True)
     result = {
-        "commit": _commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "commit": git_commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                  "torch": torch.__version__, "threads": torch.get_num_threads(),
                  "load_before": load_before, "load_after": os.getloadavg()},
@@ -368,7 +362,7 @@ def main_model(args: argparse.Namespace) -> None:
               f"{last['optimizer_s']:.2f} s (update {last['update_s']:.2f} s, IO alone {r['io_alone_s']:.2f} s, "
               f"hidden {100 * r['io_hidden_share']:.0f}% of the shorter), disk {r['disk_gbps']:.2f} GB/s, "
               f"losses {[round(s['loss'], 4) for s in r['steps']]}")
-    result = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    result = {"commit": git_commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
               "host": {"cores": os.cpu_count(), "torch": torch.__version__, "load_before": load_before,
                        "load_after": os.getloadavg()},
               "ranks": ranks}

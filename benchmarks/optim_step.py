@@ -31,12 +31,13 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Optional
 
 import torch
+
+from common import git_commit
 
 from overlap.optim import AdamW, extension_available
 
@@ -159,14 +160,6 @@ def print_table(entries: list[dict]) -> None:
     print("(x: an implementation's step time over overlap's, median of paired rounds)")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help=f"sizes {FULL_SIZES}")
@@ -194,7 +187,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             LOG.info("%dM parameters, %d thread(s)...", count / 1e6, t)
             entries.append(measure_size(count, t, impls, args.rounds, args.steps))
     result = {
-        "commit": _commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "commit": git_commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                  "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "load_before": load_before, "load_after": os.getloadavg()},
