@@ -235,16 +235,24 @@ def test_a_killed_disk_offloaded_run_resumes_from_its_checkpoint(tmp_path) -> No
     check_killed_run_resumes(tmp_path, "disk", "overlap_adamw_dim_groups")
 
 
-def _save_at(rank: int, world: int, path: str) -> dict:
-    from overlap import ShardedModule, checkpoint
+def _one_step(config: GPTConfig, rank: int, world: int):
+    """A disk-offloaded GPT and its optimizer after one training step."""
+    from overlap import ShardedModule
     from parity import _optimizer, _slice
 
     torch.manual_seed(0)
-    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+    model = ShardedModule(GPT(config), offload="disk", mixed_precision=BF16)
     optimizer = _optimizer("overlap_adamw_dim_groups", model)
-    batch = token_batches(SMALL_GPT.vocab_size, 12, steps=1)()[0]
+    batch = token_batches(config.vocab_size, 12, steps=1)()[0]
     model(*_slice(batch, rank, world)).backward()
     optimizer.step()
+    return model, optimizer
+
+
+def _save_at(rank: int, world: int, path: str) -> dict:
+    from overlap import checkpoint
+
+    model, optimizer = _one_step(SMALL_GPT, rank, world)
     checkpoint.save(path, model, optimizer)
     return {"state": model.full_state_dict(), "moments": _full_moments(model, optimizer)}
 
@@ -344,15 +352,9 @@ def _peak_allocated(events) -> int:
 def _save_wide(rank: int, world: int, path: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from overlap import ShardedModule, checkpoint
-    from parity import _optimizer, _slice
+    from overlap import checkpoint
 
-    torch.manual_seed(0)
-    model = ShardedModule(GPT(WIDE_GPT), offload="disk", mixed_precision=BF16)
-    optimizer = _optimizer("overlap_adamw_dim_groups", model)
-    batch = token_batches(WIDE_GPT.vocab_size, 12, steps=1)()[0]
-    model(*_slice(batch, rank, world)).backward()
-    optimizer.step()
+    model, optimizer = _one_step(WIDE_GPT, rank, world)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         checkpoint.save(path, model, optimizer)
     steps = {name: float(optimizer.state[p]["step"]) for name, p in model.named_parameters()}
