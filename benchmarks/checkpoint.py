@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, quartiles, read_json, run_with_deadline,
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, quartiles, read_json, run_with_deadline,
                     script_main, single_thread_env, torchrun, write_json)
 
 WORLD_SIZE = 2
@@ -201,6 +201,7 @@ def report(result: dict, stats: dict) -> str:
 
 
 def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("checkpoint.py", args.argv)
     script = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as scratch:
         result_path = os.path.join(scratch, "result.json")
@@ -212,7 +213,7 @@ def run_driver(args: argparse.Namespace) -> int:
     text = report(result, stats)
     print(text)
     if args.out:
-        write_json(args.out, dict(command="python benchmarks/checkpoint.py " + " ".join(args.argv), **result,
+        write_json(args.out, dict(**record.fields(), **result,
                                   summary=stats, table=text))
     return 0
 

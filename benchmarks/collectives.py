@@ -26,8 +26,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, on_link, parse_choices, parse_links, parse_sizes,
-                    read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on_link, parse_choices, parse_links,
+                    parse_sizes, read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json,
+                    write_text)
 
 WORLD_SIZE = 2
 REDUCE_SCATTER_WAYS = ("reduce_scatter", "all_to_all+sum", "all_reduce+slice")
@@ -184,11 +185,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("collectives.py", args.argv)
     results = measure(args)
-    command = "python benchmarks/collectives.py " + " ".join(args.argv)
-    markdown = f"Command: `{command.strip()}` (gloo, {WORLD_SIZE} ranks, fp32)\n\n{table(results)}"
+    markdown = f"Command: `{record.command}` (gloo, {WORLD_SIZE} ranks, fp32)\n\n{table(results)}"
     write_json(os.path.join(args.out, "collectives.json"),
-               dict(command=command.strip(), world_size=WORLD_SIZE, torch=torch.__version__, results=results))
+               dict(**record.fields(), world_size=WORLD_SIZE, results=results))
     write_text(os.path.join(args.out, "collectives.md"), markdown + "\n")
     print(markdown)
     return 0

@@ -93,6 +93,29 @@ def git_commit(checkout: str = REPOSITORY) -> str:
     return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
 
 
+class RunRecord:
+    """What a result file records of the run that wrote it: the commit (with '+changes' when
+    tracked files were edited), the command, when it started, the torch build, and the host's
+    load average when it started and ended (this host is shared: the load says how far the
+    timings can be trusted). Start one when the run starts; `fields()` when writing."""
+
+    def __init__(self, script: str, argv: Sequence[str]) -> None:
+        import torch
+
+        self.command = " ".join(["python", f"benchmarks/{script}", *argv])
+        try:
+            self.commit = git_commit()
+        except (OSError, subprocess.CalledProcessError):    # a copy of the tree without its history
+            self.commit = "unknown"
+        self.started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        self.torch = torch.__version__
+        self.loadavg_before = list(os.getloadavg())
+
+    def fields(self) -> dict[str, Any]:
+        return dict(commit=self.commit, command=self.command, time=self.started, torch=self.torch,
+                    cpus=os.cpu_count(), loadavg_before=self.loadavg_before, loadavg_after=list(os.getloadavg()))
+
+
 def run_with_deadline(command: Sequence[str], timeout_s: float, env: Optional[dict] = None) -> str:
     """Run `command` in its own process group and return its output. On a timeout, or when
     this process is interrupted, the whole group (a launcher and its ranks) is killed. A

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from common import median, quartiles, run_with_deadline, script_main, single_thread_env, torchrun, write_json
+from common import RunRecord, median, quartiles, run_with_deadline, script_main, single_thread_env, torchrun, write_json
 
 VARIANTS = ("loop", "lightning", "hf", "lightning-fsdp", "lightning-fsdp2", "hf-fsdp")
 CONFIG = dict(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -48,7 +48,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
 
 
 # ---- the rank program -------------------------------------------------------------------------
@@ -230,14 +232,12 @@ def _launch(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    import torch
-
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if "loop" not in variants or any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--variants must include 'loop' and name only {', '.join(VARIANTS)}")
     failed: dict[str, str] = {}
     per_round: list[dict[str, float]] = []
-    load_before = os.getloadavg()
+    record = RunRecord("integrations.py", args.argv)
     for round_index in range(args.rounds):
         shift = round_index % len(variants)
         order = variants[shift:] + variants[:shift]
@@ -262,11 +262,8 @@ def run_driver(args: argparse.Namespace) -> int:
         summary[variant] = {"step_ms_median": 1e3 * median(step), "step_ms_iqr": [1e3 * q for q in quartiles(step)],
                             "ratio_to_loop_median": median(ratios), "ratios_per_round": ratios}
     result = {
-        "command": "python benchmarks/integrations.py " + " ".join(sys.argv[1:]),
-        "world_size": 2, "torch": torch.__version__, "model": CONFIG, "batch_per_rank": BATCH, "seq": SEQ,
+        **record.fields(), "world_size": 2, "model": CONFIG, "batch_per_rank": BATCH, "seq": SEQ,
         "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-        "host": f"2 cores, 1 thread per rank; 1-min load average {load_before[0]:.2f} before, "
-                f"{os.getloadavg()[0]:.2f} after (a shared host: other jobs may have run)",
         "versions": _versions(), "variants": summary, "failed": failed, "per_round_s": per_round,
     }
     print(json.dumps(summary, indent=1))

@@ -21,11 +21,13 @@ import json
 import math
 import pathlib
 import statistics
+import sys
 import time
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from common import RunRecord
 from overlap.kernels import DEFAULT_BLOCK, available_backends, get_backend
 
 LLAMA_BLOCK = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008), (4096,), (4096,)]
@@ -419,10 +421,12 @@ def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) ->
     return rows
 
 
-def run_quantized(args: argparse.Namespace, device: torch.device, backends: list[str], repeats: int) -> None:
+def run_quantized(args: argparse.Namespace, device: torch.device, backends: list[str], repeats: int,
+                  record: RunRecord) -> None:
     """--quant-only / --quant-blocks: the quantised kernels alone, to their own JSON file."""
     meta = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "repeats": repeats}
+    meta.update(record.fields())
     result: dict = {"meta": meta}
     if args.quant_blocks:
         result["block_sweep"] = sweep_quant_blocks(device, [int(b) for b in args.quant_blocks.split(",")], repeats)
@@ -450,6 +454,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="comma-separated block sizes: error and speed of each, instead of the tables "
                              "(default out bench_out/quant_blocks_<device>.json)")
     args = parser.parse_args(argv)
+    record = RunRecord("kernels.py", sys.argv[1:] if argv is None else argv)
     device = torch.device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -457,7 +462,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     backends = [b for b in available_backends(device) if not (device.type == "cpu" and b == "triton")]
     print(f"device {device}, threads {torch.get_num_threads()}, backends {backends}, median of {repeats}")
     if args.quant_only or args.quant_blocks:
-        run_quantized(args, device, backends, repeats)
+        run_quantized(args, device, backends, repeats, record)
         return
     rows = []
     for name, sizes in shapes(device).items():
@@ -471,7 +476,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     out = pathlib.Path(args.out or f"bench_out/kernels_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, **record.fields()}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
     print(f"wrote {out}")
 

@@ -8,11 +8,12 @@ Arithmetic only (overlap.plan.layout_padding): no process group, no model weight
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
 
-from common import markdown_table, write_json
+from common import RunRecord, markdown_table, write_json
 
 BENCHMARK_MODEL = dict(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, block_size=128)
 
@@ -54,8 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="docs/results/layout_padding.json")
     args = parser.parse_args(argv)
+    record = RunRecord("layout_padding.py", sys.argv[1:] if argv is None else argv)
     result = measure()
-    write_json(args.out, result)
+    write_json(args.out, {**record.fields(), **result})
     print(table(result))
 
 

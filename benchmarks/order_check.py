@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, read_json, run_with_deadline, script_main,
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, read_json, run_with_deadline, script_main,
                     single_thread_env, torchrun, write_json, write_text)
 
 WORLD_SIZE = 2
@@ -118,6 +118,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("order_check.py", args.argv)
     with tempfile.TemporaryDirectory() as scratch:
         result = os.path.join(scratch, "result.json")
         command = torchrun(os.path.abspath(__file__), WORLD_SIZE, ["--worker", "--result", result,
@@ -143,7 +144,7 @@ def run_driver(args: argparse.Namespace) -> int:
                        for name in ranks[0]["all_reduce_s"]},
         units=ranks[0]["units"], flags=ranks[0]["flags"])
     summary["words_ms_per_step"] = round(summary["words_per_step"] * summary["word_us"] / 1e3, 2)
-    write_json(os.path.join(args.out, "order_check.json"), dict(summary=summary, **data))
+    write_json(os.path.join(args.out, "order_check.json"), dict(**record.fields(), summary=summary, **data))
     table = markdown_table(
         ["", "µs or ms"],
         [["step, with the check (median of rounds)", f"{summary['step_ms_with_check']} ms"],
@@ -168,7 +169,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, quartiles, read_json, run_with_deadline,
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, quartiles, read_json, run_with_deadline,
                     script_main, single_thread_env, torchrun, write_json)
 
 WORLD_SIZE = 2
@@ -449,28 +449,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    load_before = os.getloadavg()
+    record = RunRecord("param_layout.py", args.argv)
     with tempfile.TemporaryDirectory() as scratch:
         result = os.path.join(scratch, "ranks.json")
         worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--reps", str(args.reps)]
         run_with_deadline(torchrun(os.path.abspath(__file__), WORLD_SIZE, worker), args.timeout,
                           env=single_thread_env())
         raw = read_json(result)
-    load_after = os.getloadavg()
+    provenance = record.fields()
     stats = summarize(raw["ranks"])
     memory = [r["memory"] for r in raw["ranks"]]
-    command = ("python benchmarks/param_layout.py " + " ".join(args.argv)).strip()
-    host = (f"{os.cpu_count()} cores, 1 thread per rank; 1-min load average {load_before[0]:.2f} before, "
-            f"{load_after[0]:.2f} after (a shared host: other jobs may have run)")
+    command = record.command
+    host = (f"{os.cpu_count()} cores, 1 thread per rank; 1-min load average {provenance['loadavg_before'][0]:.2f} "
+            f"before, {provenance['loadavg_after'][0]:.2f} after (a shared host: other jobs may have run)")
     tensors = raw["ranks"][0]["tensors"]
     counts = ", ".join(f"({k}) {v['count']} ({', '.join(str(r['tensors'][k]['empty']) for r in raw['ranks'])} "
                        f"empty on ranks 0, 1)" for k, v in tensors.items())
     markdown = (f"Command: `{command}`\n\nGPT {raw['num_params'] / 1e6:.1f}M parameters, {len(raw['units'])} units, "
                 f"gloo, {WORLD_SIZE} ranks, fp32; {args.rounds} rounds × {args.reps} repetitions; {host}.\n"
                 f"Tensors the optimizer steps: {counts}.\n\n{table(stats, memory)}")
-    write_json(args.out, dict(command=command, world_size=WORLD_SIZE, torch=torch.__version__,
-                              rounds=args.rounds, reps=args.reps, host=host, load_average_before=load_before,
-                              load_average_after=load_after, num_params=raw["num_params"], model=raw["model"],
+    write_json(args.out, dict(**provenance, world_size=WORLD_SIZE, rounds=args.rounds, reps=args.reps, host=host,
+                              num_params=raw["num_params"], model=raw["model"],
                               units=raw["units"], optimizer_tensors=[r["tensors"] for r in raw["ranks"]],
                               memory_bytes=memory, timings=stats))
     print(markdown)

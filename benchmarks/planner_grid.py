@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import quartiles  # noqa: E402
+from common import RunRecord, quartiles  # noqa: E402
 from netns import throttled_namespace  # noqa: E402
 
 DEPTHS = (0, 1, 2, 3)
@@ -204,13 +204,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name, link in summary.items():
             _report(name, link, args.depths, [None if b == "none" else float(b) for b in args.buckets])
         return 0
+    record = RunRecord("planner_grid.py", sys.argv[1:] if argv is None else argv)
     for spec in args.links:
         name, _, rate = spec.partition("=")
         if not rate:
             parser.error(f"--links entry {spec!r} is invalid; expected name=rate, e.g. slow=2gbit")
         link = _run_link(name, rate, args)
         buckets = [None if b == "none" else float(b) for b in args.buckets]
-        summary[name] = {**link, **_report(name, link, args.depths, buckets)}
+        # Links kept from an earlier run keep that run's record.
+        summary[name] = {**link, **_report(name, link, args.depths, buckets), "meta": record.fields()}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

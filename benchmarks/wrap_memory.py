@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from common import (PROCESS_GROUP_TIMEOUT, markdown_table, median, read_json, run_with_deadline, script_main,
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, read_json, run_with_deadline, script_main,
                     single_thread_env, torchrun, write_json)
 
 WORLD_SIZE = 2
@@ -79,6 +79,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("wrap_memory.py", args.argv)
     script = os.path.abspath(__file__)
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -114,7 +115,7 @@ def run_driver(args: argparse.Namespace) -> int:
             f"(per rank, the larger of the two; median of {args.rounds} rounds)\n\n{table}")
     print(text)
     if args.out:
-        write_json(args.out, dict(command="python benchmarks/wrap_memory.py " + " ".join(args.argv), runs=runs,
+        write_json(args.out, dict(**record.fields(), runs=runs,
                                   summary=summary, table=text))
     return 0
 

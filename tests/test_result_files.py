@@ -1,0 +1,75 @@
+"""Every result file under docs/results/ records the run that wrote it: the commit, the command
+and the host's load (this host is shared, and the load says how far its timings can be
+trusted). The benchmarks write these through `benchmarks/common.RunRecord` (or their own
+fields, older scripts). `EARLIER` names each file written before its script recorded all
+three, with what it lacks; the second test keeps that list honest, so a re-run that adds the
+record fails until the file leaves the list.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import pytest
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results")
+
+# file: why its record is incomplete. Files a doc still quotes are read by test_docs_figures.py.
+EARLIER: dict[str, str] = {}
+
+
+# The names the benchmarks give the host's load average.
+LOAD_KEYS = {"loadavg_before", "loadavg_after", "load_before", "load_after", "host_load", "load_average",
+             "load_average_before", "load_average_after"}
+
+
+def _mappings(data: Any, depth: int = 2) -> Iterator[dict]:
+    """The JSON object and the objects nested in it down to `depth` levels (lists not entered):
+    a run's record sits at the top, under "meta" or "host", or under each link's entry."""
+    if isinstance(data, dict):
+        yield data
+        if depth:
+            for value in data.values():
+                yield from _mappings(value, depth - 1)
+
+
+def missing(data: Any) -> list[str]:
+    """What of commit, command and load `data` does not record."""
+    keys = {key for mapping in _mappings(data) for key in mapping}
+    lacks = []
+    if "commit" not in keys:
+        lacks.append("commit")
+    if not keys & {"command", "commands"}:
+        lacks.append("command")
+    if not keys & LOAD_KEYS:
+        lacks.append("load")
+    return lacks
+
+
+def _files() -> list[str]:
+    return sorted(name for name in os.listdir(RESULTS) if name.endswith(".json"))
+
+
+def _read(name: str) -> Any:
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", [name for name in _files() if name not in EARLIER])
+def test_result_file_records_its_run(name: str) -> None:
+    assert not missing(_read(name)), f"docs/results/{name} does not record its {', '.join(missing(_read(name)))}"
+
+
+def test_earlier_files_are_named_with_what_they_lack() -> None:
+    for name, why in EARLIER.items():
+        assert name in _files(), f"EARLIER names docs/results/{name}, which does not exist"
+        assert missing(_read(name)), f"docs/results/{name} records its run now: remove it from EARLIER"
+        assert why.strip(), name
+
+
+def test_missing_reads_each_kind_of_record() -> None:
+    assert missing({"command": "x"}) == ["commit", "load"]
+    assert missing({"meta": {"commit": "a", "command": "x", "loadavg_before": [1.0]}}) == []
+    assert missing({"fast": {"meta": {"commit": "a", "command": "x", "loadavg_after": [1.0]}}}) == []
+    assert missing({"commands": ["x"], "commit": "a", "host": {"load_before": [1.0]}}) == []
