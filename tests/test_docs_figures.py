@@ -213,9 +213,81 @@ def _memory_row(link: str, impl: str, rank: int) -> Reader:
     return read
 
 
-def _compression(link: str, impl: str) -> tuple:
-    base = ("results", link, impl)
-    return at(*base, "step_ms"), at(*base, "step_ms_quartiles", 0), at(*base, "step_ms_quartiles", 1)
+_SLOW_LINKS = (("2gbit", "2 Gbit/s"), ("500mbit", "500 Mbit/s"))
+_SPEED_IMPLS = ("overlap", "overlap-int8", "overlap-int8-int4", "overlap-auto", "fsdp2-tuned", "ddp-tuned", "ddp-fp16")
+_COMPRESSED = ("overlap-int8", "overlap-int8-int4")
+# docs/compression.md's targets table: (words, peer, limit), judged for int8 and int8-int4.
+_COMPRESSED_TARGETS = [("compressed ≤ 0.6 × uncompressed", "overlap", 0.6),
+                       ("ahead of DDP with the fp16 hook", "ddp-fp16", 1.0),
+                       ("≤ 0.9 × tuned FSDP2", "fsdp2-tuned", 0.9), ("≤ tuned DDP", "ddp-tuned", 1.0)]
+
+
+def _speed_row(link: str, label: str) -> Reader:
+    def read(data: Any) -> str:
+        cells = []
+        for impl in _SPEED_IMPLS:
+            entry = data["results"][link][impl]
+            q1, q3 = entry["step_ms_quartiles"]
+            cells.append(f"{entry['step_ms']:.0f} ({q1:.0f}–{q3:.0f})")
+        return f"| {label} | " + " | ".join(cells) + " |"
+    return read
+
+
+def _compressed_targets(link: str, peer: str, limit: float) -> Reader:
+    """"int8 m (a–b), <held words>; int8-int4 ...": both compressed rows against `peer`."""
+    return lambda data: "; ".join(
+        f"{name} {_spread_cell(_paired(link, impl, (peer,)))(data)}, {held_words(_paired(link, impl, (peer,)), limit)(data)}"
+        for name, impl in (("int8", "overlap-int8"), ("int8-int4", "overlap-int8-int4")))
+
+
+def _peak0(link: str, impl: str) -> Reader:
+    return lambda data: data["results"][link][impl]["ranks_memory"][0]["peak"]["Total"] / 2**20
+
+
+def _category0(link: str, impl: str, category: str) -> Reader:
+    return lambda data: data["results"][link][impl]["ranks_memory"][0]["peak"][category] / 2**20
+
+
+def _exposed(link: str, impl: str) -> tuple:
+    return tuple(at("results", link, impl, "exposed_ms_by_kind", kind) for kind in ("all_gather", "reduce_scatter"))
+
+
+def _extremes(ratios: Reader) -> tuple:
+    return (lambda d: min(ratios(d)), lambda d: max(ratios(d)))
+
+
+def _auto_runs(data: Any) -> list[dict]:
+    return [run for run in data["runs"] if run["impl"] == "overlap-auto"]
+
+
+def _replay(run: dict) -> list[float]:
+    """The planner's predicted steps (ms) in its log line: uncompressed, int8, int8-int4."""
+    return [float(ms) for ms in re.findall(r"(\d+) ms", run["settings"]["compression_reason"])]
+
+
+def _replay_errors(data: Any, which: int, measured_impl: str) -> list[float]:
+    """Each auto run's prediction `which` over `measured_impl`'s median step in the same round."""
+    errors = []
+    for run in _auto_runs(data):
+        measured = _round_steps(data, run["link"])[run["round"]][measured_impl] * 1e3
+        errors.append(_replay(run)[which] / measured)
+    return errors
+
+
+def _int4_gain(data: Any) -> list[float]:
+    return [100 * (1 - _replay(run)[2] / _replay(run)[1]) for run in _auto_runs(data)]
+
+
+def _auto_row(link: str, label: str, round_index: int) -> Reader:
+    """docs/compression.md's row of one auto run: its log line, its choice, and the round's steps."""
+    def read(data: Any) -> str:
+        run = next(r for r in _auto_runs(data) if r["link"] == link and r["round"] == round_index)
+        reason = run["settings"]["compression_reason"].split(": ", 1)[1]
+        steps = _round_steps(data, link)[round_index]
+        measured = " / ".join(f"{steps[impl] * 1e3:.0f}" for impl in ("overlap", "overlap-int8", "overlap-auto"))
+        return f"| {label} | {round_index + 1} | {reason} | {run['settings']['compression']} | {measured} |"
+    return read
+
 
 
 
@@ -361,25 +433,54 @@ FIGURES: list[Figure] = [
              (at(link, "auto_to_best", "median"), at(link, "auto_to_best", "iqr", 0), at(link, "auto_to_best", "iqr", 1)))
       for link in ("fast", "slow")],
     # docs/compression.md: speed, the automatic choice, accuracy.
-    *[Figure("docs/compression.md", f"| {label} | " + " | ".join(f"{{{3 * i}:.0f}} ({{{3 * i + 1}:.0f}}–{{{3 * i + 2}:.0f}})"
-                                                               for i in range(5)) + " |", "compression.json",
-             tuple(r for impl in ("overlap", "overlap-int8", "overlap-int8-int4", "ddp-tuned", "ddp-fp16")
-                   for r in _compression(link, impl)))
-      for link, label in (("2gbit", "2 Gbit/s"), ("500mbit", "500 Mbit/s"))],
-    Figure("docs/compression.md", "| compressed ≤ 0.6 × uncompressed | **missed**: {0:.2f} (int8), {1:.2f} (int8-int4) "
-                                  "| met: {2:.2f}, {3:.2f} |", "compression.json",
-           (_target("2gbit", "overlap-int8 step time / overlap"), _target("2gbit", "overlap-int8-int4 step time / overlap"),
-            _target("500mbit", "overlap-int8 step time / overlap"),
-            _target("500mbit", "overlap-int8-int4 step time / overlap"))),
-    Figure("docs/compression.md", "| ahead of DDP with the fp16 hook | met: {0:.2f}, {1:.2f} | met: {2:.2f}, {3:.2f} |",
+    *[Figure("docs/compression.md", "{0}", "compression.json", (_speed_row(link, label),))
+      for link, label in _SLOW_LINKS],
+    *[Figure("docs/compression.md", f"| {label} | {{0}} | {{1}} |", "compression.json",
+             (_compressed_targets("2gbit", peer, limit), _compressed_targets("500mbit", peer, limit)))
+      for label, peer, limit in _COMPRESSED_TARGETS],
+    Figure("docs/compression.md", "| peak memory ≤ uncompressed | **missed**: {0:.2f} (int8), {1:.2f} (int8-int4) |",
+           "compression.json", tuple(ratio(_peak0("2gbit", impl), _peak0("2gbit", "overlap"))
+                                     for impl in ("overlap-int8", "overlap-int8-int4"))),
+    Figure("docs/compression.md", "overlap {0:.1f} MiB, int8 {1:.1f} MiB, int8-int4 {2:.1f} MiB", "compression.json",
+           tuple(_peak0("2gbit", impl) for impl in ("overlap", "overlap-int8", "overlap-int8-int4"))),
+    Figure("docs/compression.md", "*Activation* category ({0:.1f} against {1:.1f} MiB)", "compression.json",
+           tuple(_category0("2gbit", impl, "Activation") for impl in ("overlap-int8", "overlap"))),
+    Figure("docs/compression.md", "*Temp* {0:.1f} against {1:.1f} MiB", "compression.json",
+           tuple(_category0("2gbit", impl, "Temp") for impl in ("overlap-int8-int4", "overlap"))),
+    *[Figure("docs/compression.md", "{0}", "compression.json", (_auto_row(link, label, k),))
+      for link, label in _SLOW_LINKS for k in range(3)],
+    Figure("docs/compression.md", "`auto` ran at {0} of the uncompressed step at 2 Gbit/s and {1} at 500 Mbit/s",
+           "compression.json", tuple(_spread_cell(_paired(link, "overlap-auto", ("overlap",))) for link, _ in _SLOW_LINKS)),
+    Figure("docs/compression.md", "within {0:+.0f}% to {1:+.0f}% of the uncompressed steps measured in the same round; "
+                                  "it over-predicts the int8 step by {2:.0f}–{3:.0f}%", "compression.json",
+           (lambda d: 100 * (min(_replay_errors(d, 0, "overlap")) - 1), lambda d: 100 * (max(_replay_errors(d, 0, "overlap")) - 1),
+            lambda d: 100 * (min(_replay_errors(d, 1, "overlap-int8")) - 1),
+            lambda d: 100 * (max(_replay_errors(d, 1, "overlap-int8")) - 1))),
+    Figure("docs/compression.md", "int8-int4 was predicted {0:.1f}–{1:.1f}% faster than int8", "compression.json",
+           (lambda d: min(_int4_gain(d)), lambda d: max(_int4_gain(d)))),
+    Figure("docs/compression.md", "uncompressed at 2 Gbit/s {0:.0f} ms here against {1:.0f} ms two hours before",
+           "compression.json", (at("results", "2gbit", "overlap", "step_ms"),
+                                lambda d: _result("compare_current.json")["results"]["2gbit"]["overlap"]["step_ms"])),
+    Figure("docs/compression.md", "falls from {0:.0f} + {1:.0f} ms to {2:.0f} + {3:.0f} ms a step", "compression.json",
+           (*_exposed("2gbit", "overlap"), *_exposed("2gbit", "overlap-int8"))),
+    Figure("docs/compression.md", "(int8 {0:.2f}–{1:.2f} per round)", "compression.json",
+           _extremes(_paired("2gbit", "overlap-int8", ("overlap",)))),
+    Figure("docs/compression.md", "int8 is level ({0:.2f}, held in {1} round of 3) and int8-int4 slightly ahead "
+                                  "({2:.2f}, {3} of 3)", "compression.json",
+           (_spread(_paired("2gbit", "overlap-int8", ("ddp-fp16",)))[0], held(_paired("2gbit", "overlap-int8", ("ddp-fp16",)), 1.0),
+            _spread(_paired("2gbit", "overlap-int8-int4", ("ddp-fp16",)))[0],
+            held(_paired("2gbit", "overlap-int8-int4", ("ddp-fp16",)), 1.0))),
+    Figure("docs/compression.md", "(exposed {0:.0f} + {1:.0f} ms of a {2:.1f} s step)", "compression.json",
+           (*_exposed("500mbit", "overlap"), lambda d: d["results"]["500mbit"]["overlap"]["step_ms"] / 1e3)),
+    Figure("docs/compression.md", "brings the step to {0:.2f}–{1:.2f} of the uncompressed one in every round", "compression.json",
+           (lambda d: min(_paired("500mbit", i, ("overlap",))(d)[k] for i in _COMPRESSED for k in range(3)),
+            lambda d: max(_paired("500mbit", i, ("overlap",))(d)[k] for i in _COMPRESSED for k in range(3)))),
+    Figure("docs/compression.md", "(int8 {0:.2f}–{1:.2f}, int8-int4 {2:.2f}–{3:.2f}) and {4:.2f}–{5:.2f} of tuned FSDP2",
            "compression.json",
-           (_target("2gbit", "overlap-int8 step time / ddp-fp16"), _target("2gbit", "overlap-int8-int4 step time / ddp-fp16"),
-            _target("500mbit", "overlap-int8 step time / ddp-fp16"),
-            _target("500mbit", "overlap-int8-int4 step time / ddp-fp16"))),
-    *[Figure("docs/compression.md", "| {0} | {1:.0f} ms (uncompressed measured:", "compression_auto.json",
-             (at("links", link, "chosen"), at("links", link, "step_ms"))) for link in ("2gbit", "500mbit")],
-    *[Figure("docs/compression.md", "ms (uncompressed measured: {0:.0f}) |", "compression.json",
-             (at("results", link, "overlap", "step_ms"),)) for link in ("2gbit", "500mbit")],
+           (*_extremes(_paired("500mbit", "overlap-int8", ("ddp-fp16",))),
+            *_extremes(_paired("500mbit", "overlap-int8-int4", ("ddp-fp16",))),
+            lambda d: min(_paired("500mbit", i, ("fsdp2-tuned",))(d)[k] for i in _COMPRESSED for k in range(3)),
+            lambda d: max(_paired("500mbit", i, ("fsdp2-tuned",))(d)[k] for i in _COMPRESSED for k in range(3)))),
     *[Figure("docs/compression.md", f"| {mode} | {{0:.4f}} |", "compression_accuracy.json",
              (at("runs", mode, "final_val_loss"),)) for mode in ("none", "int8", "int8-int4")],
     # docs/checkpoint.md
