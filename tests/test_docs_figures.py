@@ -73,6 +73,19 @@ def _collective_ratios(link: str) -> list[Reader]:
             for size in ("1", "8", "32")]
 
 
+def _collective_row(size: str, op: str) -> Reader:
+    """A row of collectives.py's table: per link, ms (with * for the fastest way to
+    reduce-scatter) and GB/s."""
+    def read(data: Any) -> str:
+        cells = [size, op]
+        for link in ("loopback", "2gbit"):
+            by_op = data["results"][link][size]
+            fastest = min(("reduce_scatter", "all_to_all+sum", "all_reduce+slice"), key=lambda o: by_op[o]["ms"])
+            cells += [f"{by_op[op]['ms']:.1f}{' *' if op == fastest else ''}", f"{by_op[op]['gbps']:.2f}"]
+        return "| " + " | ".join(cells) + " |"
+    return read
+
+
 def _quant(op: str, impl: str, field: str) -> Reader:
     return row(("rows",), field, case="quant_shard(block 128)", op=op, impl=impl)
 
@@ -458,6 +471,11 @@ FIGURES: list[Figure] = [
                                  "{2:.1f}–{3:.1f}× on the 2 Gbit/s link", "collectives.json",
            (extreme(min, _collective_ratios("loopback")), extreme(max, _collective_ratios("loopback")),
             extreme(min, _collective_ratios("2gbit")), extreme(max, _collective_ratios("2gbit")))),
+    *[Figure("docs/benchmarks.md", "{0}", "collectives.json", (_collective_row(size, op),))
+      for size in ("1", "8", "32") for op in ("reduce_scatter", "all_to_all+sum", "all_reduce+slice", "all_gather")],
+    Figure("docs/benchmarks.md", "emulated link (within {0:.0f}% at every size)", "collectives.json",
+           (lambda d: 100 * max(abs(d["results"]["2gbit"][size]["all_gather"]["ms"] / d["results"]["2gbit"][size]["all_to_all+sum"]["ms"] - 1)
+                                for size in ("1", "8", "32")),)),
     # README.md and docs/planner.md: the planner against the grid.
     Figure("README.md", "was {0:.3f} [interquartile range {1:.3f}–{2:.3f}] and {3:.3f} [{4:.3f}–{5:.3f}]",
            "planner_grid.json", (at("fast", "auto_to_best", "median"), at("fast", "auto_to_best", "iqr", 0),
