@@ -16,7 +16,19 @@ import pytest
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results")
 
 # file: why its record is incomplete. Files a doc still quotes are read by test_docs_figures.py.
-EARLIER: dict[str, str] = {}
+EARLIER: dict[str, str] = {
+    "compare_10gbit.json": "the 10 Gbit/s comparison of an earlier commit on an idle host, kept as the reference "
+                           "for how fast this host ran then; written before compare.py recorded its commit and load",
+    "compression_accuracy.json": "three `overlap train` runs (none, int8, int8-int4) gathered from their logs, "
+                                 "before runs recorded their commit and load",
+    "hybrid-300mbit.json": "full against hybrid sharding at 300 Mbit/s with the benchmark's version before hpZ, the "
+                           "one measurement of a link that slow",
+    "kernels_cpu.json": "the kernel timings of an earlier commit, before kernels.py recorded its commit and load",
+    "param_layout.json": "a comparison of parameter layouts made when the row-aligned layout replaced the 1-D one; "
+                         "it needs the commit before that change",
+    "param_shapes_step_time.json": "the step time of the row-aligned layout against the commit before it, from "
+                                   "compare.py --baseline at that time",
+}
 
 
 # The names the benchmarks give the host's load average.
