@@ -456,6 +456,17 @@ FIGURES: list[Figure] = [
     Figure("README.md", "`fsdp_version: 2` | {0:.0f} | {1:.2f}, {2:.2f}, {3:.2f}, {4:.2f} | {5:.2f} |",
            "integrations.json", (at("variants", "hf-fsdp", "step_ms_median"), *_per_round("hf-fsdp"),
                                  at("variants", "hf-fsdp", "ratio_to_loop_median"))),
+    Figure("README.md", "costs what the hand-written loop costs ({0:.2f}×, rounds {1:.2f}–{2:.2f}); `OverlapTrainer` ran "
+                        "{3:.2f}× at the median, but from {4:.2f}× to {5:.2f}× by round", "integrations.json",
+           (at("variants", "lightning", "ratio_to_loop_median"), *_extremes(at("variants", "lightning", "ratios_per_round")),
+            at("variants", "hf", "ratio_to_loop_median"), *_extremes(at("variants", "hf", "ratios_per_round")))),
+    Figure("README.md", "Trainer's FSDP2 ran at {0:.2f}× the loop, ahead of it in every round ({1:.2f}–{2:.2f})",
+           "integrations.json", (at("variants", "hf-fsdp", "ratio_to_loop_median"),
+                                 *_extremes(at("variants", "hf-fsdp", "ratios_per_round")))),
+    Figure("README.md", "`ModelParallelStrategy` (FSDP2) at {0:.2f}×", "integrations.json",
+           (at("variants", "lightning-fsdp2", "ratio_to_loop_median"),)),
+    Figure("README.md", "1-min load average {0:.2f} before, {1:.2f} after", "integrations.json",
+           (at("loadavg_before", 0), at("loadavg_after", 0))),
     # README.md: the order check and gloo's reduce-scatter.
     Figure("README.md", "a step makes {0:d} order words of {1:.2f} ms each, {2:.0f} ms against a {3:.1f} s step",
            "order_check.json", (at("summary", "words_per_step"), lambda d: d["summary"]["word_us"] / 1e3,
