@@ -568,6 +568,11 @@ FIGURES: list[Figure] = [
            (at("summary", "load_s_over_unverified_load_s", "median"),
             at("summary", "load_s_over_unverified_load_s", "range", 0),
             at("summary", "load_s_over_unverified_load_s", "range", 1))),
+    Figure("docs/checkpoint.md", "crc32 hashed {0:.2f} GiB/s per rank (both ranks at once), blake2b {1:.2f} GiB/s",
+           "checkpoint.json", (at("hash_gib_s", "crc32"), at("hash_gib_s", "blake2b"))),
+    Figure("docs/checkpoint.md", "write took {0:.2f}× as long as the same steps alone (median; range {1:.2f}–{2:.2f} over 8 "
+                                 "rounds)", "checkpoint.json",
+           tuple(_per_round_pairs(pick) for pick in (statistics.median, min, max))),
     Figure("docs/checkpoint.md", "| 3 steps with an async save writing / the same 3 steps alone | {0:.2f} | {1:.2f}–{2:.2f} |",
            "checkpoint.json", tuple(_per_round_pairs(pick) for pick in (statistics.median, min, max))),
     # docs/hybrid.md
