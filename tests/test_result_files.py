@@ -23,7 +23,6 @@ EARLIER: dict[str, str] = {
                                  "before runs recorded their commit and load",
     "hybrid-300mbit.json": "full against hybrid sharding at 300 Mbit/s with the benchmark's version before hpZ, the "
                            "one measurement of a link that slow",
-    "kernels_cpu.json": "the kernel timings of an earlier commit, before kernels.py recorded its commit and load",
     "param_layout.json": "a comparison of parameter layouts made when the row-aligned layout replaced the 1-D one; "
                          "it needs the commit before that change",
     "param_shapes_step_time.json": "the step time of the row-aligned layout against the commit before it, from "
