@@ -86,6 +86,19 @@ def _collective_row(size: str, op: str) -> Reader:
     return read
 
 
+def _block_row(index: int) -> Reader:
+    """Row `index` of the block-size sweep as kernels.py prints it: block, bytes per element,
+    the four round-trip errors, excess bits, then the two timings (median (IQR) CPU-median)."""
+    def read(data: Any) -> str:
+        r = data["block_sweep"][index]
+        times = " ".join(f"{r[f'{op}_ms']:.2f} ({r[f'{op}_iqr_ms']:.2f}) {r[f'{op}_cpu_ms']:.2f}"
+                         for op in ("quantize", "accumulate"))
+        return (f"{r['block']} {r['bytes_int8']:.4f} {r['bytes_int4']:.4f} {r['rel_rms_int8_normal']:.5f} "
+                f"{r['rel_rms_int8_student_t3']:.5f} {r['rel_rms_int4_normal']:.4f} {r['rel_rms_int4_student_t3']:.4f} "
+                f"{r['excess_bits']:.3f} {times}")
+    return read
+
+
 def _quant(op: str, impl: str, field: str) -> Reader:
     return row(("rows",), field, case="quant_shard(block 128)", op=op, impl=impl)
 
@@ -618,6 +631,8 @@ FIGURES: list[Figure] = [
                           ("overlap-hybrid", "ShardedModule, hybrid (2 × 2)"),
                           ("fsdp2-hsdp", "FSDP2 HSDP (same mesh, defaults)"), ("ddp", "DDP"))],
     # docs/kernels.md and docs/compression.md: the quantised kernels.
+    *[Figure("docs/kernels.md", "{0}", "quant_blocks_cpu.json", (_block_row(k),)) for k in range(6)],
+
     *[Figure("docs/kernels.md", f"| {op} | {{0:.2f}} | {{1:.2f}} | {{2:.2f}} | {{3:.1f}} |", "kernels_cpu.json",
              (_quant(op, "overlap ext", "ms"), _quant(op, "torch (preallocated)", "ms"),
               _quant(op, "overlap torch", "ms"),
