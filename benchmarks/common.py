@@ -85,12 +85,16 @@ REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit(checkout: str = REPOSITORY) -> str:
-    """The commit `checkout` is at, with '+changes' when its tracked files differ from it."""
+    """The commit `checkout` is at, with '+changes' when its tracked files differ from it;
+    "unknown" for a copy of the tree without its history (or without git)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True, check=True).stdout
 
-    commit = git("rev-parse", "HEAD").strip()
-    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 class RunRecord:
@@ -103,10 +107,7 @@ class RunRecord:
         import torch
 
         self.command = " ".join(["python", f"benchmarks/{script}", *argv])
-        try:
-            self.commit = git_commit()
-        except (OSError, subprocess.CalledProcessError):    # a copy of the tree without its history
-            self.commit = "unknown"
+        self.commit = git_commit()
         self.started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         self.torch = torch.__version__
         self.loadavg_before = list(os.getloadavg())
