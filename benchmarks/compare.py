@@ -384,12 +384,16 @@ def _paired(summary: dict, link: str, impl: str, peers_: Sequence[str]) -> list[
     return [mine[r] / min(t[r] for t in theirs if r in t) for r in sorted(mine) if any(r in t for t in theirs)]
 
 
-def _time_target(summary: dict, link: str, impl: str, peers_: Sequence[str], what: str, limit: float) -> dict:
-    """A step-time target judged round by round: the ratio reported is the median of the
-    per-round paired ratios, and it is met only if every round meets it."""
-    rounds = _paired(summary, link, impl, peers_)
+def _judged(link: str, what: str, limit: float, rounds: list[float]) -> dict:
+    """A target judged round by round: the ratio reported is the median of the per-round
+    ratios, and it is met only if every round meets it."""
     return dict(link=link, what=what, limit=limit, ratio=median(rounds) if rounds else None, rounds=rounds,
                 held=sum(r <= limit for r in rounds), met=all(r <= limit for r in rounds) if rounds else None)
+
+
+def _time_target(summary: dict, link: str, impl: str, peers_: Sequence[str], what: str, limit: float) -> dict:
+    """A step-time target on the per-round paired ratios of `impl` to the fastest of `peers_`."""
+    return _judged(link, what, limit, _paired(summary, link, impl, peers_))
 
 
 def _memory_target(link: str, what: str, ratio: Optional[float], limit: float = 1.0) -> dict:
@@ -445,10 +449,8 @@ def compile_targets(summary: dict) -> list[dict]:
         if overlap is not None and local is not None:
             rounds = [o / l for o, l in zip(by_impl[peers.OVERLAP_COMPILED]["compiled_over_eager_rounds"],
                                             by_impl[peers.LOCAL_COMPILED]["compiled_over_eager_rounds"])]
-            targets.append(dict(link=link, what="(overlap compiled ÷ eager) / (local compiled ÷ eager)",
-                                limit=COMPILED_KEEPS_GAIN, ratio=median(rounds), rounds=rounds,
-                                held=sum(r <= COMPILED_KEEPS_GAIN for r in rounds),
-                                met=all(r <= COMPILED_KEEPS_GAIN for r in rounds)))
+            targets.append(_judged(link, "(overlap compiled ÷ eager) / (local compiled ÷ eager)", COMPILED_KEEPS_GAIN,
+                                   rounds))
         if peers.OVERLAP_COMPILED in by_impl and peers.FSDP2_TUNED_COMPILED in by_impl:
             targets.append(_time_target(summary, link, peers.OVERLAP_COMPILED, (peers.FSDP2_TUNED_COMPILED,),
                                         "overlap-compiled step time / fsdp2-tuned-compiled", 1.0))
