@@ -421,13 +421,16 @@ def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) ->
     return rows
 
 
+def _meta(device: torch.device, record: RunRecord, **extra: object) -> dict:
+    """A result file's meta, taken when the measurement has ended (the load after it included)."""
+    return {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, **extra, **record.fields()}
+
+
 def run_quantized(args: argparse.Namespace, device: torch.device, backends: list[str], repeats: int,
                   record: RunRecord) -> None:
     """--quant-only / --quant-blocks: the quantised kernels alone, to their own JSON file."""
-    meta = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "repeats": repeats}
-    meta.update(record.fields())
-    result: dict = {"meta": meta}
+    result: dict = {}
     if args.quant_blocks:
         result["block_sweep"] = sweep_quant_blocks(device, [int(b) for b in args.quant_blocks.split(",")], repeats)
     else:
@@ -438,7 +441,7 @@ def run_quantized(args: argparse.Namespace, device: torch.device, backends: list
         f"bench_out/quant_kernels_{device.type}.json"
     out = pathlib.Path(args.out or default)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps({"meta": _meta(device, record, repeats=repeats), **result}, indent=1))
     print(f"wrote {out}")
 
 
@@ -475,9 +478,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print_summary(summary)
     out = pathlib.Path(args.out or f"bench_out/kernels_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, **record.fields()}
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
+    out.write_text(json.dumps({"meta": _meta(device, record), "rows": rows, "summary": summary}, indent=1))
     print(f"wrote {out}")
 
 
