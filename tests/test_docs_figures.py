@@ -60,10 +60,6 @@ class Figure:
     values: tuple             # one Reader per field, in order
 
 
-def _target(link: str, what: str) -> Reader:
-    return row(("targets",), "ratio", link=link, what=what)
-
-
 def _per_round(variant: str) -> tuple:
     return tuple(at("variants", variant, "ratios_per_round", i) for i in range(4))
 
