@@ -10,6 +10,14 @@ The server imports modules only (no threads, no process group, no tensors on a d
 forking from it is safe. A forked rank inherits the server's environment, not the test's:
 the test's environment at launch is sent along and installed first, as a spawned rank would
 have inherited it.
+
+[Note: many cases on one launch]
+Creating a process group and forking its ranks costs seconds on two loaded cores; a file that
+launches once per case pays it per case. `CaseLaunch` runs a file's cases in turn on one set
+of ranks, each case's outcome (its result, or the error it raised) recorded per rank, so a
+test per case still fails by its own name. The launch runs when the first test asks for a
+case; its failure (a timeout names the case each rank was in) is kept and reported by every
+test that reads it, instead of launching again.
 """
 from __future__ import annotations
 
@@ -19,7 +27,8 @@ import pickle
 import socket
 import tempfile
 import traceback
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch.multiprocessing as mp
 
@@ -101,3 +110,83 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, env: dict | None 
         if errors:
             raise RankError(errors)
         return results
+
+
+@dataclass(frozen=True)
+class RankCase:
+    """`fn(rank, world_size, *args)` run by every rank with `env` set for this case only."""
+    fn: Callable
+    args: tuple = ()
+    env: dict = field(default_factory=dict)
+
+
+class Outcome(NamedTuple):
+    """One case on one rank: its result, or "ErrorType: message" and the traceback."""
+    ok: bool
+    value: Any
+    trace: str = ""
+
+    def result(self) -> Any:
+        assert self.ok, f"the case raised {self.value}\n{self.trace}"
+        return self.value
+
+    def error(self) -> str:
+        assert not self.ok, f"the case did not raise; it returned {self.value!r}"
+        return self.value
+
+
+def _run_cases_on_rank(rank: int, world_size: int, cases: dict[str, RankCase], progress_dir: str) -> dict:
+    import torch.distributed as dist
+
+    outcomes = {}
+    for name, case in cases.items():
+        with open(os.path.join(progress_dir, f"rank{rank}"), "w") as f:
+            f.write(name)
+        saved_env = dict(os.environ)
+        os.environ.update(case.env)
+        try:
+            outcomes[name] = Outcome(True, case.fn(rank, world_size, *case.args))
+        except Exception as exc:  # noqa: BLE001 - the case's outcome, checked by its test
+            outcomes[name] = Outcome(False, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        finally:
+            os.environ.clear()      # a case that sets a variable itself leaves it to this case
+            os.environ.update(saved_env)
+        dist.barrier()              # every rank starts the next case together
+    return outcomes
+
+
+def _read_progress(progress_dir: str, rank: int) -> str:
+    path = os.path.join(progress_dir, f"rank{rank}")
+    if not os.path.exists(path):
+        return "none yet"
+    with open(path) as f:
+        return f.read()
+
+
+class CaseLaunch:
+    """Named cases run in turn on one launch of `world_size` ranks, launched on first use;
+    `launch[name]` is that case's outcome on each rank. See [Note: many cases on one launch]."""
+
+    def __init__(self, cases: dict[str, RankCase], world_size: int, env: Optional[dict] = None,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.cases, self.world_size, self.env, self.timeout = cases, world_size, env, timeout
+        self._outcomes: Optional[list[dict]] = None
+        self._failure: Optional[BaseException] = None
+
+    def __getitem__(self, name: str) -> list[Outcome]:
+        if self._outcomes is None and self._failure is None:
+            self._launch()
+        if self._failure is not None:
+            raise RuntimeError(f"the launch running case {name!r} failed: {self._failure}") from self._failure
+        return [per_rank[name] for per_rank in self._outcomes]
+
+    def _launch(self) -> None:
+        with tempfile.TemporaryDirectory() as progress_dir:
+            try:
+                self._outcomes = run_distributed(_run_cases_on_rank, self.world_size, self.cases, progress_dir,
+                                                 env=self.env, timeout=self.timeout)
+            except TimeoutError as exc:
+                running = {rank: _read_progress(progress_dir, rank) for rank in range(self.world_size)}
+                self._failure = TimeoutError(f"{exc}; the case each rank was running: {running}")
+            except Exception as exc:  # noqa: BLE001 - kept and reported by every test that reads it
+                self._failure = exc
