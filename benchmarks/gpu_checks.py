@@ -354,7 +354,7 @@ def _train_sharded(config: dict, device: torch.device, injection: Optional[Injec
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     micro = config.get("micro_batches", 1)
     losses, allocated = [], []
-    recorded: Counter = Counter()
+    records = _delivered_records(model)
     with injection.active() if injection is not None else contextlib.nullcontext():
         for idx, targets in _batches(device, _parity_steps(device)):
             total = torch.zeros((), device=device)
@@ -369,10 +369,27 @@ def _train_sharded(config: dict, device: torch.device, injection: Optional[Injec
             _sync(device)
             losses.append(total.item())
             allocated.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
-            for c in model.scheduler.last_step.collectives:
-                recorded[c.kind] += 1
-                recorded[f"{c.kind} compressed"] += c.uncompressed_nbytes is not None
+        _flush(model)
+    recorded: Counter = Counter()
+    for c in (c for record in records for c in record.collectives):
+        recorded[c.kind] += 1
+        recorded[f"{c.kind} compressed"] += c.uncompressed_nbytes is not None
+    if [r.step for r in records] != list(range(1, len(losses) + 1)):
+        raise AssertionError(f"step records of steps {[r.step for r in records]} after {len(losses)} steps")
     return dict(losses=losses, allocated=allocated, state=model.full_state_dict(), recorded=recorded)
+
+
+def _delivered_records(model) -> list:
+    """The step records `model` delivers from now on, in order (see `_flush`)."""
+    records: list = []
+    model.scheduler.step_end_callbacks.append(lambda scheduler: records.append(scheduler.last_step))
+    return records
+
+
+def _flush(model) -> None:
+    """Deliver the last step's record: on CUDA (and in a rehearsal, see [Note: the late host
+    clock] in overlap/runtime/timing.py) each record comes when the next step closes."""
+    model.scheduler.steps.flush(model.scheduler.order)
 
 
 def _train_plain(config: dict, device: torch.device) -> dict:
@@ -484,11 +501,15 @@ def check_report_timing(checks: Checks, rehearse: bool) -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 step(batches[4])
                 torch.cuda.synchronize()
+            _flush(model)                                # the record of the profiled step
             path = os.path.join(scratch, "trace.json")
             prof.export_chrome_trace(path)
             with open(path) as f:
                 trace = json.load(f)["traceEvents"]
     record = model.scheduler.last_step
+    if record.step != 5:
+        checks.report("FAIL", "report_timing", f"the last record is step {record.step}'s, the profiled step is 5")
+        return
     device_work = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     busy: dict[Any, float] = {}
     for e in device_work:
@@ -702,7 +723,9 @@ def _emulated_run(kind: str, config, device: torch.device, injection: Injection,
                   bytes_per_step=sum(injection.nbytes.values()) / steps,
                   slept_per_step={k: v / steps for k, v in injection.slept.items()})
     if kind == "overlap":
+        _flush(model)                                    # the window's last step
         window = model.overlap_report().steps[-steps:]
+        result["window"] = [s.step for s in window]
         result["hidden"] = sum(s.hidden_s for s in window) / max(sum(s.comm_s for s in window), 1e-12)
         result["exposed_s"] = statistics.mean(s.exposed_s for s in window)
     del model, optimizer
@@ -758,6 +781,11 @@ def check_slow_link(checks: Checks, rehearse: bool) -> None:
             "FSDP2 calls no collective at world size 1, so no figure for it")
     finite = all(run["finite"] for run in runs.values())
     ours_plain, ours_slow = runs[("overlap", "plain")], runs[("overlap", "slow")]
+    expected = list(range(warmup + 1, warmup + steps + 1))
+    if ours_plain["window"] != expected or ours_slow["window"] != expected:
+        checks.report("FAIL", "slow_link", f"the report's window covers steps {ours_slow['window']}, the timed "
+                                           f"steps are {expected}")
+        return
     if not finite or not ours_slow["calls"]["all_gather"]:
         checks.report("FAIL", "slow_link", f"finite: {finite}; the injection saw {dict(ours_slow['calls'])} of "
                                            "ShardedModule's collectives")
@@ -1214,10 +1242,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name in names:
             checks.report("SKIP", name, "no CUDA device (torch.cuda.is_available() is False)")
         return 0
-    for name in names:
-        start = time.perf_counter()
-        RUNNERS[name](checks, args.rehearse)
-        print(f"      ({name}: {time.perf_counter() - start:.1f} s)", flush=True)
+    from overlap.runtime.timing import records_one_step_late
+
+    # A rehearsal takes its step records one step late, as the CUDA clock delivers them, so
+    # that the checks read records the way they will on the GPU.
+    with records_one_step_late() if args.rehearse else contextlib.nullcontext():
+        for name in names:
+            start = time.perf_counter()
+            RUNNERS[name](checks, args.rehearse)
+            print(f"      ({name}: {time.perf_counter() - start:.1f} s)", flush=True)
     return 1 if checks.failed else 0
 
 

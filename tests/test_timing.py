@@ -3,6 +3,8 @@ did the work and read one step later, without a CUDA synchronisation. No GPU her
 are stood in for by a fake whose time advances by one second per record."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -106,3 +108,46 @@ def test_host_times_are_taken_as_they_happen():
     (first, last), (entry,) = record.events, record.collectives
     assert record.clock == "host" and first.time <= entry.start <= last.time
     assert entry.end == entry.start and entry.wait is None          # never completed nor waited: no interval
+
+
+def _records(rank: int, world: int, late: bool) -> dict:
+    """Three training steps of a small ShardedModule; what `last_step` was after each step,
+    the records the step-end callbacks were handed, and what a flush gave."""
+    from overlap import ShardedModule
+    from overlap.runtime.timing import records_one_step_late
+
+    torch.manual_seed(0)
+    with records_one_step_late() if late else contextlib.nullcontext():
+        model = ShardedModule(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)),
+                              bucket_mb=1e-6, prefetch_depth=1)     # a depth given: no re-planning
+    handed = []
+    model.scheduler.step_end_callbacks.append(lambda scheduler: handed.append(scheduler.last_step))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    last = []
+    for _ in range(3):
+        model(torch.randn(4, 8) + rank).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        last.append(None if model.scheduler.last_step is None else model.scheduler.last_step.step)
+    flushed = model.scheduler.steps.flush(model.scheduler.order)
+
+    def shape(record) -> tuple:
+        return (record.step, record.kind, record.clock, [(e.mark, e.unit) for e in record.events],
+                [(c.kind, c.unit, c.nbytes) for c in record.collectives])
+
+    return dict(last=last, handed=[shape(r) for r in handed], flushed=None if flushed is None else flushed.step,
+                again=model.scheduler.steps.flush(model.scheduler.order))
+
+
+@pytest.mark.timeout(200)
+def test_late_host_clock_delivers_each_record_one_step_late_and_a_flush_gives_the_last():
+    """The CUDA clock's delivery on CPU: the record of step k comes at step k+1's close, the
+    flush gives the last one, and the records are those the host clock gives as they happen."""
+    from distributed import run_distributed
+
+    late = run_distributed(_records, 2, True, timeout=150)
+    now = run_distributed(_records, 2, False, timeout=150)
+    for late_rank, now_rank in zip(late, now):
+        assert late_rank["last"] == [None, 1, 2] and late_rank["flushed"] == 3 and late_rank["again"] is None
+        assert now_rank["last"] == [1, 2, 3] and now_rank["flushed"] is None
+        assert late_rank["handed"] == now_rank["handed"] and [r[0] for r in now_rank["handed"]] == [1, 2, 3]

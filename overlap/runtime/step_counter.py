@@ -54,14 +54,28 @@ class StepCounter(Generic[Owner]):
         self._open = False
         if order is not None:
             order.end_step()
+        self._deliver(self.log.close(
+            self.step, kind, self._root.name if self._root is not None else None,
+            self._unit_bytes, self._forwards, self._backwards, self._waiting(order)))
 
+    def flush(self, order: Optional[OrderCheck] = None) -> Optional[StepRecord]:
+        """Deliver the record of the last closed step if the log still holds it (CUDA), as
+        `close` would have: into `last_step`, then the callbacks; returns it (None when every
+        closed step was delivered). Collective like `close`: a callback may decide with the
+        other ranks at this step, so every rank flushes at the same point."""
+        record = self.log.flush(self._waiting(order))
+        self._deliver(record)
+        return record
+
+    @staticmethod
+    def _waiting(order: Optional[OrderCheck]) -> Callable[[Callable[[], bool]], None]:
         def wait(done: Callable[[], bool]) -> None:
             if order is not None:
                 order.block(done, polling(done))
 
-        record = self.log.close(
-            self.step, kind, self._root.name if self._root is not None else None,
-            self._unit_bytes, self._forwards, self._backwards, wait)
+        return wait
+
+    def _deliver(self, record: Optional[StepRecord]) -> None:
         if record is None:
             return                         # CUDA: this step's record comes when the next one closes
         self.last_step = record

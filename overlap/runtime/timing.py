@@ -9,12 +9,22 @@ step k+1 closes: by then its events have normally completed (`Event.query`, no w
 the host has run more than a step ahead, waiting for step k's last event leaves step k+1's
 work queued behind it, so the device does not idle. On CUDA `StepLog.close` therefore gives
 the previous step's record (None at the first close); on CPU it gives the step's own.
+`StepLog.flush` reads the step still unread, for a caller that needs every step's record
+now (a check comparing records with counters, the last step's report).
+
+[Note: the late host clock]
+Code that reads step records (checks, controllers, the report) must work with records that
+arrive one step late, and a CPU machine would never run that path. `LateHostClock` takes
+host times and delivers them as the CUDA clock does: sealed at the close, read at the next
+close or a flush. `records_one_step_late()` makes models built inside it use it on CPU (the
+GPU check's rehearsal, tests).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -107,8 +117,45 @@ class CudaClock:
         return values
 
 
-def clock_for(device: torch.device) -> HostClock | CudaClock:
-    return CudaClock(device) if device.type == "cuda" else HostClock()
+class LateHostClock:
+    """Host times delivered one step late, as CudaClock delivers its events. See [Note: the
+    late host clock]."""
+
+    name = "host"
+    deferred = True
+
+    def stamp(self, stream: Optional[torch.cuda.Stream] = None) -> float:
+        return time.perf_counter()
+
+    def seal(self) -> float:
+        return time.perf_counter()
+
+    def read(self, sealed: float, stamps: list[Stamp], wait: Callable[[Callable[[], bool]], None]) -> list[float]:
+        """The stamps as they are: a host time is its own value, and the step sealed before
+        this read, so there is nothing to wait for."""
+        return list(stamps)
+
+
+Clock = HostClock | CudaClock | LateHostClock
+# See [Note: the late host clock]; read when a model is built.
+_late_on_cpu = False
+
+
+@contextlib.contextmanager
+def records_one_step_late() -> Iterator[None]:
+    """Models built inside take CPU step records with LateHostClock, one step late as on CUDA."""
+    global _late_on_cpu
+    saved, _late_on_cpu = _late_on_cpu, True
+    try:
+        yield
+    finally:
+        _late_on_cpu = saved
+
+
+def clock_for(device: torch.device) -> Clock:
+    if device.type == "cuda":
+        return CudaClock(device)
+    return LateHostClock() if _late_on_cpu else HostClock()
 
 
 @dataclass
@@ -139,13 +186,13 @@ class ClosedLog:
     backwards: int
     events: list[UnitEvent]                 # times: stamps, not read yet
     collectives: list[tuple[CollectiveStamps, tuple[Stamp, Stamp, Stamp, Stamp]]]
-    sealed: Optional[SealedEvents]
+    sealed: Any                             # the clock's seal: SealedEvents on CUDA
 
 
 class StepLog:
     """What the scheduler and the collectives note during a step, with raw stamps."""
 
-    def __init__(self, clock: HostClock | CudaClock) -> None:
+    def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.events: list[UnitEvent] = []      # times: stamps, read when the step closes
         self.collectives: list[CollectiveStamps] = []
@@ -175,6 +222,12 @@ class StepLog:
         self.events, self.collectives = [], []
         if self.clock.deferred:
             closed, self._unread = self._unread, closed
+        return None if closed is None else self._record(closed, wait)
+
+    def flush(self, wait: Callable[[Callable[[], bool]], None]) -> Optional[StepRecord]:
+        """The record of the closed step not yet read (deferred clocks), None if there is none.
+        The next close then gives no record again: records still come once each, in order."""
+        closed, self._unread = self._unread, None
         return None if closed is None else self._record(closed, wait)
 
     def _record(self, closed: ClosedLog, wait: Callable[[Callable[[], bool]], None]) -> StepRecord:
