@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from distributed import RankError, run_distributed
+from distributed import CaseLaunch, RankCase
 from overlap.base.choices import OFFLOAD_CHOICES
 from overlap.base.config import ENV_VARS, config_from_env
 from overlap.runtime.host_tier import offload_error
@@ -37,30 +37,37 @@ def _wrap(rank: int, world: int, kwargs: dict) -> str:
     return "offloaded" if all(group.place.offloaded for group in groups) else "built"
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("kwargs,env,expected", [
+REFUSED = [
     ({"offload": "ram"}, {}, "offload='ram' is invalid"),
     ({"offload": "CPU"}, {}, "offload='CPU' is invalid"),
     ({}, {"OVERLAP_OFFLOAD": "ssd"}, "OVERLAP_OFFLOAD='ssd' is invalid"),
     ({"offload": "disk"}, {}, "offload='disk'"),
     ({}, {"OVERLAP_OFFLOAD": "disk"}, "offload='disk'"),
-])
-def test_bad_or_unavailable_offload_fails_on_every_rank(kwargs: dict, env: dict, expected: str) -> None:
-    with pytest.raises(RankError) as info:
-        run_distributed(_wrap, 2, kwargs, env=env, timeout=120)
-    errors = info.value.errors
-    assert set(errors) == {0, 1}
-    for message in errors.values():
+]
+
+# Every case on the same two ranks (tests/distributed.py's [Note: many cases on one launch]).
+LAUNCH = CaseLaunch({
+    **{f"refused-{i}": RankCase(_wrap, (kwargs,), env=env) for i, (kwargs, env, _) in enumerate(REFUSED)},
+    "argument-none-env-disk": RankCase(_wrap, ({"offload": "none"},), env={"OVERLAP_OFFLOAD": "disk"}),
+    "env-cpu": RankCase(_wrap, ({},), env={"OVERLAP_OFFLOAD": "cpu"}),
+    "default": RankCase(_wrap, ({},)),
+}, world_size=2, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("index,kwargs,env,expected", [(i, *case) for i, case in enumerate(REFUSED)])
+def test_bad_or_unavailable_offload_fails_on_every_rank(index: int, kwargs: dict, env: dict, expected: str) -> None:
+    for outcome in LAUNCH[f"refused-{index}"]:
+        message = outcome.error()
         assert "ValueError" in message and expected in message, message
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_none_by_argument_beats_the_environment() -> None:
-    assert run_distributed(_wrap, 2, {"offload": "none"}, env={"OVERLAP_OFFLOAD": "disk"}, timeout=120) == \
-        ["built", "built"]
+    assert [outcome.result() for outcome in LAUNCH["argument-none-env-disk"]] == ["built", "built"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_the_environment_turns_offload_on() -> None:
-    assert run_distributed(_wrap, 2, {}, env={"OVERLAP_OFFLOAD": "cpu"}, timeout=120) == ["offloaded", "offloaded"]
-    assert run_distributed(_wrap, 2, {}, timeout=120) == ["built", "built"]
+    assert [outcome.result() for outcome in LAUNCH["env-cpu"]] == ["offloaded", "offloaded"]
+    assert [outcome.result() for outcome in LAUNCH["default"]] == ["built", "built"]
