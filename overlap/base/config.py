@@ -113,6 +113,14 @@ def validate_bucket_mb(value: float, source: str = "bucket_mb") -> float:
     return float(value)
 
 
+def validate_flag(value: bool, source: str) -> bool:
+    """A yes/no argument: only `True` or `False`. [Note: "no" and 0.0 would otherwise read as
+    a choice: the string "no" is truthy, so `compile="no"` would compile.]"""
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}={value!r} is invalid; expected True or False")
+    return value
+
+
 def validate_sharding(value: str, source: str = "sharding") -> str:
     if value not in SHARDING_CHOICES:
         raise ValueError(f"{source}={value!r} is invalid; expected one of {', '.join(SHARDING_CHOICES)}")

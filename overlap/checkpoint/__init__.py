@@ -215,6 +215,10 @@ def _complete_metadata(path: str):
         if os.path.isdir(path + PARTIAL_SUFFIX):
             raise IncompleteCheckpoint(f"checkpoint {path} is incomplete: its save did not finish "
                                        f"({path + PARTIAL_SUFFIX} holds what was written)")
+        if not os.path.isdir(path):
+            raise IncompleteCheckpoint(f"no checkpoint at {path}: the directory does not exist")
+        if not os.listdir(path):
+            raise IncompleteCheckpoint(f"no checkpoint at {path}: the directory is empty")
         raise IncompleteCheckpoint(f"no complete checkpoint at {path}: {METADATA_FILE} is missing")
     return read_metadata(path)
 

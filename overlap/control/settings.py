@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.base.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
-                                 validate_bucket_mb, validate_compress, validate_offload, validate_prefetch_depth,
-                                 validate_sharding)
+                                 validate_bucket_mb, validate_compress, validate_flag, validate_offload,
+                                 validate_prefetch_depth, validate_sharding)
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.kernels import BackendUnavailable, KernelBackend, get_backend
 from overlap.runtime.disk_tier import disk_offload_error
@@ -83,15 +83,19 @@ def device_for(group: dist.ProcessGroup) -> torch.device:
 
 def resolve_settings(request: StartupRequest) -> RankSettings:
     """This rank's device, settings and kernels; a bad value becomes `error`, not an exception."""
-    device = device_for(request.all_group)
-    config, local_world_size, kernels, error = Config(), None, None, None
+    device, config, local_world_size, kernels, error = torch.device("cpu"), Config(), None, None, None
     try:
+        # The launcher's LOCAL_RANK is read on CUDA only (device_for), but garbage in it is a
+        # broken launch on any device, reported by every rank like any other bad setting.
+        local_rank_from_env()
+        device = device_for(request.all_group)
+        validate_flag(request.reshard_after_forward, "reshard_after_forward")
         config = config_from_env().with_overrides(
             prefetch_depth=None if request.prefetch_depth is None else validate_prefetch_depth(request.prefetch_depth),
             bucket_mb=None if request.bucket_mb is None else validate_bucket_mb(request.bucket_mb),
             sharding=None if request.sharding is None else validate_sharding(request.sharding),
             compress=None if request.compression is None else validate_compress(request.compression),
-            compile=request.compile,
+            compile=None if request.compile is None else validate_flag(request.compile, "compile"),
             offload=None if request.offload is None else validate_offload(request.offload))
         local_world_size = local_world_size_from_env()
         error = (sharding_error(request.process_group, request.mesh, config.sharding, local_world_size)

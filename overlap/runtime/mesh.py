@@ -67,6 +67,8 @@ def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[De
     if mesh is not None:
         if process_group is not None:
             return "pass either process_group or mesh, not both"
+        if not isinstance(mesh, DeviceMesh):
+            return f"mesh={mesh!r} is not a DeviceMesh; make one with torch.distributed.device_mesh.init_device_mesh"
         if mesh.ndim not in (1, 2):
             return f"mesh has {mesh.ndim} dimensions; expected 1 (shard) or 2 (replicate, shard)"
         names = mesh.mesh_dim_names
