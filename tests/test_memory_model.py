@@ -11,6 +11,7 @@ from distributed import run_distributed  # tests/ is on sys.path under pytest
 from models import language_model_step
 
 PAPER_PSI, PAPER_WORLD = 7.5e9, 64
+MODEL_STATE_MARGIN = 0.005      # see [Note: the formula's margin]
 
 
 def _model_states_gb(stage: str, world: int = PAPER_WORLD) -> float:
@@ -160,7 +161,11 @@ def test_measured_model_states_match_estimate_on_two_ranks():
         for result in results:
             print(f"rank {rank}, {result['optimizer']}\n{result['table']}")
             for category, ratio in result["ratios"].items():
-                assert ratio == pytest.approx(1.0, abs=0.10), (rank, result["optimizer"], category)
+                # [Note: the formula's margin] The formulas divide Ψ evenly by N; the flat layout
+                # gives each rank whole rows (and pads the last), so one rank holds a little more
+                # and the other a little less: 0.999 to 1.001 on this model. The exact bytes are
+                # the prediction's to match (test_memory_prediction.py); here, five times that.
+                assert ratio == pytest.approx(1.0, abs=MODEL_STATE_MARGIN), (rank, result["optimizer"], category)
             # The unsharded optimizer state would be twice as large: the check tells stages apart.
             assert result["dp_ratio"] == pytest.approx(0.5, abs=0.05)
             measured, held = result["measured"], result["held"]
