@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from distributed import RankError, run_distributed
+from distributed import CaseLaunch, RankCase
 
 
 def _surface(rank: int, world: int) -> dict:
@@ -36,9 +36,20 @@ def _surface(rank: int, world: int) -> dict:
     }
 
 
-@pytest.mark.timeout(240)
+def _nested(rank: int, world: int) -> None:
+    from overlap import ShardedModule
+
+    inner = ShardedModule(nn.Linear(3, 3))
+    ShardedModule(nn.Sequential(inner, nn.Linear(3, 1)))
+
+
+# Both cases on the same two ranks (tests/distributed.py's [Note: many cases on one launch]).
+LAUNCH = CaseLaunch({"surface": RankCase(_surface), "nested": RankCase(_nested)}, world_size=2)
+
+
+@pytest.mark.timeout(300)
 def test_wrapper_surface() -> None:
-    results = run_distributed(_surface, 2)
+    results = [outcome.result() for outcome in LAUNCH["surface"]]
     for result in results:
         assert result["module_is_inner"] and result["config_vocab"] == 61
         # The module's own parameters under their own names (the tied embedding once), each
@@ -51,16 +62,7 @@ def test_wrapper_surface() -> None:
     assert [a + b for a, b in zip(results[0]["part_sizes"], results[1]["part_sizes"])] == results[0]["full_sizes"]
 
 
-def _nested(rank: int, world: int) -> None:
-    from overlap import ShardedModule
 
-    inner = ShardedModule(nn.Linear(3, 3))
-    ShardedModule(nn.Sequential(inner, nn.Linear(3, 1)))
-
-
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_nesting_is_refused_on_every_rank() -> None:
-    with pytest.raises(RankError) as info:
-        run_distributed(_nested, 2)
-    assert set(info.value.errors) == {0, 1}
-    assert all("already contains a ShardedModule" in e for e in info.value.errors.values())
+    assert all("already contains a ShardedModule" in outcome.error() for outcome in LAUNCH["nested"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import RankError, run_distributed
+from distributed import CaseLaunch, RankCase
 from models import Block, Tiny
 from parity_cases import SMALL_GPT
 
@@ -26,14 +26,15 @@ def _meta_gpt_state(rank: int, world: int, seed_of_rank: tuple[int, ...] = (0, 0
     return {"state": state, "own_generator_kept": torch.equal(after, torch.rand(4))}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_meta_gpt_equals_eager_construction_at_any_world_size(world: int) -> None:
     from overlap.models import GPT
 
     torch.manual_seed(0)
     eager = GPT(SMALL_GPT).state_dict()
-    for result in run_distributed(_meta_gpt_state, world):
+    for outcome in LAUNCHES[world]["gpt"]:
+        result = outcome.result()
         state = result["state"]
         assert list(state) == list(eager)
         for key, value in eager.items():
@@ -42,14 +43,14 @@ def test_meta_gpt_equals_eager_construction_at_any_world_size(world: int) -> Non
     assert not torch.equal(GPT(SMALL_GPT).state_dict()["blocks.0.fc.weight"], eager["blocks.0.fc.weight"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_ranks_seeded_differently_materialise_rank_0s_model() -> None:
     from overlap.models import GPT
 
-    seeds = (7, 8, 9)
-    torch.manual_seed(seeds[0])
+    torch.manual_seed(DIFFERENT_SEEDS[0])
     eager = GPT(SMALL_GPT).state_dict()
-    for result in run_distributed(_meta_gpt_state, 3, seeds):
+    for outcome in LAUNCHES[3]["gpt-seeded-by-rank"]:
+        result = outcome.result()
         assert result["own_generator_kept"]
         for key, value in eager.items():
             assert torch.equal(result["state"][key], value), key
@@ -114,31 +115,38 @@ def _eager_reference() -> dict:
         return {"out": model(x), "state": model.state_dict()}
 
 
-@pytest.mark.timeout(300)
+# One launch per world size, its cases in turn (tests/distributed.py's [Note: many cases on one launch]).
+DIFFERENT_SEEDS = (7, 8, 9)
+LAUNCHES = {
+    1: CaseLaunch({"gpt": RankCase(_meta_gpt_state)}, world_size=1),
+    2: CaseLaunch({"gpt": RankCase(_meta_gpt_state),
+                   **{f"init-{init}": RankCase(_wrap_meta, (init,)) for init in ("full", "none", "partial", "by_rank")}},
+                  world_size=2),
+    3: CaseLaunch({"gpt": RankCase(_meta_gpt_state), "gpt-seeded-by-rank": RankCase(_meta_gpt_state, (DIFFERENT_SEEDS,))},
+                  world_size=3),
+}
+
+
+@pytest.mark.timeout(600)
 def test_param_init_fn_initialises_what_reset_parameters_cannot() -> None:
     reference = _eager_reference()
-    for result in run_distributed(_wrap_meta, 2, "full"):
+    for outcome in LAUNCHES[2]["init-full"]:
+        result = outcome.result()
         torch.testing.assert_close(result["out"], reference["out"])
         for key, value in reference["state"].items():
             assert torch.equal(result["state"][key], value), key
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("init,expected", [
     ("none", "<root> (_WithRawParameter) has parameters or buffers on the meta device and no reset_parameters()"),
     ("partial", "is still uninitialised after param_init_fn ran on"),
 ])
 def test_uninitialised_parameters_are_an_error_on_every_rank(init: str, expected: str) -> None:
-    with pytest.raises(RankError) as info:
-        run_distributed(_wrap_meta, 2, init)
-    assert set(info.value.errors) == {0, 1}
-    assert all(expected in error for error in info.value.errors.values())
+    assert all(expected in outcome.error() for outcome in LAUNCHES[2][f"init-{init}"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_an_init_that_differs_between_ranks_is_an_error_on_every_rank() -> None:
-    with pytest.raises(RankError) as info:
-        run_distributed(_wrap_meta, 2, "by_rank")
-    assert set(info.value.errors) == {0, 1}
     assert all("ranks initialised tiny.gain differently" in e and "rank 0's torch generator state" in e
-               for e in info.value.errors.values())
+               for e in (outcome.error() for outcome in LAUNCHES[2]["init-by_rank"]))
