@@ -74,8 +74,9 @@ def test_all_reduce_is_queued_on_its_own_stream_after_the_reduce_scatter(monkeyp
     assert ops[-1] == ("compute", "waits for the event on all_reduce")
 
 
-def _reductions(use_streams: bool) -> tuple[list[str], list[str]]:
-    """Reduce six units' gradients; what was waited for before the end of backward, and after."""
+def _reductions(use_streams: bool) -> tuple[list[str], list[str], list[int]]:
+    """Reduce six units' gradients; what was waited for before the end of backward, and after,
+    and how many all-reduces were in flight when each unit's reduction was issued."""
     waits: list[str] = []
 
     class FakePending:
@@ -91,20 +92,29 @@ def _reductions(use_streams: bool) -> tuple[list[str], list[str]]:
     reduction = GradReduction(collectives)
     group = SimpleNamespace(grad_for_reduce=lambda: None, reduce_dtype=torch.float32, grad_shard=None,
                             place=SimpleNamespace(reduction_issued=lambda pending: None))
+    all_reduces_in_flight = []
     for index in range(6):
         reduction.reduce(SimpleNamespace(name=f"u{index}"), group, None)
+        # An all-reduce starts when its reduce-scatter completes, and ends when it is waited for.
+        started = len([w for w in waits if w.startswith("rs")])
+        all_reduces_in_flight.append(started - len([w for w in waits if w.startswith("ar")]))
     before = list(waits)
     reduction.wait_all()
-    return before, waits[len(before):]
+    return before, waits[len(before):], all_reduces_in_flight
 
 
 def test_cuda_waits_for_all_reduces_only_at_the_end_of_backward():
-    before, after = _reductions(use_streams=True)
+    before, after, in_flight = _reductions(use_streams=True)
     assert not [w for w in before if w.startswith("ar")]
     assert [w for w in after if w.startswith("ar")] == [f"ar u{i}" for i in range(6)]
     assert len([w for w in before if w.startswith("rs")]) == 6 - MAX_REDUCES_IN_FLIGHT
+    assert in_flight == [max(0, i + 1 - MAX_REDUCES_IN_FLIGHT) for i in range(6)]
 
 
 def test_gloo_keeps_bounding_all_reduces_in_flight():
-    before, _ = _reductions(use_streams=False)
-    assert [w for w in before if w.startswith("ar")]
+    """On gloo no more than MAX_REDUCES_IN_FLIGHT all-reduces are ever outstanding, each waited
+    in the order issued, and the rest at the end of backward."""
+    before, after, in_flight = _reductions(use_streams=False)
+    assert max(in_flight) == MAX_REDUCES_IN_FLIGHT
+    assert [w for w in before + after if w.startswith("ar")] == [f"ar u{i}" for i in range(6)]
+    assert [w for w in before if w.startswith("ar")] == [f"ar u{i}" for i in range(6 - 2 * MAX_REDUCES_IN_FLIGHT)]
