@@ -90,21 +90,67 @@ def test_wait_orders_the_collectives_own_device(monkeypatch):
     assert waited == [(torch.device("cuda", 3), "done")]
 
 
-def _train_step(rank: int, world: int) -> tuple[str, str, float]:
+STEPS, BATCH, LR = 3, 4, 0.1
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 2, generator=g)
+
+
+def _train(rank: int, world: int) -> tuple[str, str, list[float], dict[str, torch.Tensor]]:
+    """SGD steps on this rank's rows of each batch; the loss of the whole batch each step."""
     from overlap import ShardedModule
 
-    torch.manual_seed(0)
-    model = ShardedModule(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), bucket_mb=1e-6)
-    model(torch.randn(4, 8)).sum().backward()
-    return dist.get_backend(), str(model.collectives.device), float(sum(p.grad.sum() for p in model.parameters()))
+    model = ShardedModule(_net(), bucket_mb=1e-6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    rows = BATCH // world
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = torch.nn.functional.mse_loss(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return dist.get_backend(), str(model.collectives.device), losses, model.full_state_dict()
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole batch each step."""
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2])
 def test_init_process_group_without_a_backend_trains_on_this_machine(world):
     """`init_process_group()` names no backend ("undefined"): collectives still pick the CPU's
-    (gloo's all-to-all reduction, not its reduce-scatter, whose work has no future)."""
+    (gloo's all-to-all reduction, not its reduce-scatter, whose work has no future), and the
+    model trains as one process on the whole batch does."""
     from distributed import run_distributed
 
-    for backend, device, _ in run_distributed(_train_step, world, backend=None, timeout=100):
+    reference_losses, reference_state = _reference()
+    for backend, device, losses, state in run_distributed(_train, world, backend=None, timeout=100):
         assert backend == "undefined" and device == "cpu"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-5, atol=1e-6)
+        assert losses[-1] < losses[0]
+        assert set(state) == set(reference_state)
+        for name, value in reference_state.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
