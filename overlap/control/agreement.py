@@ -2,6 +2,14 @@
 (`decided_by_rank0`), or every rank checks at start-up that it wraps what rank 0 wraps with
 the settings rank 0 has (`check_ranks_agree`). Either way an error is raised on every rank,
 so no rank is left waiting in a collective the others never reach.
+
+[Note: step-end decisions on the host]
+The step-end controllers decide inside the end-of-backward callback. On the device group
+(NCCL) `broadcast_object_list` would queue a broadcast behind the whole backward on the
+device, then copy its answer to the host: the host would stall until the device drained,
+and the prefetch of the next step would start late. They decide over the gloo group the
+end-of-backward flags use (`Collectives.flags_group`), whose answer is host memory: the
+cost is one host round trip between ranks, at the decision steps only.
 """
 from __future__ import annotations
 
@@ -33,7 +41,8 @@ def _from_rank0(group: dist.ProcessGroup, message: Any) -> Any:
 
 def decided_by_rank0(group: dist.ProcessGroup, decide: Callable[[], T]) -> T:
     """Run `decide` on the group's rank 0 and return its value on every rank (collective: every
-    rank of `group` calls it at the same point). `decide` must not communicate: the other ranks
+    rank of `group` calls it at the same point; at step end, a host-side group: see [Note:
+    step-end decisions on the host]). `decide` must not communicate: the other ranks
     are already waiting for its answer. An exception in `decide` is raised on every rank, on
     rank 0 as it was, elsewhere with the same type and message."""
     if dist.get_world_size(group) == 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -93,7 +93,7 @@ def warm_codec_kernels(codec: QuantizedCodec, device: torch.device, gather_dtype
 
 
 # Training steps at which rank 0 is asked for a proposal before the chooser gives up and
-# stays uncompressed: each ask is a broadcast and a host sync, so they are not repeated for
+# stays uncompressed: each ask is a host round trip between ranks, so they are not repeated for
 # ever on a job whose steps rank 0 cannot measure (a unit that does not run every step).
 MAX_ASKS = 4
 
@@ -117,6 +117,12 @@ class CompressionChooser:
     decided: Optional[str] = None
     reason: str = ""
     asks: int = 0
+    # The codec's kernels timed once, when the chooser is made: timing them at a decision
+    # would wait on the device for the step's queued work (a CUDA event's synchronize).
+    cost: CodecCost = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cost = measure_codec(self.codec, self.device, *self.itemsizes)
 
     def on_step_end(self, step: ClosedStep) -> None:
         if self.decided is not None or step.record.step < FIRST_DECISION_STEP \
@@ -140,16 +146,17 @@ class CompressionChooser:
         profile = measure_profile(step, self.base)
         if profile is None:
             return None
-        codec = measure_codec(self.codec, self.device, *self.itemsizes)
         forward_depth, backward_depth = self.depths.current
-        choice = choose_compression(profile, self.startup.link, codec, forward_depth, backward_depth,
+        choice = choose_compression(profile, self.startup.link, self.cost, forward_depth, backward_depth,
                                     self.startup.memory_budget_bytes)
         return choice.mode, choice.reason
 
 
 def chooser_for(codec: QuantizedCodec, units: Sequence[Unit], base: Profile, startup: StartupPlan,
                 group: dist.ProcessGroup, depths: PrefetchDepths, device: torch.device) -> CompressionChooser:
-    """`units`: every unit, the root included. Warms the codec's kernels on this rank."""
+    """`units`: every unit, the root included; `group`: every rank, host-side (see [Note:
+    step-end decisions on the host] in overlap/control/agreement.py). Warms the codec's
+    kernels on this rank and times them."""
     gathered = [g for u in units for g in u.groups]
     reduced = [g for u in units for g in u.trainable_groups]
     warm_codec_kernels(codec, device, [g.gather_dtype for g in gathered if g.gather_dtype.is_floating_point],

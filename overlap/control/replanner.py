@@ -45,6 +45,8 @@ def base_profile(root: Optional[Unit], units: Sequence[Unit], world_size: int, r
 
 def replanner_for(base: Profile, startup: StartupPlan, bucket_bytes: int, group: dist.ProcessGroup,
                   depths: PrefetchDepths) -> "Replanner":
+    """`group`: every rank, host-side (the end-of-backward flags' gloo group). See [Note: step-end
+    decisions on the host] in overlap/control/agreement.py."""
     return Replanner(base, startup.layout or startup.link, bucket_bytes, startup.memory_budget_bytes, group, depths)
 
 

@@ -155,12 +155,12 @@ def _controllers(decision: StartupDecision, built: BuiltUnits, collectives: Coll
         # rank's collectives, could not tell that from ranks that parted.
         shard = decision.sharding.shard
         base = base_profile(built.root, built.units, dist.get_world_size(shard), reshard_after_forward)
-        controllers.append(replanner_for(base, decision.startup_plan, decision.bucket_bytes, decision.all_group,
+        controllers.append(replanner_for(base, decision.startup_plan, decision.bucket_bytes, collectives.flags_group,
                                          depths))
     if decision.config.compress == "auto":
         # Every rank, replicas included, must compress alike: the choice is rank 0's.
         group = decision.all_group
         base = base_profile(built.root, built.units, dist.get_world_size(group), reshard_after_forward)
-        controllers.append(chooser_for(collectives.codec, built.all_units, base, decision.startup_plan, group,
-                                       depths, decision.device))
+        controllers.append(chooser_for(collectives.codec, built.all_units, base, decision.startup_plan,
+                                       collectives.flags_group, depths, decision.device))
     return controllers
