@@ -4,12 +4,11 @@ accumulated gradient error, and bad settings fail on every rank."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
 
-from distributed import RankError, run_distributed
+from distributed import CaseLaunch, RankCase
 from parity import train
 from parity_cases import CASES
 
@@ -54,22 +53,17 @@ def _train_modes(rank: int, world: int) -> dict:
     return results
 
 
-@functools.lru_cache(maxsize=None)
-def _results(world: int) -> dict:
-    return run_distributed(_train_modes, world, timeout=400)[0]
-
-
 def _initial_state(name: str) -> dict:
     torch.manual_seed(0)
     return {k: v.detach().clone() for k, v in CASES[name].build().state_dict().items()}
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("mode", ["int8", "int8-int4"])
 def test_compressed_training_stays_close(world: int, name: str, mode: str) -> None:
-    results = _results(world)
+    results = LAUNCHES[world]["train"][0].result()
     ref, got = results[(name, "none")], results[(name, mode)]
     losses, ref_losses = torch.tensor(got["losses"]), torch.tensor(ref["losses"])
     assert ((losses - ref_losses).abs() / ref_losses.abs()).max() <= LOSS_RTOL[mode]
@@ -102,9 +96,9 @@ def _train_hybrid(rank: int, world: int) -> dict:
             for mode in ("none", "int8")}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_hybrid_sharding_compresses_inside_the_shard_group() -> None:
-    results = run_distributed(_train_hybrid, 4, timeout=240)
+    results = [outcome.result() for outcome in LAUNCHES[4]["hybrid"]]
     ref, got = results[0]["none"], results[0]["int8"]
     assert got["sharding"] == "hybrid sharding: 2 ranks per shard group, 2 replicas"
     losses, ref_losses = torch.tensor(got["losses"]), torch.tensor(ref["losses"])
@@ -143,11 +137,11 @@ def _gather_representable(rank: int, world: int, numel: int, dtype: torch.dtype)
     return torch.equal(out, torch.cat(shards).to(dtype))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
-def test_quantized_gather_is_exact_on_representable_values(world: int) -> None:
-    for dtype in (torch.float32, torch.bfloat16):
-        assert run_distributed(_gather_representable, world, 37, dtype, timeout=120) == [True] * world
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantized_gather_is_exact_on_representable_values(world: int, dtype: torch.dtype) -> None:
+    assert [outcome.result() for outcome in LAUNCHES[world][f"gather-{dtype}"]] == [True] * world
 
 
 def _accumulated_error(rank: int, world: int, steps: int) -> tuple[float, float, int]:
@@ -169,12 +163,11 @@ def _accumulated_error(rank: int, world: int, steps: int) -> tuple[float, float,
     return errors[-1], errors[0], collectives.codec.error_bytes
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)
 def test_error_feedback_bounds_the_accumulated_error() -> None:
     """Without error feedback the same gradient quantises to the same error every step, so
     after 16 steps the sum is 16 steps' error off; with it, about one step's."""
-    steps = 16
-    for accumulated, single, kept in run_distributed(_accumulated_error, 2, steps, timeout=120):
+    for accumulated, single, kept in (outcome.result() for outcome in LAUNCHES[2]["error-feedback"]):
         assert single > 0.01                 # int4 does lose precision on one step
         assert accumulated < 2 * single      # (16 * single without error feedback)
         assert kept == 4 * 1001              # fp32 for the one chunk each rank sends: 4 (N-1)/N bytes per element
@@ -191,18 +184,19 @@ def _wrap(rank: int, world: int, compression: str | None) -> str:
     return "built"
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("compression,env,named", [
+BAD_SETTINGS = [
     ("int3", {}, "compression"),
     (None, {"OVERLAP_COMPRESS": "fp8"}, "OVERLAP_COMPRESS"),
     (None, {"OVERLAP_COMPRESS": "int8", "OVERLAP_COMPRESS_BLOCK": "7"}, "OVERLAP_COMPRESS_BLOCK"),
     (None, {"OVERLAP_COMPRESS_BLOCK": "0"}, "OVERLAP_COMPRESS_BLOCK"),
-])
-def test_bad_settings_fail_on_every_rank(compression: str | None, env: dict, named: str) -> None:
-    with pytest.raises(RankError) as info:
-        run_distributed(_wrap, 2, compression, env=env, timeout=120)
-    assert set(info.value.errors) == {0, 1}
-    for message in info.value.errors.values():
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index,compression,env,named", [(i, *case) for i, case in enumerate(BAD_SETTINGS)])
+def test_bad_settings_fail_on_every_rank(index: int, compression: str | None, env: dict, named: str) -> None:
+    for outcome in LAUNCHES[2][f"bad-setting-{index}"]:
+        message = outcome.error()
         assert "ValueError" in message and named in message
 
 
@@ -210,37 +204,65 @@ def _wrap_rank1_compressed(rank: int, world: int) -> str:
     return _wrap(rank, world, "int8" if rank == 1 else None)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)
 def test_ranks_with_different_compression_fail_on_every_rank() -> None:
-    with pytest.raises(RankError) as info:
-        run_distributed(_wrap_rank1_compressed, 2, timeout=120)
-    assert set(info.value.errors) == {0, 1}
-    assert all("compress='int8'" in message for message in info.value.errors.values())
+    assert all("compress='int8'" in outcome.error() for outcome in LAUNCHES[2]["rank1-compressed"])
 
 
 # ---- auto -----------------------------------------------------------------------------------------
 
-def _auto(rank: int, world: int) -> tuple[str, str, str]:
+def _auto(rank: int, world: int) -> dict:
+    """compression="auto" over 4 steps: what was decided, and how many times rank 0 was
+    asked and the codec's mode was set at each step's end."""
     from overlap import ShardedModule
+    from overlap.control import compression_auto
     from overlap.control.compression_auto import CompressionChooser
+    from overlap.runtime.compression import QuantizedCodec
 
-    case = CASES["gpt_adamw_groups"]
+    counts = {"asked": 0, "set_mode": 0}
+    per_step: dict[int, tuple[int, int]] = {}
+    broadcast, on_step_end, set_mode = compression_auto.decided_by_rank0, CompressionChooser.on_step_end, \
+        QuantizedCodec.set_mode
+
+    def counting(group, decide):
+        counts["asked"] += 1
+        return broadcast(group, decide)
+
+    def counting_set_mode(self, mode):
+        counts["set_mode"] += 1
+        return set_mode(self, mode)
+
+    def recording(self, step):
+        before = dict(counts)
+        on_step_end(self, step)
+        per_step[step.record.step] = (counts["asked"] - before["asked"], counts["set_mode"] - before["set_mode"])
+
     chooser = {}
 
     def read(model: ShardedModule) -> None:
         (found,) = [c for c in model.step_end.controllers if isinstance(c, CompressionChooser)]
         chooser.update(decided=found.decided, reason=found.reason, mode=model.collectives.codec.settings.mode)
 
-    train(dataclasses.replace(case, wrap={"compression": "auto"}), rank, world, sharded=True, after=read)
-    return chooser["decided"], chooser["mode"], chooser["reason"]
+    compression_auto.decided_by_rank0, CompressionChooser.on_step_end, QuantizedCodec.set_mode = \
+        counting, recording, counting_set_mode
+    try:
+        train(dataclasses.replace(CASES["gpt_adamw_groups"], wrap={"compression": "auto"}), rank, world,
+              sharded=True, after=read)
+    finally:
+        compression_auto.decided_by_rank0, CompressionChooser.on_step_end, QuantizedCodec.set_mode = \
+            broadcast, on_step_end, set_mode
+    return {**chooser, "per_step": per_step}
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)
 def test_auto_decides_once_the_same_on_every_rank() -> None:
-    results = run_distributed(_auto, 2, timeout=120)
-    decided, mode, reason = results[0]
+    """Rank 0 is asked at the first decision step (2), the codec is set then, and neither
+    happens again on the steps after it."""
+    results = [outcome.result() for outcome in LAUNCHES[2]["auto"]]
+    decided, mode, reason = results[0]["decided"], results[0]["mode"], results[0]["reason"]
     assert decided in ("none", "int8", "int8-int4") and mode == decided
     assert reason.startswith(f"compression {decided}: predicted uncompressed")
+    assert results[0]["per_step"] == {1: (0, 0), 2: (1, 1), 3: (0, 0), 4: (0, 0)}
     assert results[1] == results[0]
 
 
@@ -265,7 +287,6 @@ def _auto_under_accumulation(rank: int, world: int) -> tuple:
         on_step_end(self, step)
         per_step[step.record.step] = len(asked) - before
 
-    compression_auto.decided_by_rank0, CompressionChooser.on_step_end = counting, recording
     chooser = {}
 
     def read(model) -> None:
@@ -274,20 +295,43 @@ def _auto_under_accumulation(rank: int, world: int) -> tuple:
 
     case = dataclasses.replace(CASES["gpt_no_sync"], wrap={"compression": "auto"},
                                batches=token_batches(SMALL_GPT.vocab_size, 12, steps=8))
-    train(case, rank, world, sharded=True, after=read)
+    compression_auto.decided_by_rank0, CompressionChooser.on_step_end = counting, recording
+    try:
+        train(case, rank, world, sharded=True, after=read)
+    finally:
+        compression_auto.decided_by_rank0, CompressionChooser.on_step_end = broadcast, on_step_end
     return per_step, chooser["decided"], chooser["reason"]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(600)
 def test_auto_under_accumulation_decides_and_stops_asking() -> None:
     """A step of two micro-batches is measured per micro-batch: rank 0 is asked once, at the
     first decision step, and never again (each ask is a broadcast and a host sync)."""
-    results = run_distributed(_auto_under_accumulation, 2, timeout=150)
+    results = [outcome.result() for outcome in LAUNCHES[2]["auto-accumulation"]]
     per_step, decided, reason = results[0]
     assert sorted(per_step) == list(range(1, 9))
     assert per_step == {step: int(step == 2) for step in range(1, 9)}
     assert decided in COMPRESSION_MODES and reason.startswith(f"compression {decided}: predicted uncompressed")
     assert results[1] == results[0]
+
+
+# One launch per world size, its cases in turn (tests/distributed.py's [Note: many cases on one launch]).
+LAUNCHES = {
+    2: CaseLaunch({
+        "train": RankCase(_train_modes),
+        **{f"gather-{dtype}": RankCase(_gather_representable, (37, dtype)) for dtype in (torch.float32, torch.bfloat16)},
+        "error-feedback": RankCase(_accumulated_error, (16,)),
+        **{f"bad-setting-{i}": RankCase(_wrap, (compression,), env=env)
+           for i, (compression, env, _) in enumerate(BAD_SETTINGS)},
+        "rank1-compressed": RankCase(_wrap_rank1_compressed),
+        "auto": RankCase(_auto),
+        "auto-accumulation": RankCase(_auto_under_accumulation),
+    }, world_size=2, timeout=540),
+    3: CaseLaunch({"train": RankCase(_train_modes),
+                   **{f"gather-{dtype}": RankCase(_gather_representable, (37, dtype))
+                      for dtype in (torch.float32, torch.bfloat16)}}, world_size=3, timeout=540),
+    4: CaseLaunch({"hybrid": RankCase(_train_hybrid)}, world_size=4, timeout=540),
+}
 
 
 def test_auto_gives_up_after_a_bounded_number_of_asks(monkeypatch, caplog) -> None:

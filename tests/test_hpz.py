@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from distributed import RankError, run_distributed
+from distributed import CaseLaunch, RankCase
 from parity import train
 from parity_cases import CASES
 from test_compression import LOSS_RTOL, UPDATE_RTOL
@@ -23,15 +23,14 @@ def _train_hpz(rank: int, world: int, names: list[str]) -> dict:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     results = {}
     for name in names:
-        case = CASES[name]
-        case.wrap = {**case.wrap, "sharding": "hpz"}
+        case = dataclasses.replace(CASES[name], wrap={**CASES[name].wrap, "sharding": "hpz"})
         results[name] = train(case, rank, world, sharded=True)
     return results
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_hpz_trains_like_one_process() -> None:
-    got = run_distributed(_train_hpz, 4, HPZ_CASES, timeout=360)[0]
+    got = LAUNCHES[4]["train"][0].result()
     for name in HPZ_CASES:
         case, ref = CASES[name], train(CASES[name])
         assert got[name]["sharding"] == "hpZ: full sharding over 4 ranks, backward gathers over 2 ranks per node"
@@ -56,11 +55,11 @@ def _train_hpz_compressed(rank: int, world: int) -> dict:
             for mode in COMPRESSION_MODES}
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_hpz_with_compression_trains_like_one_process() -> None:
     """The node copy is taken from the dequantised gathered weights: training stays as close
     to one process as compressed training does (tests/test_compression.py's bounds)."""
-    got = run_distributed(_train_hpz_compressed, 4, timeout=360)[0]
+    got = LAUNCHES[4]["compressed"][0].result()
     ref = train(CASES[COMPRESSED_CASE])
     torch.manual_seed(0)
     initial = {k: v.detach().clone() for k, v in CASES[COMPRESSED_CASE].build().state_dict().items()}
@@ -103,9 +102,9 @@ def _gathers_per_step(rank: int, world: int) -> list[list[tuple[str, int]]]:
     return steps
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(600)
 def test_backward_gathers_from_the_node_copy() -> None:
-    for steps in run_distributed(_gathers_per_step, 4, timeout=150):
+    for steps in (outcome.result() for outcome in LAUNCHES[4]["gathers"]):
         for gathers in steps:
             by_unit: dict[str, list[int]] = {}
             for unit, ranks in gathers:
@@ -125,12 +124,10 @@ def _hpz_with_a_mesh(rank: int, world: int) -> None:
     ShardedModule(torch.nn.Linear(4, 4), mesh=mesh, sharding="hpz")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_hpz_with_a_mesh_fails_on_every_rank() -> None:
-    with pytest.raises(RankError) as info:
-        run_distributed(_hpz_with_a_mesh, 4, timeout=90)
-    assert sorted(info.value.errors) == [0, 1, 2, 3]
-    assert all("sharding='hpz'" in error and "pass no mesh" in error for error in info.value.errors.values())
+    errors = [outcome.error() for outcome in LAUNCHES[4]["mesh"]]
+    assert all("sharding='hpz'" in error and "pass no mesh" in error for error in errors)
 
 
 def _hpz_on_uneven_nodes(rank: int, world: int) -> None:
@@ -140,12 +137,10 @@ def _hpz_on_uneven_nodes(rank: int, world: int) -> None:
     ShardedModule(torch.nn.Linear(4, 4), sharding="hpz")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_hpz_on_uneven_nodes_fails_on_every_rank() -> None:
-    with pytest.raises(RankError) as info:
-        run_distributed(_hpz_on_uneven_nodes, 3, timeout=90)
-    assert sorted(info.value.errors) == [0, 1, 2]
-    assert all("world size 3 is not a multiple of LOCAL_WORLD_SIZE 2" in e for e in info.value.errors.values())
+    errors = [outcome.error() for outcome in LAUNCHES[3]["uneven"]]
+    assert all("world size 3 is not a multiple of LOCAL_WORLD_SIZE 2" in e for e in errors)
 
 
 def _collectives_while_grouping(rank: int, world: int) -> dict:
@@ -175,11 +170,20 @@ def _collectives_while_grouping(rank: int, world: int) -> dict:
     return result
 
 
-@pytest.mark.timeout(200)
+# One launch per world size, its cases in turn (tests/distributed.py's [Note: many cases on one launch]).
+LAUNCHES = {
+    4: CaseLaunch({"train": RankCase(_train_hpz, (HPZ_CASES,)), "compressed": RankCase(_train_hpz_compressed),
+                   "gathers": RankCase(_gathers_per_step), "mesh": RankCase(_hpz_with_a_mesh),
+                   "grouping": RankCase(_collectives_while_grouping)}, world_size=4, timeout=540),
+    3: CaseLaunch({"uneven": RankCase(_hpz_on_uneven_nodes)}, world_size=3, timeout=240),
+}
+
+
+@pytest.mark.timeout(600)
 def test_groups_first_used_in_backward_communicate_at_construction() -> None:
     """hpZ's node group and hybrid's replicate group first communicate mid-backward, on
     autograd's thread; one collective at construction makes their communicators at start-up."""
-    for rank, result in enumerate(run_distributed(_collectives_while_grouping, 4, timeout=150)):
+    for rank, result in enumerate(outcome.result() for outcome in LAUNCHES[4]["grouping"]):
         seen, node = result["hpz"]
         assert node == [0, 1] if rank < 2 else [2, 3]
         assert seen == [node], (rank, seen)
