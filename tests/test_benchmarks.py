@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from compiled_extension import require_extension
+
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -104,7 +106,7 @@ def test_collectives_tiny(tmp_path):
 @pytest.mark.timeout(300)
 def test_optim_step_tiny(tmp_path):
     """Every optimizer measured (DeepSpeed's or its reason for being skipped), with the bound."""
-    pytest.importorskip("overlap._C", reason="the overlap._C extension was not built")
+    require_extension()
     out = tmp_path / "optim_step.json"
     proc = _run("optim_step.py", "--sizes", "200k", "--threads", "1", "--rounds", "2", "--steps", "1",
                 "--out", str(out), timeout=280)
@@ -124,7 +126,7 @@ def test_optim_step_tiny(tmp_path):
 @pytest.mark.timeout(200)
 def test_offload_disk_tiny(tmp_path):
     """The disk tier's three modes at two tiny sizes, with paired ratios and the dd reference."""
-    pytest.importorskip("overlap._C", reason="the overlap._C extension was not built")
+    require_extension()
     out = tmp_path / "offload_disk.json"
     proc = _run("offload_disk.py", "--sizes", "300k,1M", "--rounds", "2", "--dd-mib", "8", "--dir", str(tmp_path),
                 "--out", str(out), timeout=180)
@@ -143,7 +145,7 @@ def test_offload_disk_tiny(tmp_path):
 def test_offload_disk_model_tiny(tmp_path):
     """The large-run mode at a tiny size: a GPT built on the meta device trains 3 steps at 2
     ranks with offload="disk" and reports memory, the step's split and the disk bandwidth."""
-    pytest.importorskip("overlap._C", reason="the overlap._C extension was not built")
+    require_extension()
     out = tmp_path / "model.json"
     proc = _run("offload_disk.py", "--model-params", "3M", "--model-layers", "2", "--dir", str(tmp_path),
                 "--out", str(out), timeout=280)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.compiled_extension import require_extension
 from tests.distributed import run_distributed
 
 STEPS = 3
@@ -59,7 +60,7 @@ def _backend_env(name: str) -> dict:
     if name == "triton":
         pytest.importorskip("triton")
         return {"OVERLAP_KERNELS": "triton", "TRITON_INTERPRET": "1"}
-    pytest.importorskip("overlap._C", reason="the overlap._C extension was not built")
+    require_extension()
     return {"OVERLAP_KERNELS": "ext"}
 
 

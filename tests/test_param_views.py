@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlap.runtime import param_views
 from overlap.runtime.param_views import ParamViews
+
+from compiled_extension import compiled_extension, needs_extension  # noqa: F401 - the fixture the mark uses
 
 
 def _layout(generator: torch.Generator) -> tuple[list[int], list[torch.Size]]:
@@ -29,7 +30,7 @@ def _grads(views: ParamViews, flat: torch.Tensor, used: list[bool], weights: lis
     return made, flat.grad.clone(), seen
 
 
-@pytest.mark.skipif(param_views._op is None, reason="the extension was not built")
+@needs_extension
 @pytest.mark.parametrize("seed", range(6))
 def test_the_op_makes_the_loops_views_and_gradients(seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
