@@ -168,9 +168,9 @@ def test_trainer_matches_hand_written_loop_and_one_process(hf_run) -> None:
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference_losses),
                                    rtol=1e-5, atol=1e-5)
+        assert set(result["state"]) == set(reference_state)
         for key, value in reference_state.items():
-            if key in result["state"]:
-                torch.testing.assert_close(result["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+            torch.testing.assert_close(result["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_resume_from_checkpoint_continues_identically(hf_run) -> None:
