@@ -21,6 +21,7 @@ from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.row_dtensors import local_part
+from overlap.runtime.shard_grad import plain
 
 if TYPE_CHECKING:
     from overlap.observe.memory import MemoryReport
@@ -171,7 +172,8 @@ class ShardedModule(nn.Module):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         device = self.collectives.device
         group = self.collectives.group
-        norms = torch._foreach_norm(grads, norm_type) if grads else []
+        # This rank's parts' norms, summed over the ranks below ([Note: norms of sharded gradients]).
+        norms = torch._foreach_norm([plain(grad) for grad in grads], norm_type) if grads else []
         # Offloaded gradients are host tensors; their norm crosses the group on its device.
         if norm_type == math.inf:
             total = torch.stack(norms).max().float().to(device) if grads else torch.zeros((), device=device)

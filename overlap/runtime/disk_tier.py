@@ -6,7 +6,7 @@ the shard that the all-gather sends (on the device) and the one the parameters a
 [Note: the disk tier's shards]
 Each group is paged as soon as it is built (`DiskShard.adopt`): its fp32 shard (rank 0's
 values, broadcast) is streamed into the state file bucket by bucket, and the group's shard
-becomes its 16-bit copy, which the user's parameters are views of (new `nn.Parameter`s,
+becomes its 16-bit copy, which the user's parameters (the same objects) are views of (with
 dtype = the gather dtype, as ZeRO-Infinity exposes its 16-bit weights). A model on the meta
 device is materialised afterwards, one module at a time, each part written into the file
 (through its memory map) and into the 16-bit copy, so a rank never holds more than one
@@ -51,11 +51,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 import torch
-from torch import nn
 
 from overlap.optim.paged import DEFAULT_BUCKET_PARAMS, PagedAdamW, PagedParam, paged_of, register_paged
 from overlap.optim.state_file import Bucket
 from overlap.runtime.host_tier import HostShard, HostTier, ShardPlace
+from overlap.runtime.param_identity import rebind
 
 # True: keep `sent` a buffer of its own and copy into it even where the device is the host
 # (see [Note: the disk tier on a device]); the tests set it to run the device path on CPU.
@@ -143,9 +143,10 @@ class DiskShard(ShardPlace):
                                                                    device=host.device)
         group.shard = resident
         for slot_index, slot in enumerate(group.slots):
-            # A new Parameter over the 16-bit shard: a view made this way shares the shard's
-            # version counter, which the check in `gather_source` reads.
-            param = nn.Parameter(group._shard_view(resident, slot_index), requires_grad=True)
+            # The parameter (the same object: [Note: parameters keep their identity]) over the
+            # 16-bit shard; it shares the shard's version counter, which the check in
+            # `gather_source` reads.
+            param = rebind(group.params[slot_index], group._shard_view(resident, slot_index), slot.name)
             param.grad_dtype = torch.float32
             group.params[slot_index] = param
             for module, attr in slot.owners:

@@ -14,8 +14,8 @@ and the shard gradient live in host memory, and what a gather sends and what a r
 are device copies of them (the group's `place`, overlap.runtime.host_tier).
 
 [Note: original parameters are views of the flat shard]
-Each original parameter is registered on its modules (under its own names, a tied one once)
-as an `nn.Parameter` holding this rank's part of it: the block of whole rows of the
+Each original parameter stays on its modules (under its own names, a tied one once), the
+same Python object ([Note: parameters keep their identity]), now holding this rank's part: the block of whole rows of the
 parameter that falls inside the rank's slice of the flat buffer, shaped (local_rows,
 *trailing_dims), so `p.dim()` is the module's own; (0, *trailing_dims) on ranks whose slice
 misses it. Optimizer updates write the shard in place, so the next all-gather sends it as it
@@ -55,7 +55,9 @@ from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.pending import COMPLETED
 from overlap.runtime.host_tier import ShardPlace
 from overlap.runtime.node_copy import NodeCopy
+from overlap.runtime.param_identity import rebind
 from overlap.runtime.param_views import ParamViews
+from overlap.runtime.shard_grad import shard_grad
 
 
 @dataclass
@@ -80,50 +82,69 @@ class FlatGroup:
         # hpZ: backward re-gathers from a copy kept inside the node (None: from the shards).
         self.node_copy = None if node_group is None else NodeCopy(collectives, node_group)
         self.kernels = collectives.kernels
-        world, rank = collectives.world_size, collectives.rank
-        device = collectives.device
         self.master_dtype = params[0][1].dtype
         self.requires_grad = params[0][1].requires_grad
         self.gather_dtype = gather_dtype
         self.reduce_dtype = reduce_dtype
+        self._lay_out(params)
+        on_meta = any(p.is_meta for _, p, _ in params)
+        self.shard = self.place.place_master(self._first_shard(params, on_meta))
+        self._bind_parameters(params, on_meta)
+        self._start_gradients()
+        self._make_gathered_buffer()
+        self.place.adopt(self)
 
-        self.layout = FlatLayout.of([param.shape for _, param, _ in params], world)
+    def _lay_out(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> None:
+        """The flat layout: where each parameter lives, and this rank's part of each."""
+        rank = self.collectives.rank
+        self.layout = FlatLayout.of([param.shape for _, param, _ in params], self.collectives.world_size)
         self.slots = [ParamSlot(name, owners, param.shape, offset, param.numel())
                       for (name, param, owners), offset in zip(params, self.layout.offsets)]
         self.numel = self.layout.numel
         self.shard_numel = self.layout.shard_numel
         self.padded_numel = self.layout.padded_numel
         self._split_sizes = self.layout.split_sizes
-
-        on_meta = any(p.is_meta for _, p, _ in params)
-        if on_meta:
-            # Parameters built on the meta device get their values later, one module at a time
-            # (overlap.runtime.materialize): nothing to pack or broadcast now.
-            self.shard = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=device)
-        else:
-            # Rank 0's initial values are the truth on every rank, as with DDP.
-            flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=device)
-            self.kernels.pack([p.detach().to(device) for _, p, _ in params], flat, [s.offset for s in self.slots])
-            if world > 1:
-                dist.broadcast(flat, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
-            start = rank * self.shard_numel
-            self.shard = flat[start:start + self.shard_numel].clone()
-            del flat
-            replicate = collectives.replicate_group
-            if replicate is not None:
-                # Replicas of this shard take the first replica's (so, in the end, rank 0's) values.
-                dist.broadcast(self.shard, src=dist.get_global_rank(replicate, 0), group=replicate)
-        self.shard = self.place.place_master(self.shard)
-        # This rank's part of each original parameter, as a view of the shard. See [Note:
-        # original parameters are views of the flat shard].
         self.parts = self.layout.parts_on(rank)
         self.local_shapes = [self.layout.local_shape(index, rank, slot.shape) for index, slot in enumerate(self.slots)]
-        self.params = [nn.Parameter(self._shard_view(self.shard, index), requires_grad=self.requires_grad)
-                       for index in range(len(self.slots))]
+
+    def _first_shard(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+                     on_meta: bool) -> torch.Tensor:
+        """This rank's master shard of rank 0's initial values (zeros for a meta model, whose
+        values come later, one module at a time: overlap.runtime.materialize)."""
+        collectives, device = self.collectives, self.collectives.device
         if on_meta:
-            for index, (_, param, _) in enumerate(params):
-                if not param.is_meta:
-                    self.write_part(index, param.detach())
+            return torch.zeros(self.shard_numel, dtype=self.master_dtype, device=device)
+        # Rank 0's initial values are the truth on every rank, as with DDP.
+        flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=device)
+        self.kernels.pack([p.detach().to(device) for _, p, _ in params], flat, [s.offset for s in self.slots])
+        if collectives.world_size > 1:
+            dist.broadcast(flat, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
+        start = collectives.rank * self.shard_numel
+        shard = flat[start:start + self.shard_numel].clone()
+        del flat
+        replicate = collectives.replicate_group
+        if replicate is not None:
+            # Replicas of this shard take the first replica's (so, in the end, rank 0's) values.
+            dist.broadcast(shard, src=dist.get_global_rank(replicate, 0), group=replicate)
+        return shard
+
+    def _bind_parameters(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+                         on_meta: bool) -> None:
+        """Make each module parameter (the same object: [Note: parameters keep their identity])
+        this rank's part of it, a view of the shard. See [Note: original parameters are views
+        of the flat shard]."""
+        self.params = []
+        for index, (name, param, _) in enumerate(params):
+            before = param.detach() if on_meta and not param.is_meta else None
+            self.params.append(rebind(param, self._shard_view(self.shard, index), name))
+            if before is not None:
+                # A meta model's parameter that already had values: its part goes in now.
+                self.write_part(index, before)
+        for slot, param in zip(self.slots, self.params):
+            for module, attr in slot.owners:
+                module._parameters[attr] = param
+
+    def _start_gradients(self) -> None:
         # Sum of the reduced gradients; each parameter's `.grad` is a view of it.
         self.grad_shard: Optional[torch.Tensor] = None
         self._grad_views: list[torch.Tensor] = []
@@ -131,12 +152,17 @@ class FlatGroup:
         # published gradients; only those (on any rank) get a `.grad`.
         self.got_grad = [False] * len(self.slots)
         self.reduced = False
+        # Gradients summed locally while reduction is paused (no_sync), in the reduce dtype.
+        self.unsynced_grad: Optional[torch.Tensor] = None
 
+    def _make_gathered_buffer(self) -> None:
+        collectives = self.collectives
         # The gathered parameters: a leaf so autograd accumulates all views' gradients here.
-        self.full = torch.empty(self.padded_numel, dtype=gather_dtype, device=device)
+        self.full = torch.empty(self.padded_numel, dtype=self.gather_dtype, device=collectives.device)
         # See [Note: one rank computing in the master dtype].
-        self.resident = (world == 1 and collectives.local_when_alone and collectives.replicate_group is None
-                         and self.node_copy is None and collectives.codec is None and gather_dtype == self.master_dtype
+        self.resident = (collectives.world_size == 1 and collectives.local_when_alone
+                         and collectives.replicate_group is None and self.node_copy is None
+                         and collectives.codec is None and self.gather_dtype == self.master_dtype
                          and not self.place.offloaded)
         if self.resident:
             self.full.set_(self.shard.untyped_storage(), self.shard.storage_offset(), (self.padded_numel,))
@@ -144,13 +170,6 @@ class FlatGroup:
         self._full_nbytes = self.padded_numel * self.full.element_size()
         self.free()
         self._param_views = ParamViews(self._split_sizes, [slot.shape for slot in self.slots])
-        # Gradients summed locally while reduction is paused (no_sync), in the reduce dtype.
-        self.unsynced_grad: Optional[torch.Tensor] = None
-
-        for slot, param in zip(self.slots, self.params):
-            for module, attr in slot.owners:
-                module._parameters[attr] = param
-        self.place.adopt(self)
 
     def _shard_view(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's part of parameter `index` in `flat_shard` (the master shard, or its
@@ -253,7 +272,9 @@ class FlatGroup:
         zeros = False
         if self.grad_shard is None:
             self.grad_shard = self.place.zeros_like(self.shard)
-            self._grad_views = [self._shard_view(self.grad_shard, index) for index in range(len(self.slots))]
+            # See [Note: norms of sharded gradients].
+            self._grad_views = [shard_grad(self._shard_view(self.grad_shard, index), self.collectives)
+                                for index in range(len(self.slots))]
             zeros = True
         elif not self.reduced:
             grads = [param.grad for param in self.params]
@@ -286,11 +307,16 @@ class FlatGroup:
         mesh = shard_mesh(self.collectives.group, self.collectives.device.type)
         return as_dtensor(part, slot.shape, self.layout.first_row(index, self.collectives.rank, slot.shape), mesh)
 
+    def local_of_full(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full-sized tensor shaped like parameter `index` (its value,
+        or optimizer state of that shape), shaped as the parameter's part."""
+        start, end = self.parts[index]
+        return value.detach().reshape(-1)[start:end].view(self.local_shapes[index])
+
     def write_part(self, index: int, value: torch.Tensor) -> None:
         """Set this rank's part of parameter `index` from its full value (any device)."""
-        start, end = self.parts[index]
         with torch.no_grad():
-            part = value.detach().reshape(-1)[start:end]
+            part = self.local_of_full(index, value).reshape(-1)
             self.params[index].view(-1).copy_(part)
             self.place.part_written(self, index, part)
 

@@ -113,13 +113,17 @@ def _materialize(root: nn.Module, places: list[MetaPlace], slot_of: Mapping[int,
         if not metas and not meta_buffers:
             continue
         for attr, param in metas:
+            # The parameter already holds this rank's part (overlap.runtime.param_identity):
+            # its full shape is its slot's.
+            group, index = slot_of[id(param)]
+            shape = group.slots[index].shape
             if id(param) in full:
                 # A tied parameter keeps the values its first holder gave it: this holder
                 # initialises a scratch copy, as it initialised its own tensor before the tie
                 # in eager construction.
-                module._parameters[attr] = nn.Parameter(_unset(param.shape, param.dtype, _HOST))
+                module._parameters[attr] = nn.Parameter(_unset(shape, group.master_dtype, _HOST))
             else:
-                full[id(param)] = nn.Parameter(_unset(param.shape, param.dtype, _HOST),
+                full[id(param)] = nn.Parameter(_unset(shape, group.master_dtype, _HOST),
                                                requires_grad=param.requires_grad)
                 module._parameters[attr] = full[id(param)]
         for key in meta_buffers:

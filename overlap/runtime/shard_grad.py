@@ -1,0 +1,127 @@
+"""Gradients that answer torch's norm functions for the whole parameter, not this rank's rows.
+
+[Note: norms of sharded gradients]
+A parameter's `.grad` holds this rank's rows only, so `torch.nn.utils.clip_grad_norm_`,
+`get_total_norm` or `p.grad.norm()` on it would give this rank's part of the norm: each rank
+would clip by another factor, silently. Each published gradient is therefore a `ShardGrad`, a
+tensor subclass (a view of the flat gradient shard, as before) whose `__torch_function__`
+passes every operation through untouched except the full reductions to a norm:
+`torch._foreach_norm`, `torch.linalg.vector_norm` and `torch.linalg.norm` without `dim`,
+`torch.norm` / `Tensor.norm` without `dim`. Those compute the local norms, then combine them
+over the ranks that hold the parameter's rows in one all-reduce per call (p-th powers summed,
+or the maximum for the infinity norm), so each gradient's norm is the whole parameter's and
+torch's own total (the norm of those norms) is one process's. torch's clip then scales each
+rank's rows by the same factor. This is what FSDP2's DTensor gradients give, without making
+`.grad` a DTensor (which every optimizer and every line of user code reading `.grad` would
+then have to accept).
+
+The reduction is a collective: every rank must call it, with the same gradients, as torch's
+clip is called in a training loop. Reductions along a `dim` (row-wise statistics), sums and
+means stay this rank's: they are what the local block holds. Results are plain tensors, so
+the subclass does not spread beyond `.grad`.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from overlap.runtime.collectives import Collectives
+
+
+class ShardGrad(torch.Tensor):
+    """A view of a flat gradient shard holding one parameter's rows (see the note)."""
+
+    collectives: "Collectives"
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: Sequence = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        combine = _NORMS.get(func)
+        return out if combine is None else combine(args, kwargs, out)
+
+
+def shard_grad(view: torch.Tensor, collectives: "Collectives") -> ShardGrad:
+    """`view` (sharing its storage and version counter) as a ShardGrad over `collectives`' group."""
+    grad = view.as_subclass(ShardGrad)
+    grad.collectives = collectives
+    return grad
+
+
+def plain(grad: torch.Tensor) -> torch.Tensor:
+    """The same tensor without the norm behaviour (for the runtime's own arithmetic)."""
+    return grad.as_subclass(torch.Tensor) if isinstance(grad, ShardGrad) else grad
+
+
+def _order(value: Any) -> float:
+    if value is None or value == "fro":
+        return 2.0
+    if isinstance(value, str):
+        raise NotImplementedError(f"the {value!r} norm of a sharded gradient: it is not a sum over rows; gather the "
+                                  "parameter with ShardedModule.full_state_dict() to compute it")
+    order = float(value)
+    if order < 0 and order != -math.inf:
+        raise NotImplementedError(f"the order-{order:g} norm of a sharded gradient is not supported")
+    return order
+
+
+def _combined(local: torch.Tensor, order: float, collectives: "Collectives") -> torch.Tensor:
+    """The norms `local` (this rank's parts) of parameters sharded over `collectives`' group,
+    as the whole parameters' norms."""
+    value = local.detach().to(collectives.device, torch.float32)
+    if order in (math.inf, -math.inf):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN, group=collectives.group)
+    elif order == 0:
+        dist.all_reduce(value, group=collectives.group)
+    else:
+        value = value.pow(order)
+        dist.all_reduce(value, group=collectives.group)
+        value = value.pow(1.0 / order)
+    return value.to(local.device, local.dtype)
+
+
+def _foreach_norm(args: Sequence, kwargs: dict, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    tensors = args[0]
+    order = _order(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    by_group: dict[int, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if isinstance(tensor, ShardGrad):
+            by_group.setdefault(id(tensor.collectives), []).append(index)
+    out = list(out)
+    for indices in by_group.values():
+        combined = _combined(torch.stack([out[i] for i in indices]), order, tensors[indices[0]].collectives)
+        for position, index in enumerate(indices):
+            out[index] = combined[position]
+    return out
+
+
+def _full_norm(order_key: str, matrix_orders: bool = False) -> Callable[[Sequence, dict, Any], Any]:
+    """Combines a norm function's result when it reduced its whole input (no `dim`); with
+    `matrix_orders`, a numeric order of a 2-D input is a matrix norm (torch.linalg.norm)."""
+
+    def combine(args: Sequence, kwargs: dict, out: Any) -> Any:
+        source = args[0] if args else kwargs.get("input", kwargs.get("x"))
+        dim = args[2] if len(args) > 2 else kwargs.get("dim")
+        if not isinstance(source, ShardGrad) or dim is not None:
+            return out
+        order = args[1] if len(args) > 1 else kwargs.get(order_key)
+        if matrix_orders and source.dim() == 2 and order not in (None, "fro"):
+            raise NotImplementedError(f"the matrix norm ord={order!r} of a sharded gradient: it is not a sum over "
+                                      "rows; gather the parameter with ShardedModule.full_state_dict() to compute it")
+        return _combined(out, _order(order), source.collectives)
+
+    return combine
+
+
+_NORMS: dict[Callable, Callable[[Sequence, dict, Any], Any]] = {
+    torch._foreach_norm: _foreach_norm,
+    torch.linalg.vector_norm: _full_norm("ord"),
+    torch.linalg.norm: _full_norm("ord", matrix_orders=True),
+    torch.norm: _full_norm("p"),
+    torch.Tensor.norm: _full_norm("p"),
+}
