@@ -84,3 +84,46 @@ def test_flags_go_over_gloo(monkeypatch, config, new_group):
     assert host_group(group) == ("gloo group" if new_group else group)
     assert made == ([([4, 5], {"backend": "gloo", "use_local_synchronization": True})] if new_group else [])
     assert connected == (["gloo group"] if new_group else [])         # all connected before any goes on
+
+
+@pytest.mark.parametrize("nccl,found", [("eth", "eth0"), ("=eth1", "eth1"), ("ib,eth", "eth0"), ("^docker,lo", None),
+                                        ("wlan", None)])
+def test_gloo_interface_is_the_first_nccl_would_pick(nccl, found):
+    from overlap.runtime.process_group import gloo_interface
+
+    assert gloo_interface(nccl, ["lo", "docker0", "eth0", "eth1"]) == found
+
+
+def _backend_env_outcome(monkeypatch, caplog, env: dict, backend: str = "cpu:gloo,cuda:nccl", world: int = 4,
+                         loopback: bool = False) -> tuple[list[str], str | None]:
+    import torch.distributed as dist
+
+    from overlap.runtime import process_group
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(process_group.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    monkeypatch.setattr(process_group, "_hostname_is_loopback", lambda: loopback)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")     # so that teardown restores it as it was
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    caplog.clear()
+    process_group.check_backend_env(object(), env)
+    return [r.getMessage() for r in caplog.records], os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def test_blocking_wait_is_warned_on_nccl_only(monkeypatch, caplog):
+    warned, _ = _backend_env_outcome(monkeypatch, caplog, {"TORCH_NCCL_BLOCKING_WAIT": "1"})
+    assert len(warned) == 1 and "TORCH_NCCL_BLOCKING_WAIT=1" in warned[0] and "does not overlap" in warned[0]
+    assert _backend_env_outcome(monkeypatch, caplog, {"TORCH_NCCL_BLOCKING_WAIT": "1"}, backend="cpu:gloo")[0] == []
+    assert _backend_env_outcome(monkeypatch, caplog, {"TORCH_NCCL_BLOCKING_WAIT": "0"})[0] == []
+
+
+def test_gloo_side_groups_take_nccls_interface_or_warn_on_a_loopback_hostname(monkeypatch, caplog):
+    # Only NCCL's interface set: gloo's side groups take the one it names.
+    assert _backend_env_outcome(monkeypatch, caplog, {"NCCL_SOCKET_IFNAME": "eth"}) == ([], "eth0")
+    # Neither set, ranks on several hosts, the hostname on loopback: warned, naming the variable.
+    warned, name = _backend_env_outcome(monkeypatch, caplog, {"LOCAL_WORLD_SIZE": "2"}, loopback=True)
+    assert name is None and len(warned) == 1 and "GLOO_SOCKET_IFNAME" in warned[0]
+    # One host, or a hostname that resolves off loopback: nothing to say.
+    assert _backend_env_outcome(monkeypatch, caplog, {"LOCAL_WORLD_SIZE": "4"}, loopback=True) == ([], None)
+    assert _backend_env_outcome(monkeypatch, caplog, {"LOCAL_WORLD_SIZE": "2"}) == ([], None)

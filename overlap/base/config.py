@@ -173,6 +173,17 @@ def local_world_size_from_env(environ: Optional[Mapping[str, str]] = None) -> Op
     return _launcher_int("LOCAL_WORLD_SIZE", 1, environ)
 
 
+# Variables of torch.distributed's backends that start-up looks at (not OVERLAP_*; see
+# overlap/runtime/process_group.py `check_backend_env`).
+BACKEND_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def backend_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The variables of BACKEND_VARS that are set, as they are."""
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in BACKEND_VARS if name in env}
+
+
 def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     """Read and validate every `OVERLAP_*` variable."""
     env = os.environ if environ is None else environ

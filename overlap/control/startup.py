@@ -41,6 +41,7 @@ from overlap.runtime.compression import Compression, QuantizedCodec
 from overlap.runtime.disk_tier import DiskTier
 from overlap.runtime.host_tier import HostTier
 from overlap.runtime.mesh import ShardingGroups, resolve_sharding
+from overlap.runtime.process_group import check_backend_env
 from overlap.runtime.scheduler import Scheduler
 
 logger = logging.getLogger("overlap")
@@ -67,6 +68,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     root_spec, unit_specs = discover_units(module, request.unit_types)
     check_ranks_agree(request.all_group, settings.error, model_signature(root_spec, unit_specs), settings.config)
     decision = decide(request, settings, unit_specs)
+    check_backend_env(request.all_group)           # before the gloo side groups are made
     collectives = _collectives(decision)
     # offload="cpu": master and gradient shards in host memory, and the copies to and from it.
     host = None

@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 # False, as asynchronous work when True, returning its handle (None: nothing to wait for).
 Start = Callable[[bool], Optional[dist.Work]]
 
+# [Note: collectives synchronous on their side stream]
+# On CUDA a collective is issued with async_op=False while the side stream is current: NCCL
+# then orders its kernel after the side stream's work and the side stream's later work after
+# it, with no handle for the host to wait on; the consumer waits on an event recorded
+# behind it. Under TORCH_NCCL_BLOCKING_WAIT=1, torch turns such a call into a host wait for
+# the collective's end, and async_op=True would not help (its `wait()` blocks the host
+# too): no collective would overlap. Start-up warns of it (`check_backend_env` in
+# overlap/runtime/process_group.py) rather than refusing a setting that keeps results right.
+
 
 class CollectiveCall:
     """One collective being issued (see the module's docstring); `pending` once issued."""
