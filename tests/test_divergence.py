@@ -7,12 +7,23 @@ import time
 
 import pytest
 
-from distributed import RankError, run_distributed
+from distributed import CaseLaunch, RankCase, RankError, run_distributed
 
 TIMEOUT_S = 60      # tests/distributed.py's process group timeout
+# The blocked-wait check's wait (overlap/runtime/order_check.py: 10 s), lowered in the ranks
+# of the diverging runs: a rank that is only slow is never reported, so a shorter wait checks
+# the same thing, and each test that reaches the check waits 1 s instead of 10.
+BLOCKED_CHECK_AFTER_S = 1.0
+
+
+def _quick_blocked_check() -> None:
+    from overlap.runtime import order_check
+
+    order_check.CHECK_AFTER_S = BLOCKED_CHECK_AFTER_S
 
 
 def _diverge(rank: int, world: int, how: str) -> None:
+    _quick_blocked_check()
     import torch
     from torch import nn
 
@@ -90,6 +101,7 @@ def test_without_order_words_divergence_is_still_an_error_on_every_rank(how: str
 def _diverge_sized(rank: int, world: int, how: str) -> None:
     """Blocks of four sizes: a collective paired with another unit's would abort the process
     inside gloo, so the check has to stop every rank before issuing it."""
+    _quick_blocked_check()
     import torch
     from torch import nn
 
@@ -172,9 +184,9 @@ def _agree(rank: int, world: int) -> list[int]:
     return steps
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_ranks_that_agree_see_no_error() -> None:
-    assert run_distributed(_agree, 2, timeout=100) == [[2, 4, 6], [2, 4, 6]]
+    assert [outcome.result() for outcome in AGREEING["agree"]] == [[2, 4, 6], [2, 4, 6]]
 
 
 def _words_per_step(rank: int, world: int) -> list[int]:
@@ -216,16 +228,23 @@ def _words_per_step(rank: int, world: int) -> list[int]:
     return counts
 
 
-@pytest.mark.timeout(120)
+# The runs where ranks agree share one launch (tests/distributed.py's [Note: many cases on one
+# launch]); each diverging run has a launch of its own, since it leaves collectives unmatched.
+AGREEING = CaseLaunch({"agree": RankCase(_agree), "words": RankCase(_words_per_step, env={"OVERLAP_PROBE": "0"})},
+                      world_size=2, timeout=200)
+
+
+@pytest.mark.timeout(240)
 def test_steps_that_repeat_a_verified_one_exchange_no_order_words() -> None:
     """The first step exchanges a word before each collective; once the end-of-backward check
     has verified a step's sequence of collectives and older ones have aged out, the steps that
     repeat it exchange none."""
-    for counts in run_distributed(_words_per_step, 2, timeout=100, env={"OVERLAP_PROBE": "0"}):
+    for counts in (outcome.result() for outcome in AGREEING["words"]):
         assert counts[0] > 0 and counts[-4:] == [0, 0, 0, 0], counts
 
 
 def _evaluate_alone(rank: int, world: int) -> None:
+    _quick_blocked_check()
     import torch
     from torch import nn
 
