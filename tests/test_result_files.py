@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 from typing import Any, Iterator
 
 import pytest
@@ -29,6 +31,22 @@ EARLIER: dict[str, str] = {
                                    "compare.py --baseline at that time",
 }
 
+# file: why the commit it records is `<sha>+changes`, a tree with changes not yet committed
+# when it ran (benchmarks/common.git_commit appends "+changes"), so that no commit in the
+# history holds the code measured. Each names the commit that brought the file in; a re-run
+# from a clean tree records a plain commit and must leave this list (the last test).
+UNCOMMITTED: dict[str, str] = {
+    name: f"measured on {base} plus changes not yet committed; written by {written}, the nearest committed code"
+    for name, base, written in (
+        ("collectives.json", "5961bca", "2243956"), ("compile_time_default.json", "ed512e7", "a5d6c2d"),
+        ("hybrid.json", "5961bca", "762118c"), ("integrations.json", "588d594", "170341c"),
+        ("layout_padding.json", "5961bca", "2243956"), ("order_check.json", "5961bca", "588d594"),
+        ("overhead_after.json", "7b189cb", "c808191"), ("overhead_after_two_ranks.json", "10d3665", "f758ace"),
+        ("planner_grid.json", "588d594", "ba079df"))}
+UNCOMMITTED_SUFFIX = "+changes"
+REPOSITORY = os.path.dirname(os.path.dirname(RESULTS))
+needs_history = pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(REPOSITORY, ".git")),
+                                   reason="not a git checkout: the recorded commits cannot be looked up")
 
 # The names the benchmarks give the host's load average.
 LOAD_KEYS = {"loadavg_before", "loadavg_after", "load_before", "load_after", "host_load", "load_average",
@@ -84,3 +102,32 @@ def test_missing_reads_each_kind_of_record() -> None:
     assert missing({"meta": {"commit": "a", "command": "x", "loadavg_before": [1.0]}}) == []
     assert missing({"fast": {"meta": {"commit": "a", "command": "x", "loadavg_after": [1.0]}}}) == []
     assert missing({"commands": ["x"], "commit": "a", "host": {"load_before": [1.0]}}) == []
+
+
+def commits(data: Any) -> set[str]:
+    """Every commit `data` records, where `missing` looks for one."""
+    return {str(mapping["commit"]) for mapping in _mappings(data) if "commit" in mapping}
+
+
+def _in_history(sha: str) -> bool:
+    return subprocess.run(["git", "merge-base", "--is-ancestor", sha, "HEAD"], cwd=REPOSITORY,
+                          capture_output=True).returncode == 0
+
+
+@needs_history
+@pytest.mark.parametrize("name", [name for name in _files() if name not in EARLIER])
+def test_recorded_commit_is_in_the_history(name: str) -> None:
+    recorded = commits(_read(name))
+    for commit in recorded:
+        sha, uncommitted, _ = commit.partition(UNCOMMITTED_SUFFIX)
+        assert not uncommitted or name in UNCOMMITTED, \
+            f"docs/results/{name} records {commit}, a tree no commit holds: re-run it from a clean tree"
+        assert _in_history(sha), f"docs/results/{name} records commit {sha}, which is not in this history"
+
+
+def test_uncommitted_files_say_why_and_still_record_changes() -> None:
+    for name, why in UNCOMMITTED.items():
+        assert name in _files(), f"UNCOMMITTED names docs/results/{name}, which does not exist"
+        assert any(UNCOMMITTED_SUFFIX in commit for commit in commits(_read(name))), \
+            f"docs/results/{name} records a clean commit now: remove it from UNCOMMITTED"
+        assert why.strip(), name
