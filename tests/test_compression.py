@@ -20,12 +20,16 @@ from overlap.base.choices import COMPRESSION_MODES
 NAMES = ("gpt_adamw_groups", "gpt_no_sync", "gpt_bf16", "features")
 # Largest relative difference of any step's loss from uncompressed training, and of the
 # parameters' total change over the run (|Δ_compressed - Δ_none| / |Δ_none|), per mode.
-# Measured at worlds 2 and 3: losses within 0.55% (int8) and 0.51% (int8-int4); changes
-# within 21% and 34%, the most with AdamW, whose first steps move each weight by about
-# sign(gradient) x lr, so a tiny gradient that quantises to the other sign moves it the other
-# way (SGD cases: 7% and 11%). Bounds: about twice the loss figure, 1.4x the change figure.
+# The figures move from run to run by a few points (the planned bucket size, from probed
+# timings, sets where the quantisation blocks fall). Measured at worlds 2 and 3, with hpZ at 4
+# (tests/test_hpz.py) and in tests/test_combinations.py's cells: losses within 0.72%; with
+# SGD, changes within 12% (int8) and 12.4% (int8-int4); with AdamW, whose first steps move
+# each weight by about sign(gradient) x lr, so that a tiny gradient quantised to the other
+# sign moves it the other way, within 26% and 34% (29% and 37.5% under hpZ, not tested).
+# Bounds: 1.4x the loss figure, 1.6x the SGD change and 1.5x the AdamW change.
 LOSS_RTOL = {"int8": 0.01, "int8-int4": 0.01}
-UPDATE_RTOL = {"int8": 0.3, "int8-int4": 0.5}
+UPDATE_RTOL = {"int8": 0.2, "int8-int4": 0.2}
+UPDATE_RTOL_ADAMW = {"int8": 0.4, "int8-int4": 0.5}
 # Bits per value on the wire: weights gathered as int8, gradients reduced as int8 / int4.
 WIRE_BITS = {"int8": {"all_gather": 8, "reduce_scatter": 8}, "int8-int4": {"all_gather": 8, "reduce_scatter": 4}}
 
@@ -71,7 +75,8 @@ def test_compressed_training_stays_close(world: int, name: str, mode: str) -> No
     moved = [k for k in ref["state"] if not torch.equal(ref["state"][k], initial[k])]
     delta_ref = torch.cat([(ref["state"][k] - initial[k]).flatten().float() for k in moved])
     delta = torch.cat([(got["state"][k] - initial[k]).flatten().float() for k in moved])
-    assert (delta - delta_ref).norm() / delta_ref.norm() <= UPDATE_RTOL[mode]
+    bounds = UPDATE_RTOL_ADAMW if CASES[name].optimizer.startswith("adamw") else UPDATE_RTOL
+    assert (delta - delta_ref).norm() / delta_ref.norm() <= bounds[mode]
     # The same parameters moved (none got a gradient it should not have), and compression
     # did change what was sent: the comparison above is not of two identical runs.
     assert [k for k in got["state"] if not torch.equal(got["state"][k], initial[k])] == moved
