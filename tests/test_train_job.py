@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from overlap.train.job import ByteBatches, main
+from overlap.train.batches import ByteBatches
+from overlap.train.job import main
 
 TINY = ["--steps", "16", "--eval-every", "8", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32",
         "--batch", "8", "--lr", "1e-2", "--sample", "1", "--sample-len", "24"]

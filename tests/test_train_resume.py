@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from overlap.checkpoint import latest_checkpoint
-from overlap.train.job import ByteBatches, main
+from overlap.train.batches import ByteBatches
+from overlap.train.job import main
 
 STEPS = 120
 EVERY = 10              # steps between checkpoints
@@ -132,16 +133,16 @@ def test_a_killed_rank_restarts_under_torchrun_and_ends_the_same(uninterrupted, 
     _assert_same_end(out, uninterrupted, int(step))
 
 
-def test_batches_depend_on_seed_rank_and_draw_only():
+def test_batches_depend_on_seed_shard_and_draw_only():
     text = bytes(range(256)) * 8
-    batches = ByteBatches(text, seq=8, device=torch.device("cpu"), seed=3, rank=1)
-    later = batches.get("train", 4, draw=7)
+    batches = ByteBatches(text, seq=8, device=torch.device("cpu"), seed=3)
+    later = batches.get("train", 4, draw=7, shard=1)
     batches.get("train", 4, draw=0)
-    again = ByteBatches(text, seq=8, device=torch.device("cpu"), seed=3, rank=1)
-    assert all(torch.equal(a, b) for a, b in zip(later, again.get("train", 4, draw=7)))
-    for other in (ByteBatches(text, seq=8, device=torch.device("cpu"), seed=3, rank=0).get("train", 4, draw=7),
-                  ByteBatches(text, seq=8, device=torch.device("cpu"), seed=4, rank=1).get("train", 4, draw=7),
-                  again.get("train", 4, draw=8)):
+    again = ByteBatches(text, seq=8, device=torch.device("cpu"), seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(later, again.get("train", 4, draw=7, shard=1)))
+    for other in (again.get("train", 4, draw=7, shard=0),
+                  ByteBatches(text, seq=8, device=torch.device("cpu"), seed=4).get("train", 4, draw=7, shard=1),
+                  again.get("train", 4, draw=8, shard=1)):
         assert not torch.equal(later[0], other[0])
 
 
