@@ -4,23 +4,32 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# The extension's sources compile in parallel through ninja, this many at a time (one per core
+# of a 2-core machine; the C++ compiler holds a few hundred MB per job).
+MAX_JOBS ?= 2
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test test-all bench clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(wildcard kernels/*.cu)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet --no-build-isolation -e ".[test,lightning,hf]"
+	$(PY) -m pip install --quiet "$(TORCH)" ninja
+	MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --quiet --no-build-isolation -e ".[test,lightning,hf]"
 	touch $@
 
 train: setup
 	$(VENV)/bin/overlap train $(ARGS)
 
+# `make test` leaves out the slow tier (tests marked `slow`: a wheel built and installed into a
+# fresh environment); `make test-all` runs everything, as CI does. Both print the 25 slowest
+# tests, so every log shows where the time goes.
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 -m "not slow" $(ARGS)
+
+test-all: setup
+	$(PY) -m pytest -q --durations=25 $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/compare.py $(ARGS)

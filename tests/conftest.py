@@ -20,6 +20,11 @@ if triton is not None and not torch.cuda.is_available():
     triton.knobs.runtime.interpret = True
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: cannot be made fast (a wheel built and installed into a fresh "
+                                       "environment); `make test` leaves these out, `make test-all` and CI run them")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_probe_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One link-probe cache for the session (unless the caller set OVERLAP_PROBE_CACHE).

@@ -4,6 +4,9 @@ From a copy of the working tree: an sdist, a wheel built from that sdist with pi
 installed into a fresh virtual environment, and the `overlap` command and every kernel backend
 run there from a directory outside the checkout. The README's Install section is checked
 against what this test does.
+
+The tests that build and install are the slow tier (marked `slow`, minutes of building):
+`make test` leaves them out, `make test-all` and CI run them.
 """
 from __future__ import annotations
 
@@ -133,6 +136,7 @@ def _overlap(install, *args, timeout=120):
                 timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sdist_holds_the_extension_sources_and_whole_test_suite(install):
     tree, files = install["tree"], install["sdist_files"]
@@ -144,6 +148,7 @@ def test_sdist_holds_the_extension_sources_and_whole_test_suite(install):
     assert not warnings, "\n".join(warnings)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_wheel_holds_every_package_and_data_file_and_builds_without_warnings(install):
     expected = _expected_files(install["tree"])
@@ -161,6 +166,7 @@ def test_wheel_holds_every_package_and_data_file_and_builds_without_warnings(ins
         assert len(warnings) == 1 and SKIPPED_EXTENSION in warnings[0], "\n".join(warnings)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_without_a_compiler_the_build_warns_once_and_ships_no_extension(install):
     warnings = PYTHON_WARNING.findall(install["bare_log"])
@@ -169,6 +175,7 @@ def test_without_a_compiler_the_build_warns_once_and_ships_no_extension(install)
     assert _wheel_files(install["bare_wheel"]) == _expected_files(install["tree"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_installed_package_and_every_available_kernel_backend(install):
     env = dict(install["env"], TRITON_INTERPRET="1")      # Triton runs CPU tensors in its interpreter
@@ -186,6 +193,7 @@ def test_installed_package_and_every_available_kernel_backend(install):
     assert "install cupy" in backends["cupy"], backends       # no GPU stack in this venv
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_help_estimate_and_simulate_run_from_the_install(install):
     out = _overlap(install, "--help")
@@ -196,6 +204,7 @@ def test_help_estimate_and_simulate_run_from_the_install(install):
     assert re.search(r"^planner pick: depth \d+, .* tokens/s/GPU", out, re.M), out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_train_runs_from_the_install(install):
     out = _overlap(install, "train", *TINY_TRAIN, timeout=180)
