@@ -446,6 +446,15 @@ def _run_steps(data: Any, link: str, impl: str, round_index: int) -> list[float]
     run = next(r for r in data["runs"] if r["link"] == link and r["impl"] == impl and r["round"] == round_index)
     return [max(times) for times in zip(*(rank["step_s"] for rank in run["ranks"]))]
 
+def logged(pattern: str) -> Reader:
+    """The number a log's first line matching `pattern` captures (its one group)."""
+    def read(text: str) -> float:
+        found = re.search(pattern, text, re.MULTILINE)
+        assert found, f"no line matches {pattern!r}"
+        return float(found.group(1))
+    return read
+
+
 def _overlap_over_ddp_both_links(two_gbit: Any) -> list[float]:
     """overlap ÷ tuned DDP per round, the loopback run's rounds and then the 2 Gbit/s run's."""
     return (_paired("loopback", "overlap", ("ddp-tuned",))(_result(_CURRENT["loopback"]))
@@ -868,6 +877,14 @@ FIGURES: list[Figure] = [
     Figure("README.md", "int8 against DDP's fp16 hook at 2 Gbit/s: {0}, within {1:.0f}% either way", _CURRENT["2gbit"],
            (listed(_paired("2gbit", "overlap-int8", ("ddp-fp16",))),
             lambda d: 100 * max(abs(r - 1) for r in _paired("2gbit", "overlap-int8", ("ddp-fp16",))(d)))),
+    # README: `overlap train` at its defaults, from the run's log.
+    Figure("README.md", "took {0:.0f} s from start to exit on 2 CPU cores with nothing else running: the loss fell "
+                        "from {1:.2f} to {2:.2f} (validation {3:.2f}), and the report read \"communication {4:.1f} "
+                        "ms/step, {5:.0f}% hidden, exposed {6:.1f} ms\" in a {7:.0f} ms step", "train_defaults.txt",
+           (logged(r"wall ([\d.]+) s from start to exit"), logged(r"^# first step.*loss ([\d.]+),"),
+            logged(r"^final step \d+: loss ([\d.]+)"), logged(r"^final step .*val loss ([\d.]+)"),
+            logged(r"^communication ([\d.]+) ms/step"), logged(r"^communication .*, (\d+)% hidden"),
+            logged(r"^communication .*exposed ([\d.]+) ms"), logged(r"^step ([\d.]+) ms \(forward\+backward\)"))),
     Figure("README.md", "Peak memory per rank: {0:.0f} MiB for ShardedModule (int8 too), {1:.0f} for tuned FSDP2, "
                         "{2:.0f} for DDP", _CURRENT["loopback"],
            tuple(lambda d, i=impl: max(r["peak"]["Total"] for r in d["results"]["loopback"][i]["ranks_memory"]) / 2**20
@@ -904,7 +921,6 @@ FIGURES: list[Figure] = [
 
 # Result files a doc links to whose figures no row above checks, and why.
 UNCHECKED = {
-    "train_defaults.txt": "a log of one run, quoted as a log, not as figures",
     "overhead_profile_before.txt": "a profiler listing, quoted as such",
     **{f"compile_compare_{name}.md": f"the markdown report of compile_compare_{name}.json, whose figures are checked"
        for name in ("gpt_loopback", "gpt_2gbit", "mlp_loopback", "mlp_2gbit", "mlp_loopback_pinned")},
@@ -926,8 +942,9 @@ def _doc(path: str) -> str:
 
 
 def _result(name: str) -> Any:
+    """A result file's JSON; a log (.txt) as its text, for `logged` to read."""
     with open(os.path.join(ROOT, "docs", "results", name), encoding="utf-8") as f:
-        return json.load(f)
+        return f.read() if name.endswith(".txt") else json.load(f)
 
 
 @pytest.mark.parametrize("figure", FIGURES, ids=[f"{f.doc}:{f.file}:{i}" for i, f in enumerate(FIGURES)])
