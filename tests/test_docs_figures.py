@@ -877,6 +877,8 @@ FIGURES: list[Figure] = [
     Figure("README.md", "int8 against DDP's fp16 hook at 2 Gbit/s: {0}, within {1:.0f}% either way", _CURRENT["2gbit"],
            (listed(_paired("2gbit", "overlap-int8", ("ddp-fp16",))),
             lambda d: 100 * max(abs(r - 1) for r in _paired("2gbit", "overlap-int8", ("ddp-fp16",))(d)))),
+    Figure("docs/offload_disk.md", "The file's `io_hidden_share` ({0:.2f} on rank 0, {1:.2f} on rank 1)",
+           "offload_disk_model_large.json", tuple(at("ranks", rank, "io_hidden_share") for rank in (0, 1))),
     # README: `overlap train` at its defaults, from the run's log.
     Figure("README.md", "took {0:.0f} s from start to exit on 2 CPU cores with nothing else running: the loss fell "
                         "from {1:.2f} to {2:.2f} (validation {3:.2f}), and the report read \"communication {4:.1f} "
