@@ -1,7 +1,7 @@
 """Train a Hugging Face model with `transformers.Trainer`, sharded by overlap (ZeRO-3).
 
     torchrun --nproc-per-node 2 examples/hf_trainer.py              # CPU: 2 gloo ranks
-    torchrun --nproc-per-node 8 examples/hf_trainer.py --steps 200  # one rank per GPU
+    torchrun --nproc-per-node 8 examples/hf_trainer.py --steps 200  # one rank per GPU (not yet run on a GPU)
 
 `OverlapTrainer` is `Trainer` with the model wrapped in `ShardedModule` (Accelerate does not
 wrap it again in DDP). Everything else is the Trainer you know: `TrainingArguments` for

@@ -1,7 +1,7 @@
 """Train a small GPT with Lightning's Trainer and overlap's ZeRO-3 strategy.
 
     python examples/lightning_gpt.py                 # CPU: Lightning starts 2 gloo ranks itself
-    python examples/lightning_gpt.py --devices 8     # one rank per GPU (nccl), same code
+    python examples/lightning_gpt.py --devices 8     # one rank per GPU (nccl): written for it, not yet run on a GPU
 
 The GPT is built in `configure_model` on the meta device: no rank ever holds the full model
 in memory before `OverlapStrategy` shards it (each unit is materialised, then sharded). The

@@ -1,7 +1,7 @@
 """Train a small GPT with ShardedModule (ZeRO-3): the whole loop in one readable file.
 
     torchrun --nproc-per-node 2 examples/train_gpt.py            # CPU: gloo, 2 ranks
-    torchrun --nproc-per-node 8 examples/train_gpt.py --steps 200 # one rank per GPU: nccl
+    torchrun --nproc-per-node 8 examples/train_gpt.py --steps 200 # one rank per GPU: nccl (not yet run on a GPU)
 
 The data is a fixed set of random token sequences, so the model can only learn by
 memorising them: the loss falls from ln(vocab) towards zero. Each rank draws its own
