@@ -28,7 +28,7 @@ import socket
 import tempfile
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch.multiprocessing as mp
 
@@ -164,18 +164,30 @@ def _read_progress(progress_dir: str, rank: int) -> str:
 
 
 class CaseLaunch:
-    """Named cases run in turn on one launch of `world_size` ranks, launched on first use;
-    `launch[name]` is that case's outcome on each rank. See [Note: many cases on one launch]."""
+    """Named cases run in turn on one launch of `world_size` ranks, launched on first use,
+    after the launches in `after` (whose files its cases read); `launch[name]` is that case's
+    outcome on each rank. See [Note: many cases on one launch]."""
 
     def __init__(self, cases: dict[str, RankCase], world_size: int, env: Optional[dict] = None,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        self.cases, self.world_size, self.env, self.timeout = cases, world_size, env, timeout
+                 timeout: float = DEFAULT_TIMEOUT_S, after: Sequence["CaseLaunch"] = ()) -> None:
+        self.cases, self.world_size, self.env, self.timeout, self.after = cases, world_size, env, timeout, after
         self._outcomes: Optional[list[dict]] = None
         self._failure: Optional[BaseException] = None
 
-    def __getitem__(self, name: str) -> list[Outcome]:
+    def run_once(self) -> None:
+        """Run the launch unless it has run (its failure is kept, not raised here)."""
         if self._outcomes is None and self._failure is None:
+            for earlier in self.after:
+                earlier.run_once()
             self._launch()
+
+    def failure(self) -> Optional[BaseException]:
+        """What stopped the launch (None when every rank returned), once it has run."""
+        self.run_once()
+        return self._failure
+
+    def __getitem__(self, name: str) -> list[Outcome]:
+        self.run_once()
         if self._failure is not None:
             raise RuntimeError(f"the launch running case {name!r} failed: {self._failure}") from self._failure
         return [per_rank[name] for per_rank in self._outcomes]

@@ -2,7 +2,6 @@
 layouts, asynchronous saves, interrupted saves, other models, and no unpickling on load."""
 from __future__ import annotations
 
-import functools
 import io
 import math
 import os
@@ -12,7 +11,9 @@ import signal
 import pytest
 import torch
 
-from distributed import RankError, run_distributed
+import torch.multiprocessing as mp
+
+from distributed import CaseLaunch, RankCase
 from parity import _optimizer, _slice
 from parity import token_batches
 from parity_cases import SMALL_GPT
@@ -69,21 +70,11 @@ def _resume(rank: int, world: int, kind: str, path: str, wrap: dict) -> dict:
     return {"final": model.full_state_dict(), "extra": extra}
 
 
-@functools.lru_cache(maxsize=None)
-def _uninterrupted(kind: str, directory: str) -> dict:
-    return run_distributed(_train_and_save, SAVE_WORLD, kind, os.path.join(directory, kind))[0]
-
-
 def _relative_error(got: dict, expected: dict) -> float:
     """‖got − expected‖ / ‖expected‖ over the whole model."""
     diff = math.sqrt(sum(float((got[k] - v).double().pow(2).sum()) for k, v in expected.items()))
     norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in expected.values()))
     return diff / norm
-
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("checkpoints"))
 
 
 # Another world size changes the order in which gradients are summed, so the continued run
@@ -93,13 +84,15 @@ RESUMES = [(1, {}), (3, {}), (4, {}), (2, {"bucket_mb": 1.0, "prefetch_depth": 0
 TOLERANCE = {"sgd": 1e-6, "adamw_groups": 1e-5}
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["sgd", "adamw_groups"])
+KINDS = ["sgd", "adamw_groups"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("world,wrap", RESUMES, ids=["world1", "world3", "world4", "world2-other-layout"])
-def test_resume_continues_like_the_uninterrupted_run(kind: str, world: int, wrap: dict, checkpoint_dir: str) -> None:
-    reference = _uninterrupted(kind, checkpoint_dir)
-    results = run_distributed(_resume, world, kind, os.path.join(checkpoint_dir, kind), wrap)
-    for result in results:
+def test_resume_continues_like_the_uninterrupted_run(kind: str, world: int, wrap: dict, launches: dict) -> None:
+    reference = launches[SAVE_WORLD][f"save-{kind}"][0].result()
+    for result in (outcome.result() for outcome in launches[world][f"resume-{kind}"]):
         assert result["extra"] == {"step": SAVE_AFTER, "note": "first"}
         error = _relative_error(result["final"], reference["final"])
         assert error <= (0.0 if world == SAVE_WORLD else TOLERANCE[kind]), error
@@ -107,9 +100,9 @@ def test_resume_continues_like_the_uninterrupted_run(kind: str, world: int, wrap
     assert _relative_error(reference["at_save"], reference["final"]) > 1e-3
 
 
-@pytest.mark.timeout(600)
-def test_files_hold_the_plain_models_names_and_shapes(checkpoint_dir: str) -> None:
-    reference = _uninterrupted("adamw_groups", checkpoint_dir)
+@pytest.mark.timeout(900)
+def test_files_hold_the_plain_models_names_and_shapes(launches: dict) -> None:
+    reference = launches[SAVE_WORLD]["save-adamw_groups"][0].result()
     plain = reference["plain"]
     for key, value in reference["at_save"].items():
         assert torch.equal(plain[f"model.{key}"], value), key
@@ -133,9 +126,9 @@ def _async(rank: int, world: int, path: str) -> dict:
     return {"at_save": at_save, "after": after, "loaded": model.full_state_dict()}
 
 
-@pytest.mark.timeout(300)
-def test_async_save_keeps_the_state_of_its_step(tmp_path) -> None:
-    for result in run_distributed(_async, 2, str(tmp_path / "async")):
+@pytest.mark.timeout(900)
+def test_async_save_keeps_the_state_of_its_step(launches: dict) -> None:
+    for result in (outcome.result() for outcome in launches[2]["async"]):
         assert _relative_error(result["after"], result["at_save"]) > 1e-3
         for key, value in result["at_save"].items():
             assert torch.equal(result["loaded"][key], value), key
@@ -175,14 +168,16 @@ def _load_both(rank: int, world: int, directory: str) -> dict:
     return {"error": None}
 
 
-@pytest.mark.timeout(300)
-def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path) -> None:
-    directory = str(tmp_path)
-    with pytest.raises(Exception):
-        run_distributed(_save_then_die, 2, directory, timeout=120)
+@pytest.mark.timeout(900)
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(launches: dict, checkpoint_dir: str) -> None:
+    killed = launches["killed"].failure()
+    # Rank 1 ended by its own SIGKILL, not by any other failure.
+    assert isinstance(killed, mp.ProcessExitedException), repr(killed)
+    assert killed.error_index == 1 and killed.signal_name == "SIGKILL", killed
+    directory = os.path.join(checkpoint_dir, "killed")
     assert os.path.isdir(os.path.join(directory, "second.partial"))
     assert not os.path.exists(os.path.join(directory, "second"))
-    for result in run_distributed(_load_both, 2, directory):
+    for result in (outcome.result() for outcome in launches[2]["load-after-kill"]):
         assert result["error"] is not None and "incomplete" in result["error"] and "second" in result["error"]
         assert result["latest"] == os.path.join(directory, "first")
 
@@ -203,20 +198,13 @@ def _save_small(rank: int, world: int, path: str) -> None:
     checkpoint.save(path, model, _optimizer("sgd", model))
 
 
-@pytest.mark.timeout(300)
-def test_another_models_checkpoint_is_refused_on_every_rank(tmp_path) -> None:
-    path = str(tmp_path / "small")
-    run_distributed(_save_small, 2, path)
-    with pytest.raises(RankError) as wider:
-        run_distributed(_load_into, 2, path, {"n_embd": 48})
-    assert set(wider.value.errors) == {0, 1}
-    for error in wider.value.errors.values():
+@pytest.mark.timeout(900)
+def test_another_models_checkpoint_is_refused_on_every_rank(launches: dict) -> None:
+    assert [outcome.result() for outcome in launches[2]["save-small"]] == [None, None]
+    for error in (outcome.error() for outcome in launches[2]["load-wider"]):
         assert "CheckpointMismatch" in error and "'wte.weight'" in error
         assert "(64, 32) in the checkpoint and (64, 48) in the model" in error
-    with pytest.raises(RankError) as deeper:
-        run_distributed(_load_into, 2, path, {"n_layer": 4})
-    assert set(deeper.value.errors) == {0, 1}
-    assert all("has no 'blocks.3.ln_1.weight'" in e for e in deeper.value.errors.values())
+    assert all("has no 'blocks.3.ln_1.weight'" in outcome.error() for outcome in launches[2]["load-deeper"])
 
 
 class _Payload:
@@ -224,12 +212,12 @@ class _Payload:
         return (os.system, ("touch should-not-exist",))
 
 
-def test_metadata_is_not_unpickled_freely(tmp_path) -> None:
+def test_metadata_is_not_unpickled_freely(tmp_path, monkeypatch) -> None:
     from overlap.checkpoint import UnsafeCheckpoint
     from overlap.checkpoint.safe_files import read_metadata
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload()))
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)             # where the payload's `touch` would write
     with pytest.raises(UnsafeCheckpoint, match="posix.system|os.system"):
         read_metadata(str(tmp_path))
     assert not (tmp_path / "should-not-exist").exists()
@@ -293,9 +281,9 @@ def _save_and_load_on_a_subgroup(rank: int, world: int, path: str) -> dict:
     return result
 
 
-@pytest.mark.timeout(300)
-def test_a_model_on_a_subgroup_saves_and_loads(tmp_path) -> None:
-    results = run_distributed(_save_and_load_on_a_subgroup, 4, str(tmp_path / "subgroup"), timeout=240)
+@pytest.mark.timeout(900)
+def test_a_model_on_a_subgroup_saves_and_loads(launches: dict) -> None:
+    results = [outcome.result() for outcome in launches[4]["subgroup"]]
     assert [r["later_group_sum"] for r in results] == [4.0] * 4
     for rank in SUBGROUP:
         got = results[rank]
@@ -303,3 +291,41 @@ def test_a_model_on_a_subgroup_saves_and_loads(tmp_path) -> None:
         assert _relative_error(got["before"], got["saved"]) > 1e-3
         for key, value in got["saved"].items():
             assert torch.equal(got["loaded"][key], value), key
+
+
+# ---- the launches ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def launches(checkpoint_dir: str) -> dict:
+    """One launch per world size, each running its cases in turn (tests/distributed.py's
+    [Note: many cases on one launch]), and the launch whose rank 1 is killed mid-save. The
+    saves at SAVE_WORLD come first; the resumes at other world sizes read their files."""
+    def path(name: str) -> str:
+        return os.path.join(checkpoint_dir, name)
+
+    def resumes(world: int) -> dict:
+        return {f"resume-{kind}": RankCase(_resume, (kind, path(kind), dict(RESUMES)[world])) for kind in KINDS}
+
+    killed = CaseLaunch({"save-then-die": RankCase(_save_then_die, (path("killed"),))}, world_size=2, timeout=120)
+    saves = CaseLaunch({
+        **{f"save-{kind}": RankCase(_train_and_save, (kind, path(kind))) for kind in KINDS},
+        **resumes(SAVE_WORLD),
+        "async": RankCase(_async, (path("async"),)),
+        "save-small": RankCase(_save_small, (path("small"),)),
+        "load-wider": RankCase(_load_into, (path("small"), {"n_embd": 48})),
+        "load-deeper": RankCase(_load_into, (path("small"), {"n_layer": 4})),
+        "load-after-kill": RankCase(_load_both, (path("killed"),)),
+    }, world_size=SAVE_WORLD, timeout=600, after=[killed])
+    return {
+        "killed": killed,
+        SAVE_WORLD: saves,
+        1: CaseLaunch(resumes(1), world_size=1, timeout=400, after=[saves]),
+        3: CaseLaunch(resumes(3), world_size=3, timeout=400, after=[saves]),
+        4: CaseLaunch({**resumes(4), "subgroup": RankCase(_save_and_load_on_a_subgroup, (path("subgroup"),))},
+                      world_size=4, timeout=600, after=[saves]),
+    }
