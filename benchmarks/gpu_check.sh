@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The check to run first on a machine with a GPU (written for one H200 with torch, triton and
-# cupy-cuda13x, perhaps nvcc, no internet), within 8 minutes: each step has a cap, the caps add
-# up to the budget, and the plan is printed first. It prints PASS, FAIL or SKIP per check, with
+# cupy-cuda13x, perhaps nvcc, no internet), within 8 minutes (one 10-minute call with time
+# to spare): each step has a cap, the caps add up to the budget, and the plan is printed first. It prints PASS, FAIL or SKIP per check, with
 # its figures and, for a SKIP, why. Newest code first:
 #   install         the package, without compiling anything, so that every later step can
 #                   import it whatever the extension's build does
@@ -20,7 +20,11 @@
 #                   communication against the overlap report's, beside FSDP2's), device
 #                   selection and stream-race parity, kernels past 2**31 elements, ShardedModule
 #                   against FSDP2 and the plain model on a ~1B-parameter GPT
+#   sanitized       two parity steps under TORCH_CUDA_SANITIZER=1 (cross-stream use without an
+#                   event, memory freed while a stream reads it)
 #   kernel_tests    tests/test_kernels.py's CUDA cases
+#   kernel_memcheck, kernel_racecheck
+#                   compute-sanitizer's memcheck and racecheck over the extension's and CuPy's cases
 #   kernel_bandwidth benchmarks/kernels.py on CUDA: each backend's GB/s next to a copy
 #
 # One GPU is one rank: NCCL's collectives are then local copies. What this cannot show
@@ -48,15 +52,27 @@ start_s=$SECONDS
 
 # The steps in the order they run, and each one's cap in seconds; the caps add up to at most
 # BUDGET_S, so the script ends within it even when every step runs to its cap.
+# [Note: the caps]
+# The Triton kernels compile once per dtype and specialisation (100+ compiles cold): the
+# quant_kernels step compiles them into TRITON_CACHE_DIR, under bench_out/ (kept on the
+# machine between calls), so that kernel_tests and a rerun find them compiled; its cap is the
+# largest of the test steps for that reason. The extension's cap assumes ninja (the machine
+# step says whether it is there): without it the 8 .cpp and 1 .cu files build one at a time,
+# and the step may stop at its cap, a FAIL that names it, while every later step still runs
+# on the torch, Triton and CuPy backends.
 BUDGET_S=480
 STEPS=(machine install extension quant_kernels offload compressed report_timing sync_free slow_link parity
-       large_index overhead kernel_tests kernel_bandwidth)
-declare -A CAP=([machine]=20 [install]=30 [extension]=115 [quant_kernels]=50 [offload]=20 [compressed]=25 [report_timing]=25
-                [sync_free]=20 [slow_link]=35 [parity]=40 [large_index]=25 [overhead]=35 [kernel_tests]=25
-                [kernel_bandwidth]=15)
+       sanitized large_index overhead kernel_tests kernel_memcheck kernel_racecheck kernel_bandwidth)
+declare -A CAP=([machine]=15 [install]=20 [extension]=90 [quant_kernels]=55 [offload]=25 [compressed]=20
+                [report_timing]=20 [sync_free]=20 [slow_link]=30 [parity]=45 [sanitized]=25 [large_index]=20
+                [overhead]=25 [kernel_tests]=30 [kernel_memcheck]=20 [kernel_racecheck]=10 [kernel_bandwidth]=10)
 # The checks of benchmarks/gpu_checks.py that each step runs.
 declare -A CHECKS=([offload]=offload [compressed]=compressed [report_timing]=report_timing [sync_free]=sync_free,hybrid,hpz
-                   [slow_link]=slow_link [parity]=device,parity [large_index]=large_index [overhead]=overhead)
+                   [slow_link]=slow_link [parity]=device,parity [sanitized]=sanitized [large_index]=large_index
+                   [overhead]=overhead)
+# What NCCL warns of goes to the logs; the Triton cache outlives this run (see the note).
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/bench_out/triton_cache}"
 
 echo "plan: step, cap (budget $BUDGET_S s)"
 total=0
@@ -124,18 +140,38 @@ step machine
 capped machine "$PY" - <<'EOF'
 import importlib.metadata, shutil, subprocess, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "GPU", torch.cuda.is_available())
+driver = None
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print(f"device {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
+    print("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip().splitlines()
+        driver = out[0] if out else None
+    print("driver", driver or "unknown (no nvidia-smi)")
+versions = {}
 for name in ("triton", "cupy-cuda13x", "cupy-cuda12x", "pytest", "setuptools"):
     try:
-        print(name, importlib.metadata.version(name))
+        versions[name] = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        print(name, "not installed")
+        versions[name] = None
+    print(name, versions[name] or "not installed")
+# cupy-cuda13x needs a driver of the CUDA 13 series (580 or later); on an older driver CuPy
+# does not load and the CuPy backend drops out of every CUDA case (cupy-cuda12x serves there).
+if versions["cupy-cuda13x"] and driver and int(driver.split(".")[0]) < 580:
+    print(f"cupy: cupy-cuda13x needs driver >= 580, this one is {driver}: the CuPy backend is unavailable; "
+          "install cupy-cuda12x for it to be checked")
+setuptools = versions["setuptools"]
+if setuptools and int(setuptools.split(".")[0]) < 77:
+    print(f"setuptools {setuptools}: the install needs >= 77 (pyproject.toml's SPDX license, read with "
+          "--no-build-isolation): the install step will fail")
 nvcc = shutil.which("nvcc")
 print("nvcc", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
       if nvcc else "not found")
 print("ninja", "found" if shutil.which("ninja") else "not found: the extension would compile one file at a time")
+print("compute-sanitizer", shutil.which("compute-sanitizer") or "not found")
 EOF
 ended machine $?
 
@@ -201,7 +237,9 @@ pytest_step() {
     elif [ "$has_pytest" != 1 ]; then
         verdict SKIP "$name" "pytest is not importable here"
     else
-        capped "$name" "$PY" -m pytest -q -p no:cacheprovider -k "cuda and not compile" "$file" >/dev/null
+        # Not the nvcc PTX test (its name says cuda too): it runs in the CPU suite.
+        capped "$name" "$PY" -m pytest -q -p no:cacheprovider -k "cuda and not compile and not fuse_no_fma" "$file" \
+            >/dev/null
         local rc=$?
         if [ "$rc" = 0 ]; then
             verdict PASS "$name" "$(tail -1 "$OUT_DIR/$name.log")"
@@ -231,17 +269,46 @@ checks_step() {
     elif [ "$installed" != 1 ]; then
         for check in ${CHECKS[$name]//,/ }; do verdict SKIP "$check" "the package did not install"; done
     else
-        capped "$name" "$PY" benchmarks/gpu_checks.py --only "${CHECKS[$name]}" $rehearse
+        if [ "$name" = sanitized ] && [ "$mode" = gpu ]; then
+            # Read when torch is imported: the sanitizer wraps every CUDA op of the process.
+            TORCH_CUDA_SANITIZER=1 capped "$name" "$PY" benchmarks/gpu_checks.py --only "${CHECKS[$name]}"
+        else
+            capped "$name" "$PY" benchmarks/gpu_checks.py --only "${CHECKS[$name]}" $rehearse
+        fi
         ended "$name" $?
         checks_logs+=("$OUT_DIR/$name.log")
     fi
 }
-for name in offload compressed report_timing sync_free slow_link parity large_index overhead; do
+for name in offload compressed report_timing sync_free slow_link parity sanitized large_index overhead; do
     checks_step "$name"
 done
 
 step kernel_tests
 pytest_step kernel_tests tests/test_kernels.py
+
+sanitizer=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" 2>/dev/null || true)
+# sanitizer_step NAME TOOL: compute-sanitizer's TOOL over the extension's and CuPy's CUDA cases
+# at their small sizes (the tools slow kernels 10-100x).
+sanitizer_step() {
+    local name=$1 tool=$2
+    step "$name"
+    if ! ready; then
+        verdict SKIP "$name" "$(not_ready_reason)"
+    elif [ -z "$sanitizer" ]; then
+        verdict SKIP "$name" "compute-sanitizer not found (it ships with the CUDA toolkit)"
+    else
+        capped "$name" "$sanitizer" --tool "$tool" --error-exitcode 3 "$PY" -m pytest -q -x -p no:cacheprovider \
+            -k "cuda and (ext or cupy) and not compile and not fuse_no_fma" tests/test_kernels.py \
+            tests/test_quant_kernels.py >/dev/null
+        local rc=$?
+        if [ "$rc" = 0 ]; then verdict PASS "$name" "$tool reports no error: $(tail -1 "$OUT_DIR/$name.log")"
+        else ended "$name" "$rc"
+        fi
+    fi
+}
+# memcheck: out-of-bounds and misaligned accesses; racecheck: shared-memory races.
+sanitizer_step kernel_memcheck memcheck
+sanitizer_step kernel_racecheck racecheck
 
 step kernel_bandwidth
 if ! ready; then

@@ -24,10 +24,11 @@
                 the injected time that the step time exposes, against the overlap report
   device        `init_process_group()`, "cpu:gloo,cuda:nccl" and "nccl" each put the shards on
                 the GPU, and a step runs there
-  parity        five configurations, each trained plainly and with delays injected on the side
+  parity        seven configurations (among them odd parameter sizes and compile=True), each trained plainly and with delays injected on the side
                 streams (`torch.cuda._sleep` before and after every collective) and every freed
                 gathered buffer NaN-filled before its storage is released: bit-identical runs,
                 finite, equal to the unsharded model, allocated memory flat from step 2 on
+  sanitized     two steps of one parity configuration under TORCH_CUDA_SANITIZER=1
   large_index   every kernel backend on tensors past 2**31 elements against torch
   overhead      step time and peak memory of ShardedModule, FSDP2 and the plain model at world
                 size 1 on a ~1B-parameter GPT in bf16
@@ -68,7 +69,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))        # tests/models.py: the awkward model
 
 CHECKS = ("offload", "compressed", "report_timing", "sync_free", "hybrid", "hpz", "slow_link", "device", "parity",
-          "large_index", "overhead")
+          "sanitized", "large_index", "overhead")
 # torch.cuda._sleep cycles injected around each side-stream collective: ~0.5 ms at ~2 GHz.
 SLEEP_CYCLES = 1_000_000
 PARITY_STEPS = 5
@@ -335,6 +336,26 @@ def _feature_net():
     return FeatureNet(vocab=512, d=64, hidden=96)
 
 
+class OddNet(torch.nn.Module):
+    """A language model whose parameters have odd sizes (37, 29, 7 wide; 1-D pieces before
+    matrices): flat offsets and shard boundaries that fall off 16-byte alignment unless the
+    layout rounds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, 37)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(37), torch.nn.Linear(37, 29),
+                                                              torch.nn.GELU(), torch.nn.Linear(29, 37))
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(37, 512)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 def _parity_configs() -> dict[str, dict]:
     return {
         "gpt_fp32_depth2": dict(build=_gpt, wrap=dict(prefetch_depth=2)),
@@ -343,6 +364,9 @@ def _parity_configs() -> dict[str, dict]:
         "bf16_gather_fp32_reduce": dict(build=_gpt, wrap=dict(prefetch_depth=1, mixed_precision=_bf16()),
                                         param_dtype=torch.bfloat16),
         "no_reshard_after_forward": dict(build=_gpt, wrap=dict(prefetch_depth=1, reshard_after_forward=False)),
+        "odd_shapes_bf16": dict(build=OddNet, wrap=dict(prefetch_depth=1, mixed_precision=_bf16()),
+                                param_dtype=torch.bfloat16),
+        "compiled": dict(build=lambda: _gpt(layers=2), wrap=dict(prefetch_depth=1, compile=True)),
     }
 
 
@@ -356,8 +380,9 @@ def _parity_steps(device: torch.device) -> int:
     return PARITY_STEPS if device.type == "cuda" else REHEARSAL_STEPS
 
 
-def _train_sharded(config: dict, device: torch.device, injection: Optional[Injection]) -> dict:
-    """`_parity_steps` steps of ShardedModule under `injection`; its losses, allocated bytes after
+def _train_sharded(config: dict, device: torch.device, injection: Optional[Injection],
+                   steps: Optional[int] = None) -> dict:
+    """`steps` (default `_parity_steps`) steps of ShardedModule under `injection`; its losses, allocated bytes after
     each step, final state, and the collectives its step records hold (by kind, and the
     gathers sent compressed)."""
     from overlap import ShardedModule
@@ -370,7 +395,7 @@ def _train_sharded(config: dict, device: torch.device, injection: Optional[Injec
     losses, allocated = [], []
     records = _delivered_records(model)
     with injection.active() if injection is not None else contextlib.nullcontext():
-        for idx, targets in _batches(device, _parity_steps(device)):
+        for idx, targets in _batches(device, steps or _parity_steps(device)):
             total = torch.zeros((), device=device)
             for k in range(micro):
                 part = slice(k * idx.shape[0] // micro, (k + 1) * idx.shape[0] // micro)
@@ -570,7 +595,7 @@ def _where(exc: BaseException) -> str:
 @contextlib.contextmanager
 def counted_host_waits() -> Iterator[Counter]:
     """Count, by caller, the host waits `set_sync_debug_mode` does not flag: an event's or a
-    stream's `synchronize()` and `torch.cuda.synchronize()`."""
+    stream's `synchronize()`, `torch.cuda.synchronize()` and the runtime's polling waits."""
     seen: Counter = Counter()
 
     def counting(label: str, fn: Callable) -> Callable:
@@ -582,9 +607,14 @@ def counted_host_waits() -> Iterator[Counter]:
             return fn(*args, **kwargs)
         return run
 
+    from overlap.runtime import step_counter, timing
+
+    # `polling` makes the host wait for a CUDA event by querying it: the step record's read
+    # of a step not yet complete (overlap/runtime/timing.py).
     targets = [(torch.cuda.Event, "synchronize", "Event.synchronize"),
                (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
-               (torch.cuda, "synchronize", "torch.cuda.synchronize")]
+               (torch.cuda, "synchronize", "torch.cuda.synchronize"),
+               (timing, "polling", "polling wait"), (step_counter, "polling", "polling wait")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     for owner, name, label in targets:
         setattr(owner, name, counting(label, getattr(owner, name)))
@@ -873,6 +903,39 @@ def check_parity(checks: Checks, rehearse: bool) -> None:
                            f"{'close' if losses_close else 'DIFFER'}, worst parameter at {worst:.2f} of the "
                            f"tolerance; allocated bytes moved from step 2 on by {flat['plain']} (plain) / "
                            f"{flat['injected']} (injected); losses {['%.5f' % v for v in plain['losses']]}")
+
+
+# ---- the same parity under torch's CUDA sanitizer --------------------------------------------------
+
+SANITIZED_STEPS = 2
+
+
+def check_sanitized(checks: Checks, rehearse: bool) -> None:
+    """Two steps of one parity configuration, plain and injected, with TORCH_CUDA_SANITIZER=1
+    set before torch was imported (gpu_check.sh does): torch's sanitizer raises on a kernel that
+    uses a tensor another stream writes without an event between them, or memory freed while a
+    stream still reads it: the direct test of "buffers held until the consumer waited"."""
+    from torch.cuda._sanitizer import cuda_sanitizer
+
+    device = _device(rehearse)
+    config = _parity_configs()["gpt_fp32_depth2"]
+    active = device.type == "cuda" and cuda_sanitizer is not None and cuda_sanitizer.enabled
+    try:
+        with one_rank_on(device), deterministic():
+            plain = _train_sharded(config, device, None, SANITIZED_STEPS)
+            poked = _train_sharded(config, device, _race_injection(rehearse), SANITIZED_STEPS)
+    except Exception as exc:  # noqa: BLE001 - a sanitizer's report is an exception: a failed check
+        checks.error("sanitized", exc)
+        return
+    identical, finite = _identical(plain, poked), _finite_run(poked)
+    detail = (f"{SANITIZED_STEPS} steps plain and injected: no unsynchronised cross-stream use reported; "
+              f"plain == injected: {identical}; finite: {finite}")
+    if not active:
+        checks.report("SKIP" if identical and finite else "FAIL", "sanitized",
+                      f"the sanitizer tracks CUDA streams and TORCH_CUDA_SANITIZER=1 was "
+                      f"{'set' if os.environ.get('TORCH_CUDA_SANITIZER') else 'not set'}; the steps ran: {detail}")
+        return
+    checks.verdict("sanitized", identical and finite, detail)
 
 
 # ---- kernels past 2**31 elements ---------------------------------------------------------------
@@ -1251,7 +1314,7 @@ RUNNERS: dict[str, Callable[[Checks, bool], None]] = {
     "offload": check_offload, "compressed": check_compressed, "report_timing": check_report_timing,
     "sync_free": check_sync_free,
     "hybrid": check_hybrid, "hpz": check_hpz, "slow_link": check_slow_link, "device": check_device,
-    "parity": check_parity, "large_index": check_large_index, "overhead": check_overhead,
+    "parity": check_parity, "sanitized": check_sanitized, "large_index": check_large_index, "overhead": check_overhead,
 }
 
 

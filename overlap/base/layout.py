@@ -24,6 +24,15 @@ gathers, reductions and compressed collectives work on flat buffers with no copy
 docs/parameters.md compares this with per-parameter DTensors. Parameters of 0 or 1
 dimensions have rows of one element and are never shifted; with no parameter of two or more
 dimensions the layout is the plain one (padding at the end only).
+
+[Note: offsets aligned to rows, not to 16 bytes]
+Offsets and `shard_numel` are aligned to rows only, so with odd sizes (a 1-D parameter of
+odd length before a matrix, an odd shard) a 16-bit view can start off a 16-byte boundary:
+on CUDA cuBLASLt may pick slower kernels, Inductor copies misaligned inputs and NCCL's
+chunks are misaligned. Rounding offsets and shard sizes up to 16 bytes here (where the
+planner would price it) waits for a GPU run that shows the cost: it is written, not yet
+run on a GPU, and the change would move every offset the flat groups and checkpoints build
+on. The GPU check's `parity[odd_shapes_bf16]` trains such a layout.
 """
 from __future__ import annotations
 

@@ -137,7 +137,15 @@ class HostTier:
             self.download_stream = torch.cuda.Stream(device=device, priority=-1)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer, pinned where CUDA can copy from it asynchronously."""
+        """A host buffer, pinned where CUDA can copy from it asynchronously.
+
+        [Note: one pinned buffer per shard]
+        Each shard is its own pinned allocation. CUDA's caching host allocator rounds each to
+        a power of two and keeps it, so the pinned footprint can reach twice the planner's
+        figure, and each cudaHostAlloc is slow (start-up only). One arena per tier, sliced,
+        needs the tier's total before its first shard is placed, which the unit builder
+        knows and this class is not given; it waits for a GPU run that measures the
+        footprint against the estimate (written, not yet run on a GPU)."""
         return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
 
     def on(self, stream: Optional[torch.cuda.Stream]):
