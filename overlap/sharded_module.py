@@ -20,7 +20,9 @@ from overlap.observe.report import OverlapReport
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident
 from overlap.runtime.flat_group import FlatGroup
-from overlap.runtime.row_dtensors import local_part
+from overlap.runtime.optimizer_state import full_optimizer_state
+from overlap.runtime.row_dtensors import local_part, shard_mesh
+from overlap.runtime.unpicklable_state import FULL_MODEL, RankPartStateDict
 from overlap.runtime.shard_grad import plain
 
 if TYPE_CHECKING:
@@ -93,6 +95,12 @@ class ShardedModule(nn.Module):
         self._state_dict_layout = started.state_dict_layout
         module.register_forward_pre_hook(eager_hook(self._root_pre_forward), with_kwargs=True)
         module.register_forward_hook(eager_hook(self._root_post_forward))
+        # `model.module.state_dict()` gives the sharded form, never the parameters' local parts
+        # as if they were whole ([Note: a one-rank save of a sharded state]).
+        self._raw_module_state = False
+        module._register_state_dict_hook(self._module_state_dict_hook)
+        # Made now, on every rank: the mesh the state dicts' DTensors live on.
+        shard_mesh(self.collectives.group, self.collectives.device.type)
 
     @property
     def sharding(self) -> "ShardingGroups":
@@ -130,6 +138,12 @@ class ShardedModule(nn.Module):
         part as a 1-D tensor (see [Note: original parameters are views of the flat shard])."""
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch.distributed.checkpoint.state_dict (`get_model_state_dict`,
+        `get_optimizer_state_dict` and their setters): the names under this wrapper carry no
+        "module." prefix, as `named_parameters()` and `state_dict()` give them."""
+        return {"module": "module"}
+
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
@@ -163,6 +177,28 @@ class ShardedModule(nn.Module):
             yield
         finally:
             self.scheduler.sync_grads = previous
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch: False accumulates gradients locally, as inside `no_sync()`."""
+        return self.scheduler.sync_grads
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"require_backward_grad_sync must be a bool, got {value!r}")
+        self.scheduler.sync_grads = value
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch: False accumulates gradients locally, as inside `no_sync()` (the
+        whole model at once: `recurse` is accepted for FSDP2's signature)."""
+        self.require_backward_grad_sync = requires_gradient_sync
+
+    def parameter_count(self, trainable_only: bool = False) -> int:
+        """The model's parameters counted whole (a tied one once), the same on every rank;
+        `sum(p.numel() for p in model.parameters())` counts this rank's parts."""
+        return sum(slot.numel for unit in self.scheduler.all_units for group in unit.groups
+                   if group.requires_grad or not trainable_only for slot in group.slots)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -212,7 +248,7 @@ class ShardedModule(nn.Module):
                 del flat
         if not keep:
             return {}
-        others = self.module.state_dict()
+        others = self._module_state_dict()
         out: dict[str, torch.Tensor] = {}
         for key, where in self._state_dict_layout:
             if where is not None:
@@ -244,13 +280,41 @@ class ShardedModule(nn.Module):
 
         return memory_report(self, optimizer, step_fn, activations=activations, checkpointing=checkpointing)
 
+    def _module_state_dict(self) -> dict[str, Any]:
+        """The wrapped module's own state dict, parameters as their local parts."""
+        self._raw_module_state = True
+        try:
+            return self.module.state_dict()
+        finally:
+            self._raw_module_state = False
+
+    def _module_state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                                local_metadata: Any) -> Optional[dict[str, Any]]:
+        """`model.module.state_dict()`: each parameter in the sharded form of `state_dict()`;
+        where it holds a part, a dict that refuses to be pickled (see [Note: a one-rank save of
+        a sharded state])."""
+        if self._raw_module_state or self.collectives.world_size == 1:
+            return None
+        for key, value in self.state_dict().items():
+            if isinstance(value, DTensor) and prefix + key in state_dict:
+                state_dict[prefix + key] = value
+        return RankPartStateDict(state_dict, "model.module.state_dict()", FULL_MODEL) if not prefix else None
+
+    def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict[str, Any]:
+        """`optimizer.state_dict()` as one process would have it: state of each parameter's
+        shape gathered whole (CPU tensors), on every rank, or with `rank0_only` on rank 0
+        alone (the others return {}). Called on every rank; loads into an optimizer of the
+        plain model, or into this one at any world size (resharded: see [Note: optimizers
+        built before wrapping])."""
+        return full_optimizer_state(optimizer, keep=not rank0_only or self.collectives.rank == 0)
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict, sharded: each parameter a DTensor of its full shape
         whose local tensor is a view of this rank's rows (as FSDP2 gives them; see
         `overlap.runtime.row_dtensors`), buffers as they are. `torch.distributed.checkpoint`
         saves it without gathering and loads into it in place, at any world size and from
         FSDP2's checkpoints; `overlap.checkpoint` does both, with the optimizer."""
-        others = self.module.state_dict()
+        others = self._module_state_dict()
         out: dict[str, Any] = {}
         for key, where in self._state_dict_layout:
             if where is None:

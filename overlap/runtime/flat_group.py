@@ -55,6 +55,7 @@ from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.pending import COMPLETED
 from overlap.runtime.host_tier import ShardPlace
 from overlap.runtime.node_copy import NodeCopy
+from overlap.runtime.optimizer_state import register_group
 from overlap.runtime.param_identity import rebind
 from overlap.runtime.param_views import ParamViews
 from overlap.runtime.shard_grad import shard_grad
@@ -93,6 +94,7 @@ class FlatGroup:
         self._start_gradients()
         self._make_gathered_buffer()
         self.place.adopt(self)
+        register_group(self)
 
     def _lay_out(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> None:
         """The flat layout: where each parameter lives, and this rank's part of each."""
@@ -325,6 +327,17 @@ class FlatGroup:
         out = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
         all_gather_flat(out, self.place.on_device(self.shard), group=self.collectives.group)
         return out
+
+    def gather_parts(self, parts: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
+        """Whole tensors from every rank's `parts` (each shaped like this rank's part of
+        parameter `indices[i]`, all of one dtype): one all-gather in the flat layout."""
+        shard = torch.zeros(self.shard_numel, dtype=parts[0].dtype, device=self.collectives.device)
+        for part, index in zip(parts, indices):
+            self._shard_view(shard, index).copy_(part)
+        flat = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
+        all_gather_flat(flat, shard, group=self.collectives.group)
+        return [flat[self.slots[index].offset:self.slots[index].offset + self.slots[index].numel]
+                .view(self.slots[index].shape) for index in indices]
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:
         """Set this rank's shard from full parameter values given in slot order (every rank has them)."""

@@ -119,6 +119,13 @@ def _folded(fingerprint: int, value: int) -> int:
     return (fingerprint * _BASE + value + 4) % _MODULUS
 
 
+# What usually makes ranks part, and what to do instead.
+LIKELY_CAUSE = ("The likely cause is a forward run on some ranks only, such as an evaluation or a sample under "
+                "`if rank == 0:` (or a data loader that gives some ranks more batches): run it on every rank "
+                "(each on its own slice of the data, then all-reduce the loss), or build a plain copy of the model "
+                "from model.full_state_dict(rank0_only=True), called on every rank, and run that on rank 0 alone")
+
+
 class DivergenceError(RuntimeError):
     """Ranks ran different units: raised on every rank, naming the step and the unit."""
 
@@ -206,7 +213,8 @@ class OrderCheck:
             everyone: list = [None] * self.world_size
             dist.all_gather_object(everyone, self._traces(), group=self.group)
             raise DivergenceError(self._message(everyone, complete=True) or
-                                  "ShardedModule: ranks ran different units (no single difference found)")
+                                  "ShardedModule: ranks ran different units (no single difference found). "
+                                  + LIKELY_CAUSE)
         self._kept.clear()
         self._current = []
         self._count = 0
@@ -249,7 +257,7 @@ class OrderCheck:
         first = everyone[0][1]
         other = next(r for r, (_, theirs) in enumerate(everyone) if theirs != first or r == len(everyone) - 1)
         raise DivergenceError(
-            (message or f"ShardedModule: ranks ran different units at step {self._step}") +
+            (message or f"ShardedModule: ranks ran different units at step {self._step}. {LIKELY_CAUSE}") +
             f" (found before the {everyone[other][1]} on rank {other}, the {first} on rank 0)")
 
     def _all_gather(self, value: object) -> list:
@@ -358,5 +366,6 @@ class OrderCheck:
                     return (f"ShardedModule: ranks ran different units at step {step}: after {position} unit"
                             f"{'s' * (position != 1)} in the same order, rank {rank} ran {self._describe(b)} "
                             f"where rank {ranks[0]} ran {self._describe(a)}. Every rank must run the same units "
-                            "in the same order: each gather and gradient reduction is a collective of all ranks")
+                            "in the same order: each gather and gradient reduction is a collective of all ranks. "
+                            f"{LIKELY_CAUSE}")
         return None

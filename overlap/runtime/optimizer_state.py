@@ -1,0 +1,165 @@
+"""Optimizers over sharded parameters, whenever and however they were built.
+
+[Note: optimizers built before wrapping]
+Parameters keep their identity ([Note: parameters keep their identity]), so an optimizer
+built from the module before wrapping steps the shards like one built after. What can still
+be wrong is its state: filled before wrapping (a resume that loaded a one-process
+`optimizer.state_dict()` and then wrapped), or loaded later from a one-process state dict,
+it holds tensors of the whole parameter's shape where the parameter now holds this rank's
+rows. A process-wide optimizer step pre-hook (torch.optim's global hook) checks each
+optimizer the first time it steps a sharded parameter and again whenever its state dict or
+its groups were replaced: state of the whole parameter's shape is resharded to this rank's
+rows (the same state one process would have), any other shape is an error naming the
+parameter, and a parameter left behind by a refused swap is an error saying what to do. The
+check costs one comparison per step otherwise. The same first check makes the optimizer's
+`state_dict()` refuse to be pickled where it holds a part (see [Note: a one-rank save of a
+sharded state]).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from overlap.optim.paged import paged_of
+from overlap.runtime.param_identity import left_behind
+from overlap.runtime.row_dtensors import local_part
+from overlap.runtime.unpicklable_state import FULL_OPTIMIZER, RankPartStateDict
+
+if TYPE_CHECKING:
+    from overlap.runtime.flat_group import FlatGroup
+
+# Each sharded parameter -> its flat group and slot.
+_places = WeakIdKeyDictionary()   # by identity: tensors compare element-wise
+_hook: Optional[Any] = None
+# Attributes set on an optimizer once checked: what its state and groups were then, and
+# whether its state_dict() is guarded.
+_CHECKED = "_overlap_checked"
+_GUARDED = "_overlap_guarded"
+
+
+def register_group(group: "FlatGroup") -> None:
+    """Make `group`'s parameters known to every optimizer's check (see the note)."""
+    global _hook
+    for index, param in enumerate(group.params):
+        _places[param] = (group, index)
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_before_step)
+
+
+def place_of(param: torch.Tensor) -> Optional[tuple["FlatGroup", int]]:
+    """The flat group and slot of a sharded parameter, or None."""
+    return _places.get(param)
+
+
+def _signature(optimizer: torch.optim.Optimizer) -> tuple:
+    return id(optimizer.state), tuple(len(group["params"]) for group in optimizer.param_groups)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    signature = _signature(optimizer)
+    if getattr(optimizer, _CHECKED, None) != signature:
+        check_optimizer(optimizer)
+        setattr(optimizer, _CHECKED, signature)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Reshard state of the whole parameters' shape, refuse what cannot be right (the note)."""
+    partial = False
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            name = left_behind(param)
+            if name is not None:
+                raise RuntimeError(
+                    f"the optimizer holds parameter {name!r} as it was before ShardedModule wrapped the model, and "
+                    "ShardedModule could not keep that object (something held a weak reference to it, such as a "
+                    "function compiled before wrapping): build the optimizer from model.parameters() after wrapping")
+            place = _places.get(param)
+            if place is None:
+                continue
+            group, index = place
+            partial = partial or group.collectives.world_size > 1
+            state = optimizer.state.get(param)
+            if state:
+                _reshard(state, param, group, index)
+    if partial and not getattr(optimizer, _GUARDED, False):
+        optimizer.register_state_dict_post_hook(_sharded_form)
+        optimizer.register_load_state_dict_post_hook(check_optimizer)
+        setattr(optimizer, _GUARDED, True)
+
+
+def _reshard(state: dict[str, Any], param: torch.Tensor, group: "FlatGroup", index: int) -> None:
+    slot = group.slots[index]
+    for key, value in state.items():
+        if isinstance(value, DTensor):          # the sharded form of `optimizer.state_dict()`, loaded
+            block, offset = local_part(value)
+            if value.shape != slot.shape or block.shape != param.shape or \
+                    (offset and offset[0] != group.layout.first_row(index, group.collectives.rank, slot.shape)):
+                raise ValueError(f"optimizer state {key!r} of parameter {slot.name!r} is a DTensor sharded unlike "
+                                 "this model's parameter: load it with overlap.checkpoint.load or "
+                                 "torch.distributed.checkpoint, which reshard")
+            state[key] = block.clone()
+            continue
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape == param.shape:
+            continue
+        if value.shape != slot.shape:
+            raise ValueError(f"optimizer state {key!r} of parameter {slot.name!r} has shape {tuple(value.shape)}: "
+                             f"neither this rank's part {tuple(param.shape)} nor the whole parameter "
+                             f"{tuple(slot.shape)}")
+        state[key] = group.local_of_full(index, value).clone()
+
+
+def _sharded_form(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> RankPartStateDict:
+    """`optimizer.state_dict()`: state shaped like a sharded parameter as a DTensor of the whole
+    parameter's shape (what `torch.distributed.checkpoint` saves and reshards, as with FSDP2),
+    in a dict that refuses to be pickled ([Note: a one-rank save of a sharded state])."""
+    numbered = {id(param): param for group in optimizer.param_groups for param in group["params"]}
+    params = list(numbered.values())
+    state = {}
+    for number, values in state_dict["state"].items():
+        place = _places.get(params[number]) if isinstance(number, int) and number < len(params) else None
+        if place is not None:
+            values = {key: place[0].dtensor(value, place[1])
+                      if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == params[number].shape
+                      else value for key, value in values.items()}
+        state[number] = values
+    return RankPartStateDict({**state_dict, "state": state}, "optimizer.state_dict()", FULL_OPTIMIZER)
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict[str, Any]:
+    """`optimizer.state_dict()` with each sharded parameter's state of its shape gathered
+    whole, as CPU tensors ({} where not `keep`). A collective: every rank calls it."""
+    check_optimizer(optimizer)
+    # In the order of the state dict's parameter numbers (a parameter in two groups once).
+    params = list({id(param): param for group in optimizer.param_groups for param in group["params"]}.values())
+    if any(paged_of(param) is not None for param in params):
+        raise NotImplementedError("full_optim_state_dict with offload='disk': the moments live in the state file; "
+                                  "save with overlap.checkpoint.save(path, model, optimizer)")
+    packed = dict(optimizer.state_dict())
+    state = {index: {key: local_part(value)[0] if isinstance(value, DTensor) else value
+                     for key, value in values.items()} for index, values in packed["state"].items()}
+    # (flat group, state name) -> [(parameter index, slot)], in the same order on every rank.
+    gathers: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    groups: dict[int, "FlatGroup"] = {}
+    for number, param in enumerate(params):
+        place = _places.get(param)
+        if place is None or number not in state:
+            continue
+        group, index = place
+        groups[id(group)] = group
+        for key in sorted(state[number]):
+            value = state[number][key]
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == param.shape:
+                gathers.setdefault((id(group), key), []).append((number, index))
+    for (group_id, key), members in gathers.items():
+        group = groups[group_id]
+        whole = group.gather_parts([state[number][key] for number, _ in members], [index for _, index in members])
+        for (number, index), value in zip(members, whole):
+            state[number][key] = value.cpu().clone() if keep else None
+    if not keep:
+        return {}
+    packed["state"] = state
+    return packed

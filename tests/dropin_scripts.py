@@ -1,0 +1,190 @@
+"""Training loops written the way scripts for DDP, Hugging Face and torchtitan are written,
+each run under DDP and under ShardedModule with its one wrapping line changed.
+
+Every loop takes `wrap(model) -> wrapped` and nothing else differs between the two runs:
+the optimizer is built when the original script builds it, gradients are clipped with
+torch's own utilities, accumulation uses the wrapper's switches as DDP scripts do. Each
+returns per-iteration losses (this rank's micro-batches) and the norms torch's clip returned,
+and saves what the script saves.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from overlap import ShardedModule
+from overlap.models import GPT, GPTConfig
+
+Wrap = Callable[[nn.Module], nn.Module]
+CONFIG = GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
+
+
+def ddp(model: nn.Module) -> nn.Module:
+    return DDP(model)
+
+
+def sharded(model: nn.Module) -> nn.Module:
+    return ShardedModule(model)
+
+
+def _batch(iteration: int, micro: int, rank: int, vocab: int, batch: int = 4, seq: int = 16) -> tuple:
+    """Counting sequences from random starts: learnable, so the losses move."""
+    generator = torch.Generator().manual_seed(1000 * iteration + 10 * micro + rank)
+    starts = torch.randint(0, vocab, (batch, 1), generator=generator)
+    tokens = (starts + torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def nanogpt_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """nanoGPT's `configure_optimizers`: weight decay on parameters of two or more dimensions."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=3e-3, betas=(0.9, 0.95))
+
+
+def nanogpt_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 6, accum: int = 2,
+                 grad_clip: float = 0.0) -> dict[str, Any]:
+    """nanoGPT's train.py, shortened: AdamW groups by `p.dim() >= 2` built from the model
+    before wrapping, `require_backward_grad_sync` for accumulation, torch's clip over
+    `model.parameters()`, evaluation on every rank, a checkpoint of `raw_model.state_dict()`
+    and `optimizer.state_dict()` by rank 0."""
+    torch.manual_seed(1337)
+    model = GPT(CONFIG)
+    optimizer = nanogpt_optimizer(model)
+    model = wrap(model)
+    raw_model = model.module
+    counted = sum(p.numel() for p in model.parameters())
+    losses, norms, evals = [], [], []
+    for iteration in range(iters):
+        for micro in range(accum):
+            model.require_backward_grad_sync = micro == accum - 1
+            x, y = _batch(iteration, micro, rank, CONFIG.vocab_size)
+            loss = model(x, y) / accum
+            loss.backward()
+            losses.append(loss.item() * accum)
+        if grad_clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if iteration % 3 == 2:
+            model.eval()
+            with torch.no_grad():
+                evals.append(model(*_batch(99, 0, rank, CONFIG.vocab_size)).item())
+            model.train()
+    checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": iters}
+    save_error = None
+    if rank == 0:
+        try:
+            torch.save(checkpoint, os.path.join(out_dir, "ckpt.pt"))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            save_error = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    return {"losses": losses, "norms": norms, "evals": evals, "counted": counted, "save_error": save_error,
+            "state": _full_state(model, optimizer, out_dir, rank)}
+
+
+def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, rank: int) -> str:
+    """What the error of a one-rank save asks for: the whole state, gathered on every rank and
+    saved by rank 0 (DDP: the module's and the optimizer's own state dicts)."""
+    if isinstance(model, ShardedModule):
+        state = {"model": model.full_state_dict(rank0_only=True),
+                 "optimizer": model.full_optim_state_dict(optimizer, rank0_only=True)}
+    else:
+        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
+    path = os.path.join(out_dir, f"full_{type(model).__name__}.pt")
+    if rank == 0:
+        torch.save(state, path)
+    dist.barrier()
+    return path
+
+
+def hf_no_trainer_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 4, accum: int = 2) -> dict[str, Any]:
+    """transformers' `run_clm_no_trainer.py` without accelerate: a GPT-2, AdamW with the
+    no-decay names built after wrapping from `named_parameters()`, `get_scheduler`, `no_sync`
+    for all micro-batches but the last, torch's clip, `save_pretrained` of the full state."""
+    from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
+
+    torch.manual_seed(7)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = wrap(model)
+    no_decay = ["bias", "ln_1.weight", "ln_2.weight", "ln_f.weight"]
+    groups = [{"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+               "weight_decay": 0.01},
+              {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+               "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=5e-3)
+    scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=1, num_training_steps=iters)
+    losses, norms = [], []
+    for iteration in range(iters):
+        for micro in range(accum):
+            x, _ = _batch(iteration, micro, rank, 101)
+            context = model.no_sync() if micro < accum - 1 else _nothing()
+            with context:
+                loss = model(input_ids=x, labels=x).loss / accum
+                loss.backward()
+            losses.append(loss.item() * accum)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    state = model.full_state_dict(rank0_only=True) if isinstance(model, ShardedModule) \
+        else model.module.state_dict()
+    path = os.path.join(out_dir, f"hf_{type(model).__name__}")
+    if rank == 0:
+        model.module.save_pretrained(path, state_dict=state)
+    dist.barrier()
+    return {"losses": losses, "norms": norms, "path": path}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def torchtitan_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 4) -> dict[str, Any]:
+    """torchtitan's train loop, shortened: DCP save of `get_model_state_dict` /
+    `get_optimizer_state_dict` halfway, a load into a fresh model and optimizer, torch's
+    `clip_grad_norm_` with foreach, then training on from the loaded state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(3)
+        model = wrap(GPT(CONFIG))
+        return model, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1, foreach=True)
+
+    model, optimizer = build()
+    losses, norms = [], []
+    path = os.path.join(out_dir, f"dcp_{type(model).__name__}")
+    for iteration in range(iters):
+        if iteration == iters // 2:
+            dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+                     checkpoint_id=path)
+            model, optimizer = build()
+            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        loss = model(*_batch(iteration, 0, rank, CONFIG.vocab_size))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3, foreach=True)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "path": path}
+
+
+def finite(values: list[float]) -> bool:
+    return all(math.isfinite(v) for v in values)

@@ -1,0 +1,118 @@
+"""Scripts written for DDP, Hugging Face's no_trainer examples and torchtitan, run under DDP
+and under ShardedModule with the one wrapping line changed (tests/dropin_scripts.py): the
+losses and torch's clip norms equal DDP's, the checkpoints load in one process to DDP's
+values, and the one thing that cannot work (a one-rank `torch.save` of the module's and the
+optimizer's own state dicts) fails at the save, naming what to call instead."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+import dropin_scripts as scripts
+from distributed import run_distributed
+
+WORLD = 2
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def _all_loops(rank: int, world: int, out_dir: str) -> dict:
+    results = {}
+    for name, loop, kwargs in [("nanogpt", scripts.nanogpt_loop, {"grad_clip": 0.4}),
+                               ("hf", scripts.hf_no_trainer_loop, {}),
+                               ("torchtitan", scripts.torchtitan_loop, {})]:
+        results[name] = {wrap.__name__: loop(rank, wrap, out_dir, **kwargs) for wrap in (scripts.ddp, scripts.sharded)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[list[dict], str]:
+    out_dir = tempfile.mkdtemp()
+    return run_distributed(_all_loops, WORLD, out_dir, timeout=300), out_dir
+
+
+@pytest.mark.parametrize("loop", ["nanogpt", "hf", "torchtitan"])
+def test_losses_and_clip_norms_equal_ddp(runs, loop) -> None:
+    results, _ = runs
+    for rank, result in enumerate(results):
+        ddp, ours = result[loop]["ddp"], result[loop]["sharded"]
+        assert scripts.finite(ours["losses"]) and scripts.finite(ours["norms"]), (rank, ours)
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ddp["losses"]), **TOL)
+        torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(ddp["norms"]), **TOL)
+
+
+def test_the_clip_binds_and_the_losses_move(runs) -> None:
+    """The comparisons above can tell: the clip scales every step (a per-rank norm would give
+    another factor) and training changed the loss."""
+    results, _ = runs
+    for loop, clip in [("nanogpt", 0.4), ("hf", 0.5), ("torchtitan", 0.3)]:
+        ddp = results[0][loop]["ddp"]
+        assert min(ddp["norms"]) > clip, (loop, ddp["norms"])
+    nanogpt = results[0]["nanogpt"]["ddp"]["losses"]
+    assert nanogpt[-1] < nanogpt[0] - 0.1
+
+
+def test_evaluation_on_every_rank_equals_ddp(runs) -> None:
+    results, _ = runs
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["nanogpt"]["sharded"]["evals"]),
+                                   torch.tensor(result["nanogpt"]["ddp"]["evals"]), **TOL)
+
+
+def test_a_one_rank_save_of_the_parts_fails_naming_the_full_state_calls(runs) -> None:
+    results, _ = runs
+    assert results[0]["nanogpt"]["ddp"]["save_error"] is None
+    error = results[0]["nanogpt"]["sharded"]["save_error"]
+    assert error is not None and error.startswith("PartialStateError")
+    assert "model.full_state_dict(rank0_only=True)" in error and "torch.save" in error
+
+
+def test_parameter_count_is_this_ranks_part(runs) -> None:
+    results, _ = runs
+    whole = results[0]["nanogpt"]["ddp"]["counted"]
+    parts = [result["nanogpt"]["sharded"]["counted"] for result in results]
+    assert sum(parts) == whole and all(part < whole for part in parts)
+
+
+def test_full_checkpoints_load_in_one_process_to_ddps_values(runs) -> None:
+    results, out_dir = runs
+    ddp = torch.load(results[0]["nanogpt"]["ddp"]["state"], weights_only=True)
+    ours = torch.load(results[0]["nanogpt"]["sharded"]["state"], weights_only=True)
+    plain = scripts.GPT(scripts.CONFIG)
+    plain.load_state_dict(ours["model"])
+    assert ours["model"].keys() == ddp["model"].keys()
+    for key in ddp["model"]:
+        torch.testing.assert_close(ours["model"][key], ddp["model"][key], **TOL)
+    assert ours["optimizer"]["param_groups"] == ddp["optimizer"]["param_groups"]
+    for index, state in ddp["optimizer"]["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(ours["optimizer"]["state"][index][name], value, **TOL)
+    optimizer = scripts.nanogpt_optimizer(plain)
+    optimizer.load_state_dict(ours["optimizer"])
+    torch.testing.assert_close(optimizer.state_dict()["state"][0]["exp_avg"], ddp["optimizer"]["state"][0]["exp_avg"],
+                               **TOL)
+
+
+def test_hf_save_pretrained_loads_to_ddps_values(runs) -> None:
+    from transformers import GPT2LMHeadModel
+
+    results, _ = runs
+    ddp = GPT2LMHeadModel.from_pretrained(results[0]["hf"]["ddp"]["path"]).state_dict()
+    ours = GPT2LMHeadModel.from_pretrained(results[0]["hf"]["sharded"]["path"]).state_dict()
+    for key in ddp:
+        torch.testing.assert_close(ours[key], ddp[key], **TOL)
+
+
+def test_dcp_checkpoints_load_in_one_process_to_ddps_values(runs) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    results, _ = runs
+    values = []
+    for wrap in ("ddp", "sharded"):
+        model = scripts.GPT(scripts.CONFIG)
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=results[0]["torchtitan"][wrap]["path"], no_dist=True)
+        values.append(state["model"])
+    for key in values[0]:
+        torch.testing.assert_close(values[1][key], values[0][key], **TOL)
