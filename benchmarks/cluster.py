@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -24,6 +25,20 @@ NODES = 2
 # Addresses exist only inside the namespaces made here, and go with them.
 SUBNET = "10.213.77"
 RDZV_PORT = 29431
+
+
+def why_no_cluster() -> Optional[str]:
+    """Why the emulated cluster cannot be built on this machine, or None."""
+    if os.geteuid() != 0:
+        return "needs root for ip netns and tc"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs the ip and tc commands (iproute2)"
+    probe = f"ovlprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create network namespaces: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
 
 
 def _run(*args: str) -> None:
@@ -40,14 +55,16 @@ class Cluster:
         return ["ip", "netns", "exec", self.namespaces[node]]
 
     def torchrun(self, node: int, nproc_per_node: int, script_and_args: Sequence[str],
-                 python: str = sys.executable, run_id: Optional[str] = None) -> list[str]:
-        """The command that starts node `node`'s ranks (run both nodes' commands at once)."""
-        rdzv = [f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}"]
+                 python: str = sys.executable, run_id: Optional[str] = None, nnodes: str = str(NODES),
+                 max_restarts: int = 0, rdzv_conf: Sequence[str] = ()) -> list[str]:
+        """The command that starts node `node`'s ranks (run both nodes' commands at once);
+        `nnodes` "MIN:MAX" makes the job elastic, `rdzv_conf` adds "key=value" rendezvous settings."""
+        conf = ",".join([f"is_host={'true' if node == 0 else 'false'}", *rdzv_conf])
         return [*self.prefix(node), "env", f"GLOO_SOCKET_IFNAME={self.interfaces[node]}",
-                python, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={nproc_per_node}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addresses[0]}:{RDZV_PORT}",
-                f"--rdzv-id={run_id or 'overlap'}", f"--local-addr={self.addresses[node]}", *rdzv,
-                *script_and_args]
+                python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+                f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.addresses[0]}:{RDZV_PORT}", f"--rdzv-id={run_id or 'overlap'}",
+                f"--local-addr={self.addresses[node]}", f"--rdzv-conf={conf}", *script_and_args]
 
 
 @contextlib.contextmanager

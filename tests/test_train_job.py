@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -94,3 +95,85 @@ def test_meta_build_trains_exactly_like_the_eager_build(tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         finals.append(re.findall(r"^final step \d+: .*$", done.stdout, re.M))
     assert finals[0] and finals[0] == finals[1]
+
+
+# Every pairing of precision, offload tier and compression the job accepts, with the other
+# flags spread over them; each trains two steps, saving and evaluating at each.
+ACCEPTED = [
+    ["--mixed-precision", "fp32", "--offload", "none", "--compress", "int8"],
+    ["--mixed-precision", "fp32", "--offload", "cpu", "--compress", "int8-int4", "--eager-init"],
+    ["--mixed-precision", "bf16", "--offload", "none", "--compress", "auto", "--prefetch-depth", "0"],
+    ["--mixed-precision", "bf16", "--offload", "cpu", "--compress", "none", "--sample", "1", "--sample-len", "4"],
+    ["--mixed-precision", "bf16", "--offload", "disk", "--compress", "none"],
+    ["--mixed-precision", "bf16", "--offload", "disk", "--eager-init", "--prefetch-depth", "0"],
+    ["--mixed-precision", "bf16", "--offload", "cpu", "--compile"],
+]
+# Pairings the runtime refuses, and the reason each rank must give.
+REFUSED = [
+    (["--mixed-precision", "bf16", "--offload", "disk", "--compress", "int8"], "offload='disk' with compression"),
+    (["--mixed-precision", "bf16", "--offload", "disk", "--compile"], "offload='disk' with compile=True"),
+]
+FEW = ["--steps", "2", "--eval-every", "1", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+       "--batch", "2", "--checkpoint-every", "1"]
+
+
+def _try_train(argv: list[str]):
+    """The job's final losses, or the JobError its rank raised."""
+    from overlap.train.options import JobError, build_parser
+    from overlap.train.rank import train
+
+    try:
+        losses = train(build_parser().parse_args(argv), torch.device("cpu"))
+    except JobError as exc:
+        return f"JobError: {exc}"
+    return None if losses is None else (losses.train, losses.val)
+
+
+def _flag_combinations(rank: int, world: int, directory: str) -> dict:
+    out: dict = {"accepted": [], "refused": []}
+    for index, flags in enumerate(ACCEPTED):
+        out["accepted"].append(_try_train([*FEW, *flags, "--checkpoint-dir", f"{directory}/accepted-{index}"]))
+    for index, (flags, _) in enumerate(REFUSED):
+        out["refused"].append(_try_train([*FEW, *flags, "--checkpoint-dir", f"{directory}/refused-{index}"]))
+    model = f"{directory}/accepted-0"
+    # The same directory again: another model's checkpoint, one past --steps, a world unlike torchrun's.
+    out["other model"] = _try_train([*FEW, "--hidden", "64", "--checkpoint-dir", model])
+    out["past steps"] = _try_train([*FEW, "--steps", "1", "--checkpoint-dir", model])
+    out["world size"] = _try_train([*FEW, "--world-size", "3"])
+    out["done"] = _try_train([*FEW, *ACCEPTED[0], "--checkpoint-dir", model])
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_every_accepted_flag_combination_trains_and_the_rest_are_refused_on_every_rank(tmp_path):
+    from distributed import run_distributed
+
+    results = run_distributed(_flag_combinations, 2, str(tmp_path), timeout=360)
+    for rank, out in enumerate(results):
+        for flags, losses in zip(ACCEPTED, out["accepted"]):
+            assert isinstance(losses, tuple) and all(math.isfinite(x) and 0 < x < 6 for x in losses), (rank, flags,
+                                                                                                      losses)
+        for (flags, reason), refused in zip(REFUSED, out["refused"]):
+            assert refused.startswith("JobError: ") and reason in refused, (rank, flags, refused)
+        assert out["other model"].startswith(f"JobError: --checkpoint-dir {tmp_path}/accepted-0: "), out
+        assert "transformer" in out["other model"] or "shape" in out["other model"], out["other model"]
+        assert out["past steps"] == (f"JobError: the newest checkpoint in --checkpoint-dir {tmp_path}/accepted-0 "
+                                     "is at step 2, past --steps 1"), out["past steps"]
+        assert out["world size"].startswith("JobError: --world-size 3 but torchrun started 2 ranks"), out
+        assert out["done"] is None
+    assert results[0]["accepted"] == results[1]["accepted"]        # the losses are means over ranks
+
+
+@pytest.mark.parametrize("option, value", [("--lr", "0"), ("--lr", "-1e-3"), ("--lr", "nan"), ("--batch", "0"),
+                                           ("--eval-every", "0"), ("--eval-every", "-2")])
+def test_non_positive_values_are_refused_naming_the_option(option, value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([f"{option}={value}"])       # the = form: argparse reads "-2" alone as an option
+    assert exited.value.code == 2
+    assert f"argument {option}: {value!r} must be" in capsys.readouterr().err
+
+
+def test_disk_offload_without_bf16_is_refused_before_any_rank_starts(capsys):
+    assert main(["--offload", "disk"]) == 2
+    err = capsys.readouterr().err
+    assert "--offload disk keeps the fp32 masters in a file" in err and "needs --mixed-precision bf16 (got fp32)" in err
