@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import run_distributed
+from distributed import CaseLaunch, RankCase
 from parity import _slice, token_batches
 from parity_cases import SMALL_GPT
 
@@ -132,17 +132,56 @@ def _check(saved: dict, loads: list[dict]) -> None:
     assert _relative_error(saved["at_save"], reference) > 1e-3      # the check can fail
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("save_world,load_world", [(2, 3), (3, 2)])
-def test_fsdp2_checkpoint_loads_into_sharded_module(save_world: int, load_world: int, tmp_path) -> None:
-    path = os.path.join(tmp_path, "fsdp2")
-    saved = run_distributed(_fsdp2_saves, save_world, path)[0]
-    _check(saved, run_distributed(_overlap_loads, load_world, path))
+FSDP2_TO_OVERLAP = [(2, 3), (3, 2)]
+OVERLAP_TO_FSDP2 = [(3, 2), (2, 4)]
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("save_world,load_world", [(3, 2), (2, 4)])
-def test_sharded_module_checkpoint_loads_into_fsdp2(save_world: int, load_world: int, tmp_path) -> None:
-    path = os.path.join(tmp_path, "overlap")
-    saved = run_distributed(_overlap_saves, save_world, path)[0]
-    _check(saved, run_distributed(_fsdp2_loads, load_world, path))
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, CaseLaunch]:
+    """Both writers save at 2 ranks and at 3; each load runs at its world size after the
+    saves it reads: 4 launches, not 8 (tests/distributed.py's [Note: many cases on one launch])."""
+    directory = str(tmp_path_factory.mktemp("fsdp2"))
+
+    def path(writer: str, world: int) -> str:
+        return os.path.join(directory, f"{writer}-{world}")
+
+    def saves(world: int) -> dict:
+        return {f"fsdp2-saves-{world}": RankCase(_fsdp2_saves, (path("fsdp2", world),)),
+                f"overlap-saves-{world}": RankCase(_overlap_saves, (path("overlap", world),))}
+
+    def loads(world: int) -> dict:
+        return {**{f"overlap-loads-{s}": RankCase(_overlap_loads, (path("fsdp2", s),))
+                   for s, w in FSDP2_TO_OVERLAP if w == world},
+                **{f"fsdp2-loads-{s}": RankCase(_fsdp2_loads, (path("overlap", s),))
+                   for s, w in OVERLAP_TO_FSDP2 if w == world}}
+
+    at_2 = CaseLaunch(saves(2), world_size=2, timeout=400)
+    at_3 = CaseLaunch({**saves(3), **loads(3)}, world_size=3, timeout=400, after=[at_2])
+    return {"saves-2": at_2, "at-3": at_3,
+            "loads-2": CaseLaunch(loads(2), world_size=2, timeout=400, after=[at_3]),
+            "loads-4": CaseLaunch(loads(4), world_size=4, timeout=400, after=[at_2])}
+
+
+def _launch_of(launches: dict[str, CaseLaunch], action: str, world: int) -> CaseLaunch:
+    if world == 3:
+        return launches["at-3"]
+    return launches[f"{action}-{world}"]
+
+
+def _saved_and_loaded(launches: dict[str, CaseLaunch], writer: str, reader: str, save_world: int,
+                      load_world: int) -> tuple[dict, list[dict]]:
+    saved = _launch_of(launches, "saves", save_world)[f"{writer}-saves-{save_world}"][0].result()
+    loaded = _launch_of(launches, "loads", load_world)[f"{reader}-loads-{save_world}"]
+    return saved, [outcome.result() for outcome in loaded]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("save_world,load_world", FSDP2_TO_OVERLAP)
+def test_fsdp2_checkpoint_loads_into_sharded_module(save_world: int, load_world: int, launches) -> None:
+    _check(*_saved_and_loaded(launches, "fsdp2", "overlap", save_world, load_world))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("save_world,load_world", OVERLAP_TO_FSDP2)
+def test_sharded_module_checkpoint_loads_into_fsdp2(save_world: int, load_world: int, launches) -> None:
+    _check(*_saved_and_loaded(launches, "overlap", "fsdp2", save_world, load_world))
