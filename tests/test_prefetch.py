@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import CaseLaunch, RankCase
 from overlap.models import GPT, Block, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=5, n_head=2, n_embd=32)
@@ -40,10 +40,14 @@ def _first(events: list, kind: str, name: str) -> int:
     return events.index((kind, name))
 
 
-@pytest.mark.timeout(240)
+def _events(world: int, depth: int, reshard: bool) -> dict:
+    return LAUNCHES[world][f"events-depth{depth}-reshard{reshard}"][0].result()
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_next_units_are_gathered_before_the_current_one_computes(depth: int) -> None:
-    result = run_distributed(_events_of_step_two, 2, depth, True)[0]
+    result = _events(2, depth, True)
     events = result["events"]
     blocks = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
     # Forward: while block i computes (its pre_forward is the start of its compute), the
@@ -69,7 +73,7 @@ def test_next_units_are_gathered_before_the_current_one_computes(depth: int) -> 
     assert result["max_gathered"] <= depth + 1
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("reshard", [True, False])
 def test_bytes_per_step_match_zero3(world: int, reshard: bool) -> None:
@@ -77,7 +81,7 @@ def test_bytes_per_step_match_zero3(world: int, reshard: bool) -> None:
     backward, and their gradients reduce-scattered: 3Ψ(N-1)/N (2Ψ(N-1)/N without resharding).
     The root unit, and the unit that ends forward, stay gathered from forward into backward
     (they would be gathered again at once), so they count twice in both modes."""
-    result = run_distributed(_events_of_step_two, world, 1, reshard)[0]
+    result = _events(world, 1, reshard)
     passes = 3 if reshard else 2
     kept = result["last_unit_bytes"] if reshard else 0
     expected = (passes * result["unit_bytes"] + 2 * result["root_bytes"] - kept) * (world - 1) // world
@@ -103,10 +107,10 @@ def _order_change(rank: int, world: int) -> list[dict]:
     return steps
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_prefetch_follows_a_changed_order() -> None:
     """A new order costs misses for one step only; prefetch is never switched off."""
-    steps = run_distributed(_order_change, 2)[0]
+    steps = LAUNCHES[2]["order-change"][0].result()
     # Step 1 knows no order yet: all four blocks miss. Step 2 has learned it.
     assert steps[0]["misses"] == 4 and steps[1]["misses"] == 0
     # Step 3 runs another order: some gathers miss, but prefetch goes on from the known order.
@@ -129,7 +133,21 @@ def _with_budget(rank: int, world: int, budget_units: int) -> int:
     return model.scheduler.max_gathered_units
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_memory_budget_caps_prefetch() -> None:
-    assert run_distributed(_with_budget, 2, 2)[0] <= 2
-    assert run_distributed(_with_budget, 2, 100)[0] == 4      # depth 3 + the unit computing
+    assert LAUNCHES[2]["budget-2"][0].result() <= 2
+    assert LAUNCHES[2]["budget-100"][0].result() == 4      # depth 3 + the unit computing
+
+
+def _events_cases(settings: list[tuple[int, bool]]) -> dict[str, RankCase]:
+    return {f"events-depth{depth}-reshard{reshard}": RankCase(_events_of_step_two, (depth, reshard))
+            for depth, reshard in settings}
+
+
+# One launch per world size, its cases in turn (tests/distributed.py's [Note: many cases on one launch]).
+LAUNCHES = {
+    2: CaseLaunch({**_events_cases([(1, True), (2, True), (1, False)]), "order-change": RankCase(_order_change),
+                   "budget-2": RankCase(_with_budget, (2,)), "budget-100": RankCase(_with_budget, (100,))},
+                  world_size=2, timeout=500),
+    3: CaseLaunch(_events_cases([(1, True), (1, False)]), world_size=3, timeout=500),
+}

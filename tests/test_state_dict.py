@@ -1,13 +1,31 @@
 """Full state dicts: the wrapped module's keys, full CPU tensors on every rank, round trips."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import CaseLaunch, RankCase
 from models import Block, FeatureNet, Tiny
 
 STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("state_dict"))
+
+
+@pytest.fixture(scope="module")
+def launches(directory: str) -> dict[int, CaseLaunch]:
+    """One launch per world size, its cases in turn (tests/distributed.py's [Note: many cases
+    on one launch])."""
+    return {world: CaseLaunch({"round-trip": RankCase(_round_trip),
+                               "export-hf": RankCase(_export_hf, (os.path.join(directory, f"hf-{world}"),)),
+                               "dcp": RankCase(_dcp_round_trip, (os.path.join(directory, f"dcp-{world}"),))},
+                              world_size=world, timeout=500)
+            for world in (2, 3)}
 
 
 def _train(model, opt, seed: int, rank: int, world: int) -> None:
@@ -49,10 +67,10 @@ def _round_trip(rank: int, world: int) -> dict:
             "second": second.full_state_dict(), "errors": errors}
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
-def test_full_state_dict_round_trip(world: int) -> None:
-    results = run_distributed(_round_trip, world)
+def test_full_state_dict_round_trip(world: int, launches: dict) -> None:
+    results = [outcome.result() for outcome in launches[world]["round-trip"]]
     torch.manual_seed(0)
     reference_keys = list(FeatureNet().state_dict())
     for result in results:
@@ -90,14 +108,14 @@ def _export_hf(rank: int, world: int, directory: str) -> dict:
     return {"keys": list(full), "logits": logits}
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
-def test_rank0_export_saves_with_save_pretrained(world: int, tmp_path) -> None:
+def test_rank0_export_saves_with_save_pretrained(world: int, launches: dict, directory: str) -> None:
     from transformers import GPT2LMHeadModel
 
-    results = run_distributed(_export_hf, world, str(tmp_path))
+    results = [outcome.result() for outcome in launches[world]["export-hf"]]
     assert results[0]["keys"] and all(result["keys"] == [] for result in results[1:])
-    plain = GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    plain = GPT2LMHeadModel.from_pretrained(os.path.join(directory, f"hf-{world}"))
     tokens = torch.randint(0, 61, (2 * world, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = plain(input_ids=tokens).logits
@@ -131,10 +149,10 @@ def _dcp_round_trip(rank: int, world: int, path: str) -> dict:
             "first": first.full_state_dict(), "second": second.full_state_dict()}
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
-def test_state_dict_is_dtensors_that_dcp_saves_and_loads(world: int, tmp_path) -> None:
-    for result in run_distributed(_dcp_round_trip, world, str(tmp_path / "dcp")):
+def test_state_dict_is_dtensors_that_dcp_saves_and_loads(world: int, launches: dict) -> None:
+    for result in (outcome.result() for outcome in launches[world]["dcp"]):
         assert result["dtensors"] and all(result["dtensors"].values()), result["dtensors"]
         for key, value in result["first"].items():
             assert torch.equal(result["second"][key], value), key
