@@ -86,8 +86,29 @@ def nanogpt_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 6, accum: int
         except Exception as exc:  # noqa: BLE001 - reported to the test
             save_error = f"{type(exc).__name__}: {exc}"
     dist.barrier()
+    state = _full_state(model, optimizer, out_dir, rank)
     return {"losses": losses, "norms": norms, "evals": evals, "counted": counted, "save_error": save_error,
-            "state": _full_state(model, optimizer, out_dir, rank)}
+            "state": state, "resumed": nanogpt_resume(rank, wrap, state, grad_clip)}
+
+
+def nanogpt_resume(rank: int, wrap: Wrap, path: str, grad_clip: float, iters: int = 2) -> list[float]:
+    """nanoGPT's resume: the checkpoint loaded into the plain model and into its optimizer,
+    both before wrapping; then training goes on."""
+    checkpoint = torch.load(path, weights_only=True)
+    model = GPT(CONFIG)
+    model.load_state_dict(checkpoint["model"])
+    optimizer = nanogpt_optimizer(model)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    model = wrap(model)
+    losses = []
+    for iteration in range(iters):
+        loss = model(*_batch(50 + iteration, 0, rank, CONFIG.vocab_size))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
 
 def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, rank: int) -> str:
@@ -188,3 +209,95 @@ def torchtitan_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 4) -> dict
 
 def finite(values: list[float]) -> bool:
     return all(math.isfinite(v) for v in values)
+
+
+def _outcome(fn: Callable[[], Any]) -> Any:
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - each case's error is the result
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def edge_cases(rank: int) -> dict[str, Any]:
+    """The habits' other shapes, each case's result or error by name."""
+    import copy
+    import io
+    import weakref
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(5)
+        return GPT(CONFIG)
+
+    def step(model: nn.Module, micro: int = 0) -> None:
+        model(*_batch(0, micro, rank, CONFIG.vocab_size)).backward()
+
+    def kept_after_a_weak_reference() -> None:
+        plain = fresh()
+        held = weakref.ref(plain.wpe.weight)             # as a function compiled before wrapping holds one
+        optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+        model = ShardedModule(plain)
+        step(model)
+        assert held() is not None
+        optimizer.step()
+
+    def state_of_another_shape() -> None:
+        plain = fresh()
+        optimizer = torch.optim.AdamW(plain.parameters())
+        optimizer.state[plain.wpe.weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 32),
+                                             "exp_avg_sq": torch.zeros(3, 32)}
+        model = ShardedModule(plain)
+        step(model)
+        optimizer.step()
+
+    def switches() -> list[float]:
+        """Two micro-batches: set_requires_gradient_sync(False) on the first, as no_sync()."""
+        grads = []
+        for use_switch in (True, False):
+            model = ShardedModule(fresh())
+            if use_switch:
+                model.set_requires_gradient_sync(False)
+                step(model, 0)
+                model.set_requires_gradient_sync(True)
+            else:
+                with model.no_sync():
+                    step(model, 0)
+            step(model, 1)
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        assert torch.equal(grads[0], grads[1])
+        return [float(grads[0].norm())]
+
+    def grad_norms() -> list[float]:
+        model = ShardedModule(fresh())
+        step(model)
+        return [float(p.grad.norm()) for p in model.parameters()] + \
+            [float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type=float("inf")))]
+
+    def grad_norms_ddp() -> list[float]:
+        model = DDP(fresh())
+        step(model)
+        return [float(p.grad.norm()) for p in model.parameters()] + \
+            [float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type=float("inf")))]
+
+    def sharded_state() -> dict[str, Any]:
+        model = ShardedModule(fresh())
+        optimizer = torch.optim.AdamW(model.parameters())
+        step(model)
+        optimizer.step()
+        module_state, optimizer_state = model.module.state_dict(), optimizer.state_dict()
+        copied = copy.deepcopy(module_state)
+        results = {"deepcopy": sorted(copied) == sorted(module_state)}
+        for name, value in (("module", module_state), ("optimizer", optimizer_state)):
+            try:
+                torch.save(value, io.BytesIO())
+                results[name] = "saved"
+            except Exception as exc:  # noqa: BLE001 - the expected refusal
+                results[name] = f"{type(exc).__name__}: {exc}"
+        return results
+
+    def bad_switch() -> None:
+        ShardedModule(fresh()).require_backward_grad_sync = "no"
+
+    cases = {"weakref": kept_after_a_weak_reference, "other_shape": state_of_another_shape, "switches": switches,
+             "grad_norms": grad_norms, "grad_norms_ddp": grad_norms_ddp, "sharded_state": sharded_state,
+             "bad_switch": bad_switch}
+    return {name: _outcome(case) for name, case in cases.items()}

@@ -23,6 +23,7 @@ def _all_loops(rank: int, world: int, out_dir: str) -> dict:
                                ("hf", scripts.hf_no_trainer_loop, {}),
                                ("torchtitan", scripts.torchtitan_loop, {})]:
         results[name] = {wrap.__name__: loop(rank, wrap, out_dir, **kwargs) for wrap in (scripts.ddp, scripts.sharded)}
+    results["edge"] = scripts.edge_cases(rank)
     return results
 
 
@@ -51,6 +52,16 @@ def test_the_clip_binds_and_the_losses_move(runs) -> None:
         assert min(ddp["norms"]) > clip, (loop, ddp["norms"])
     nanogpt = results[0]["nanogpt"]["ddp"]["losses"]
     assert nanogpt[-1] < nanogpt[0] - 0.1
+
+
+def test_a_resume_that_loads_state_before_wrapping_equals_ddps(runs) -> None:
+    """Optimizer state of the whole parameters, loaded before wrapping, is resharded: the
+    resumed losses are DDP's (the first one alone would not tell: the update after it does)."""
+    results, _ = runs
+    for result in results:
+        ours, ddp = result["nanogpt"]["sharded"]["resumed"], result["nanogpt"]["ddp"]["resumed"]
+        assert len(ours) == 2 and scripts.finite(ours)
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(ddp), **TOL)
 
 
 def test_evaluation_on_every_rank_equals_ddp(runs) -> None:
@@ -116,3 +127,42 @@ def test_dcp_checkpoints_load_in_one_process_to_ddps_values(runs) -> None:
         values.append(state["model"])
     for key in values[0]:
         torch.testing.assert_close(values[1][key], values[0][key], **TOL)
+
+
+def _edge(runs, name: str) -> list:
+    results, _ = runs
+    return [result["edge"][name] for result in results]
+
+
+def test_a_parameter_that_could_not_be_kept_is_refused_at_the_step(runs) -> None:
+    for status, value in _edge(runs, "weakref"):
+        assert status == "error" and "'wpe.weight'" in value and "after wrapping" in value, value
+
+
+def test_optimizer_state_of_another_shape_is_refused_naming_it(runs) -> None:
+    for status, value in _edge(runs, "other_shape"):
+        assert status == "error" and value.startswith("ValueError") and "'wpe.weight'" in value, value
+
+
+def test_fsdp2s_switch_accumulates_as_no_sync(runs) -> None:
+    for status, value in _edge(runs, "switches"):
+        assert status == "ok" and value[0] > 0, value
+
+
+def test_grad_norms_are_the_whole_parameters(runs) -> None:
+    for (status, ours), (_, ddp) in zip(_edge(runs, "grad_norms"), _edge(runs, "grad_norms_ddp")):
+        assert status == "ok", ours
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(ddp), **TOL)
+
+
+def test_the_parts_state_dicts_copy_but_refuse_torch_save(runs) -> None:
+    for status, value in _edge(runs, "sharded_state"):
+        assert status == "ok", value
+        assert value["deepcopy"]
+        assert value["module"].startswith("PartialStateError") and "full_state_dict(rank0_only=True)" in value["module"]
+        assert value["optimizer"].startswith("PartialStateError") and "full_optim_state_dict" in value["optimizer"]
+
+
+def test_a_switch_that_is_not_a_bool_is_refused(runs) -> None:
+    for status, value in _edge(runs, "bad_switch"):
+        assert status == "error" and "require_backward_grad_sync" in value, value

@@ -40,9 +40,9 @@ class ShardGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
         combine = _NORMS.get(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs) if combine is None else _local_norms(func, args, kwargs)
         return out if combine is None else combine(args, kwargs, out)
 
 
@@ -56,6 +56,30 @@ def shard_grad(view: torch.Tensor, collectives: "Collectives") -> ShardGrad:
 def plain(grad: torch.Tensor) -> torch.Tensor:
     """The same tensor without the norm behaviour (for the runtime's own arithmetic)."""
     return grad.as_subclass(torch.Tensor) if isinstance(grad, ShardGrad) else grad
+
+
+def _empty_norm(tensor: torch.Tensor, order: float) -> torch.Tensor:
+    """The norm of a rank's empty part: what the other ranks' parts combine with (torch
+    refuses the infinity norms of an empty tensor)."""
+    return torch.full((), math.inf if order == -math.inf else 0.0, dtype=tensor.dtype, device=tensor.device)
+
+
+def _local_norms(func: Callable, args: Sequence, kwargs: dict) -> Any:
+    """A norm function's result on this rank's parts, an empty part's norm included."""
+    if func is torch._foreach_norm:
+        tensors, order = args[0], _order(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+        full = [index for index, tensor in enumerate(tensors) if tensor.numel()]
+        norms = func([tensors[index] for index in full], *args[1:], **kwargs) if full else []
+        out = [_empty_norm(tensor, order) for tensor in tensors]
+        for index, norm in zip(full, norms):
+            out[index] = norm
+        return out
+    source = args[0] if args else kwargs.get("input", kwargs.get("x"))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if isinstance(source, ShardGrad) and source.numel() == 0 and dim is None:
+        order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p"))
+        return _empty_norm(source, _order(order))
+    return func(*args, **kwargs)
 
 
 def _order(value: Any) -> float:
