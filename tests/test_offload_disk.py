@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from killed_resume import check_killed_run_resumes
-from distributed import RankError, run_distributed
+from distributed import CaseLaunch, RankCase
 from parity import Case, train, token_batches
 from parity_cases import SMALL_GPT, _lm_loss
 
@@ -86,11 +86,10 @@ CASES = [
 ]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world,wrap,micro_batches,clip,local_world_size", [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
-def test_disk_offload_trains_as_without(world, wrap, micro_batches, clip, local_world_size):
-    per_rank = run_distributed(_both, world, wrap, micro_batches, clip, local_world_size, timeout=270)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,world", [c[:2] for c in CASES], ids=[c[0] for c in CASES])
+def test_disk_offload_trains_as_without(name: str, world: int, launches: dict) -> None:
+    per_rank = [outcome.result() for outcome in launches[world][f"train-{name}"]]
     for rank, result in enumerate(per_rank):
         ref, got = result["none"], result["disk"]
         assert got["paged"] and got["views_of_shard"], rank
@@ -108,15 +107,24 @@ def test_disk_offload_trains_as_without(world, wrap, micro_batches, clip, local_
 
 def _device_copy(rank: int, world: int) -> list[dict]:
     import overlap.runtime.disk_tier as disk_tier
-    from overlap import ShardedModule
-    from overlap.optim import AdamW
-    from overlap.optim.paged import paged_of
 
+    saved = disk_tier.DEFAULT_BUCKET_PARAMS, disk_tier.SEPARATE_COPY_WITHOUT_DEVICE
     # Buckets no larger than a parameter's part, so that a shard is stepped (and copied to the
     # device) in several buckets.
     disk_tier.DEFAULT_BUCKET_PARAMS = 1
     # A device copy of its own, as on CUDA (on CPU the tier sends the host shard itself).
     disk_tier.SEPARATE_COPY_WITHOUT_DEVICE = True
+    try:
+        return _device_copy_steps(rank, world)
+    finally:
+        disk_tier.DEFAULT_BUCKET_PARAMS, disk_tier.SEPARATE_COPY_WITHOUT_DEVICE = saved
+
+
+def _device_copy_steps(rank: int, world: int) -> list[dict]:
+    from overlap import ShardedModule
+    from overlap.optim import AdamW
+    from overlap.optim.paged import paged_of
+
     torch.manual_seed(0)
     model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
     groups = [g for unit in model.scheduler.all_units for g in unit.groups if g.place.offloaded]
@@ -150,13 +158,13 @@ def _device_copy(rank: int, world: int) -> list[dict]:
     return records
 
 
-@pytest.mark.timeout(200)
-def test_the_gathered_shard_is_a_copy_refreshed_bucket_by_bucket():
+@pytest.mark.timeout(900)
+def test_the_gathered_shard_is_a_copy_refreshed_bucket_by_bucket(launches: dict) -> None:
     """The parameters are views of a host shard; what the all-gather sends is a separate
     (device) buffer, copied whole once and then bucket by bucket after each step; it equals
     the host shard and the masters in the state file after every step, and the gradients came
     back through offload="cpu"'s download path."""
-    for rank, records in enumerate(run_distributed(_device_copy, 2, timeout=150)):
+    for rank, records in enumerate(outcome.result() for outcome in launches[2]["device-copy"]):
         assert len(records) == STEPS
         for step, record in enumerate(records):
             assert torch.isfinite(torch.tensor(record["loss"])), (rank, step)
@@ -176,18 +184,19 @@ def _wrap(rank: int, world: int, kwargs: dict) -> str:
     return "built"
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("kwargs,expected", [
+REFUSED = [
     ({"offload": "disk"}, "needs mixed_precision=MixedPrecision(param_dtype=torch.bfloat16"),
     ({"offload": "disk", "mixed_precision": BF16, "compression": "int8"}, "compression='int8' is not supported"),
     ({"offload": "disk", "mixed_precision": BF16, "compression": "int8-int4"}, "compression='int8-int4' is not"),
     ({"offload": "disk", "mixed_precision": BF16, "compile": True}, "compile=True is not supported"),
-])
-def test_combinations_that_cannot_work_are_refused_on_every_rank(kwargs, expected):
-    with pytest.raises(RankError) as info:
-        run_distributed(_wrap, 2, kwargs, timeout=150)
-    assert set(info.value.errors) == {0, 1}
-    for message in info.value.errors.values():
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("index,expected", [(i, expected) for i, (_, expected) in enumerate(REFUSED)])
+def test_combinations_that_cannot_work_are_refused_on_every_rank(index: int, expected: str, launches: dict) -> None:
+    for outcome in launches[2][f"refused-{index}"]:
+        message = outcome.error()
         assert expected in message, message
 
 
@@ -207,9 +216,9 @@ def _other_optimizer(rank: int, world: int) -> str:
     return "no error"
 
 
-@pytest.mark.timeout(200)
-def test_another_optimizer_is_an_error_naming_overlap_adamw():
-    for message in run_distributed(_other_optimizer, 2, timeout=150):
+@pytest.mark.timeout(900)
+def test_another_optimizer_is_an_error_naming_overlap_adamw(launches: dict) -> None:
+    for message in (outcome.result() for outcome in launches[2]["other-optimizer"]):
         assert "changed in place by something other than overlap.optim.AdamW" in message, message
 
 
@@ -224,9 +233,9 @@ def _full_load_refused(rank: int, world: int) -> str:
     return "no error"
 
 
-@pytest.mark.timeout(200)
-def test_loading_full_tensors_is_refused():
-    for message in run_distributed(_full_load_refused, 1, timeout=150):
+@pytest.mark.timeout(900)
+def test_loading_full_tensors_is_refused(launches: dict) -> None:
+    for message in (outcome.result() for outcome in launches[1]["full-load"]):
         assert "load_full_state_dict() with offload='disk' is not implemented" in message, message
 
 
@@ -281,12 +290,12 @@ def _full_moments(model, optimizer) -> dict:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_checkpoint_from_disk_state_reshards_on_load(tmp_path):
+@pytest.mark.timeout(900)
+def test_checkpoint_from_disk_state_reshards_on_load(launches: dict) -> None:
     """Saved at 2 ranks, loaded at 3 and at 1: the same fp32 masters and moments."""
-    saved = run_distributed(_save_at, 2, str(tmp_path / "ckpt"), timeout=200)[0]
+    saved = launches[2]["save"][0].result()
     for world in (3, 1):
-        loaded = run_distributed(_load_at, world, str(tmp_path / "ckpt"), timeout=200)[0]
+        loaded = launches[world]["load"][0].result()
         for key, value in saved["state"].items():
             assert value.dtype == torch.float32 or not value.is_floating_point(), key
             assert torch.equal(loaded["state"][key], value), (world, key)
@@ -320,11 +329,11 @@ def _two_steps(model, rank: int, world: int) -> list[float]:
     return losses
 
 
-@pytest.mark.timeout(200)
-def test_a_meta_device_model_is_materialised_into_the_state_file():
+@pytest.mark.timeout(900)
+def test_a_meta_device_model_is_materialised_into_the_state_file(launches: dict) -> None:
     """Built on the meta device, each part is written into the state file as it is made: the
     fp32 masters equal an eager build's, and it trains."""
-    for result in run_distributed(_meta_and_eager, 2, timeout=150):
+    for result in (outcome.result() for outcome in launches[2]["meta"]):
         assert result["eager"].keys() == result["meta"].keys()
         for key, value in result["eager"].items():
             assert torch.equal(result["meta"][key], value), key
@@ -400,20 +409,20 @@ def _load_wide_tracked(rank: int, world: int, path: str) -> dict:
                               for k in ("exp_avg", "exp_avg_sq")}}
 
 
-@pytest.mark.timeout(300)
-def test_checkpoints_stream_the_moments_through_the_state_file(tmp_path):
+@pytest.mark.timeout(900)
+def test_checkpoints_stream_the_moments_through_the_state_file(launches: dict) -> None:
     """Saved at 2 ranks, loaded at 3 and at 1, each under the profiler: the CPU allocator
     never holds more than 4 parameters' worth of fp32 at once, below half this rank's
     moments. (Before they streamed, a load held all moments plus a 16-bit cast of them,
     3.3 MB against a 1 MB bound at 3 ranks, and a save copied every map of the file, 4.9 MB
     at 2.) What was loaded is what was saved: fp32 masters and moments, step counts, and
     16-bit shards equal to the masters rounded."""
-    saved_per_rank = run_distributed(_save_wide, 2, str(tmp_path / "ckpt"), timeout=200)
+    saved_per_rank = [outcome.result() for outcome in launches[2]["save-wide"]]
     for rank, figures in enumerate(saved_per_rank):
         _check_peak(figures, f"save, rank {rank}")
     saved = saved_per_rank[0]
     for world in (3, 1):
-        for rank, loaded in enumerate(run_distributed(_load_wide_tracked, world, str(tmp_path / "ckpt"), timeout=200)):
+        for rank, loaded in enumerate(outcome.result() for outcome in launches[world]["load-wide"]):
             _check_peak(loaded, f"load at {world} ranks, rank {rank}")
             assert loaded["resident_equal"], (world, rank)
             assert loaded["moment_dtypes"] == {"torch.float32"}, (world, rank)
@@ -434,14 +443,17 @@ def _async_save_messages(rank: int, world: int, path: str) -> list[str]:
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("overlap").addHandler(handler)
-    model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
-    checkpoint.async_save(path, model, _optimizer("overlap_adamw_dim_groups", model)).wait()
+    try:
+        model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
+        checkpoint.async_save(path, model, _optimizer("overlap_adamw_dim_groups", model)).wait()
+    finally:
+        logging.getLogger("overlap").removeHandler(handler)
     return messages
 
 
-@pytest.mark.timeout(200)
-def test_async_save_warns_that_it_stages_the_offloaded_state(tmp_path):
-    for messages in run_distributed(_async_save_messages, 1, str(tmp_path / "ckpt"), timeout=150):
+@pytest.mark.timeout(900)
+def test_async_save_warns_that_it_stages_the_offloaded_state(launches: dict) -> None:
+    for messages in (outcome.result() for outcome in launches[1]["async-save"]):
         assert any("async_save with offload='disk' copies this rank's offloaded state" in m for m in messages), messages
 
 
@@ -498,9 +510,9 @@ def _failed_load_then_good(rank: int, world: int, good: str, bad: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(200)
-def test_a_load_that_fails_midway_leaves_the_state_refused_until_a_good_load(tmp_path):
-    for result in run_distributed(_failed_load_then_good, 1, str(tmp_path / "good"), str(tmp_path / "bad"), timeout=150):
+@pytest.mark.timeout(900)
+def test_a_load_that_fails_midway_leaves_the_state_refused_until_a_good_load(launches: dict) -> None:
+    for result in (outcome.result() for outcome in launches[1]["failed-load"]):
         assert result.get("corrupt"), result
         for what in ("step", "save"):
             assert "inconsistent since a failed step or load (loading checkpoint" in result.get(what, ""), (what, result)
@@ -536,10 +548,10 @@ def _round_trip(rank: int, world: int, path: str, sharding: str) -> dict:
     return runs
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("sharding", ["hybrid", "hpz"])
-def test_checkpoint_round_trips_with_hybrid_and_hpz_sharding(tmp_path, sharding):
-    for runs in run_distributed(_round_trip, 2, str(tmp_path / "ckpt"), sharding, timeout=250):
+def test_checkpoint_round_trips_with_hybrid_and_hpz_sharding(sharding: str, launches: dict) -> None:
+    for runs in (outcome.result() for outcome in launches[2][f"round-trip-{sharding}"]):
         saved, loaded = runs[0], runs[1]
         assert torch.isfinite(torch.tensor(saved["loss"])) and loaded["loss"] == saved["loss"], (saved["loss"],
                                                                                                loaded["loss"])
@@ -547,3 +559,44 @@ def test_checkpoint_round_trips_with_hybrid_and_hpz_sharding(tmp_path, sharding)
         for part in ("state", "moments", "after"):
             for key, value in saved[part].items():
                 assert torch.equal(loaded[part][key], value), (sharding, part, key)
+
+
+# ---- the launches ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
+    """One launch per world size, each running its cases in turn (tests/distributed.py's
+    [Note: many cases on one launch]); the loads at 1 and 3 ranks after the saves at 2. The
+    ranks' state files and the checkpoints go to one directory of the module's."""
+    directory = str(tmp_path_factory.mktemp("offload_disk"))
+
+    def path(name: str) -> str:
+        return os.path.join(directory, name)
+
+    def trained(world: int) -> dict:
+        return {f"train-{name}": RankCase(_both, (wrap, micro_batches, clip, local_world_size))
+                for name, case_world, wrap, micro_batches, clip, local_world_size in CASES if case_world == world}
+
+    def loads() -> dict:
+        return {"load": RankCase(_load_at, (path("ckpt"),)), "load-wide": RankCase(_load_wide_tracked, (path("wide"),))}
+
+    env = {"OVERLAP_OFFLOAD_DIR": directory}
+    saves = CaseLaunch({
+        **trained(2),
+        "device-copy": RankCase(_device_copy),
+        **{f"refused-{i}": RankCase(_wrap, (kwargs,)) for i, (kwargs, _) in enumerate(REFUSED)},
+        "other-optimizer": RankCase(_other_optimizer),
+        "save": RankCase(_save_at, (path("ckpt"),)),
+        "meta": RankCase(_meta_and_eager),
+        "save-wide": RankCase(_save_wide, (path("wide"),)),
+        **{f"round-trip-{sharding}": RankCase(_round_trip, (path(f"round-trip-{sharding}"), sharding))
+           for sharding in ("hybrid", "hpz")},
+    }, world_size=2, env=env, timeout=800)
+    return {
+        2: saves,
+        1: CaseLaunch({**trained(1), **loads(), "full-load": RankCase(_full_load_refused),
+                       "async-save": RankCase(_async_save_messages, (path("async"),)),
+                       "failed-load": RankCase(_failed_load_then_good, (path("good"), path("bad")))},
+                      world_size=1, env=env, timeout=800, after=[saves]),
+        3: CaseLaunch({**trained(3), **loads()}, world_size=3, env=env, timeout=800, after=[saves]),
+    }
