@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from killed_resume import check_killed_run_resumes
-from distributed import run_distributed
+from distributed import CaseLaunch, RankCase
 from parity import Case, train, token_batches
 from parity_cases import SMALL_GPT, _lm_loss
 
@@ -77,13 +77,10 @@ CASES = [
 ]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world,optimizer,wrap,micro_batches,clip,local_world_size",
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_offloaded_training_equals_training_on_the_device(world: int, optimizer: str, wrap: dict,
-                                                          micro_batches: int, clip: float | None,
-                                                          local_world_size: int | None) -> None:
-    per_rank = run_distributed(_both, world, optimizer, wrap, micro_batches, clip, local_world_size, timeout=270)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,world", [c[:2] for c in CASES], ids=[c[0] for c in CASES])
+def test_offloaded_training_equals_training_on_the_device(name: str, world: int) -> None:
+    per_rank = [outcome.result() for outcome in LAUNCHES[world][name]]
     for rank, result in enumerate(per_rank):
         ref, got = result["none"], result["cpu"]
         assert got["offloaded"] and not got["resident"] and got["params_on_host"], rank
@@ -120,7 +117,19 @@ def _load_after_forward(rank: int, world: int) -> tuple[float, float, float]:
         return before, float(source(*batch)), float(target(*batch))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(900)
 def test_a_state_dict_loaded_after_a_forward_is_what_the_next_forward_sends() -> None:
-    for before, expected, got in run_distributed(_load_after_forward, 2, timeout=120):
+    for before, expected, got in (outcome.result() for outcome in LAUNCHES[2]["load-after-forward"]):
         assert before != expected and got == expected, (before, got, expected)
+
+
+def _trained(world: int) -> dict[str, RankCase]:
+    return {name: RankCase(_both, tuple(settings)) for name, case_world, *settings in CASES if case_world == world}
+
+
+# One launch per world size, its cases in turn (tests/distributed.py's [Note: many cases on one launch]).
+LAUNCHES = {
+    1: CaseLaunch(_trained(1), world_size=1, timeout=800),
+    2: CaseLaunch({**_trained(2), "load-after-forward": RankCase(_load_after_forward)}, world_size=2, timeout=800),
+    3: CaseLaunch(_trained(3), world_size=3, timeout=800),
+}
