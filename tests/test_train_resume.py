@@ -16,12 +16,12 @@ from overlap.checkpoint import latest_checkpoint
 from overlap.train.batches import ByteBatches
 from overlap.train.job import main
 
-STEPS = 120
+STEPS = 30              # the fewest that cross two checkpoints and a `step N:` window spanning one
 EVERY = 10              # steps between checkpoints
 # --eval-every is not a multiple of EVERY, so the train-loss window of a `step N:` line
 # spans a checkpoint; fixed --bucket-mb and --prefetch-depth give every run the same layout.
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
-        "--eval-every", "25", "--checkpoint-every", str(EVERY), "--bucket-mb", "1", "--prefetch-depth", "1"]
+        "--eval-every", "7", "--checkpoint-every", str(EVERY), "--bucket-mb", "1", "--prefetch-depth", "1"]
 RUN_TIMEOUT_S = 180
 
 FINAL = re.compile(r"^final step (\d+): loss ([\d.]+) .*, val loss ([\d.]+)$", re.M)
