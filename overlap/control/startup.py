@@ -43,6 +43,7 @@ from overlap.runtime.host_tier import HostTier
 from overlap.runtime.mesh import ShardingGroups, resolve_sharding
 from overlap.runtime.process_group import check_backend_env
 from overlap.runtime.scheduler import Scheduler
+from overlap.runtime.tensor_parallel import take_tensor_parallel, tensor_parallel_error
 
 logger = logging.getLogger("overlap")
 
@@ -66,7 +67,13 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
                            "(dist.init_process_group(), launched with torchrun)")
     settings = resolve_settings(request)
     root_spec, unit_specs = discover_units(module, request.unit_types)
-    check_ranks_agree(request.all_group, settings.error, model_signature(root_spec, unit_specs), settings.config)
+    error = settings.error or tensor_parallel_error(module, request.mesh, request.process_group, settings.config)
+    check_ranks_agree(request.all_group, error, model_signature(root_spec, unit_specs), settings.config)
+    # DTensor parameters of torch's tensor parallelism become their local tensors, the units'
+    # parameters from here on; see overlap.runtime.tensor_parallel.
+    tensor_parallel = take_tensor_parallel(module, settings.device)
+    if tensor_parallel is not None:
+        root_spec, unit_specs = discover_units(module, request.unit_types)
     decision = decide(request, settings, unit_specs)
     check_backend_env(request.all_group)           # before the gloo side groups are made
     collectives = _collectives(decision)
@@ -79,7 +86,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         # The 16-bit shard's copies to the device and the gradients' to the host are offload="cpu"'s.
         host = DiskTier(decision.config.offload_dir, dist.get_rank(),
                         HostTier(decision.device, decision.kernels, collectives.all_gather_stream))
-    built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host)
+    built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host,
+                        tensor_parallel)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check)
     # Per-step timings of compute and communication for `overlap_report()`.

@@ -17,6 +17,7 @@ from overlap.runtime.collectives import Collectives
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.host_tier import HostTier
 from overlap.runtime.materialize import check_same_values, materialize, meta_places
+from overlap.runtime.tensor_parallel import TensorParallel
 from overlap.runtime.unit import Unit
 
 # State-dict key -> (flat group, slot index) for a parameter, None for buffers and extra state.
@@ -37,8 +38,10 @@ class BuiltUnits:
 class _FlatGroups:
     """Packs units' parameters into flat groups, remembering each parameter's slot."""
 
-    def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier]) -> None:
+    def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier],
+                 tensor_parallel: Optional[TensorParallel]) -> None:
         self.collectives = collectives
+        self.tensor_parallel = tensor_parallel
         self.host = host
         self.mixed_precision = decision.mixed_precision
         self.node = decision.sharding.node
@@ -49,7 +52,9 @@ class _FlatGroups:
         for (dtype, _), entries in group_by_kind(spec.params, lambda entry: entry[1]).items():
             group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
                               self.mixed_precision.grad_reduce_dtype(dtype), self.node,
-                              None if self.host is None else self.host.place())
+                              None if self.host is None else self.host.place(),
+                              None if self.tensor_parallel is None else
+                              [self.tensor_parallel.spec_of(param) for _, param, _ in entries])
             for index, (_, param, _) in enumerate(entries):
                 self.slot_of[id(param)] = (group, index)
             groups.append(group)
@@ -58,9 +63,9 @@ class _FlatGroups:
 
 def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpec], collectives: Collectives,
                 decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]],
-                host: Optional[HostTier] = None) -> BuiltUnits:
+                host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None) -> BuiltUnits:
     """Units over `module`'s parameters, which become views of this rank's flat shards (in host
-    memory with `host`: offload="cpu")."""
+    memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors."""
     device = decision.device
     for sub in module.modules():
         for name, buf in sub._buffers.items():
@@ -69,7 +74,7 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     on_meta = meta_places(module)
     # State-dict keys in the module's own order, read before parameters leave their modules.
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
-    flat = _FlatGroups(collectives, decision, host)
+    flat = _FlatGroups(collectives, decision, host, tensor_parallel)
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
     units = [flat.unit(spec, spec.modules) for spec in merge_into_buckets(unit_specs, decision.bucket_bytes)]
     if on_meta or any(b.is_meta for b in module.buffers()):

@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from overlap.base.layout import FlatLayout
-from overlap.runtime.row_dtensors import as_dtensor, shard_mesh
+from overlap.runtime.row_dtensors import as_block_dtensor, as_dtensor, shard_mesh
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.pending import COMPLETED
 from overlap.runtime.host_tier import ShardPlace
@@ -59,6 +59,7 @@ from overlap.runtime.optimizer_state import register_group
 from overlap.runtime.param_identity import rebind
 from overlap.runtime.param_views import ParamViews
 from overlap.runtime.shard_grad import shard_grad
+from overlap.runtime.tensor_parallel import TensorParallelSpec
 
 
 @dataclass
@@ -75,8 +76,12 @@ class ParamSlot:
 class FlatGroup:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
                  collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 node_group: Optional[dist.ProcessGroup] = None, place: Optional[ShardPlace] = None) -> None:
+                 node_group: Optional[dist.ProcessGroup] = None, place: Optional[ShardPlace] = None,
+                 tensor_parallel: Optional[list[Optional[TensorParallelSpec]]] = None) -> None:
         self.collectives = collectives
+        # Each parameter's split over a tp mesh (None: not split); see [Note: tensor-parallel
+        # parameters in flat shards].
+        self.tensor_parallel = tensor_parallel if tensor_parallel is not None else [None] * len(params)
         # Where the master and gradient shards live: on the device, or offloaded to the host
         # (overlap.runtime.host_tier).
         self.place = place if place is not None else ShardPlace()
@@ -231,7 +236,9 @@ class FlatGroup:
         split, views = self._param_views(self.full)
         if split is not None:
             split.register_prehook(self._mark_grads)
-        for slot, view in zip(self.slots, views):
+        for slot, view, tp in zip(self.slots, views, self.tensor_parallel):
+            if tp is not None:
+                view = tp.wrap(view)
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
 
@@ -275,8 +282,9 @@ class FlatGroup:
         if self.grad_shard is None:
             self.grad_shard = self.place.zeros_like(self.shard)
             # See [Note: norms of sharded gradients].
-            self._grad_views = [shard_grad(self._shard_view(self.grad_shard, index), self.collectives)
-                                for index in range(len(self.slots))]
+            self._grad_views = [shard_grad(self._shard_view(self.grad_shard, index),
+                                           self.collectives if tp is None or tp.norm_group is None else tp.norm_group)
+                                for index, tp in enumerate(self.tensor_parallel)]
             zeros = True
         elif not self.reduced:
             grads = [param.grad for param in self.params]
@@ -307,11 +315,31 @@ class FlatGroup:
         optimizer state of the same shape) as a DTensor of the parameter's full shape."""
         slot = self.slots[index]
         mesh = shard_mesh(self.collectives.group, self.collectives.device.type)
-        return as_dtensor(part, slot.shape, self.layout.first_row(index, self.collectives.rank, slot.shape), mesh)
+        first_row = self.layout.first_row(index, self.collectives.rank, slot.shape)
+        tp = self.tensor_parallel[index]
+        if tp is None:
+            return as_dtensor(part, slot.shape, first_row, mesh)
+        # This rank's rows of its TP-local tensor, where that tensor lies in the global one.
+        offset = (tp.offset[0] + first_row, *tp.offset[1:]) if tp.offset else (first_row,)
+        return as_block_dtensor(part, tp.shape, list(slot.shape)[1:], offset, mesh)
+
+    def global_shape(self, index: int) -> torch.Size:
+        """Parameter `index`'s whole shape: its slot's, or its global one if split over tp."""
+        tp = self.tensor_parallel[index]
+        return self.slots[index].shape if tp is None else tp.shape
+
+    def _refuse_tensor_parallel(self, what: str) -> None:
+        split = [slot.name for slot, tp in zip(self.slots, self.tensor_parallel) if tp is not None]
+        if split:
+            raise NotImplementedError(
+                f"{what} of tensor-parallel parameters ({split[0]!r}): the flat group holds their TP-local parts; "
+                "use state_dict() / overlap.checkpoint (torch.distributed.checkpoint), whose DTensors have the "
+                "global shapes")
 
     def local_of_full(self, index: int, value: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full-sized tensor shaped like parameter `index` (its value,
         or optimizer state of that shape), shaped as the parameter's part."""
+        self._refuse_tensor_parallel("full values")
         start, end = self.parts[index]
         return value.detach().reshape(-1)[start:end].view(self.local_shapes[index])
 
@@ -324,6 +352,7 @@ class FlatGroup:
 
     def full_values(self) -> torch.Tensor:
         """All-gather the master shards (no cast) into a new flat tensor: for state dicts."""
+        self._refuse_tensor_parallel("full values")
         out = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
         all_gather_flat(out, self.place.on_device(self.shard), group=self.collectives.group)
         return out
@@ -331,6 +360,7 @@ class FlatGroup:
     def gather_parts(self, parts: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
         """Whole tensors from every rank's `parts` (each shaped like this rank's part of
         parameter `indices[i]`, all of one dtype): one all-gather in the flat layout."""
+        self._refuse_tensor_parallel("whole optimizer state")
         shard = torch.zeros(self.shard_numel, dtype=parts[0].dtype, device=self.collectives.device)
         for part, index in zip(parts, indices):
             self._shard_view(shard, index).copy_(part)
@@ -341,6 +371,7 @@ class FlatGroup:
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:
         """Set this rank's shard from full parameter values given in slot order (every rank has them)."""
+        self._refuse_tensor_parallel("loading full values")
         flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
         self.kernels.pack([t.detach().to(flat.device) for t in tensors], flat, [s.offset for s in self.slots])
         start = self.collectives.rank * self.shard_numel

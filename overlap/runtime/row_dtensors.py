@@ -33,10 +33,19 @@ def as_dtensor(part: torch.Tensor, shape: Sequence[int], first_row: int, mesh: D
     """`part` (this rank's rows of a tensor of `shape`, from `first_row`; any shape with that
     many elements) as a DTensor of `shape` whose local tensor is a view of `part`: loading
     into the result writes `part` in place. A 0-dim tensor is one element, shape [1]."""
+    trailing = list(shape)[1:]
+    return as_block_dtensor(part, shape, trailing, (first_row, *(0 for _ in trailing)), mesh)
+
+
+def as_block_dtensor(part: torch.Tensor, shape: Sequence[int], trailing: Sequence[int], offset: Sequence[int],
+                     mesh: DeviceMesh) -> DTensor:
+    """`part` (a block of whole rows of `trailing` trailing dimensions, starting at `offset` in
+    a tensor of `shape`) as a DTensor of `shape` whose local tensor is a view of `part`. A
+    tensor-parallel parameter's block is this rank's rows of its TP-local tensor, placed at its
+    TP offset ([Note: tensor-parallel parameters in flat shards])."""
     global_shape = torch.Size(list(shape) or [1])
-    local = part.detach().view(-1, *global_shape[1:])
-    offset = (first_row, *(0 for _ in global_shape[1:]))
-    wrapped = LocalShardsWrapper([local], [offset])
+    local = part.detach().view(-1, *trailing)
+    wrapped = LocalShardsWrapper([local], [tuple(offset)])
     stride = torch.empty(global_shape, device="meta").stride()
     return DTensor.from_local(wrapped, mesh, [Shard(0)], run_check=False, shape=global_shape, stride=stride)
 
@@ -55,4 +64,5 @@ def local_part(value: DTensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 def copy_to_cpu(value: DTensor) -> DTensor:
     """A DTensor like `value` (from `as_dtensor`) over a CPU copy of its local rows."""
     block, offset = local_part(value)
-    return as_dtensor(block.detach().to("cpu", copy=True), value.shape, offset[0] if offset else 0, value.device_mesh)
+    return as_block_dtensor(block.detach().to("cpu", copy=True), value.shape, block.shape[1:], offset or (0,),
+                            value.device_mesh)

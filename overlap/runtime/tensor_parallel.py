@@ -1,0 +1,196 @@
+"""ZeRO-3 over one mesh dimension of a model that torch's tensor parallelism split over another.
+
+[Note: tensor-parallel parameters in flat shards]
+After `parallelize_module(model, mesh["tp"], plan)` the TP-split parameters are DTensors on the
+tp mesh whose local tensor is this rank's TP shard. `ShardedModule(model, mesh=mesh["dp"])`
+shards each rank's TP-local tensors over dp exactly as it shards a plain model's parameters:
+the module's parameters become plain tensors of the TP-local shape (`take_tensor_parallel`),
+laid out in the row-aligned flat groups, gathered and freed per unit over dp. What a unit's
+modules compute with is the gathered view wrapped back as a DTensor of the parameter's global
+shape and TP placements (`TensorParallelSpec.wrap`: `DTensor.from_local`, no communication),
+so TP's own collectives run in forward and backward unchanged, and the gradient DTensor
+reaches the flat gradient as this rank's TP-local gradient: the reduce-scatter runs over dp
+only (TP's partial sums are redistributed by DTensor's own backward).
+
+Outside forward a parameter is a plain tensor holding this rank's dp rows of its TP-local
+shard, as with one mesh dimension: torch's optimizers step it as they are. Its published
+gradient's norms combine over the ranks holding parts of it ([Note: norms of sharded
+gradients]): over dp for a parameter replicated over tp, over dp and tp for a TP-split one
+(`NormGroup`), so `torch.nn.utils.clip_grad_norm_` gives one process's total norm. The
+module's DTensor Parameter objects cannot keep their identity (a DTensor cannot be swapped
+for a plain tensor), so an optimizer built before wrapping is refused when it steps.
+
+Supported: the dp and tp dimensions span every rank (a 2-D ("dp", "tp") mesh over the world),
+full sharding over dp, Shard and Replicate placements. What is not made to work here is
+refused at wrap by `tensor_parallel_error`, naming it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from overlap.base.config import Config
+
+
+@dataclass(frozen=True)
+class NormGroup:
+    """The ranks a TP-split parameter's gradient norm is combined over (what `ShardGrad` reads
+    of its collectives: the group and the device the reduction runs on)."""
+
+    group: dist.ProcessGroup
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """How one parameter is split over the tp mesh."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size                 # the global shape
+    stride: tuple[int, ...]
+    offset: tuple[int, ...]           # where this rank's TP-local tensor starts in the global one
+    norm_group: Optional[NormGroup]   # None: replicated over tp, its norm is dp's
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        """`local` (a view of the gathered TP-local tensor) as the DTensor the module computes with."""
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The tp mesh and each parameter's split, by id of the plain parameter that replaced it."""
+
+    mesh: DeviceMesh
+    specs: dict[int, TensorParallelSpec]
+
+    def spec_of(self, param: torch.Tensor) -> Optional[TensorParallelSpec]:
+        return self.specs.get(id(param))
+
+
+def _dtensor_params(module: nn.Module) -> list[tuple[str, DTensor]]:
+    return [(name, p) for name, p in module.named_parameters() if isinstance(p, DTensor)]
+
+
+def tensor_parallel_error(module: nn.Module, mesh: Optional[DeviceMesh], process_group: Optional[dist.ProcessGroup],
+                          config: Config) -> Optional[str]:
+    """What this rank cannot shard of a model with DTensor parameters, checked without
+    communicating (so every rank reports it), or None (also for a model without them)."""
+    params = _dtensor_params(module)
+    if not params:
+        return None
+    name, first = params[0]
+    tp_mesh = first.device_mesh
+    prefix = "tensor parallelism: "
+    for other_name, param in params:
+        if param.device_mesh != tp_mesh:
+            return f"{prefix}parameters {name!r} and {other_name!r} are DTensors on different meshes; " \
+                   "parallelize the whole model over one tp mesh"
+        bad = [p for p in param.placements if not isinstance(p, (Shard, Replicate))]
+        if bad:
+            return f"{prefix}parameter {other_name!r} has placement {bad[0]}; only Shard and Replicate are supported"
+        if param.is_meta:
+            return f"{prefix}parameter {other_name!r} is on the meta device; build the model on a real device " \
+                   "before parallelize_module (a meta model's initialisation would see TP-local shapes)"
+    if tp_mesh.ndim != 1:
+        return f"{prefix}the parameters are DTensors on a {tp_mesh.ndim}-D mesh; parallelize over a 1-D tp mesh " \
+               "(mesh['tp'] of a ('dp', 'tp') mesh)"
+    if process_group is not None or mesh is None:
+        return f"{prefix}pass the data-parallel dimension as mesh=mesh['dp'] (the parameters are split over " \
+               f"{tp_mesh.size()} tp ranks, which must not share shards)"
+    if mesh.ndim != 1:
+        return f"{prefix}hybrid sharding over a {mesh.ndim}-D mesh (replicate x shard x tp) is not supported; " \
+               "pass the 1-D dp mesh"
+    dp_ranks = set(mesh.mesh.flatten().tolist())
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+    if dp_ranks & tp_ranks != {dist.get_rank()} or len(dp_ranks) * len(tp_ranks) != dist.get_world_size():
+        return f"{prefix}the dp mesh (ranks {sorted(dp_ranks)}) and the tp mesh (ranks {sorted(tp_ranks)}) must be " \
+               "the two dimensions of one mesh over every rank: init_device_mesh(device, (dp, tp), " \
+               "mesh_dim_names=('dp', 'tp'))"
+    refused = {"compile": (config.compile, "compile=True (DTensor parameters inside compiled units)"),
+               "compression": (config.compress != "none", f"compression={config.compress!r}"),
+               "offload": (config.offload != "none", f"offload={config.offload!r}"),
+               "sharding": (config.sharding not in ("full", "auto"), f"sharding={config.sharding!r}")}
+    for setting, (wanted, what) in refused.items():
+        if wanted:
+            return f"{prefix}{what} is not supported with tensor-parallel parameters; wrap without it"
+    return None
+
+
+def take_tensor_parallel(module: nn.Module, device: torch.device) -> Optional[TensorParallel]:
+    """Replace `module`'s DTensor parameters by plain parameters holding their local tensors
+    (a tied one once) and make every parameter replicated over tp hold tp rank 0's values
+    (collective over the tp mesh); None when the model has no DTensor parameters. See
+    [Note: tensor-parallel parameters in flat shards]."""
+    params = _dtensor_params(module)
+    if not params:
+        return None
+    tp_mesh = params[0][1].device_mesh
+    norm_group = NormGroup(dist.group.WORLD, device)
+    replaced: dict[int, nn.Parameter] = {}
+    specs: dict[int, TensorParallelSpec] = {}
+    for sub in module.modules():
+        for attr, param in list(sub._parameters.items()):
+            if not isinstance(param, DTensor):
+                continue
+            if id(param) not in replaced:
+                plain = nn.Parameter(param.to_local().detach().contiguous(), requires_grad=param.requires_grad)
+                _, offset = compute_local_shape_and_global_offset(param.shape, tp_mesh, param.placements)
+                sharded = any(isinstance(p, Shard) for p in param.placements)
+                specs[id(plain)] = TensorParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride(),
+                                                      tuple(offset), norm_group if sharded else None)
+                replaced[id(param)] = plain
+                _replaced_params[param] = None
+            sub._parameters[attr] = replaced[id(param)]
+    _broadcast_replicated(module, specs, tp_mesh)
+    _register_hook()
+    return TensorParallel(tp_mesh, specs)
+
+
+def _broadcast_replicated(module: nn.Module, specs: dict[int, TensorParallelSpec], tp_mesh: DeviceMesh) -> None:
+    """Parameters the plan left whole (norms, embeddings) or replicated start from tp rank 0's
+    values on every tp rank, as the TP-split ones (distributed from tp rank 0) do."""
+    group = tp_mesh.get_group()
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for param in module.parameters():
+            spec = specs.get(id(param))
+            if spec is None or spec.norm_group is None:
+                dist.broadcast(param.data, src=source, group=group)
+
+
+# The DTensor Parameters replaced by `take_tensor_parallel`, for the optimizer check.
+_replaced_params = WeakIdKeyDictionary()
+_hook: Optional[Any] = None
+_CHECKED = "_overlap_tensor_parallel_checked"
+
+
+def _register_hook() -> None:
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_refuse_replaced)
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # Checked once per set of parameter groups, not at every step.
+    signature = id(optimizer.param_groups), tuple(len(param_group["params"]) for param_group in optimizer.param_groups)
+    if getattr(optimizer, _CHECKED, None) == signature:
+        return
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            if param in _replaced_params:
+                raise RuntimeError("the optimizer holds a tensor-parallel DTensor parameter as it was before "
+                                   "ShardedModule wrapped the model; such parameters cannot keep their identity "
+                                   "(see docs/tensor_parallel.md): build the optimizer from model.parameters() "
+                                   "after wrapping, as with FSDP2")
+    setattr(optimizer, _CHECKED, signature)

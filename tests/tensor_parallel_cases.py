@@ -1,0 +1,108 @@
+"""Training a model split by torch's tensor parallelism and sharded over dp by ShardedModule,
+and the same model in one process on the same global batches: what tests/test_tensor_parallel.py
+compares."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from parity import _optimizer, _slice, token_batches
+from parity_cases import SMALL_GPT
+
+STEPS = 3
+CLIP = 0.5                     # below the first steps' norms, so clipping scales every step
+BATCHES = token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS)
+
+
+def gpt_plan() -> dict[str, Any]:
+    """Every linear layer of the blocks split: the MLP as Megatron splits it (fc by columns,
+    out by rows, one all-reduce), attention's fused qkv by columns gathered back (its
+    [q; k; v] rows are not head-aligned) and its projection by rows from a replicated input."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"blocks.*.attn.qkv": ColwiseParallel(output_layouts=Replicate()),
+            "blocks.*.attn.proj": RowwiseParallel(input_layouts=Replicate()),
+            "blocks.*.fc": ColwiseParallel(), "blocks.*.out": RowwiseParallel()}
+
+
+def _build() -> nn.Module:
+    from overlap.models import GPT
+
+    torch.manual_seed(0)
+    return GPT(SMALL_GPT)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, clip: Optional[float]) -> tuple[float, float]:
+    loss = model(*batch)
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip is not None else 0.0
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach()), norm
+
+
+def reference(optimizer: str, clip: Optional[float]) -> dict[str, Any]:
+    """One process on the whole batches."""
+    model = _build()
+    opt = _optimizer(optimizer, model)
+    steps = [_step(model, opt, batch, clip) for batch in BATCHES()]
+    return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps],
+            "state": {key: value.detach().clone() for key, value in model.state_dict().items()}}
+
+
+def blocks_of(state: dict[str, Any]) -> dict[str, Any]:
+    """Each DTensor of a sharded state dict as (global shape, this rank's block, its offset)."""
+    from torch.distributed.tensor import DTensor
+
+    from overlap.runtime.row_dtensors import local_part
+
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            block, offset = local_part(value)
+            out[key] = (tuple(value.shape), block.detach().clone(), offset)
+        else:
+            out[key] = value.detach().clone()
+    return out
+
+
+def assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's blocks (replicated blocks written more than once)."""
+    out: dict[str, torch.Tensor] = {}
+    for blocks in per_rank:
+        for key, value in blocks.items():
+            if not isinstance(value, tuple):
+                out[key] = value
+                continue
+            shape, block, offset = value
+            whole = out.setdefault(key, torch.full(shape or (1,), float("nan"), dtype=block.dtype))
+            index = tuple(slice(o, o + n) for o, n in zip(offset, block.shape))
+            whole[index] = block
+    return out
+
+
+def train_2d(rank: int, world: int, dp: int, optimizer: str, clip: Optional[float], wrap: dict) -> dict[str, Any]:
+    """ShardedModule over dp of the GPT split over tp = world // dp ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap import ShardedModule
+
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    inner = _build()
+    parallelize_module(inner, mesh["tp"], gpt_plan())
+    model = ShardedModule(inner, mesh=mesh["dp"], **wrap)
+    opt = _optimizer(optimizer, model)
+    part = mesh.get_local_rank("dp")
+    steps = []
+    for batch in BATCHES():
+        loss, norm = _step(model, opt, _slice(batch, part, dp), clip)
+        total = torch.tensor([loss])
+        torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
+        steps.append((float(total) / dp, norm))
+    specs = [tp for unit in model.scheduler.all_units for group in unit.groups for tp in group.tensor_parallel]
+    return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "blocks": blocks_of(model.state_dict()),
+            "tp_split": sum(tp is not None and tp.norm_group is not None for tp in specs)}
