@@ -203,7 +203,8 @@ class ShardedModule(nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all parameters together; returns the total norm, the same on
-        every rank (`torch.nn.utils.clip_grad_norm_` would see only this rank's parts)."""
+        every rank (as `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` does: see
+        [Note: norms of sharded gradients]), in one all-reduce for the whole model."""
         norm_type = float(norm_type)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         device = self.collectives.device

@@ -52,8 +52,9 @@ TRAINER_STATE = "lightning"
 
 class _ShardedNormClipping:
     """Mixed into the precision plugin Lightning built for the run, which keeps its autocast
-    and dtype handling: only clipping by norm changes, since `torch.nn.utils.clip_grad_norm_`
-    would see this rank's parts of the gradients alone."""
+    and dtype handling: only clipping by norm changes, to `ShardedModule.clip_grad_norm_`,
+    which gives the same norm as `torch.nn.utils.clip_grad_norm_` in one all-reduce for the
+    whole model rather than one per dtype and device."""
 
     sharded_module: Optional[ShardedModule] = None
 

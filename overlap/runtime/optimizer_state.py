@@ -17,7 +17,7 @@ sharded state]).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -29,8 +29,9 @@ from overlap.runtime.param_identity import left_behind
 from overlap.runtime.row_dtensors import local_part
 from overlap.runtime.unpicklable_state import FULL_OPTIMIZER, RankPartStateDict
 
-if TYPE_CHECKING:
-    from overlap.runtime.flat_group import FlatGroup
+# A flat group (overlap.runtime.flat_group imports this module: no import back). It answers
+# `params`, `slots`, `layout`, `collectives`, `local_of_full`, `dtensor` and `gather_parts`.
+FlatGroup = Any
 
 # Each sharded parameter -> its flat group and slot.
 _places = WeakIdKeyDictionary()   # by identity: tensors compare element-wise
@@ -41,18 +42,13 @@ _CHECKED = "_overlap_checked"
 _GUARDED = "_overlap_guarded"
 
 
-def register_group(group: "FlatGroup") -> None:
+def register_group(group: FlatGroup) -> None:
     """Make `group`'s parameters known to every optimizer's check (see the note)."""
     global _hook
     for index, param in enumerate(group.params):
         _places[param] = (group, index)
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_before_step)
-
-
-def place_of(param: torch.Tensor) -> Optional[tuple["FlatGroup", int]]:
-    """The flat group and slot of a sharded parameter, or None."""
-    return _places.get(param)
 
 
 def _signature(optimizer: torch.optim.Optimizer) -> tuple:
@@ -91,7 +87,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         setattr(optimizer, _GUARDED, True)
 
 
-def _reshard(state: dict[str, Any], param: torch.Tensor, group: "FlatGroup", index: int) -> None:
+def _reshard(state: dict[str, Any], param: torch.Tensor, group: FlatGroup, index: int) -> None:
     slot = group.slots[index]
     for key, value in state.items():
         if isinstance(value, DTensor):          # the sharded form of `optimizer.state_dict()`, loaded
@@ -143,7 +139,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict[s
                      for key, value in values.items()} for index, values in packed["state"].items()}
     # (flat group, state name) -> [(parameter index, slot)], in the same order on every rank.
     gathers: dict[tuple[int, str], list[tuple[int, int]]] = {}
-    groups: dict[int, "FlatGroup"] = {}
+    groups: dict[int, FlatGroup] = {}
     for number, param in enumerate(params):
         place = _places.get(param)
         if place is None or number not in state:
