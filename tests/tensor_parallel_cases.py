@@ -3,10 +3,13 @@ and the same model in one process on the same global batches: what tests/test_te
 compares."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import functools
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parity import _optimizer, _slice, token_batches
 from parity_cases import SMALL_GPT
@@ -28,27 +31,41 @@ def gpt_plan() -> dict[str, Any]:
             "blocks.*.fc": ColwiseParallel(), "blocks.*.out": RowwiseParallel()}
 
 
-def _build() -> nn.Module:
+def _build(checkpointed: bool = False) -> nn.Module:
     from overlap.models import GPT
 
     torch.manual_seed(0)
-    return GPT(SMALL_GPT)
+    model = GPT(SMALL_GPT)
+    if checkpointed:
+        # Activation checkpointing of every block: backward recomputes its forward.
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), use_reentrant=False)
+    return model
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, clip: Optional[float]) -> tuple[float, float]:
-    loss = model(*batch)
-    loss.backward()
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, how: dict) -> tuple[float, float]:
+    """One step; with how["micro"] > 1, gradients of all but the last micro-batch accumulate
+    without syncing (`no_sync()` on a ShardedModule)."""
+    micro = how.get("micro", 1)
+    total = 0.0
+    for k in range(micro):
+        unsynced = k < micro - 1 and hasattr(model, "no_sync")
+        with model.no_sync() if unsynced else contextlib.nullcontext():
+            loss = model(*_slice(batch, k, micro)) / micro
+            loss.backward()
+        total += float(loss.detach())
+    clip = how.get("clip")
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip is not None else 0.0
     optimizer.step()
     optimizer.zero_grad()
-    return float(loss.detach()), norm
+    return total, norm
 
 
-def reference(optimizer: str, clip: Optional[float]) -> dict[str, Any]:
+def reference(optimizer: str, how: dict) -> dict[str, Any]:
     """One process on the whole batches."""
-    model = _build()
+    model = _build(how.get("checkpointed", False))
     opt = _optimizer(optimizer, model)
-    steps = [_step(model, opt, batch, clip) for batch in BATCHES()]
+    steps = [_step(model, opt, batch, how) for batch in BATCHES()]
     return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps],
             "state": {key: value.detach().clone() for key, value in model.state_dict().items()}}
 
@@ -84,7 +101,7 @@ def assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_2d(rank: int, world: int, dp: int, optimizer: str, clip: Optional[float], wrap: dict) -> dict[str, Any]:
+def train_2d(rank: int, world: int, dp: int, optimizer: str, how: dict, wrap: dict) -> dict[str, Any]:
     """ShardedModule over dp of the GPT split over tp = world // dp ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -92,17 +109,48 @@ def train_2d(rank: int, world: int, dp: int, optimizer: str, clip: Optional[floa
     from overlap import ShardedModule
 
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
-    inner = _build()
+    inner = _build(how.get("checkpointed", False))
     parallelize_module(inner, mesh["tp"], gpt_plan())
     model = ShardedModule(inner, mesh=mesh["dp"], **wrap)
     opt = _optimizer(optimizer, model)
     part = mesh.get_local_rank("dp")
     steps = []
     for batch in BATCHES():
-        loss, norm = _step(model, opt, _slice(batch, part, dp), clip)
+        loss, norm = _step(model, opt, _slice(batch, part, dp), how)
         total = torch.tensor([loss])
         torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
         steps.append((float(total) / dp, norm))
     specs = [tp for unit in model.scheduler.all_units for group in unit.groups for tp in group.tensor_parallel]
     return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "blocks": blocks_of(model.state_dict()),
             "tp_split": sum(tp is not None and tp.norm_group is not None for tp in specs)}
+
+
+def refused(rank: int, world: int, what: str) -> None:
+    """Wrap the split GPT (dp = 2) in a way that is not supported, or do with it what is not;
+    raises what ShardedModule raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap import ShardedModule
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    inner = _build()
+    parallelize_module(inner, mesh["tp"], gpt_plan())
+    wraps = {"compile": {"compile": True}, "compression": {"compression": "int8"}, "offload": {"offload": "cpu"},
+             "hpz": {"sharding": "hpz"}}
+    if what in wraps:
+        ShardedModule(inner, mesh=mesh["dp"], **wraps[what])
+    elif what == "no_mesh":
+        ShardedModule(inner)
+    elif what == "hybrid":
+        hybrid = init_device_mesh("cpu", (2, 1, world // 2), mesh_dim_names=("replicate", "shard", "tp"))
+        ShardedModule(inner, mesh=hybrid["replicate", "shard"])
+    elif what == "optimizer_before_wrapping":
+        optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
+        model = ShardedModule(inner, mesh=mesh["dp"])
+        model(*_slice(BATCHES()[0], 0, 2)).backward()
+        optimizer.step()
+    elif what == "full_state_dict":
+        ShardedModule(inner, mesh=mesh["dp"]).full_state_dict()
+    else:
+        raise AssertionError(what)
