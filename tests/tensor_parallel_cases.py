@@ -154,3 +154,47 @@ def refused(rank: int, world: int, what: str) -> None:
         ShardedModule(inner, mesh=mesh["dp"]).full_state_dict()
     else:
         raise AssertionError(what)
+
+
+def _wrapped(world: int, dp: int, split: bool) -> tuple[nn.Module, Any]:
+    """The GPT sharded over dp ranks, split over tp = world // dp ranks when `split` (else
+    1-D over every rank), and its dp mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap import ShardedModule
+
+    inner = _build()
+    if not split:
+        return ShardedModule(inner), None
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(inner, mesh["tp"], gpt_plan())
+    return ShardedModule(inner, mesh=mesh["dp"]), mesh["dp"]
+
+
+def save_after(rank: int, world: int, path: str, dp: int, steps: int) -> None:
+    """`steps` AdamW steps of the split GPT, then overlap.checkpoint.save of model and optimizer."""
+    from overlap import checkpoint
+
+    model, dp_mesh = _wrapped(world, dp, split=True)
+    opt = _optimizer("adamw", model)
+    for batch in BATCHES()[:steps]:
+        _step(model, opt, _slice(batch, dp_mesh.get_local_rank(), dp), {})
+    checkpoint.save(path, model, opt)
+
+
+def resume(rank: int, world: int, path: str, dp: int, split: bool, steps: int) -> dict[str, Any]:
+    """Load the checkpoint into a new model of this shape and train the remaining steps."""
+    from overlap import checkpoint
+
+    model, dp_mesh = _wrapped(world, dp, split)
+    opt = _optimizer("adamw", model)
+    checkpoint.load(path, model, opt)
+    part = rank if dp_mesh is None else dp_mesh.get_local_rank()
+    losses = []
+    for batch in BATCHES()[steps:]:
+        loss, _ = _step(model, opt, _slice(batch, part, dp), {})
+        total = torch.tensor([loss])
+        torch.distributed.all_reduce(total, group=None if dp_mesh is None else dp_mesh.get_group())
+        losses.append(float(total) / dp)
+    return {"losses": losses, "blocks": blocks_of(model.state_dict())}

@@ -5,6 +5,9 @@ mesh=mesh["dp"])`) equals one process on the same global batches, at (dp, tp) = 
 refused at wrap on every rank, naming it."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -26,11 +29,32 @@ REFUSED = {"compile": "compile=True", "compression": "compression='int8'", "offl
            "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping",
            "full_state_dict": "full values of tensor-parallel parameters"}
 
-LAUNCHES = {world: CaseLaunch({**{name: RankCase(tp_cases.train_2d, (dp, optimizer, how, how.get("wrap", {})))
-                                  for name, dp, optimizer, how in runs},
-                               **({what: RankCase(tp_cases.refused, (what,)) for what in REFUSED} if world == 4 else {})},
-                              world, timeout=300)
-            for world, runs in RUNS.items()}
+CHECKPOINT = os.path.join(tempfile.mkdtemp(), "step2")
+SAVED_STEPS = 2
+# (name, world, dp, split over tp) of each resume from the checkpoint saved at (2, 2).
+RESUMES = [("resume_dp2_tp2", 4, 2, True), ("resume_dp1_tp2", 2, 1, True), ("resume_1d_dp2", 2, 2, False)]
+
+
+def _cases(world: int) -> dict[str, RankCase]:
+    cases = {name: RankCase(tp_cases.train_2d, (dp, optimizer, how, how.get("wrap", {})))
+             for name, dp, optimizer, how in RUNS[world]}
+    if world == 4:
+        cases.update({what: RankCase(tp_cases.refused, (what,)) for what in REFUSED})
+        cases["save"] = RankCase(tp_cases.save_after, (CHECKPOINT, 2, SAVED_STEPS))
+    cases.update({name: RankCase(tp_cases.resume, (CHECKPOINT, dp, split, SAVED_STEPS))
+                  for name, at, dp, split in RESUMES if at == world})
+    return cases
+
+
+LAUNCHES = {4: CaseLaunch(_cases(4), 4, timeout=300)}
+LAUNCHES[2] = CaseLaunch(_cases(2), 2, timeout=300, after=[LAUNCHES[4]])
+
+
+def _assert_state_equal(results: list[dict], expected: dict[str, torch.Tensor], tol: dict) -> None:
+    state = tp_cases.assemble([result["blocks"] for result in results])
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key].view(value.shape), value, **tol, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.timeout(400)
@@ -49,10 +73,7 @@ def test_2d_training_equals_one_process(world: int, run: int) -> None:
         if "clip" in how:
             assert min(ref["norms"]) > how["clip"], ref["norms"]          # the clip scales every step
             torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref["norms"]), **tol)
-    state = tp_cases.assemble([result["blocks"] for result in results])
-    assert state.keys() == ref["state"].keys()
-    for key, expected in ref["state"].items():
-        torch.testing.assert_close(state[key].view(expected.shape), expected, **tol, msg=lambda m: f"{key}: {m}")
+    _assert_state_equal(results, ref["state"], tol)
     assert ref["losses"][-1] < ref["losses"][0]                    # training moved
 
 
@@ -61,3 +82,17 @@ def test_2d_training_equals_one_process(world: int, run: int) -> None:
 def test_what_is_not_supported_is_refused_on_every_rank(what: str) -> None:
     for outcome in LAUNCHES[4][what]:
         assert REFUSED[what] in outcome.error(), outcome.error()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name,world", [(name, world) for name, world, _, _ in RESUMES])
+def test_a_2d_checkpoint_resumes_at_another_shape(name: str, world: int) -> None:
+    """Saved after 2 AdamW steps at (2, 2) (DCP: model and optimizer), loaded at (2, 2), (1, 2)
+    and 1-D over 2 ranks: the third step is one process's third step (the optimizer state
+    came back too: a fresh AdamW would take another step)."""
+    assert all(outcome.ok for outcome in LAUNCHES[4]["save"]), [o.value for o in LAUNCHES[4]["save"]]
+    ref = tp_cases.reference("adamw", {})
+    results = [outcome.result() for outcome in LAUNCHES[world][name]]
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"][SAVED_STEPS:]), **TOL)
+    _assert_state_equal(results, ref["state"], TOL)

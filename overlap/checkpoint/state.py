@@ -110,7 +110,7 @@ def optimizer_targets(path: str, metadata: Metadata, model: "ShardedModule") -> 
         _, group, index = places[id(param)]
         if isinstance(entry, BytesStorageMetadata):
             targets[key] = None
-        elif list(entry.size) == (list(group.slots[index].shape) or [1]) and entry.size != torch.Size([]):
+        elif list(entry.size) == (list(group.global_shape(index)) or [1]) and entry.size != torch.Size([]):
             parts[key] = _part_target(param, key.rsplit(".", 1)[1], entry.properties.dtype)
             targets[key] = group.dtensor(parts[key], index)
         else:
