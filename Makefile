@@ -4,8 +4,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
-# The extension's sources compile in parallel through ninja, this many at a time (one per core
-# of a 2-core machine; the C++ compiler holds a few hundred MB per job).
+# The extension's sources compile in parallel through ninja (the venv's, found on PATH as
+# torch's build looks for it; without it the sources compile one after another), this many at
+# a time: one per core of a 2-core machine.
 MAX_JOBS ?= 2
 
 .PHONY: setup train test test-all bench clean
@@ -16,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(wildcard kernel
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "$(TORCH)" ninja
-	MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --quiet --no-build-isolation -e ".[test,lightning,hf]"
+	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --quiet --no-build-isolation -e ".[test,lightning,hf]"
 	touch $@
 
 train: setup
