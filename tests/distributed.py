@@ -17,7 +17,9 @@ launches once per case pays it per case. `CaseLaunch` runs a file's cases in tur
 of ranks, each case's outcome (its result, or the error it raised) recorded per rank, so a
 test per case still fails by its own name. The launch runs when the first test asks for a
 case; its failure (a timeout names the case each rank was in) is kept and reported by every
-test that reads it, instead of launching again.
+test that reads it, instead of launching again. Each case starts with the environment as
+it was before the one ahead of it, and after a barrier; a case that leaves collectives
+unmatched (ranks that diverge, a rank that is killed) gets a launch of its own.
 """
 from __future__ import annotations
 
@@ -149,7 +151,7 @@ def _run_cases_on_rank(rank: int, world_size: int, cases: dict[str, RankCase], p
         except Exception as exc:  # noqa: BLE001 - the case's outcome, checked by its test
             outcomes[name] = Outcome(False, f"{type(exc).__name__}: {exc}", traceback.format_exc())
         finally:
-            os.environ.clear()      # a case that sets a variable itself leaves it to this case
+            os.environ.clear()      # also undoes what the case set itself
             os.environ.update(saved_env)
         dist.barrier()              # every rank starts the next case together
     return outcomes
