@@ -198,3 +198,55 @@ def resume(rank: int, world: int, path: str, dp: int, split: bool, steps: int) -
         torch.distributed.all_reduce(total, group=None if dp_mesh is None else dp_mesh.get_group())
         losses.append(float(total) / dp)
     return {"losses": losses, "blocks": blocks_of(model.state_dict())}
+
+
+def _fsdp2_tp(world: int, dp: int) -> tuple[nn.Module, Any]:
+    """The same split GPT under FSDP2 over dp (torchtitan's 2-D recipe), and its dp mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    model = _build()
+    parallelize_module(model, mesh["tp"], gpt_plan())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"]), mesh["dp"]
+
+
+def _fsdp2_steps(model: nn.Module, opt: torch.optim.Optimizer, dp_mesh: Any, batches: list[tuple]) -> list[float]:
+    losses = []
+    for batch in batches:
+        loss, _ = _step(model, opt, _slice(batch, dp_mesh.get_local_rank(), dp_mesh.size()), {})
+        total = torch.tensor([loss])
+        torch.distributed.all_reduce(total, group=dp_mesh.get_group())
+        losses.append(float(total) / dp_mesh.size())
+    return losses
+
+
+def fsdp2_saves(rank: int, world: int, path: str, dp: int, steps: int) -> None:
+    """FSDP2 + TP trains `steps` AdamW steps and saves as torchtitan does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model, dp_mesh = _fsdp2_tp(world, dp)
+    opt = _optimizer("adamw", model)
+    _fsdp2_steps(model, opt, dp_mesh, BATCHES()[:steps])
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+
+
+def fsdp2_resumes(rank: int, world: int, path: str, dp: int, steps: int) -> dict[str, Any]:
+    """FSDP2 + TP loads a checkpoint as torchtitan does and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_state_dict)
+
+    model, dp_mesh = _fsdp2_tp(world, dp)
+    opt = _optimizer("adamw", model)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    losses = _fsdp2_steps(model, opt, dp_mesh, BATCHES()[steps:])
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {"losses": losses, "state": {key: value.detach().clone() for key, value in full.items()}}

@@ -30,6 +30,7 @@ REFUSED = {"compile": "compile=True", "compression": "compression='int8'", "offl
            "full_state_dict": "full values of tensor-parallel parameters"}
 
 CHECKPOINT = os.path.join(tempfile.mkdtemp(), "step2")
+FSDP2_CHECKPOINT = os.path.join(tempfile.mkdtemp(), "fsdp2_tp_step2")
 SAVED_STEPS = 2
 # (name, world, dp, split over tp) of each resume from the checkpoint saved at (2, 2).
 RESUMES = [("resume_dp2_tp2", 4, 2, True), ("resume_dp1_tp2", 2, 1, True), ("resume_1d_dp2", 2, 2, False)]
@@ -41,6 +42,9 @@ def _cases(world: int) -> dict[str, RankCase]:
     if world == 4:
         cases.update({what: RankCase(tp_cases.refused, (what,)) for what in REFUSED})
         cases["save"] = RankCase(tp_cases.save_after, (CHECKPOINT, 2, SAVED_STEPS))
+        cases["fsdp2_save"] = RankCase(tp_cases.fsdp2_saves, (FSDP2_CHECKPOINT, 2, SAVED_STEPS))
+        cases["fsdp2_loads_ours"] = RankCase(tp_cases.fsdp2_resumes, (CHECKPOINT, 2, SAVED_STEPS))
+        cases["ours_loads_fsdp2"] = RankCase(tp_cases.resume, (FSDP2_CHECKPOINT, 2, True, SAVED_STEPS))
     cases.update({name: RankCase(tp_cases.resume, (CHECKPOINT, dp, split, SAVED_STEPS))
                   for name, at, dp, split in RESUMES if at == world})
     return cases
@@ -96,3 +100,20 @@ def test_a_2d_checkpoint_resumes_at_another_shape(name: str, world: int) -> None
     for result in results:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"][SAVED_STEPS:]), **TOL)
     _assert_state_equal(results, ref["state"], TOL)
+
+
+@pytest.mark.timeout(400)
+def test_checkpoints_interchange_with_fsdp2_and_tp() -> None:
+    """torchtitan's layout both ways at (2, 2): FSDP2 + TP loads a checkpoint of ours and ours
+    loads one of FSDP2 + TP (same plan), each then taking one process's third step."""
+    ref = tp_cases.reference("adamw", {})
+    assert all(outcome.ok for outcome in LAUNCHES[4]["fsdp2_save"]), [o.value for o in LAUNCHES[4]["fsdp2_save"]]
+    theirs = [outcome.result() for outcome in LAUNCHES[4]["fsdp2_loads_ours"]]
+    for result in theirs:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"][SAVED_STEPS:]), **TOL)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(theirs[0]["state"][key], value, **TOL, msg=lambda m: f"{key}: {m}")
+    ours = [outcome.result() for outcome in LAUNCHES[4]["ours_loads_fsdp2"]]
+    for result in ours:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"][SAVED_STEPS:]), **TOL)
+    _assert_state_equal(ours, ref["state"], TOL)
