@@ -136,7 +136,7 @@ def refused(rank: int, world: int, what: str) -> None:
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     inner = _build()
     parallelize_module(inner, mesh["tp"], gpt_plan())
-    wraps = {"compile": {"compile": True}, "compression": {"compression": "int8"}, "offload": {"offload": "cpu"},
+    wraps = {"compile": {"compile": True}, "compression": {"compression": "int8"}, "offload_disk": {"offload": "disk"},
              "hpz": {"sharding": "hpz"}}
     if what in wraps:
         ShardedModule(inner, mesh=mesh["dp"], **wraps[what])

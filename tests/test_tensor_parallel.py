@@ -19,12 +19,13 @@ from distributed import CaseLaunch, RankCase
 RUNS = {4: [("sgd", 2, "sgd", {}), ("adamw_clip", 2, "adamw", {"clip": tp_cases.CLIP}),
             ("bf16", 2, "sgd", {"wrap": {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16,
                                                                           reduce_dtype=torch.float32)}}),
-            ("no_sync", 2, "sgd", {"micro": 2}), ("checkpointed", 2, "adamw", {"checkpointed": True})],
+            ("no_sync", 2, "sgd", {"micro": 2}),
+            ("offload_cpu", 2, "adamw", {"wrap": {"offload": "cpu"}}), ("checkpointed", 2, "adamw", {"checkpointed": True})],
         2: [("sgd", 1, "sgd", {}), ("adamw_clip", 1, "adamw", {"clip": tp_cases.CLIP})]}
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 BF16_TOL = {"rtol": 3e-2, "atol": 3e-3}
 # What is refused, and what the error names.
-REFUSED = {"compile": "compile=True", "compression": "compression='int8'", "offload": "offload='cpu'",
+REFUSED = {"compile": "compile=True", "compression": "compression='int8'", "offload_disk": "offload='disk'",
            "hpz": "sharding='hpz'", "no_mesh": "mesh=mesh['dp']", "hybrid": "hybrid sharding over a 2-D mesh",
            "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping",
            "full_state_dict": "full values of tensor-parallel parameters"}
@@ -69,7 +70,7 @@ def test_2d_training_equals_one_process(world: int, run: int) -> None:
     name, _, optimizer, how = RUNS[world][run]
     ref = tp_cases.reference(optimizer, how)
     results = [outcome.result() for outcome in LAUNCHES[world][name]]
-    tol = BF16_TOL if "wrap" in how else TOL
+    tol = BF16_TOL if "mixed_precision" in how.get("wrap", {}) else TOL
     for result in results:
         assert result["tp_split"] == 6 * tp_cases.SMALL_GPT.n_layer     # every block's weights and column biases
         assert all(torch.isfinite(torch.tensor(result["losses"]))), result["losses"]
