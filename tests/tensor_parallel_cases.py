@@ -11,24 +11,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from overlap.models.tensor_parallel_plan import gpt_tp_plan
 from parity import _optimizer, _slice, token_batches
 from parity_cases import SMALL_GPT
 
 STEPS = 3
 CLIP = 0.5                     # below the first steps' norms, so clipping scales every step
 BATCHES = token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS)
-
-
-def gpt_plan() -> dict[str, Any]:
-    """Every linear layer of the blocks split: the MLP as Megatron splits it (fc by columns,
-    out by rows, one all-reduce), attention's fused qkv by columns gathered back (its
-    [q; k; v] rows are not head-aligned) and its projection by rows from a replicated input."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {"blocks.*.attn.qkv": ColwiseParallel(output_layouts=Replicate()),
-            "blocks.*.attn.proj": RowwiseParallel(input_layouts=Replicate()),
-            "blocks.*.fc": ColwiseParallel(), "blocks.*.out": RowwiseParallel()}
 
 
 def _build(checkpointed: bool = False) -> nn.Module:
@@ -110,7 +99,7 @@ def train_2d(rank: int, world: int, dp: int, optimizer: str, how: dict, wrap: di
 
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
     inner = _build(how.get("checkpointed", False))
-    parallelize_module(inner, mesh["tp"], gpt_plan())
+    parallelize_module(inner, mesh["tp"], gpt_tp_plan())
     model = ShardedModule(inner, mesh=mesh["dp"], **wrap)
     opt = _optimizer(optimizer, model)
     part = mesh.get_local_rank("dp")
@@ -135,7 +124,7 @@ def refused(rank: int, world: int, what: str) -> None:
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     inner = _build()
-    parallelize_module(inner, mesh["tp"], gpt_plan())
+    parallelize_module(inner, mesh["tp"], gpt_tp_plan())
     wraps = {"compile": {"compile": True}, "compression": {"compression": "int8"}, "offload_disk": {"offload": "disk"},
              "hpz": {"sharding": "hpz"}}
     if what in wraps:
@@ -168,7 +157,7 @@ def _wrapped(world: int, dp: int, split: bool) -> tuple[nn.Module, Any]:
     if not split:
         return ShardedModule(inner), None
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
-    parallelize_module(inner, mesh["tp"], gpt_plan())
+    parallelize_module(inner, mesh["tp"], gpt_tp_plan())
     return ShardedModule(inner, mesh=mesh["dp"]), mesh["dp"]
 
 
@@ -208,7 +197,7 @@ def _fsdp2_tp(world: int, dp: int) -> tuple[nn.Module, Any]:
 
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
     model = _build()
-    parallelize_module(model, mesh["tp"], gpt_plan())
+    parallelize_module(model, mesh["tp"], gpt_tp_plan())
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     return fully_shard(model, mesh=mesh["dp"]), mesh["dp"]

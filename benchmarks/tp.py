@@ -1,0 +1,179 @@
+"""ZeRO-3 over dp of a tensor-parallel GPT against FSDP2 + TP with the same plan, at (dp, tp)
+= (2, 2): 4 gloo ranks on this host's loopback.
+
+Rows: ShardedModule over mesh["dp"] after `parallelize_module(model, mesh["tp"],
+gpt_tp_plan())` (overlap-tp); FSDP2 over mesh["dp"] of every block and the root after the same
+plan, with torch's defaults (fsdp2-tp) and tuned as benchmarks/compare.py's FSDP2 row is
+(fsdp2-tp-tuned: async unshard, explicit prefetch lists, the all-to-all reduce-scatter;
+`peers.fsdp2`). The benchmark GPT (23.2M parameters; `--tiny` for a seconds-long smoke run),
+batch `--batch` x 128 per dp rank, AdamW for all. Implementations alternate within each
+round; a step's time is the slowest rank's. Peak memory per rank: MemTracker's total over one
+extra step (as compare.py measures), and peak RSS. Paired per-round ratios (overlap-tp's
+median step over the peer's, same round) give median and range.
+
+    python benchmarks/tp.py --rounds 3 --steps 4 --out docs/results/tp.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from common import (RunRecord, markdown_table, median, read_json, run_with_deadline, script_main, single_thread_env,
+                    torchrun, write_json)
+
+IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
+PEERS = ("fsdp2-tp", "fsdp2-tp-tuned")
+TINY_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
+DP, TP = 2, 2
+
+
+def _build(args: argparse.Namespace):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap import ShardedModule
+    from overlap.models import GPT, GPTConfig
+    from overlap.models.gpt import Block
+    from overlap.models.tensor_parallel_plan import gpt_tp_plan
+
+    import peers
+
+    mesh = init_device_mesh("cpu", (DP, dist.get_world_size() // DP), mesh_dim_names=("dp", "tp"))
+    config = GPTConfig(**(TINY_MODEL if args.tiny else {}))
+    torch.manual_seed(0)
+    model = GPT(config)
+    parallelize_module(model, mesh["tp"], gpt_tp_plan())
+    if args.worker == "overlap-tp":
+        model = ShardedModule(model, unit_types=(Block,), mesh=mesh["dp"])
+    else:
+        model = peers.fsdp2(model, args.worker == "fsdp2-tp-tuned", args.fsdp2_prefetch, mesh=mesh["dp"])
+    return model, mesh, config
+
+
+def _memory_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> int:
+    """The peak of MemTracker's total over one step (the gathered flat buffers of ShardedModule
+    are registered with it, as in compare.py)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    if hasattr(model, "scheduler"):
+        tracker.track_external(*[group.full for unit in model.scheduler.all_units for group in unit.groups])
+    with tracker:
+        step()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    return int(peak.get("Total", 0))
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model, mesh, config = _build(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    gen = torch.Generator().manual_seed(mesh.get_local_rank("dp"))      # tp ranks see the same batch
+    losses = []
+
+    def step() -> None:
+        tokens = torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+
+    times = []
+    for index in range(args.warmup + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if index >= args.warmup:
+            times.append(float(elapsed))
+    tracked = torch.tensor(_memory_step(model, optimizer, step))
+    peak_rss = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)   # Linux reports KiB
+    memory = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(memory, torch.stack([tracked, peak_rss]).long())
+    if dist.get_rank() == 0:
+        write_json(args.result, dict(impl=args.worker, step_s=times, losses=losses,
+                                     peak_tracked=[int(m[0]) for m in memory], peak_rss=[int(m[1]) for m in memory]))
+    dist.barrier()
+
+
+def paired_ratios(per_round: list[dict[str, list[float]]]) -> dict[str, dict]:
+    """overlap-tp's median step over each peer's, round by round (alternated within a round)."""
+    out = {}
+    for peer in PEERS:
+        ratios = [median(r["overlap-tp"]) / median(r[peer]) for r in per_round if "overlap-tp" in r and peer in r]
+        if ratios:
+            out[f"overlap-tp/{peer}"] = dict(per_round=ratios, median=median(ratios), min=min(ratios), max=max(ratios))
+    return out
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("tp.py", sys.argv[1:])
+    script = os.path.abspath(__file__)
+    per_round: list[dict[str, list[float]]] = []
+    memory: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            per_round.append({})
+            for impl in args.impls:
+                result = os.path.join(scratch, f"{impl}-{round_index}.json")
+                command = torchrun(script, DP * TP, ["--worker", impl, "--result", result, "--steps", str(args.steps),
+                                                     "--warmup", str(args.warmup), "--batch", str(args.batch),
+                                                     "--fsdp2-prefetch", str(args.fsdp2_prefetch),
+                                                     *(["--tiny"] if args.tiny else [])])
+                run_with_deadline(command, args.timeout, env=single_thread_env())
+                measured = read_json(result)
+                per_round[-1][impl] = measured["step_s"]
+                memory[impl] = dict(peak_tracked=measured["peak_tracked"], peak_rss=measured["peak_rss"],
+                                    losses=measured["losses"])
+                print(f"round {round_index + 1} {impl}: median {median(measured['step_s']):.3f} s", flush=True)
+    rows = [(impl, f"{median([s for r in per_round for s in r[impl]]):.3f}",
+             f"{max(memory[impl]['peak_tracked']) / 2**20:.1f}", f"{max(memory[impl]['peak_rss']) / 2**20:.0f}")
+            for impl in args.impls]
+    paired = paired_ratios(per_round)
+    print(markdown_table(["implementation", "median step (s)", "peak tracked MiB (max rank)", "peak RSS MiB (max rank)"],
+                         rows))
+    for name, ratio in paired.items():
+        print(f"{name}: paired per-round step ratio median {ratio['median']:.3f} "
+              f"(range {ratio['min']:.3f}-{ratio['max']:.3f}, {len(ratio['per_round'])} rounds)")
+    if args.out:
+        write_json(args.out, dict(record.fields(), dp=DP, tp=TP, tiny=args.tiny, batch=args.batch,
+                                  per_round_steps_s=per_round, memory=memory, paired=paired))
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--fsdp2-prefetch", type=int, default=1, help="tuned FSDP2's explicit prefetch depth")
+    parser.add_argument("--impls", type=lambda text: [s for s in text.split(",") if s], default=list(IMPLEMENTATIONS))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", default=None, choices=IMPLEMENTATIONS)
+    parser.add_argument("--result", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
