@@ -25,6 +25,7 @@ from overlap.plan.prefetch import MAX_DEPTH, choose_bucket_bytes, choose_depths,
 from overlap.plan.sharding import Levels, choose_sharding
 from overlap.plan.links import LinkModel
 from overlap.plan.offload import offload_time
+from overlap.plan.tensor_parallel import ClusterShape, TransformerShape, choose_tp, tp_options
 
 GATHER_BYTES = 2       # bf16 parameters
 REDUCE_BYTES = 4       # fp32 gradient reduction
@@ -119,6 +120,7 @@ CLUSTERS: dict[str, ClusterPreset] = {
                                    node_bandwidth=230e9),
     "2x8xH100-ib-ndr": ClusterPreset(2, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "4x8xH100-ib-ndr": ClusterPreset(4, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
+    "8x8xH100-ib-ndr": ClusterPreset(8, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "16x8xH100-ib-ndr": ClusterPreset(16, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "32x8xH100-ib-ndr": ClusterPreset(32, 8, **H100, bus_bandwidth=46e9, step_latency_intra=1e-6, step_latency_inter=5e-6),
     "4x8xH100-eth-100g": ClusterPreset(4, 8, **H100, bus_bandwidth=11e9, step_latency_intra=1e-6, step_latency_inter=12e-6),
@@ -218,6 +220,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--nodes", type=int, default=None,
                         help="nodes of the cluster's GPUs (default: the preset's); with 2 or more, full, hybrid "
                              "and hpZ sharding are compared")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="compare (dp, tp) splits of the cluster, ZeRO-3 over dp and TP inside a node, at the "
+                             "global batch of --batch sequences per GPU (overlap.plan.tensor_parallel)")
     add_offload_arguments(parser)
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
@@ -286,6 +291,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         for line in sharding_table(profile, cluster, model, args.batch, args.checkpointing):
             print(line)
+    if args.tensor_parallel:
+        print()
+        for line in tensor_parallel_table(model, cluster, args.batch * cluster.ranks, args.mfu, args.checkpointing):
+            print(line)
     return 0
 
 
@@ -328,4 +337,32 @@ def sharding_table(profile: Profile, cluster: ClusterPreset, model: ModelPreset,
         lines.append(f"{option.sharding:>8} {option.depth:>5} {_mb(option.bucket_bytes):>9} {p.step_s * 1e3:>9.1f} "
                      f"{p.exposed_s * 1e3:>10.1f} {(option.memory_bytes + largest_reduce + acts) / 1e9:>11.1f} "
                      f"{batch * model.seq / p.step_s:>12,.0f}{mark}")
+    return lines
+
+
+def tensor_parallel_table(model: ModelPreset, cluster: ClusterPreset, global_batch: int, mfu: float,
+                          checkpointing: bool) -> list[str]:
+    """Each (dp, tp) split of the cluster at one global batch: TP's all-reduces per step, the
+    step with ZeRO-3's gathers over dp (prefetch depth 1), memory per rank, and the pick."""
+    shape = TransformerShape(model.layers, model.hidden, model.heads, model.kv_heads, model.vocab, model.seq,
+                             model.layer_params, model.embedding_params)
+    node = LinkModel("nvlink", cluster.step_latency_intra, cluster.node_bandwidth, "preset")
+    machines = ClusterShape(cluster.nodes, cluster.gpus_per_node, cluster.peak_flops * mfu, cluster.memory_bytes, node,
+                            cluster.step_latency_inter, cluster.bus_bandwidth, cluster.base_latency)
+    options = tp_options(shape, machines, global_batch, depth=1, checkpointing=checkpointing)
+    pick = choose_tp(options, cluster.memory_bytes)
+    lines = [f"tensor parallel x ZeRO-3 at a global batch of {global_batch} sequences "
+             f"({'with' if checkpointing else 'without'} activation checkpointing):",
+             f"{'dp':>4} {'tp':>3} {'seq/group':>9} {'TP ms':>9} {'exposed ms':>10} {'step ms':>9} "
+             f"{'mem GB/rank':>11} {'tokens/s/GPU':>12}"]
+    for option in options:
+        mark = "  <- pick" if option is pick else ("" if option.memory_bytes <= cluster.memory_bytes else "  (does not fit)")
+        lines.append(f"{option.dp:>4} {option.tp:>3} {option.sequences_per_group:>9} {option.tp_comm_s * 1e3:>9.1f} "
+                     f"{option.prediction.exposed_s * 1e3:>10.1f} {option.step_s * 1e3:>9.1f} "
+                     f"{option.memory_bytes / 1e9:>11.1f} "
+                     f"{global_batch * model.seq / cluster.ranks / option.step_s:>12,.0f}{mark}")
+    if not options:
+        lines.append("no tp divides the node's GPUs and the heads with a whole batch per dp group")
+    elif pick is None:
+        lines.append("no split fits the memory; try --checkpointing or a smaller --batch")
     return lines

@@ -1,0 +1,65 @@
+"""The (dp, tp) arithmetic of overlap.plan.tensor_parallel and `overlap simulate --tensor-parallel`."""
+from __future__ import annotations
+
+import pytest
+
+from overlap.cli.simulate import CLUSTERS, MODELS, main
+from overlap.plan.links import LinkModel
+from overlap.plan.tensor_parallel import (STATE_BYTES, ClusterShape, TransformerShape, choose_tp, tp_all_reduce_s,
+                                          tp_degrees, tp_options)
+
+NODE = LinkModel("nvlink", 1e-6, 370e9, "preset")
+
+
+def _shape(name: str) -> TransformerShape:
+    m = MODELS[name]
+    return TransformerShape(m.layers, m.hidden, m.heads, m.kv_heads, m.vocab, m.seq, m.layer_params, m.embedding_params)
+
+
+def _cluster(nodes: int = 8, memory: float = 80e9) -> ClusterShape:
+    return ClusterShape(nodes, 8, 989e12 * 0.4, memory, NODE, 5e-6, 46e9)
+
+
+def test_tp_degrees_divide_the_node_the_heads_and_the_batch() -> None:
+    assert tp_degrees(_shape("llama3-70b"), _cluster(), 64) == [1, 2, 4, 8]
+    assert tp_degrees(_shape("gpt2-xl"), _cluster(), 64) == [1]            # 25 heads
+    assert tp_degrees(_shape("llama3-70b"), _cluster(), 8) == [8]          # dp must divide the batch
+
+
+def test_tp_all_reduce_is_the_ring_formula() -> None:
+    nbytes = 64e6
+    assert tp_all_reduce_s(nbytes, 1, _cluster()) == 0.0
+    assert tp_all_reduce_s(nbytes, 4, _cluster()) == pytest.approx(8e-6 + 6 * 1e-6 + 1.5 * nbytes / 370e9)
+
+
+def test_tp_trades_gathers_and_states_for_per_layer_all_reduces() -> None:
+    model = _shape("llama3-70b")
+    options = {o.tp: o for o in tp_options(model, _cluster(), 64, depth=1, checkpointing=True)}
+    assert options[1].tp_comm_s == 0.0
+    assert options[2].tp_comm_s < options[4].tp_comm_s < options[8].tp_comm_s
+    # One rank's gathered layers are 1/tp of the layer; memory per rank falls with tp.
+    assert options[8].prediction.peak_gathered_bytes == pytest.approx(options[1].prediction.peak_gathered_bytes / 8,
+                                                                       rel=1e-3)
+    assert options[1].memory_bytes > options[2].memory_bytes > options[8].memory_bytes
+    assert options[8].memory_bytes > STATE_BYTES * model.params / 64                  # states are the floor
+    # Compute per GPU is the same at every tp (the global batch is fixed): steps differ by communication.
+    compute = {tp: o.prediction.compute_s - o.tp_comm_s for tp, o in options.items()}
+    assert max(compute.values()) == pytest.approx(min(compute.values()), rel=1e-6)
+
+
+def test_the_pick_is_the_fastest_split_that_fits() -> None:
+    options = tp_options(_shape("llama3-70b"), _cluster(), 64, depth=1, checkpointing=True)
+    pick = choose_tp(options, 80e9)
+    assert pick is min(options, key=lambda o: o.step_s)
+    smallest = min(o.memory_bytes for o in options)
+    assert choose_tp(options, smallest).memory_bytes == smallest
+    assert choose_tp(options, smallest * 0.99) is None
+
+
+def test_simulate_prints_the_splits_and_the_pick(capsys) -> None:
+    assert "8x8xH100-ib-ndr" in CLUSTERS
+    assert main(["--model", "llama3-70b", "--cluster", "8x8xH100-ib-ndr", "--checkpointing", "--tensor-parallel"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("tensor parallel x ZeRO-3"):].splitlines()
+    assert [line.split()[:2] for line in table[2:6]] == [["64", "1"], ["32", "2"], ["16", "4"], ["8", "8"]]
+    assert sum("<- pick" in line for line in table) == 1
