@@ -19,14 +19,14 @@ instead of stepping a tensor no computation reads.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Parameters a swap was refused for -> their name, for the error an optimizer holding one gets.
-_left_behind: "weakref.WeakKeyDictionary[nn.Parameter, str]" = weakref.WeakKeyDictionary()
+_left_behind = WeakIdKeyDictionary()   # by identity: tensors compare element-wise
 
 
 def rebind(param: nn.Parameter, data: torch.Tensor, name: str) -> nn.Parameter:
