@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from overlap import ShardedModule
+from overlap import MixedPrecision, ShardedModule
 from overlap.models import GPT, GPTConfig
 
 Wrap = Callable[[nn.Module], nn.Module]
@@ -297,7 +297,32 @@ def edge_cases(rank: int) -> dict[str, Any]:
     def bad_switch() -> None:
         ShardedModule(fresh()).require_backward_grad_sync = "no"
 
-    cases = {"weakref": kept_after_a_weak_reference, "other_shape": state_of_another_shape, "switches": switches,
+    def clip_in_every_mode() -> dict[str, tuple[float, float]]:
+        """torch's total norm beside ShardedModule's own, each sharding, precision, compression
+        and offload mode (hybrid and hpZ as two nodes of one rank)."""
+        bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        modes = {"full": {}, "bf16": {"mixed_precision": bf16}, "offload_cpu": {"offload": "cpu"},
+                 "offload_disk": {"offload": "disk", "mixed_precision": bf16}, "int8": {"compression": "int8"},
+                 "int8-int4": {"compression": "int8-int4"}, "hybrid": {"sharding": "hybrid"},
+                 "hpz": {"sharding": "hpz"}}
+        norms = {}
+        local_world = os.environ["LOCAL_WORLD_SIZE"]
+        for name, options in modes.items():
+            os.environ["LOCAL_WORLD_SIZE"] = "1" if name in ("hybrid", "hpz") else local_world
+            try:
+                model = ShardedModule(fresh(), **options)
+                step(model)
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                theirs = float(torch.nn.utils.get_total_norm(grads))
+                norms[name] = (theirs, float(model.clip_grad_norm_(1e9)))
+            finally:
+                os.environ["LOCAL_WORLD_SIZE"] = local_world
+        ddp = DDP(fresh())
+        step(ddp)
+        norms["ddp"] = (float(torch.nn.utils.get_total_norm([p.grad for p in ddp.parameters()])),) * 2
+        return norms
+
+    cases = {"clip_modes": clip_in_every_mode, "weakref": kept_after_a_weak_reference, "other_shape": state_of_another_shape, "switches": switches,
              "grad_norms": grad_norms, "grad_norms_ddp": grad_norms_ddp, "sharded_state": sharded_state,
              "bad_switch": bad_switch}
     return {name: _outcome(case) for name, case in cases.items()}

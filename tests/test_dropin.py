@@ -5,6 +5,7 @@ values, and the one thing that cannot work (a one-rank `torch.save` of the modul
 optimizer's own state dicts) fails at the save, naming what to call instead."""
 from __future__ import annotations
 
+import math
 import tempfile
 
 import pytest
@@ -166,3 +167,13 @@ def test_the_parts_state_dicts_copy_but_refuse_torch_save(runs) -> None:
 def test_a_switch_that_is_not_a_bool_is_refused(runs) -> None:
     for status, value in _edge(runs, "bad_switch"):
         assert status == "error" and "require_backward_grad_sync" in value, value
+
+
+def test_torchs_clip_equals_the_runtimes_in_every_mode(runs) -> None:
+    for status, norms in _edge(runs, "clip_modes"):
+        assert status == "ok", norms
+        for mode, (theirs, ours) in norms.items():
+            assert math.isfinite(theirs) and theirs > 0, (mode, norms)
+            assert math.isclose(theirs, ours, rel_tol=1e-5), (mode, norms)
+        for lossless in ("full", "offload_cpu", "hybrid", "hpz"):
+            assert math.isclose(norms[lossless][0], norms["ddp"][0], rel_tol=1e-5), (lossless, norms)
