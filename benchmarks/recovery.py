@@ -1,19 +1,30 @@
 """Kill `overlap train`'s workers on the emulated two-node cluster (cluster.py) at chosen
-points of one torchrun job, and measure how it recovers: whether every restart met again,
-how long from the kill to the first step after the resume, and the final loss.
+points of torchrun jobs, and measure how they recover: whether every restart met again, how
+long from the kill to the first step after the resume, and whether each job ended on the
+uninterrupted run's final loss.
 
-    python benchmarks/recovery.py --kills start,step,save --repeat 5
+    python benchmarks/recovery.py --kills start,step,save --runs 5
+    python benchmarks/recovery.py --kills node --runs 5 --nnodes 1:2
+    python benchmarks/recovery.py --kills node,rejoin --runs 1 --nnodes 1:2 --steps 40
 
-Kill points: `start` a worker after the first step of a round and before any checkpoint is
-complete; `step` a worker at a random moment between checkpoints; `save` a worker as soon
-as an asynchronous save has begun writing (its `.partial` directory exists); `node` node 1's
-agent and worker together, for good (the job is elastic, `--nnodes 1:2`, and must finish on
-node 0 alone). Kills alternate between the nodes. Needs root.
+Each run is one torchrun job killed at every point of `--kills` in turn. Kill points:
+`start` a worker after its round printed its first line and before any checkpoint is
+complete; `step` a worker at a random moment after a checkpoint of its round is complete;
+`save` a worker while an asynchronous save is being written (both workers are paused as soon
+as a `.partial` directory of this round appears, the directory is checked to be still
+there, the worker killed and the other one let go on);
+`node` node 1's agent and worker together, for good (the job must be elastic, `--nnodes
+1:2`, and go on on node 0 alone); `rejoin` node 1's agent started again once the job on
+node 0 alone has saved a checkpoint of its own (node 0's worker is paused from then until
+its agent has seen node 1 waiting, so that the job cannot end first); the job grows back to
+two nodes. Worker kills alternate between the nodes. Needs root.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import random
 import re
 import signal
@@ -21,7 +32,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,24 +41,48 @@ from cluster import NODES, Cluster, two_node_cluster     # noqa: E402
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
-# Rendezvous settings for a test-sized job: a lost node is noticed within seconds, a round
-# closes a second after enough nodes joined.
-RDZV_CONF = ["last_call_timeout=1", "close_timeout=5", "heartbeat=2", "keep_alive_interval=1",
-             "keep_alive_max_attempt=2"]
-HEADER = re.compile(r"^overlap train: GPT .*$", re.M)
+# Rendezvous settings for a test-sized job: a round closes a second after enough nodes
+# joined, and a node is declared dead after 5 s without a keep-alive (1 s apart). A shorter
+# expiry (2 s) made loaded machines declare live nodes dead: a node waiting to join then
+# started a job of its own beside the running one.
+RDZV_CONF = ["last_call_timeout=1", "close_timeout=5", "keep_alive_interval=1", "keep_alive_max_attempt=5"]
+# torch 2.13's c10d rendezvous, sharing its TCP store with the workers, never publishes the
+# workers' store address in a later round to a node that joins then (a node started late or
+# coming back): rank 0's agent keeps the address of its first round, the new node waits for
+# it and both agents exit after 60 s. Elastic jobs opt out of the sharing.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+HEADER = "overlap train: GPT "
+WORLD = re.compile(r" on (\d+) CPU ranks ")
 BAR = re.compile(r"train:\s+\d+%\|[^|]*\|\s*(\d+)/\d+ ")
 RESUMED = re.compile(r"^resumed from \S+ at step (\d+)$", re.M)
 FINAL = re.compile(r"^final step (\d+): loss ([\d.]+) .*, val loss ([\d.]+)$", re.M)
+DETECTED = re.compile(r"Detected \d+ new nodes")
+POINTS = ("start", "step", "save", "node", "rejoin")
 POLL_S = 0.01
 
 
 @dataclass
+class Round:
+    """One start of the job's workers, as rank 0 (node 0: the rendezvous ranks nodes by
+    address) printed it."""
+    world: int
+    resumed: int                   # the step it resumed at (0: from scratch)
+    step: int                      # completed steps on its progress bar
+
+
+@dataclass
 class Kill:
-    point: str                     # start | step | save | node
+    point: str                     # one of POINTS
     node: int
-    at_step: int = -1              # the bar's step when killed
-    during_save: Optional[bool] = None  # save kills: the save was still incomplete afterwards
-    recovered_s: Optional[float] = None  # kill -> first step of the next round (None: never)
+    fired: bool = False            # the kill point came and the kill was made
+    round: int = 0                 # rounds started when it fired
+    at_step: int = -1              # the killed round's completed steps
+    newest: Optional[int] = None   # the newest complete checkpoint's step when it fired
+    saving: Optional[int] = None   # save kills: the step of the save being written
+    during_save: Optional[bool] = None  # save kills: that save was still incomplete when killed
+    resumed_at: Optional[int] = None    # the step the next round resumed at
+    recovered_s: Optional[float] = None  # kill (rejoin: the agent's start) -> first step of the next round
+    fired_at: float = 0.0          # time.monotonic() of the kill
 
 
 @dataclass
@@ -56,7 +91,8 @@ class Outcome:
     returncodes: list[Optional[int]]
     logs: list[str]
     final: Optional[tuple[int, float, float]] = None
-    extra: dict = field(default_factory=dict)
+    rounds: list[Round] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 class Job:
@@ -64,41 +100,58 @@ class Job:
 
     def __init__(self, cluster: Cluster, workdir: str, argv: Sequence[str], nnodes: str, max_restarts: int,
                  python: str, env: dict) -> None:
-        self.workdir = workdir
+        self.cluster, self.argv, self.nnodes, self.max_restarts = cluster, list(argv), nnodes, max_restarts
+        self.python, self.env, self.workdir = python, env, workdir
+        self.run_id = uuid.uuid4().hex
         self.checkpoints = os.path.join(workdir, "ckpt")
         self.log_paths = [os.path.join(workdir, f"node{node}.log") for node in range(NODES)]
-        run_id = uuid.uuid4().hex
-        self.agents = []
-        for node in range(NODES):
-            command = cluster.torchrun(node, 1, ["-m", "overlap", "train", *argv, "--checkpoint-dir",
-                                                 self.checkpoints], python=python, run_id=run_id, nnodes=nnodes,
-                                       max_restarts=max_restarts, rdzv_conf=RDZV_CONF)
-            with open(self.log_paths[node], "w") as sink:
-                self.agents.append(subprocess.Popen(command, cwd=workdir, env=env, stdout=sink,
-                                                    stderr=subprocess.STDOUT, start_new_session=True))
+        self.agents: list[Optional[subprocess.Popen]] = [None] * NODES
+        self._cache: tuple[int, list[Round]] = (-1, [])
+        # Node 1 first: its agent waits for node 0's rendezvous store, so both are there when
+        # node 0 opens the first round.
+        for node in reversed(range(NODES)):
+            self.start_agent(node)
+
+    def start_agent(self, node: int) -> None:
+        command = self.cluster.torchrun(node, 1, ["-m", "overlap", "train", *self.argv, "--checkpoint-dir",
+                                                  self.checkpoints], python=self.python, run_id=self.run_id,
+                                        nnodes=self.nnodes, max_restarts=self.max_restarts, rdzv_conf=RDZV_CONF)
+        with open(self.log_paths[node], "a") as sink:
+            self.agents[node] = subprocess.Popen(command, cwd=self.workdir, env=self.env, stdout=sink,
+                                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self, node: int) -> str:
         with open(self.log_paths[node], errors="replace") as f:
             return f.read()
 
-    def round_state(self) -> tuple[int, int]:
-        """(rounds started, completed steps of the current round) from rank 0's output (node 0's:
-        the rendezvous ranks nodes by address, and node 0 stays)."""
-        text = self.log(0)
-        headers = HEADER.findall(text)
-        last = text.rsplit("overlap train: GPT ", 1)[-1] if headers else ""
-        steps = [int(s) for s in BAR.findall(last)]
-        resumed = RESUMED.findall(last)
-        return len(headers), max(steps) if steps else (int(resumed[-1]) if resumed else 0)
+    def rounds(self) -> list[Round]:
+        """Every round so far, from rank 0's output (read again only when it grew)."""
+        size = os.path.getsize(self.log_paths[0])
+        if size != self._cache[0]:
+            rounds = []
+            for text in self.log(0).split(HEADER)[1:]:
+                world = WORLD.search(text.split("\n", 1)[0])
+                resumed = RESUMED.findall(text)
+                start = int(resumed[0]) if resumed else 0
+                steps = [int(s) for s in BAR.findall(text)]
+                rounds.append(Round(int(world.group(1)) if world else 0, start, max([start, *steps])))
+            self._cache = (size, rounds)
+        return self._cache[1]
 
     def worker(self, node: int) -> Optional[int]:
-        agent = self.agents[node].pid
-        for task in os.listdir(f"/proc/{agent}/task"):
-            with open(f"/proc/{agent}/task/{task}/children") as f:
-                for child in f.read().split():
-                    with open(f"/proc/{child}/cmdline", "rb") as cmd:
-                        if b"overlap" in cmd.read():
-                            return int(child)
+        """The pid of the node's worker (a child of its agent), or None."""
+        agent = self.agents[node]
+        if agent is None or agent.poll() is not None:
+            return None
+        try:
+            for task in os.listdir(f"/proc/{agent.pid}/task"):
+                with open(f"/proc/{agent.pid}/task/{task}/children") as f:
+                    for child in f.read().split():
+                        with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                            if b"overlap" in cmd.read():
+                                return int(child)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
         return None
 
     def partials(self) -> list[str]:
@@ -106,149 +159,276 @@ class Job:
             return []
         return [name for name in os.listdir(self.checkpoints) if name.endswith(".partial")]
 
-    def complete(self) -> list[str]:
+    def complete(self) -> list[int]:
+        """The steps of the complete checkpoints."""
         if not os.path.isdir(self.checkpoints):
             return []
-        return [name for name in os.listdir(self.checkpoints) if name.startswith("step-") and "." not in name]
+        return [int(name[5:]) for name in os.listdir(self.checkpoints) if name.startswith("step-") and "." not in name]
 
-    def running(self) -> bool:
-        return all(agent.poll() is None for agent in self.agents)
+    def kill_node(self, node: int) -> None:
+        """The node is gone: its agent and its worker (in a session of its own) at once."""
+        worker = self.worker(node)
+        os.killpg(self.agents[node].pid, signal.SIGKILL)
+        if worker is not None:
+            _signal(worker, signal.SIGKILL)
+        self.agents[node].wait()
 
     def stop(self) -> None:
-        for agent in self.agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
+        for node, agent in enumerate(self.agents):
+            if agent is not None and agent.poll() is None:
+                self.kill_node(node)
 
 
-def _wait(condition, deadline: float) -> bool:
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait(condition, deadline: float, alive=lambda: True) -> bool:
+    """Poll `condition` until it holds (True), the deadline passes or `alive()` fails (False)."""
     while time.monotonic() < deadline:
         if condition():
             return True
+        if not alive():
+            return False
         time.sleep(POLL_S)
     return False
 
 
-def _kill(job: Job, kill: Kill, rounds: int, deadline: float) -> bool:
-    """Wait for the kill point in the current round, kill; False if it never came."""
-    def round_stepped() -> bool:
-        started, step = job.round_state()
-        return started == rounds and step >= 1 and job.worker(kill.node) is not None
+def _current(job: Job, after: int, world: int, node: int):
+    """A condition: a round later than the first `after` runs at `world` with a worker on `node`."""
+    def ready() -> bool:
+        rounds = job.rounds()
+        return len(rounds) > after and rounds[-1].world == world and job.worker(node) is not None
+    return ready
 
-    if not _wait(round_stepped, deadline):
+
+def _fire(job: Job, kill: Kill, after: int, deadline: float) -> bool:
+    """Wait for the kill point in a round later than the first `after`, and kill; False if it
+    never came (the job ended first, or the deadline passed)."""
+    world = 1 if kill.point == "rejoin" else NODES
+    watched = 0 if kill.point == "rejoin" else kill.node
+    if not _wait(_current(job, after, world, watched), deadline):
         return False
+    index = len(job.rounds())
+    this_round = lambda: job.rounds()[index - 1]          # noqa: E731
+    began = time.time()
+    alive = lambda: job.worker(watched) is not None      # noqa: E731
     if kill.point == "start":
         if job.complete():
-            return False                       # the job outran the schedule
+            return False                       # only a job that has no checkpoint yet
     elif kill.point in ("step", "node"):
-        first = job.round_state()[1]
-        if not _wait(lambda: job.complete() and job.round_state()[1] >= first + 1, deadline):
+        if not _wait(lambda: any(s > this_round().resumed for s in job.complete())
+                     and this_round().step > max(job.complete()), deadline, alive):
             return False
         time.sleep(random.uniform(0, 0.05))
     elif kill.point == "save":
-        if not _wait(lambda: bool(job.partials()), deadline):
+        def fresh() -> list[str]:              # written by this round (a killed save's stays behind)
+            found = []
+            for name in job.partials():
+                try:
+                    if os.stat(os.path.join(job.checkpoints, name)).st_mtime >= began:
+                        found.append(name)
+                except FileNotFoundError:
+                    pass
+            return found
+
+        while True:
+            if not _wait(lambda: bool(fresh()), deadline, alive):
+                return False
+            frozen = [pid for pid in (job.worker(node) for node in range(NODES)) if pid is not None]
+            for pid in frozen:                 # nobody finishes the save while it is checked
+                _signal(pid, signal.SIGSTOP)
+            writing = fresh()
+            if writing and job.worker(kill.node) in frozen:
+                break
+            for pid in frozen:                 # it completed in between: wait for the next one
+                _signal(pid, signal.SIGCONT)
+    elif kill.point == "rejoin":
+        if not _wait(lambda: any(s > this_round().resumed for s in job.complete()), deadline, alive):
             return False
+        pid = job.worker(0)
+        if pid is None:
+            return False
+        _signal(pid, signal.SIGSTOP)
+        kill.round, kill.at_step, kill.fired, kill.fired_at = index, this_round().step, True, time.monotonic()
+        kill.newest = max(job.complete())
+        seen = len(DETECTED.findall(job.log(0)))
+        job.start_agent(1)
+        held = _wait(lambda: len(DETECTED.findall(job.log(0))) > seen, deadline)
+        _signal(pid, signal.SIGCONT)           # its agent stops it now (SIGTERM)
+        return held
     pid = job.worker(kill.node)
+    if pid is None:
+        return False
     if kill.point == "node":
-        os.killpg(job.agents[kill.node].pid, signal.SIGKILL)
-    elif pid is not None:
-        os.kill(pid, signal.SIGKILL)
+        job.kill_node(kill.node)
+    else:
+        _signal(pid, signal.SIGKILL)
+    kill.round, kill.at_step, kill.fired, kill.fired_at = index, this_round().step, True, time.monotonic()
+    kill.newest = max(job.complete(), default=None)
     if kill.point == "save":
-        kill.during_save = bool(job.partials())
-    kill.at_step = job.round_state()[1]
+        kill.saving = int(writing[0][5:-len(".partial")])
+        partial = os.path.join(job.checkpoints, writing[0])
+        kill.during_save = os.path.isdir(partial) and not os.path.isdir(partial[:-len(".partial")])
+        for other in frozen:
+            if other != pid:
+                _signal(other, signal.SIGCONT)
     return True
 
 
 def run_schedule(workdir: str, argv: Sequence[str], points: Sequence[str], nnodes: str = "2",
                  python: str = sys.executable, timeout_s: float = 300, env: Optional[dict] = None) -> Outcome:
-    """One elastic torchrun job on the two nodes, killed at `points` in turn (see the module's
-    docstring); returns each kill with its recovery time and the job's final line."""
-    kills = [Kill(point, node=1 if point == "node" else index % NODES) for index, point in enumerate(points)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **(env or {})}
-    deadline = time.monotonic() + timeout_s
+    """One torchrun job on the two nodes, killed at `points` in turn (see the module's
+    docstring); returns each kill with its recovery and the job's final line."""
+    unknown = [point for point in points if point not in POINTS]
+    if unknown:
+        raise ValueError(f"unknown kill points {unknown}; known: {', '.join(POINTS)}")
+    kills, worker_kills = [], 0
+    for point in points:
+        if point in ("node", "rejoin"):
+            kills.append(Kill(point, node=1))
+        else:
+            kills.append(Kill(point, node=worker_kills % NODES))
+            worker_kills += 1
+    elastic = ":" in nnodes
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **(ELASTIC_ENV if elastic else {}),
+                   **(env or {})}
+    started = time.monotonic()
+    deadline = started + timeout_s
     with two_node_cluster(None) as cluster:
         job = Job(cluster, workdir, argv, nnodes, max_restarts=len(points) + 1, python=python, env=environment)
         try:
-            for rounds, kill in enumerate(kills, start=1):
-                if not _kill(job, kill, rounds, deadline):
+            after = 0
+            for kill in kills:
+                if not _fire(job, kill, after, deadline):
                     break
-                killed_at = time.monotonic()
-                if _wait(lambda: job.round_state()[0] > rounds and job.round_state()[1] > 0
-                         and job.round_state()[1] >= _resumed_step(job), deadline):
-                    kill.recovered_s = time.monotonic() - killed_at
-                else:
+                world = 1 if kill.point == "node" else NODES
+                if not _wait(lambda: len(job.rounds()) > kill.round and job.rounds()[-1].world == world
+                             and job.rounds()[-1].step > job.rounds()[-1].resumed, deadline):
                     break
-            for node, agent in enumerate(job.agents):
-                if node == 1 and any(kill.point == "node" for kill in kills):
-                    continue
-                agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+                kill.recovered_s = time.monotonic() - kill.fired_at
+                kill.resumed_at = job.rounds()[-1].resumed
+                after = kill.round
+            for agent in job.agents:
+                if agent is not None and agent.returncode is None:
+                    agent.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
         finally:
             job.stop()
         logs = [job.log(node) for node in range(NODES)]
+        rounds = job.rounds()
     found = FINAL.findall(logs[0])
     final = (int(found[-1][0]), float(found[-1][1]), float(found[-1][2])) if found else None
-    return Outcome(kills, [agent.returncode for agent in job.agents], logs, final)
-
-
-def _resumed_step(job: Job) -> int:
-    """The step the current round resumed at, plus one: its first step done."""
-    text = job.log(0).rsplit("overlap train: GPT ", 1)[-1]
-    resumed = RESUMED.findall(text)
-    return (int(resumed[-1]) if resumed else 0) + 1
+    codes = [agent.returncode if agent is not None else None for agent in job.agents]
+    return Outcome(kills, codes, logs, final, rounds, time.monotonic() - started)
 
 
 def reference_final(workdir: str, argv: Sequence[str], python: str = sys.executable) -> tuple[int, float, float]:
     """The uninterrupted job's final line (2 ranks on this machine, self-launched)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
-    done = subprocess.run([python, "-m", "overlap", "train", *argv, "--checkpoint-dir", "ckpt"], cwd=workdir, capture_output=True, text=True,
-                          env={**env, "OMP_NUM_THREADS": "1"}, timeout=600, check=True)
+    done = subprocess.run([python, "-m", "overlap", "train", *argv, "--checkpoint-dir", "ckpt"], cwd=workdir,
+                          capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=600,
+                          check=True)
     step, loss, val = FINAL.findall(done.stdout)[-1]
     return int(step), float(loss), float(val)
 
 
-def table(outcome: Outcome, reference: tuple[int, float, float], tolerance: float) -> str:
-    """Kill point x runs x exact / within tolerance / failed, and the recovery times."""
-    rows = ["kill point | kills | recovered | exact end | within tolerance | failed | kill -> first step (s)",
-            "---|---|---|---|---|---|---"]
-    ended = outcome.final is not None
-    exact = ended and outcome.final == reference
-    close = ended and abs(outcome.final[1] - reference[1]) <= tolerance
-    for point in dict.fromkeys(kill.point for kill in outcome.kills):
-        mine = [kill for kill in outcome.kills if kill.point == point]
-        recovered = [kill for kill in mine if kill.recovered_s is not None]
-        times = ", ".join(f"{kill.recovered_s:.1f}" for kill in recovered)
-        ok = len(recovered) == len(mine)
-        rows.append(f"{point} | {len(mine)} | {len(recovered)} | {len(mine) if ok and exact else 0} | "
-                    f"{len(mine) if ok and close and not exact else 0} | {len(mine) - len(recovered) if not ok else (0 if close else len(mine))} | {times}")
+def ending(outcome: Outcome, reference: tuple[int, float, float], tolerance: float) -> str:
+    """How a job ended: "exact" (the uninterrupted final line), "within tolerance" (loss and
+    validation loss), or "failed" (no final line, another one, or a kill that did not recover)."""
+    if outcome.final is None or any(kill.recovered_s is None for kill in outcome.kills):
+        return "failed"
+    if outcome.final == reference:
+        return "exact"
+    if outcome.final[0] == reference[0] and all(abs(a - b) <= tolerance
+                                                 for a, b in zip(outcome.final[1:], reference[1:])):
+        return "within tolerance"
+    return "failed"
+
+
+def table(runs: list[Outcome], reference: tuple[int, float, float], tolerance: float) -> str:
+    """Kill point x runs x recovered, and how the runs with that kill ended, with the times
+    from each kill to the first step after the resume."""
+    rows = ["| kill point | runs | kills fired | recovered | run ended exact | within tolerance | failed | "
+            "kill to first step after resume (s) |",
+            "|---|---|---|---|---|---|---|---|"]
+    endings = [ending(outcome, reference, tolerance) for outcome in runs]
+    points = dict.fromkeys(kill.point for outcome in runs for kill in outcome.kills)
+    for point in points:
+        mine = [(outcome, end) for outcome, end in zip(runs, endings) if any(k.point == point for k in outcome.kills)]
+        kills = [kill for outcome, _ in mine for kill in outcome.kills if kill.point == point]
+        times = sorted(kill.recovered_s for kill in kills if kill.recovered_s is not None)
+        spread = (f"{times[0]:.1f}-{times[-1]:.1f} (median {times[len(times) // 2]:.1f})" if len(times) > 1
+                  else (f"{times[0]:.1f}" if times else "-"))
+        rows.append(f"| {point} | {len(mine)} | {sum(k.fired for k in kills)} | "
+                    f"{sum(k.recovered_s is not None for k in kills)} | {sum(e == 'exact' for _, e in mine)} | "
+                    f"{sum(e == 'within tolerance' for _, e in mine)} | {sum(e == 'failed' for _, e in mine)} | "
+                    f"{spread} |")
     return "\n".join(rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", default="start,step,save", help="kill points, comma-separated")
-    parser.add_argument("--repeat", type=int, default=5, help="kills of each point (default 5)")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kills", default="start,step,save", help="kill points of each run, comma-separated")
+    parser.add_argument("--runs", type=int, default=5, help="jobs, each killed at every point (default 5)")
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--nnodes", default="2", help="torchrun --nnodes, e.g. 1:2 (default 2)")
+    parser.add_argument("--tolerance", type=float, default=1e-4,
+                        help="loss difference allowed to a run at another world size (default 1e-4)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter (and overlap) to run")
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--out", default=None, help="write the runs and the table as JSON here")
     args = parser.parse_args(argv)
     import tempfile
 
+    # A terminated benchmark still stops its jobs and deletes its namespaces (the `finally`s).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
     workdir = args.workdir or tempfile.mkdtemp(prefix="recovery-")
     job = [*JOB, "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every)]
-    points = [point for point in args.kills.split(",") for _ in range(args.repeat)]
+    points = args.kills.split(",")
     os.makedirs(os.path.join(workdir, "reference"), exist_ok=True)
     reference = reference_final(os.path.join(workdir, "reference"), job, args.python)
-    outcome = run_schedule(workdir, job, points, args.nnodes, args.python, args.timeout)
-    print(f"reference final {reference}; killed job final {outcome.final}; exit codes {outcome.returncodes}")
-    for kill in outcome.kills:
-        print(kill)
-    print(table(outcome, reference, tolerance=1e-4))
-    return 0 if outcome.final is not None else 1
+    print(f"uninterrupted run: final {reference}", flush=True)
+    runs = []
+    for index in range(args.runs):
+        run_dir = os.path.join(workdir, f"run{index}")
+        os.makedirs(run_dir)
+        outcome = run_schedule(run_dir, job, points, args.nnodes, args.python, args.timeout)
+        runs.append(outcome)
+        print(f"run {index}: {outcome.seconds:.0f} s, final {outcome.final}, exit codes {outcome.returncodes}, "
+              f"{ending(outcome, reference, args.tolerance)}; rounds (world, resumed, steps) "
+              f"{[(r.world, r.resumed, r.step) for r in outcome.rounds]}", flush=True)
+        for kill in outcome.kills:
+            print(f"  {kill}", flush=True)
+    text = table(runs, reference, args.tolerance)
+    print(text)
+    if args.out:
+        load = os.getloadavg()
+        import torch
+
+        record = {"command": "python benchmarks/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "job": job, "nnodes": args.nnodes, "rdzv_conf": RDZV_CONF,
+                  "env": ELASTIC_ENV if ":" in args.nnodes else {}, "torch": torch.__version__,
+                  "cpus": os.cpu_count(), "machine": platform.machine(),
+                  "load_average_at_end": [round(x, 1) for x in load], "tolerance": args.tolerance,
+                  "reference_final": reference, "table": text,
+                  "runs": [{"seconds": round(o.seconds, 1), "final": o.final, "returncodes": o.returncodes,
+                            "ending": ending(o, reference, args.tolerance),
+                            "rounds": [asdict(r) for r in o.rounds],
+                            "kills": [{**{key: value for key, value in asdict(k).items() if key != "fired_at"},
+                                       "recovered_s": None if k.recovered_s is None else round(k.recovered_s, 2)}
+                                      for k in o.kills]} for o in runs]}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+    return 0 if all(ending(o, reference, args.tolerance) != "failed" for o in runs) else 1
 
 
 if __name__ == "__main__":

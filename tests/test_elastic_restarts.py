@@ -6,7 +6,6 @@ uninterrupted run's final loss. A node removed for good leaves an elastic job (`
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import pytest
@@ -27,8 +26,9 @@ needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster
 
 STEPS = 30
 ARGV = [*JOB, "--steps", str(STEPS), "--checkpoint-every", "5"]
-# Each kill point twice, on node 0 then node 1 (kills alternate), in one job: six restarts.
-KILLS = ["start", "start", "step", "step", "save", "save"]
+# One kill at each point, alternating nodes (0, 1, 0), in one job: three restarts. Repeated
+# kills per point are measured by benchmarks/recovery.py --runs.
+KILLS = ["start", "step", "save"]
 # Node 0 alone accumulates both shards of each global batch: the same sums in another order.
 WORLD_1_TOLERANCE = 1e-4
 JOB_TIMEOUT_S = 300
@@ -52,30 +52,41 @@ def _logs(outcome) -> str:
     return "\n".join(f"--- node {node} ---\n{log[-6000:]}" for node, log in enumerate(outcome.logs))
 
 
+def _last_round(outcome) -> str:
+    return outcome.logs[0].rsplit("overlap train: GPT ", 1)[-1]
+
+
 @needs_cluster
-@pytest.mark.timeout(JOB_TIMEOUT_S + 240)
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_workers_killed_at_each_point_restart_on_both_nodes_and_end_exactly(tmp_path, reference):
     outcome = run_schedule(str(tmp_path), ARGV, KILLS, timeout_s=JOB_TIMEOUT_S)
     for kill in outcome.kills:
-        assert kill.recovered_s is not None, (kill, _logs(outcome))
-    assert [kill.node for kill in outcome.kills] == [0, 1, 0, 1, 0, 1]
-    assert all(kill.during_save for kill in outcome.kills if kill.point == "save"), outcome.kills
+        assert kill.fired and kill.recovered_s is not None, (kill, _logs(outcome))
+    start, step, save = outcome.kills
+    assert [kill.node for kill in outcome.kills] == [0, 1, 0]
+    assert start.newest is None and start.resumed_at == 0, start            # before any checkpoint
+    assert step.newest is not None and step.at_step > step.newest and step.resumed_at >= step.newest, step
+    # The save being written when its worker died is passed over: the previous one is resumed.
+    assert save.during_save and save.resumed_at == save.newest < save.saving, save
     assert outcome.returncodes == [0, 0], _logs(outcome)
-    assert len(re.findall(r"^overlap train: GPT ", outcome.logs[0], re.M)) == len(KILLS) + 1
+    assert [r.world for r in outcome.rounds] == [2] * (len(KILLS) + 1), outcome.rounds
     assert outcome.final == reference, _logs(outcome)
 
 
 @needs_cluster
-@pytest.mark.timeout(JOB_TIMEOUT_S + 240)
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_a_node_removed_for_good_leaves_the_job_finishing_on_one_node(tmp_path, reference):
     outcome = run_schedule(str(tmp_path), ARGV, ["node"], nnodes="1:2", timeout_s=JOB_TIMEOUT_S)
-    assert outcome.kills[0].recovered_s is not None, _logs(outcome)
+    kill = outcome.kills[0]
+    assert kill.fired and kill.recovered_s is not None, (kill, _logs(outcome))
+    assert kill.newest is not None and kill.resumed_at >= kill.newest > 0, kill
     assert outcome.returncodes[0] == 0, _logs(outcome)
-    last_round = outcome.logs[0].rsplit("overlap train: GPT ", 1)[-1]
+    assert outcome.rounds[-1].world == 1 and outcome.rounds[-2].world == 2, outcome.rounds
+    last_round = _last_round(outcome)
     assert "on 1 CPU ranks (gloo)" in last_round and "batch 4/rank x 2 accumulated" in last_round, last_round
-    assert re.search(r"^resumed from \S+ at step ([1-9]\d*)$", last_round, re.M), last_round
+    assert "resumed from " in last_round and f" at step {kill.resumed_at}\n" in last_round, last_round
     step, loss, val = outcome.final
-    assert step == STEPS and torch.isfinite(torch.tensor(loss))
+    assert step == STEPS
     assert abs(loss - reference[1]) <= WORLD_1_TOLERANCE and abs(val - reference[2]) <= WORLD_1_TOLERANCE, \
         (outcome.final, reference)
 
