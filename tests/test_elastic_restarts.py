@@ -2,7 +2,8 @@
 workers killed before the first checkpoint, mid-step and during an asynchronous save, on
 either node, in one job; every restart meets again on both nodes and the job ends on the
 uninterrupted run's final loss. A node removed for good leaves an elastic job (`--nnodes
-1:2`) finishing on the other node alone, on the same global batches."""
+1:2`) finishing on the other node alone, on the same global batches; one that comes back
+grows the job to two nodes again (marked slow: a second elastic job)."""
 from __future__ import annotations
 
 import os
@@ -85,6 +86,25 @@ def test_a_node_removed_for_good_leaves_the_job_finishing_on_one_node(tmp_path, 
     last_round = _last_round(outcome)
     assert "on 1 CPU ranks (gloo)" in last_round and "batch 4/rank x 2 accumulated" in last_round, last_round
     assert "resumed from " in last_round and f" at step {kill.resumed_at}\n" in last_round, last_round
+    step, loss, val = outcome.final
+    assert step == STEPS
+    assert abs(loss - reference[1]) <= WORLD_1_TOLERANCE and abs(val - reference[2]) <= WORLD_1_TOLERANCE, \
+        (outcome.final, reference)
+
+
+@needs_cluster
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_a_removed_node_that_comes_back_grows_the_job_to_two_nodes_again(tmp_path, reference):
+    outcome = run_schedule(str(tmp_path), ARGV, ["node", "rejoin"], nnodes="1:2", timeout_s=JOB_TIMEOUT_S)
+    removed, rejoined = outcome.kills
+    for kill in outcome.kills:
+        assert kill.fired and kill.recovered_s is not None, (kill, _logs(outcome))
+    assert [r.world for r in outcome.rounds][-3:] == [2, 1, 2], outcome.rounds
+    # Node 0 alone saved a checkpoint of its own, and the two nodes resumed from it.
+    assert rejoined.newest > removed.resumed_at and rejoined.resumed_at >= rejoined.newest, outcome.kills
+    assert outcome.returncodes == [0, 0], _logs(outcome)
+    assert "batch 4/rank;" in _last_round(outcome), _last_round(outcome)
     step, loss, val = outcome.final
     assert step == STEPS
     assert abs(loss - reference[1]) <= WORLD_1_TOLERANCE and abs(val - reference[2]) <= WORLD_1_TOLERANCE, \
