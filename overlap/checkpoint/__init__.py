@@ -12,6 +12,7 @@ written carries a checksum in the metadata, and `load` checks what it reads
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -89,6 +90,21 @@ class PendingSave:
 
 
 _in_flight: dict[Any, PendingSave] = {}
+
+
+def _report_unfinished_saves() -> None:
+    """At exit: an asynchronous save nobody waited for, and that did not complete (its last
+    step is a collective, which `destroy_process_group()` ends), would otherwise be lost in
+    silence; say so, naming the checkpoint and what to do."""
+    for pending in _in_flight.values():
+        failed = pending.future.exception() if pending.done() else None
+        if not pending.done() or failed is not None:
+            logger.error("overlap.checkpoint: the asynchronous save to %s did not complete (%s): call wait() on "
+                         "what async_save returned before destroy_process_group() and exit",
+                         pending.path, failed if failed is not None else "still being written at exit")
+
+
+atexit.register(_report_unfinished_saves)
 
 
 def _paged_engines(model: "ShardedModule") -> list[PagedAdamW]:
