@@ -59,6 +59,10 @@ def reference(optimizer: str, how: dict) -> dict[str, Any]:
             "state": {key: value.detach().clone() for key, value in model.state_dict().items()}}
 
 
+def initial_state() -> dict[str, torch.Tensor]:
+    return {key: value.detach().clone() for key, value in _build().state_dict().items()}
+
+
 def blocks_of(state: dict[str, Any]) -> dict[str, Any]:
     """Each DTensor of a sharded state dict as (global shape, this rank's block, its offset)."""
     from torch.distributed.tensor import DTensor
@@ -125,7 +129,7 @@ def refused(rank: int, world: int, what: str) -> None:
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     inner = _build()
     parallelize_module(inner, mesh["tp"], gpt_tp_plan())
-    wraps = {"compile": {"compile": True}, "compression": {"compression": "int8"}, "offload_disk": {"offload": "disk"},
+    wraps = {"compile": {"compile": True}, "offload_disk": {"offload": "disk"},
              "hpz": {"sharding": "hpz"}}
     if what in wraps:
         ShardedModule(inner, mesh=mesh["dp"], **wraps[what])

@@ -23,9 +23,13 @@ RUNS = {4: [("sgd", 2, "sgd", {}), ("adamw_clip", 2, "adamw", {"clip": tp_cases.
             ("offload_cpu", 2, "adamw", {"wrap": {"offload": "cpu"}}), ("checkpointed", 2, "adamw", {"checkpointed": True})],
         2: [("sgd", 1, "sgd", {}), ("adamw_clip", 1, "adamw", {"clip": tp_cases.CLIP})]}
 TOL = {"rtol": 1e-4, "atol": 1e-5}
+# Compression over dp, within tests/test_compression.py's bounds for SGD: each step's loss
+# within 1 % of one process's, the whole update within 20 %.
+COMPRESSED = ("int8", "int8-int4")
+LOSS_RTOL, UPDATE_RTOL = 0.01, 0.2
 BF16_TOL = {"rtol": 3e-2, "atol": 3e-3}
 # What is refused, and what the error names.
-REFUSED = {"compile": "compile=True", "compression": "compression='int8'", "offload_disk": "offload='disk'",
+REFUSED = {"compile": "compile=True", "offload_disk": "offload='disk'",
            "hpz": "sharding='hpz'", "no_mesh": "mesh=mesh['dp']", "hybrid": "hybrid sharding over a 2-D mesh",
            "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping",
            "full_state_dict": "full values of tensor-parallel parameters"}
@@ -42,6 +46,7 @@ def _cases(world: int) -> dict[str, RankCase]:
              for name, dp, optimizer, how in RUNS[world]}
     if world == 4:
         cases.update({what: RankCase(tp_cases.refused, (what,)) for what in REFUSED})
+        cases.update({mode: RankCase(tp_cases.train_2d, (2, "sgd", {}, {"compression": mode})) for mode in COMPRESSED})
         cases["save"] = RankCase(tp_cases.save_after, (CHECKPOINT, 2, SAVED_STEPS))
         cases["fsdp2_save"] = RankCase(tp_cases.fsdp2_saves, (FSDP2_CHECKPOINT, 2, SAVED_STEPS))
         cases["fsdp2_loads_ours"] = RankCase(tp_cases.fsdp2_resumes, (CHECKPOINT, 2, SAVED_STEPS))
@@ -118,3 +123,17 @@ def test_checkpoints_interchange_with_fsdp2_and_tp() -> None:
     for result in ours:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"][SAVED_STEPS:]), **TOL)
     _assert_state_equal(ours, ref["state"], TOL)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", COMPRESSED)
+def test_compression_over_dp_stays_close(mode: str) -> None:
+    ref = tp_cases.reference("sgd", {})
+    results = [outcome.result() for outcome in LAUNCHES[4][mode]]
+    losses, ref_losses = torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"])
+    assert ((losses - ref_losses).abs() / ref_losses.abs()).max() <= LOSS_RTOL
+    state, initial = tp_cases.assemble([result["blocks"] for result in results]), tp_cases.initial_state()
+    delta_ref = torch.cat([(value - initial[key]).flatten() for key, value in ref["state"].items()])
+    delta = torch.cat([(state[key].view(value.shape) - initial[key]).flatten() for key, value in ref["state"].items()])
+    error = float((delta - delta_ref).norm() / delta_ref.norm())
+    assert 0 < error <= UPDATE_RTOL, error          # 0: nothing was quantised

@@ -119,10 +119,11 @@ def decide(request: StartupRequest, settings: RankSettings, unit_specs: list[Uni
         prefetch_depth=startup.plan.forward_depth if config.prefetch_depth is None else None,
         bucket_mb=startup.plan.bucket_mb if config.bucket_mb is None else None,
         memory_budget_mb=startup.memory_budget_bytes / 2**20 if config.memory_budget_mb is None else None)
-    if sharding.replicate is not None:
+    if dist.get_world_size(sharding.shard) < dist.get_world_size(request.all_group):
         # Each shard group planned on its own link measurements; replicas must hold the
-        # same layout (their gradient shards are summed element by element), so every
-        # rank takes rank 0's plan.
+        # same layout (their gradient shards are summed element by element), and the
+        # end-of-backward check compares every rank's collectives (the shard groups of each tp
+        # rank too), so every rank takes rank 0's plan.
         planned = decided_by_rank0(request.all_group, lambda: planned)
     logger.info("plan: %s; using depth %d, bucket %.3g MB", startup.plan.reason, planned.prefetch_depth,
                 planned.bucket_mb)

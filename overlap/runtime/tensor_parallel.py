@@ -118,7 +118,6 @@ def tensor_parallel_error(module: nn.Module, mesh: Optional[DeviceMesh], process
                "the two dimensions of one mesh over every rank: init_device_mesh(device, (dp, tp), " \
                "mesh_dim_names=('dp', 'tp'))"
     refused = {"compile": (config.compile, "compile=True (DTensor parameters inside compiled units)"),
-               "compression": (config.compress != "none", f"compression={config.compress!r}"),
                "offload": (config.offload == "disk", "offload='disk'"),
                "sharding": (config.sharding not in ("full", "auto"), f"sharding={config.sharding!r}")}
     for setting, (wanted, what) in refused.items():
