@@ -197,14 +197,19 @@ class ShardedModule(nn.Module):
     def parameter_count(self, trainable_only: bool = False) -> int:
         """The model's parameters counted whole (a tied one once), the same on every rank;
         `sum(p.numel() for p in model.parameters())` counts this rank's parts."""
-        return sum(slot.numel for unit in self.scheduler.all_units for group in unit.groups
-                   if group.requires_grad or not trainable_only for slot in group.slots)
+        return sum(group.global_shape(index).numel() for unit in self.scheduler.all_units for group in unit.groups
+                   if group.requires_grad or not trainable_only for index in range(len(group.slots)))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all parameters together; returns the total norm, the same on
         every rank (as `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` does: see
         [Note: norms of sharded gradients]), in one all-reduce for the whole model."""
+        if any(tp is not None for unit in self.scheduler.all_units for group in unit.groups
+               for tp in group.tensor_parallel):
+            # TP-split gradients' norms combine over dp and tp, the others' over dp
+            # ([Note: tensor-parallel parameters in flat shards]): torch's clip sums them right.
+            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         norm_type = float(norm_type)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         device = self.collectives.device
