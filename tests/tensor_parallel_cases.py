@@ -44,7 +44,12 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, how:
             loss.backward()
         total += float(loss.detach())
     clip = how.get("clip")
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip is not None else 0.0
+    if clip is None:
+        norm = 0.0
+    elif how.get("module_clip") and hasattr(model, "clip_grad_norm_"):
+        norm = float(model.clip_grad_norm_(clip))          # ShardedModule's own
+    else:
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
     optimizer.step()
     optimizer.zero_grad()
     return total, norm
@@ -115,6 +120,7 @@ def train_2d(rank: int, world: int, dp: int, optimizer: str, how: dict, wrap: di
         steps.append((float(total) / dp, norm))
     specs = [tp for unit in model.scheduler.all_units for group in unit.groups for tp in group.tensor_parallel]
     return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "blocks": blocks_of(model.state_dict()),
+            "parameter_count": model.parameter_count(),
             "tp_split": sum(tp is not None and tp.norm_group is not None for tp in specs)}
 
 

@@ -20,6 +20,7 @@ RUNS = {4: [("sgd", 2, "sgd", {}), ("adamw_clip", 2, "adamw", {"clip": tp_cases.
             ("bf16", 2, "sgd", {"wrap": {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16,
                                                                           reduce_dtype=torch.float32)}}),
             ("no_sync", 2, "sgd", {"micro": 2}),
+            ("module_clip", 2, "sgd", {"clip": tp_cases.CLIP, "module_clip": True}),
             ("offload_cpu", 2, "adamw", {"wrap": {"offload": "cpu"}}), ("checkpointed", 2, "adamw", {"checkpointed": True})],
         2: [("sgd", 1, "sgd", {}), ("adamw_clip", 1, "adamw", {"clip": tp_cases.CLIP})]}
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -78,6 +79,7 @@ def test_2d_training_equals_one_process(world: int, run: int) -> None:
     tol = BF16_TOL if "mixed_precision" in how.get("wrap", {}) else TOL
     for result in results:
         assert result["tp_split"] == 6 * tp_cases.SMALL_GPT.n_layer     # every block's weights and column biases
+        assert result["parameter_count"] == tp_cases.SMALL_GPT.num_params
         assert all(torch.isfinite(torch.tensor(result["losses"]))), result["losses"]
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), **tol)
         if "clip" in how:
