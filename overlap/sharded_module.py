@@ -306,6 +306,18 @@ class ShardedModule(nn.Module):
                 state_dict[prefix + key] = value
         return RankPartStateDict(state_dict, "model.module.state_dict()", FULL_MODEL) if not prefix else None
 
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """A Hugging Face model's `save_pretrained`, of the whole model: called on every rank,
+        the full state is gathered and rank 0 writes it (`model.module.save_pretrained` sees
+        the sharded form, which safetensors cannot write)."""
+        save = getattr(self.module, "save_pretrained", None)
+        if save is None:
+            raise AttributeError(f"{type(self.module).__name__} has no save_pretrained")
+        state = self.full_state_dict(rank0_only=True)
+        if dist.get_rank(self.collectives.all_group) == 0:        # a shard group's rank 0 holds the state
+            save(save_directory, state_dict=state, **kwargs)
+        dist.barrier(group=self.collectives.all_group)
+
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict[str, Any]:
         """`optimizer.state_dict()` as one process would have it: state of each parameter's
         shape gathered whole (CPU tensors), on every rank, or with `rank0_only` on rank 0

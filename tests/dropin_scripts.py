@@ -162,6 +162,8 @@ def hf_no_trainer_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 4, accu
     if rank == 0:
         model.module.save_pretrained(path, state_dict=state)
     dist.barrier()
+    if isinstance(model, ShardedModule):
+        model.save_pretrained(path + "_every_rank")              # the wrapper's own, called on every rank
     return {"losses": losses, "norms": norms, "path": path}
 
 

@@ -111,9 +111,10 @@ def test_hf_save_pretrained_loads_to_ddps_values(runs) -> None:
 
     results, _ = runs
     ddp = GPT2LMHeadModel.from_pretrained(results[0]["hf"]["ddp"]["path"]).state_dict()
-    ours = GPT2LMHeadModel.from_pretrained(results[0]["hf"]["sharded"]["path"]).state_dict()
-    for key in ddp:
-        torch.testing.assert_close(ours[key], ddp[key], **TOL)
+    for path in (results[0]["hf"]["sharded"]["path"], results[0]["hf"]["sharded"]["path"] + "_every_rank"):
+        ours = GPT2LMHeadModel.from_pretrained(path).state_dict()
+        for key in ddp:
+            torch.testing.assert_close(ours[key], ddp[key], **TOL)
 
 
 def test_dcp_checkpoints_load_in_one_process_to_ddps_values(runs) -> None:
