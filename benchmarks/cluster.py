@@ -8,6 +8,10 @@ rendezvous on node 0's veth address. Needs root (`ip netns`).
 gloo is told to use the veth (GLOO_SOCKET_IFNAME), so every rank is reached at its node's
 veth address: between ranks of one node the kernel delivers that locally (the throttle is
 not on that path), between nodes the packets cross the pair.
+
+With `cpus` each node's launcher runs under `taskset` on its own CPUs (`node_cpus` splits
+the machine's), as nodes have cores of their own: a job that sizes its threads by the CPUs
+it may use then gives each rank its node's share, not the whole machine's.
 """
 from __future__ import annotations
 
@@ -56,15 +60,27 @@ class Cluster:
 
     def torchrun(self, node: int, nproc_per_node: int, script_and_args: Sequence[str],
                  python: str = sys.executable, run_id: Optional[str] = None, nnodes: str = str(NODES),
-                 max_restarts: int = 0, rdzv_conf: Sequence[str] = ()) -> list[str]:
+                 max_restarts: int = 0, rdzv_conf: Sequence[str] = (), cpus: Optional[str] = None) -> list[str]:
         """The command that starts node `node`'s ranks (run both nodes' commands at once);
-        `nnodes` "MIN:MAX" makes the job elastic, `rdzv_conf` adds "key=value" rendezvous settings."""
+        `nnodes` "MIN:MAX" makes the job elastic, `rdzv_conf` adds "key=value" rendezvous settings,
+        `cpus` (a taskset list, e.g. "0" or "2-3") confines the node to those CPUs."""
         conf = ",".join([f"is_host={'true' if node == 0 else 'false'}", *rdzv_conf])
-        return [*self.prefix(node), "env", f"GLOO_SOCKET_IFNAME={self.interfaces[node]}",
+        pinned = ["taskset", "-c", cpus] if cpus is not None else []
+        return [*self.prefix(node), *pinned, "env", f"GLOO_SOCKET_IFNAME={self.interfaces[node]}",
                 python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
                 f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.addresses[0]}:{RDZV_PORT}", f"--rdzv-id={run_id or 'overlap'}",
                 f"--local-addr={self.addresses[node]}", f"--rdzv-conf={conf}", *script_and_args]
+
+
+def node_cpus(node: int) -> Optional[str]:
+    """Node `node`'s equal share of the CPUs this process may use, as a taskset list; None
+    where there are fewer CPUs than nodes or no taskset."""
+    available = sorted(os.sched_getaffinity(0))
+    share = len(available) // NODES
+    if share == 0 or shutil.which("taskset") is None:
+        return None
+    return ",".join(str(cpu) for cpu in available[node * share:(node + 1) * share])
 
 
 @contextlib.contextmanager

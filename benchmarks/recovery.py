@@ -17,7 +17,8 @@ there, the worker killed and the other one let go on);
 1:2`, and go on on node 0 alone); `rejoin` node 1's agent started again once the job on
 node 0 alone has saved a checkpoint of its own (node 0's worker is paused from then until
 its agent has seen node 1 waiting, so that the job cannot end first); the job grows back to
-two nodes. Worker kills alternate between the nodes. Needs root.
+two nodes. Worker kills alternate between the nodes. Each node runs on its own half of the
+machine's CPUs (cluster.node_cpus). Needs root.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cluster import NODES, Cluster, two_node_cluster     # noqa: E402
+from cluster import NODES, Cluster, node_cpus, two_node_cluster     # noqa: E402
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
@@ -115,7 +116,8 @@ class Job:
     def start_agent(self, node: int) -> None:
         command = self.cluster.torchrun(node, 1, ["-m", "overlap", "train", *self.argv, "--checkpoint-dir",
                                                   self.checkpoints], python=self.python, run_id=self.run_id,
-                                        nnodes=self.nnodes, max_restarts=self.max_restarts, rdzv_conf=RDZV_CONF)
+                                        nnodes=self.nnodes, max_restarts=self.max_restarts, rdzv_conf=RDZV_CONF,
+                                        cpus=node_cpus(node))
         with open(self.log_paths[node], "a") as sink:
             self.agents[node] = subprocess.Popen(command, cwd=self.workdir, env=self.env, stdout=sink,
                                                  stderr=subprocess.STDOUT, start_new_session=True)
@@ -416,6 +418,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         record = {"command": "python benchmarks/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "job": job, "nnodes": args.nnodes, "rdzv_conf": RDZV_CONF,
                   "env": ELASTIC_ENV if ":" in args.nnodes else {}, "torch": torch.__version__,
+                  "node_cpus": [node_cpus(node) for node in range(NODES)],
                   "cpus": os.cpu_count(), "machine": platform.machine(),
                   "load_average_at_end": [round(x, 1) for x in load], "tolerance": args.tolerance,
                   "reference_final": reference, "table": text,

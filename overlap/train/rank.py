@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from overlap import MixedPrecision, ShardedModule
+from overlap.base.config import local_world_size_from_env
 from overlap.models import GPT, Block, GPTConfig
 from overlap.observe.timeline import TraceRecorder
 from overlap import optim as overlap_optim
@@ -47,8 +48,7 @@ def train(args: argparse.Namespace, device: torch.device) -> Optional[Losses]:
     world = dist.get_world_size()
     check_world_size(args, world)
     if device.type == "cpu":
-        # Ranks share the cores: more threads than cores per rank only adds contention.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(_threads_per_rank(world))
     model, config = build_model(args)
     optimizer = build_optimizer(model, args)
     name, text = read_text(args.data)
@@ -73,6 +73,15 @@ def train(args: argparse.Namespace, device: torch.device) -> Optional[Losses]:
     if args.sample:
         _print_samples(model, args, device)
     return losses
+
+
+def _threads_per_rank(world: int) -> int:
+    """The ranks of one machine share its cores (those this process may run on): more threads
+    than cores per rank only adds contention, and waiting threads spin on oversubscribed
+    cores. A node's ranks are LOCAL_WORLD_SIZE, not the world size, which also counts the
+    other nodes'."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // (local_world_size_from_env() or world))
 
 
 def _device() -> torch.device:
