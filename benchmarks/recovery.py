@@ -29,6 +29,7 @@ import platform
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -364,7 +365,7 @@ def table(runs: list[Outcome], reference: tuple[int, float, float], tolerance: f
         mine = [(outcome, end) for outcome, end in zip(runs, endings) if any(k.point == point for k in outcome.kills)]
         kills = [kill for outcome, _ in mine for kill in outcome.kills if kill.point == point]
         times = sorted(kill.recovered_s for kill in kills if kill.recovered_s is not None)
-        spread = (f"{times[0]:.1f}-{times[-1]:.1f} (median {times[len(times) // 2]:.1f})" if len(times) > 1
+        spread = (f"{times[0]:.1f}-{times[-1]:.1f} (median {statistics.median(times):.1f})" if len(times) > 1
                   else (f"{times[0]:.1f}" if times else "-"))
         rows.append(f"| {point} | {len(mine)} | {sum(k.fired for k in kills)} | "
                     f"{sum(k.recovered_s is not None for k in kills)} | {sum(e == 'exact' for _, e in mine)} | "
