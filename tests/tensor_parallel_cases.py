@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -18,12 +18,42 @@ from parity_cases import SMALL_GPT
 STEPS = 3
 CLIP = 0.5                     # below the first steps' norms, so clipping scales every step
 BATCHES = token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS)
+LLAMA_BATCHES = token_batches(61, 12, steps=STEPS)
 
 
-def _build(checkpointed: bool = False) -> nn.Module:
+def llama_tp_plan() -> dict[str, Any]:
+    """Megatron's split of a Llama block, as torchtitan writes it for Hugging Face's names:
+    q, k, v and the MLP's gate and up projections by columns (each rank keeps whole heads),
+    o and down projections by rows."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    columns = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
+    return {**{f"model.layers.*.{name}": ColwiseParallel() for name in columns},
+            "model.layers.*.self_attn.o_proj": RowwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()}
+
+
+def _plan(how: dict) -> dict[str, Any]:
+    return llama_tp_plan() if how.get("model") == "llama" else gpt_tp_plan()
+
+
+def _batches(how: dict) -> list[tuple]:
+    return LLAMA_BATCHES() if how.get("model") == "llama" else BATCHES()
+
+
+def _loss(model: nn.Module, batch: tuple, how: dict) -> torch.Tensor:
+    if how.get("model") == "llama":
+        return model(input_ids=batch[0], labels=batch[0]).loss
+    return model(*batch)
+
+
+def _build(checkpointed: bool = False, how: Optional[dict] = None) -> nn.Module:
     from overlap.models import GPT
 
     torch.manual_seed(0)
+    if (how or {}).get("model") == "llama":
+        from parity_cases import _hf_llama
+
+        return _hf_llama()
     model = GPT(SMALL_GPT)
     if checkpointed:
         # Activation checkpointing of every block: backward recomputes its forward.
@@ -40,7 +70,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, how:
     for k in range(micro):
         unsynced = k < micro - 1 and hasattr(model, "no_sync")
         with model.no_sync() if unsynced else contextlib.nullcontext():
-            loss = model(*_slice(batch, k, micro)) / micro
+            loss = _loss(model, _slice(batch, k, micro), how) / micro
             loss.backward()
         total += float(loss.detach())
     clip = how.get("clip")
@@ -57,9 +87,9 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, how:
 
 def reference(optimizer: str, how: dict) -> dict[str, Any]:
     """One process on the whole batches."""
-    model = _build(how.get("checkpointed", False))
+    model = _build(how.get("checkpointed", False), how)
     opt = _optimizer(optimizer, model)
-    steps = [_step(model, opt, batch, how) for batch in BATCHES()]
+    steps = [_step(model, opt, batch, how) for batch in _batches(how)]
     return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps],
             "state": {key: value.detach().clone() for key, value in model.state_dict().items()}}
 
@@ -107,13 +137,13 @@ def train_2d(rank: int, world: int, dp: int, optimizer: str, how: dict, wrap: di
     from overlap import ShardedModule
 
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
-    inner = _build(how.get("checkpointed", False))
-    parallelize_module(inner, mesh["tp"], gpt_tp_plan())
+    inner = _build(how.get("checkpointed", False), how)
+    parallelize_module(inner, mesh["tp"], _plan(how))
     model = ShardedModule(inner, mesh=mesh["dp"], **wrap)
     opt = _optimizer(optimizer, model)
     part = mesh.get_local_rank("dp")
     steps = []
-    for batch in BATCHES():
+    for batch in _batches(how):
         loss, norm = _step(model, opt, _slice(batch, part, dp), how)
         total = torch.tensor([loss])
         torch.distributed.all_reduce(total, group=mesh["dp"].get_group())

@@ -20,9 +20,11 @@ RUNS = {4: [("sgd", 2, "sgd", {}), ("adamw_clip", 2, "adamw", {"clip": tp_cases.
             ("bf16", 2, "sgd", {"wrap": {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16,
                                                                           reduce_dtype=torch.float32)}}),
             ("no_sync", 2, "sgd", {"micro": 2}),
+            ("llama_adamw_clip", 2, "adamw", {"model": "llama", "clip": tp_cases.CLIP}),
             ("module_clip", 2, "sgd", {"clip": tp_cases.CLIP, "module_clip": True}),
             ("offload_cpu", 2, "adamw", {"wrap": {"offload": "cpu"}}), ("checkpointed", 2, "adamw", {"checkpointed": True})],
-        2: [("sgd", 1, "sgd", {}), ("adamw_clip", 1, "adamw", {"clip": tp_cases.CLIP})]}
+        2: [("sgd", 1, "sgd", {}), ("adamw_clip", 1, "adamw", {"clip": tp_cases.CLIP}),
+            ("llama_sgd", 1, "sgd", {"model": "llama"})]}
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # Compression over dp, within tests/test_compression.py's bounds for SGD: each step's loss
 # within 1 % of one process's, the whole update within 20 %.
@@ -78,8 +80,11 @@ def test_2d_training_equals_one_process(world: int, run: int) -> None:
     results = [outcome.result() for outcome in LAUNCHES[world][name]]
     tol = BF16_TOL if "mixed_precision" in how.get("wrap", {}) else TOL
     for result in results:
-        assert result["tp_split"] == 6 * tp_cases.SMALL_GPT.n_layer     # every block's weights and column biases
-        assert result["parameter_count"] == tp_cases.SMALL_GPT.num_params
+        if how.get("model") == "llama":
+            assert result["tp_split"] == 7 * 2                          # every projection of both layers
+        else:
+            assert result["tp_split"] == 6 * tp_cases.SMALL_GPT.n_layer  # every block's weights and column biases
+            assert result["parameter_count"] == tp_cases.SMALL_GPT.num_params
         assert all(torch.isfinite(torch.tensor(result["losses"]))), result["losses"]
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), **tol)
         if "clip" in how:
