@@ -471,6 +471,16 @@ _CURRENT_RATIOS = [
     ("overlap-int8 ÷ overlap", "overlap-int8", "overlap", 0.6, "≤ 0.6: missed in every round"),
 ]
 
+def _tp_median_step(impl: str) -> Reader:
+    """benchmarks/tp.py's pooled median step of `impl` over every round."""
+    return lambda data: statistics.median([step for steps in data["per_round_steps_s"] for step in steps[impl]])
+
+
+def _tp_peak(impl: str, field: str) -> Reader:
+    """benchmarks/tp.py's peak memory of `impl`, the largest rank's, in MiB."""
+    return lambda data: max(data["memory"][impl][field]) / 2**20
+
+
 FIGURES: list[Figure] = [
     # README.md: framework overhead.
     Figure("README.md", "| hand-written loop, `ShardedModule` | {0:.0f} | {1:.2f}, {2:.2f}, {3:.2f}, {4:.2f} | {5:.2f} |",
@@ -919,6 +929,15 @@ FIGURES: list[Figure] = [
       for impl in _TEN_IMPLS for rank in (0, 1)],
     Figure("docs/offload.md", '| step time, offload="cpu" / "none", paired per round | {0:.2f} | {1:.2f}–{2:.2f} |',
            "offload_cpu.json", tuple(at("summary", "step_cpu_over_none", k) for k in ("median", "min", "max"))),
+    Figure("README.md", "{0:.2f}× FSDP2 + TP's step with torch's defaults, {1:.2f}× the tuned one's", "tp.json",
+           (at("paired", "overlap-tp/fsdp2-tp", "median"), at("paired", "overlap-tp/fsdp2-tp-tuned", "median"))),
+    Figure("docs/tensor_parallel.md", "{0:.2f} ({1:.2f}-{2:.2f}, 3 rounds) against FSDP2 + TP with torch's defaults, "
+           "{3:.2f} ({4:.2f}-{5:.2f}) against tuned FSDP2 + TP", "tp.json",
+           tuple(at("paired", f"overlap-tp/{peer}", k) for peer in ("fsdp2-tp", "fsdp2-tp-tuned")
+                 for k in ("median", "min", "max"))),
+    *[Figure("docs/tensor_parallel.md", f"| {impl} | {{0:.2f}} | {{1:.1f}} | {{2:.0f}} |", "tp.json",
+             (_tp_median_step(impl), _tp_peak(impl, "peak_tracked"), _tp_peak(impl, "peak_rss")))
+      for impl in ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")],
 ]
 
 # Result files a doc links to whose figures no row above checks, and why.

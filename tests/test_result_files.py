@@ -42,7 +42,7 @@ UNCOMMITTED: dict[str, str] = {
         ("hybrid.json", "5961bca", "762118c"), ("integrations.json", "588d594", "170341c"),
         ("layout_padding.json", "5961bca", "2243956"), ("order_check.json", "5961bca", "588d594"),
         ("overhead_after.json", "7b189cb", "c808191"), ("overhead_after_two_ranks.json", "10d3665", "f758ace"),
-        ("planner_grid.json", "588d594", "ba079df"))}
+        ("planner_grid.json", "588d594", "ba079df"), ("tp.json", "b6e5613", "92f167d"))}
 UNCOMMITTED_SUFFIX = "+changes"
 REPOSITORY = os.path.dirname(os.path.dirname(RESULTS))
 needs_history = pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(REPOSITORY, ".git")),
