@@ -63,3 +63,21 @@ def test_simulate_prints_the_splits_and_the_pick(capsys) -> None:
     table = out[out.index("tensor parallel x ZeRO-3"):].splitlines()
     assert [line.split()[:2] for line in table[2:6]] == [["64", "1"], ["32", "2"], ["16", "4"], ["8", "8"]]
     assert sum("<- pick" in line for line in table) == 1
+
+
+def _estimate_rows(capsys, *extra: str) -> dict[str, float]:
+    from overlap.cli.estimate import main as estimate_main
+
+    assert estimate_main(["--params", "70e9", "--world", "8", "--seq", "8192", "--batch", "1", "--layers", "80",
+                          "--hidden", "8192", "--heads", "64", "--ckpt", *extra]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: float(line.split()[-1]) for line in out.splitlines()[:10]
+            if line.split() and line.split()[0] in ("weights", "activations", "total")}
+    return rows
+
+
+def test_estimate_splits_states_and_activations_over_tp(capsys) -> None:
+    """--tp 8 on 8 dp ranks: every category per rank is 1/8 of the same model on 8 ranks without TP."""
+    whole, split = _estimate_rows(capsys), _estimate_rows(capsys, "--tp", "8")
+    for category in ("weights", "activations", "total"):
+        assert split[category] == pytest.approx(whole[category] / 8, rel=0.02), category

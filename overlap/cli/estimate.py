@@ -1,7 +1,7 @@
 """`overlap estimate`: per-rank memory of a model under DP and ZeRO-1/2/3, from formulas.
 
     overlap estimate --params 7e9 --world 64 --precision bf16 --optimizer adamw --stage zero3 \\
-        --seq 4096 --batch 8 --layers 32 --hidden 4096 [--ckpt] [--prefetch-depth 1] \\
+        --seq 4096 --batch 8 --layers 32 --hidden 4096 [--ckpt] [--prefetch-depth 1] [--tp 8] \\
         [--offload cpu|disk [--host-gbps 25] [--disk-gbps 3] [--cpu-update-rate 1e9]]
 
 With --offload, the model states per rank in each tier (device, host, disk) and the time the
@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 from overlap.base.choices import OFFLOAD_CHOICES
 from overlap.base.config import config_from_env
 from overlap.plan.memory import (MASTER_BYTES, MODEL_STATE_CATEGORIES, OPTIMIZERS, PRECISIONS, STAGES, ActivationShape, MemoryEstimate, estimate, formula, state_bytes, wrap_peak_bytes)
+from overlap.plan.tensor_parallel import tensor_parallel_share
 from overlap.plan.offload import DISK_BUCKET_PARAMS, TierRates, offload_time, rates_with, tier_bytes
 from overlap.observe.memory import format_amount, format_table
 
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     positive = _integer_at_least(1)
     parser.add_argument("--params", type=parameter_count, required=True, help="parameter count Ψ (7e9, 7B)")
     parser.add_argument("--world", type=positive, required=True, help="data-parallel ranks N")
+    parser.add_argument("--tp", type=positive, default=1,
+                        help="tensor-parallel degree: each rank holds 1/tp of every parameter (torchtitan's plan) and "
+                             "of the activations (sequence parallelism); --world counts the dp ranks")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
                         help="bf16/fp16: mixed precision with fp32 master weights; fp32: everything fp32")
@@ -182,13 +186,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shape = _activation_shape(parser, args)
     if args.offload is not None and args.stage != "zero3":
         parser.error("--offload is priced for ZeRO-3 shards (--stage zero3)")
-    results = {stage: estimate(args.params, args.world, stage=stage, precision=args.precision,
-                               optimizer=args.optimizer, activations=shape, checkpointing=args.ckpt,
-                               prefetch_depth=args.prefetch_depth, largest_unit_params=args.largest_unit,
-                               root_params=args.root_params or 0.0)
-               for stage in STAGES}
+    tp = args.tp
+    results = {stage: tensor_parallel_share(estimate(
+        args.params / tp, args.world, stage=stage, precision=args.precision, optimizer=args.optimizer,
+        activations=shape, checkpointing=args.ckpt, prefetch_depth=args.prefetch_depth,
+        largest_unit_params=None if args.largest_unit is None else args.largest_unit / tp,
+        root_params=(args.root_params or 0.0) / tp), tp) for stage in STAGES}
     regime = "fp32" if args.precision == "fp32" else f"{args.precision} mixed precision"
-    print(f"Ψ = {args.params:,.0f} parameters, N = {args.world} ranks, {regime}, {args.optimizer}, "
+    split = "" if tp == 1 else (f" per tp rank (1/{tp} of the model's {args.params:,.0f}; the activations 1/{tp} too, "
+                                "by sequence parallelism)")
+    print(f"Ψ = {args.params / tp:,.0f} parameters{split}, N = {args.world} ranks, {regime}, {args.optimizer}, "
           f"stage {args.stage}; per rank, GB = 1e9 bytes")
     print(_stage_table(args, results[args.stage], shape))
     if shape is None:

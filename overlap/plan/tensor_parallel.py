@@ -23,12 +23,12 @@ all-reduces, which grow with the tokens per group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from overlap.plan.cost_model import Prediction, Profile, UnitCost, predict_step
 from overlap.plan.links import LinkModel
-from overlap.plan.memory import MASTER_BYTES, ActivationShape, activation_bytes, state_copies
+from overlap.plan.memory import MASTER_BYTES, ActivationShape, MemoryEstimate, activation_bytes, state_copies
 
 GATHER_BYTES = 2       # bf16 parameters and activations
 REDUCE_BYTES = 4       # fp32 gradient reduction
@@ -150,3 +150,11 @@ def choose_tp(options: Sequence[TpOption], memory_bytes: float) -> Optional[TpOp
     """The fastest option that fits in `memory_bytes` per rank (None: none fits)."""
     fitting = [option for option in options if option.memory_bytes <= memory_bytes]
     return min(fitting, key=lambda option: option.step_s) if fitting else None
+
+
+def tensor_parallel_share(result: MemoryEstimate, tp: int) -> MemoryEstimate:
+    """`result`, estimated for 1/tp of the parameters over the dp ranks, with 1/tp of the
+    activations: what one rank of a tp group holds when every parameter is split and the
+    activations are split by sequence parallelism."""
+    activations = None if result.activations is None else result.activations / tp
+    return replace(result, activations=activations)
