@@ -130,27 +130,32 @@ def assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def train_2d(rank: int, world: int, dp: int, optimizer: str, how: dict, wrap: dict) -> dict[str, Any]:
-    """ShardedModule over dp of the GPT split over tp = world // dp ranks."""
+    """ShardedModule over dp of the GPT split over tp = world // dp ranks; with how["hybrid"],
+    the dp ranks are replicas (a ("replicate", "shard", "tp") mesh of dp x 1 x tp)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from overlap import ShardedModule
 
-    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    if how.get("hybrid"):
+        mesh = init_device_mesh("cpu", (dp, 1, world // dp), mesh_dim_names=("replicate", "shard", "tp"))
+        dp_mesh, part = mesh["replicate", "shard"], mesh.get_local_rank("replicate")
+    else:
+        mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+        dp_mesh, part = mesh["dp"], mesh.get_local_rank("dp")
     inner = _build(how.get("checkpointed", False), how)
     parallelize_module(inner, mesh["tp"], _plan(how))
-    model = ShardedModule(inner, mesh=mesh["dp"], **wrap)
+    model = ShardedModule(inner, mesh=dp_mesh, **wrap)
     opt = _optimizer(optimizer, model)
-    part = mesh.get_local_rank("dp")
     steps = []
     for batch in _batches(how):
         loss, norm = _step(model, opt, _slice(batch, part, dp), how)
         total = torch.tensor([loss])
-        torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
-        steps.append((float(total) / dp, norm))
+        torch.distributed.all_reduce(total)          # the tp ranks of a dp rank hold the same loss
+        steps.append((float(total) / world, norm))
     specs = [tp for unit in model.scheduler.all_units for group in unit.groups for tp in group.tensor_parallel]
     return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "blocks": blocks_of(model.state_dict()),
-            "parameter_count": model.parameter_count(),
+            "parameter_count": model.parameter_count(), "sharding": model.sharding.describe(),
             "tp_split": sum(tp is not None and tp.norm_group is not None for tp in specs)}
 
 
@@ -166,14 +171,11 @@ def refused(rank: int, world: int, what: str) -> None:
     inner = _build()
     parallelize_module(inner, mesh["tp"], gpt_tp_plan())
     wraps = {"compile": {"compile": True}, "offload_disk": {"offload": "disk"},
-             "hpz": {"sharding": "hpz"}}
+             "hpz": {"sharding": "hpz"}, "sharding_hybrid": {"sharding": "hybrid"}}
     if what in wraps:
         ShardedModule(inner, mesh=mesh["dp"], **wraps[what])
     elif what == "no_mesh":
         ShardedModule(inner)
-    elif what == "hybrid":
-        hybrid = init_device_mesh("cpu", (2, 1, world // 2), mesh_dim_names=("replicate", "shard", "tp"))
-        ShardedModule(inner, mesh=hybrid["replicate", "shard"])
     elif what == "optimizer_before_wrapping":
         optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
         model = ShardedModule(inner, mesh=mesh["dp"])

@@ -21,6 +21,7 @@ RUNS = {4: [("sgd", 2, "sgd", {}), ("adamw_clip", 2, "adamw", {"clip": tp_cases.
                                                                           reduce_dtype=torch.float32)}}),
             ("no_sync", 2, "sgd", {"micro": 2}),
             ("llama_adamw_clip", 2, "adamw", {"model": "llama", "clip": tp_cases.CLIP}),
+            ("hybrid_adamw_clip", 2, "adamw", {"hybrid": True, "clip": tp_cases.CLIP}),
             ("module_clip", 2, "sgd", {"clip": tp_cases.CLIP, "module_clip": True}),
             ("offload_cpu", 2, "adamw", {"wrap": {"offload": "cpu"}}), ("checkpointed", 2, "adamw", {"checkpointed": True})],
         2: [("sgd", 1, "sgd", {}), ("adamw_clip", 1, "adamw", {"clip": tp_cases.CLIP}),
@@ -33,7 +34,7 @@ LOSS_RTOL, UPDATE_RTOL = 0.01, 0.2
 BF16_TOL = {"rtol": 3e-2, "atol": 3e-3}
 # What is refused, and what the error names.
 REFUSED = {"compile": "compile=True", "offload_disk": "offload='disk'",
-           "hpz": "sharding='hpz'", "no_mesh": "mesh=mesh['dp']", "hybrid": "hybrid sharding over a 2-D mesh",
+           "hpz": "sharding='hpz'", "no_mesh": "mesh=mesh['dp']", "sharding_hybrid": "sharding='hybrid'",
            "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping",
            "full_state_dict": "full values of tensor-parallel parameters"}
 
@@ -80,6 +81,8 @@ def test_2d_training_equals_one_process(world: int, run: int) -> None:
     results = [outcome.result() for outcome in LAUNCHES[world][name]]
     tol = BF16_TOL if "mixed_precision" in how.get("wrap", {}) else TOL
     for result in results:
+        if how.get("hybrid"):
+            assert result["sharding"] == "hybrid sharding: 1 ranks per shard group, 2 replicas"
         if how.get("model") == "llama":
             assert result["tp_split"] == 7 * 2                          # every projection of both layers
         else:

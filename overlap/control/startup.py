@@ -71,7 +71,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     check_ranks_agree(request.all_group, error, model_signature(root_spec, unit_specs), settings.config)
     # DTensor parameters of torch's tensor parallelism become their local tensors, the units'
     # parameters from here on; see overlap.runtime.tensor_parallel.
-    tensor_parallel = take_tensor_parallel(module, settings.device)
+    tensor_parallel = take_tensor_parallel(module, request.mesh, settings.device)
     if tensor_parallel is not None:
         root_spec, unit_specs = discover_units(module, request.unit_types)
     decision = decide(request, settings, unit_specs)

@@ -20,8 +20,9 @@ gradients]): over dp for a parameter replicated over tp, over dp and tp for a TP
 module's DTensor Parameter objects cannot keep their identity (a DTensor cannot be swapped
 for a plain tensor), so an optimizer built before wrapping is refused when it steps.
 
-Supported: the dp and tp dimensions span every rank (a 2-D ("dp", "tp") mesh over the world),
-full sharding over dp, Shard and Replicate placements. What is not made to work here is
+Supported: the dp and tp dimensions span every rank (a ("dp", "tp") mesh over the world, or
+("replicate", "shard", "tp") for hybrid sharding over mesh["replicate", "shard"]), Shard and
+Replicate placements. What is not made to work here is
 refused at wrap by `tensor_parallel_error`, naming it.
 """
 from __future__ import annotations
@@ -108,9 +109,8 @@ def tensor_parallel_error(module: nn.Module, mesh: Optional[DeviceMesh], process
     if process_group is not None or mesh is None:
         return f"{prefix}pass the data-parallel dimension as mesh=mesh['dp'] (the parameters are split over " \
                f"{tp_mesh.size()} tp ranks, which must not share shards)"
-    if mesh.ndim != 1:
-        return f"{prefix}hybrid sharding over a {mesh.ndim}-D mesh (replicate x shard x tp) is not supported; " \
-               "pass the 1-D dp mesh"
+    if mesh.ndim > 2:
+        return f"{prefix}a {mesh.ndim}-D data-parallel mesh; pass mesh['dp'] (1-D) or mesh['replicate', 'shard']"
     dp_ranks = set(mesh.mesh.flatten().tolist())
     tp_ranks = set(tp_mesh.mesh.flatten().tolist())
     if dp_ranks & tp_ranks != {dist.get_rank()} or len(dp_ranks) * len(tp_ranks) != dist.get_world_size():
@@ -126,16 +126,20 @@ def tensor_parallel_error(module: nn.Module, mesh: Optional[DeviceMesh], process
     return None
 
 
-def take_tensor_parallel(module: nn.Module, device: torch.device) -> Optional[TensorParallel]:
+def take_tensor_parallel(module: nn.Module, mesh: Optional[DeviceMesh], device: torch.device
+                         ) -> Optional[TensorParallel]:
     """Replace `module`'s DTensor parameters by plain parameters holding their local tensors
     (a tied one once) and make every parameter replicated over tp hold tp rank 0's values
-    (collective over the tp mesh); None when the model has no DTensor parameters. See
+    (collective over every rank); None when the model has no DTensor parameters. `mesh` is
+    the data-parallel one ShardedModule was given, checked by `tensor_parallel_error`. See
     [Note: tensor-parallel parameters in flat shards]."""
     params = _dtensor_params(module)
     if not params:
         return None
     tp_mesh = params[0][1].device_mesh
-    norm_group = NormGroup(dist.group.WORLD, device)
+    assert mesh is not None, "tensor_parallel_error lets no tensor-parallel model through without a mesh"
+    shard_group = mesh.get_group(mesh.ndim - 1)          # (replicate, shard): the shard dimension
+    norm_group = NormGroup(_shard_and_tp_group(shard_group, tp_mesh), device)
     replaced: dict[int, nn.Parameter] = {}
     specs: dict[int, TensorParallelSpec] = {}
     for sub in module.modules():
@@ -154,6 +158,21 @@ def take_tensor_parallel(module: nn.Module, device: torch.device) -> Optional[Te
     _broadcast_replicated(module, specs, tp_mesh)
     _register_hook()
     return TensorParallel(tp_mesh, specs)
+
+
+def _shard_and_tp_group(shard_group: dist.ProcessGroup, tp_mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The ranks holding parts of one TP-split parameter: this rank's shard group times its tp
+    group (every rank without replicas; with hybrid sharding, one replica's ranks). Made on
+    every rank, one group per replica in the same order (collective)."""
+    if dist.get_world_size(shard_group) * tp_mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    mine = (tuple(dist.get_process_group_ranks(shard_group)), tuple(tp_mesh.mesh.flatten().tolist()))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    shard_of = {rank: shard for rank, (shard, _) in enumerate(everyone)}
+    planes = sorted({tuple(sorted(r for t in tp for r in shard_of[t])) for _, tp in everyone})
+    groups = {plane: dist.new_group(list(plane)) for plane in planes}
+    return groups[tuple(sorted(r for t in mine[1] for r in shard_of[t]))]
 
 
 def _broadcast_replicated(module: nn.Module, specs: dict[int, TensorParallelSpec], tp_mesh: DeviceMesh) -> None:
