@@ -156,6 +156,7 @@ def train_2d(rank: int, world: int, dp: int, optimizer: str, how: dict, wrap: di
     specs = [tp for unit in model.scheduler.all_units for group in unit.groups for tp in group.tensor_parallel]
     return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "blocks": blocks_of(model.state_dict()),
             "parameter_count": model.parameter_count(), "sharding": model.sharding.describe(),
+            "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             "tp_split": sum(tp is not None and tp.norm_group is not None for tp in specs)}
 
 
@@ -170,7 +171,7 @@ def refused(rank: int, world: int, what: str) -> None:
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     inner = _build()
     parallelize_module(inner, mesh["tp"], gpt_tp_plan())
-    wraps = {"compile": {"compile": True}, "offload_disk": {"offload": "disk"},
+    wraps = {"offload_disk": {"offload": "disk"},
              "hpz": {"sharding": "hpz"}, "sharding_hybrid": {"sharding": "hybrid"}}
     if what in wraps:
         ShardedModule(inner, mesh=mesh["dp"], **wraps[what])

@@ -23,7 +23,9 @@ RUNS = {4: [("sgd", 2, "sgd", {}), ("adamw_clip", 2, "adamw", {"clip": tp_cases.
             ("llama_adamw_clip", 2, "adamw", {"model": "llama", "clip": tp_cases.CLIP}),
             ("hybrid_adamw_clip", 2, "adamw", {"hybrid": True, "clip": tp_cases.CLIP}),
             ("module_clip", 2, "sgd", {"clip": tp_cases.CLIP, "module_clip": True}),
-            ("offload_cpu", 2, "adamw", {"wrap": {"offload": "cpu"}}), ("checkpointed", 2, "adamw", {"checkpointed": True})],
+            ("offload_cpu", 2, "adamw", {"wrap": {"offload": "cpu"}}),
+            ("compiled", 2, "sgd", {"wrap": {"compile": True}}),    # ~40 s of the launch: every rank compiles
+            ("checkpointed", 2, "adamw", {"checkpointed": True})],
         2: [("sgd", 1, "sgd", {}), ("adamw_clip", 1, "adamw", {"clip": tp_cases.CLIP}),
             ("llama_sgd", 1, "sgd", {"model": "llama"})]}
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -33,7 +35,7 @@ COMPRESSED = ("int8", "int8-int4")
 LOSS_RTOL, UPDATE_RTOL = 0.01, 0.2
 BF16_TOL = {"rtol": 3e-2, "atol": 3e-3}
 # What is refused, and what the error names.
-REFUSED = {"compile": "compile=True", "offload_disk": "offload='disk'",
+REFUSED = {"offload_disk": "offload='disk'",
            "hpz": "sharding='hpz'", "no_mesh": "mesh=mesh['dp']", "sharding_hybrid": "sharding='hybrid'",
            "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping",
            "full_state_dict": "full values of tensor-parallel parameters"}
@@ -81,6 +83,8 @@ def test_2d_training_equals_one_process(world: int, run: int) -> None:
     results = [outcome.result() for outcome in LAUNCHES[world][name]]
     tol = BF16_TOL if "mixed_precision" in how.get("wrap", {}) else TOL
     for result in results:
+        if "compile" in how.get("wrap", {}):
+            assert result["graphs_compiled"] > 0
         if how.get("hybrid"):
             assert result["sharding"] == "hybrid sharding: 1 ranks per shard group, 2 replicas"
         if how.get("model") == "llama":

@@ -117,10 +117,11 @@ def tensor_parallel_error(module: nn.Module, mesh: Optional[DeviceMesh], process
         return f"{prefix}the dp mesh (ranks {sorted(dp_ranks)}) and the tp mesh (ranks {sorted(tp_ranks)}) must be " \
                "the two dimensions of one mesh over every rank: init_device_mesh(device, (dp, tp), " \
                "mesh_dim_names=('dp', 'tp'))"
-    refused = {"compile": (config.compile, "compile=True (DTensor parameters inside compiled units)"),
-               "offload": (config.offload == "disk", "offload='disk'"),
-               "sharding": (config.sharding not in ("full", "auto"), f"sharding={config.sharding!r}")}
-    for setting, (wanted, what) in refused.items():
+    refused = [(config.offload == "disk", "offload='disk'"),
+               (config.sharding not in ("full", "auto"),
+                f"sharding={config.sharding!r} (its groups span every rank, across the tp ranks; for hybrid sharding "
+                "pass mesh=mesh['replicate', 'shard'] of a ('replicate', 'shard', 'tp') mesh)")]
+    for wanted, what in refused:
         if wanted:
             return f"{prefix}{what} is not supported with tensor-parallel parameters; wrap without it"
     return None
