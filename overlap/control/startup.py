@@ -2,7 +2,9 @@
 
 1. resolve: each rank reads its settings (argument > OVERLAP_* > planner), device and kernels;
 2. agree: every rank checks it wraps rank 0's model with rank 0's settings, and any rank's
-   error is raised on every rank, before anything else communicates;
+   error is raised on every rank, before anything else communicates; a model split by torch's
+   tensor parallelism then has its DTensor parameters replaced by their TP-local tensors
+   (`overlap.runtime.tensor_parallel`);
 3. decide: choose the sharding (the planner's, for sharding="auto" on several nodes), detect
    and probe the link, plan the prefetch depth, bucket size and memory budget, frozen in one
    `StartupDecision`;
