@@ -177,6 +177,13 @@ def refused(rank: int, world: int, what: str) -> None:
         ShardedModule(inner, mesh=mesh["dp"], **wraps[what])
     elif what == "no_mesh":
         ShardedModule(inner)
+    elif what == "tp_mesh_as_dp":
+        ShardedModule(inner, mesh=mesh["tp"])
+    elif what == "meta":
+        with torch.device("meta"):
+            on_meta = _build()
+        parallelize_module(on_meta, mesh["tp"], gpt_tp_plan())
+        ShardedModule(on_meta, mesh=mesh["dp"])
     elif what == "optimizer_before_wrapping":
         optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
         model = ShardedModule(inner, mesh=mesh["dp"])

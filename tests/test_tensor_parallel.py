@@ -37,6 +37,7 @@ BF16_TOL = {"rtol": 3e-2, "atol": 3e-3}
 # What is refused, and what the error names.
 REFUSED = {"offload_disk": "offload='disk'",
            "hpz": "sharding='hpz'", "no_mesh": "mesh=mesh['dp']", "sharding_hybrid": "sharding='hybrid'",
+           "tp_mesh_as_dp": "must be the two dimensions of one mesh", "meta": "is on the meta device",
            "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping",
            "full_state_dict": "full values of tensor-parallel parameters"}
 

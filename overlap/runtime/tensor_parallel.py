@@ -22,8 +22,8 @@ for a plain tensor), so an optimizer built before wrapping is refused when it st
 
 Supported: the dp and tp dimensions span every rank (a ("dp", "tp") mesh over the world, or
 ("replicate", "shard", "tp") for hybrid sharding over mesh["replicate", "shard"]), Shard and
-Replicate placements. What is not made to work here is
-refused at wrap by `tensor_parallel_error`, naming it.
+Replicate placements. What is not made to work here is refused at wrap by
+`tensor_parallel_error`, naming it.
 """
 from __future__ import annotations
 
