@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cluster import NODES, Cluster, node_cpus, two_node_cluster     # noqa: E402
+from common import RunRecord                                          # noqa: E402
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
@@ -393,6 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # A terminated benchmark still stops its jobs and deletes its namespaces (the `finally`s).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+    run_record = RunRecord("recovery.py", argv if argv is not None else sys.argv[1:])
     workdir = args.workdir or tempfile.mkdtemp(prefix="recovery-")
     job = [*JOB, "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every)]
     points = args.kills.split(",")
@@ -413,15 +415,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     text = table(runs, reference, args.tolerance)
     print(text)
     if args.out:
-        load = os.getloadavg()
-        import torch
-
-        record = {"command": "python benchmarks/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "job": job, "nnodes": args.nnodes, "rdzv_conf": RDZV_CONF,
-                  "env": ELASTIC_ENV if ":" in args.nnodes else {}, "torch": torch.__version__,
-                  "node_cpus": [node_cpus(node) for node in range(NODES)],
-                  "cpus": os.cpu_count(), "machine": platform.machine(),
-                  "load_average_at_end": [round(x, 1) for x in load], "tolerance": args.tolerance,
+        record = {**run_record.fields(), "job": job, "nnodes": args.nnodes, "rdzv_conf": RDZV_CONF,
+                  "env": ELASTIC_ENV if ":" in args.nnodes else {},
+                  "node_cpus": [node_cpus(node) for node in range(NODES)], "machine": platform.machine(),
+                  "tolerance": args.tolerance,
                   "reference_final": reference, "table": text,
                   "runs": [{"seconds": round(o.seconds, 1), "final": o.final, "returncodes": o.returncodes,
                             "ending": ending(o, reference, args.tolerance),

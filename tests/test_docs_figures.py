@@ -481,6 +481,28 @@ def _tp_peak(impl: str, field: str) -> Reader:
     return lambda data: max(data["memory"][impl][field]) / 2**20
 
 
+def _habit(cells: tuple, habit: str) -> Reader:
+    """A cell of the drop-in habits table as docs/parameters.md writes it."""
+    def read(data: Any) -> str:
+        cell = at(*cells, habit)(data)
+        if cell["verdict"] != "refused":
+            return cell["verdict"]
+        return f"refused: `{cell['error'].split(':')[0]}` after {cell['seconds']:.0f} s"
+    return read
+
+
+def _recovery_cell(point: str, column: int) -> Reader:
+    """A cell of a recovery table's row (benchmarks/recovery.py), times as docs/train.md writes them."""
+    def read(data: Any) -> str:
+        for line in data["table"].splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if cells[0] == point:
+                return cells[column].replace(" (median ", " s (median ").replace(")", " s)") if column == 7 \
+                    else cells[column]
+        raise KeyError(point)
+    return read
+
+
 FIGURES: list[Figure] = [
     # README.md: framework overhead.
     Figure("README.md", "| hand-written loop, `ShardedModule` | {0:.0f} | {1:.2f}, {2:.2f}, {3:.2f}, {4:.2f} | {5:.2f} |",
@@ -938,6 +960,17 @@ FIGURES: list[Figure] = [
     *[Figure("docs/tensor_parallel.md", f"| {impl} | {{0:.2f}} | {{1:.1f}} | {{2:.0f}} |", "tp.json",
              (_tp_median_step(impl), _tp_peak(impl, "peak_tracked"), _tp_peak(impl, "peak_rss")))
       for impl in ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")],
+    *[Figure("docs/parameters.md", f"| {{0}} | {{1}} | {{2}} | {{3}} |", "dropin_habits.json",
+             (_habit(("cells", "ddp"), habit), _habit(("cells", "fsdp2"), habit),
+              _habit(("before", "cells", "overlap"), habit), _habit(("cells", "overlap"), habit)))
+      for habit in ("optimizer_before", "torch_clip", "ddp_switch", "rank0_save", "rank0_eval", "numel")],
+    *[Figure("docs/train.md", f"| {label} | {{0}} | {{1}} | {{2}} | {{3}} | {{4}} | {{5}} | {{6}} |", file,
+             tuple(_recovery_cell(point, column) for column in range(1, 8)))
+      for point, label, file in (("start", "start (node 0)", "recovery.json"), ("step", "step (node 1)", "recovery.json"),
+                                 ("save", "save (node 0)", "recovery.json"),
+                                 ("node", "node (node 1 for good, `--nnodes 1:2`)", "recovery_node.json"))],
+    Figure("docs/train.md", "rejoin: {0} s", "recovery_rejoin.json",
+           (lambda data: _recovery_cell("rejoin", 7)(data).split(" s (")[0].replace("-", " / "),)),
 ]
 
 # Result files a doc links to whose figures no row above checks, and why.

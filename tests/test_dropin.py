@@ -178,3 +178,27 @@ def test_torchs_clip_equals_the_runtimes_in_every_mode(runs) -> None:
             assert math.isclose(theirs, ours, rel_tol=1e-5), (mode, norms)
         for lossless in ("full", "offload_cpu", "hybrid", "hpz"):
             assert math.isclose(norms[lossless][0], norms["ddp"][0], rel_tol=1e-5), (lossless, norms)
+
+
+def _evaluate_on_rank0_then_train(rank: int, world: int) -> str:
+    from overlap.runtime import order_check
+
+    order_check.CHECK_AFTER_S = 1.0              # compare the ranks' units after 1 s blocked, not 10
+    model = scripts.sharded(scripts.GPT(scripts.CONFIG))
+    try:
+        if rank == 0:
+            model.eval()
+            with torch.no_grad():
+                model(*scripts._batch(9, 0, rank, scripts.CONFIG.vocab_size))
+            model.train()
+        model(*scripts._batch(0, 0, rank, scripts.CONFIG.vocab_size)).backward()
+    except Exception as exc:  # noqa: BLE001 - the error each rank raised is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_an_evaluation_on_rank0_alone_names_the_likely_cause_on_every_rank() -> None:
+    errors = run_distributed(_evaluate_on_rank0_then_train, WORLD, timeout=180)
+    for error in errors:
+        assert error.startswith("DivergenceError"), error
+        assert "forward run on some ranks only" in error and "full_state_dict(rank0_only=True)" in error, error
