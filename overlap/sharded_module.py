@@ -22,8 +22,8 @@ from overlap.runtime.disk_tier import master_part, refresh_resident
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.optimizer_state import full_optimizer_state
 from overlap.runtime.row_dtensors import local_part, shard_mesh
-from overlap.runtime.unpicklable_state import FULL_MODEL, RankPartStateDict
 from overlap.runtime.shard_grad import plain
+from overlap.runtime.unpicklable_state import FULL_MODEL, RankPartStateDict
 
 if TYPE_CHECKING:
     from overlap.observe.memory import MemoryReport
