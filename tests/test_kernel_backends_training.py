@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.compiled_extension import require_extension
-from tests.distributed import run_distributed
+from compiled_extension import require_extension
+from distributed import run_distributed
 
 STEPS = 3
 TIMEOUT_S = 240

@@ -16,7 +16,7 @@ from overlap.control.replanner import drifted
 from overlap.control.probe import fit_alpha_beta
 from overlap.cli.simulate import main as simulate
 from overlap.plan.links import LinkModel
-from tests.distributed import run_distributed
+from distributed import run_distributed
 
 MB = 2**20
 FAST = LinkModel("nvlink", 10e-6, 300e9)
