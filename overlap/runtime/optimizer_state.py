@@ -108,12 +108,16 @@ def _reshard(state: dict[str, Any], param: torch.Tensor, group: FlatGroup, index
         state[key] = group.local_of_full(index, value).clone()
 
 
+def _numbered(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in the order of its state dict's numbers (one in two groups once)."""
+    return list({id(param): param for group in optimizer.param_groups for param in group["params"]}.values())
+
+
 def _sharded_form(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> RankPartStateDict:
     """`optimizer.state_dict()`: state shaped like a sharded parameter as a DTensor of the whole
     parameter's shape (what `torch.distributed.checkpoint` saves and reshards, as with FSDP2),
     in a dict that refuses to be pickled ([Note: a one-rank save of a sharded state])."""
-    numbered = {id(param): param for group in optimizer.param_groups for param in group["params"]}
-    params = list(numbered.values())
+    params = _numbered(optimizer)
     state = {}
     for number, values in state_dict["state"].items():
         place = _places.get(params[number]) if isinstance(number, int) and number < len(params) else None
@@ -129,8 +133,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict[s
     """`optimizer.state_dict()` with each sharded parameter's state of its shape gathered
     whole, as CPU tensors ({} where not `keep`). A collective: every rank calls it."""
     check_optimizer(optimizer)
-    # In the order of the state dict's parameter numbers (a parameter in two groups once).
-    params = list({id(param): param for group in optimizer.param_groups for param in group["params"]}.values())
+    params = _numbered(optimizer)
     if any(paged_of(param) is not None for param in params):
         raise NotImplementedError("full_optim_state_dict with offload='disk': the moments live in the state file; "
                                   "save with overlap.checkpoint.save(path, model, optimizer)")
