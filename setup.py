@@ -56,7 +56,9 @@ def _extension_modules():
     # -ffp-contract=off: `a + b * s` must round twice, as torch's separate ops do (no FMA).
     # -fno-math-errno: lets the compiler vectorise sqrt (the AdamW step), which never sets errno
     # for the non-negative values it is given.
-    extra = {"cxx": ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]}
+    # -g0: Python's own flags ask for debug information, which for torch's headers is a third
+    # of each file's compile time (measured: 69 s against 47 s for the five CPU sources).
+    extra = {"cxx": ["-O3", "-g0", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]}
     # csrc/flat_launch.cu includes the kernels the CuPy backend also compiles at run time.
     include_dirs = [os.path.abspath("csrc"), os.path.abspath("kernels")]
     if use_cuda:

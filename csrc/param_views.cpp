@@ -5,7 +5,7 @@
 // then each parameter's piece is viewed in the parameter's shape. Written in Python that is one
 // call per parameter per step; here it is one per flat group, whatever the parameters in it.
 // CompositeImplicitAutograd: autograd records the split and the views as if called one by one.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <vector>

@@ -34,6 +34,25 @@ if triton is not None and not torch.cuda.is_available():
     triton.knobs.runtime.interpret = True
 
 
+# [Note: the longest files first]
+# `make test` runs the files on two pytest-xdist workers, a whole file to a worker (its
+# `CaseLaunch` runs once). The workers take files in collection order, so a file of minutes
+# collected last would run alone at the end while the other worker idles: these, the longest
+# by `--durations` (a minute or more of building, launches or compiles each), are collected first,
+# alternating between the workers; the rest follow in their usual order and fill the gaps.
+LONGEST_FIRST = ["test_install.py", "test_benchmarks.py", "test_elastic_restarts.py", "test_compile.py",
+                 "test_tensor_parallel.py", "test_train_job.py", "test_train_resume.py", "test_clean_exit.py",
+                 "test_gpu_check.py", "test_cuda_sources.py", "test_integration_examples.py"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)        # stable: a file's tests keep their order
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: cannot be made fast (a wheel built and installed into a fresh "
                                        "environment); `make test` leaves these out, `make test-all` and CI run them")

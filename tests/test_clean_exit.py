@@ -1,7 +1,8 @@
 """Runs that checkpoint and exit end with exit code 0 on every rank: nothing of the runtime
-outlives `destroy_process_group()` into an abort at interpreter shutdown. Ten launches of two
+outlives `destroy_process_group()` into an abort at interpreter shutdown. Four launches of two
 ranks, two launches at a time, each rank a fresh interpreter that returns normally (no
-`os._exit`)."""
+`os._exit`). No abort showed in 30 launches when this check was written; four keep it in
+every run at less than half the cost of ten."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-LAUNCHES = 10
+LAUNCHES = 4
 AT_ONCE = 2            # launches running together: four interpreters on two cores
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_worker.py")
 
@@ -35,7 +36,7 @@ def _launch(directory) -> list[subprocess.Popen]:
 
 
 @pytest.mark.timeout(600)
-def test_ten_launches_that_checkpoint_exit_cleanly(tmp_path) -> None:
+def test_launches_that_checkpoint_exit_cleanly(tmp_path) -> None:
     outcomes = []
     for first in range(0, LAUNCHES, AT_ONCE):
         running = [(launch, rank, process) for launch in range(first, min(first + AT_ONCE, LAUNCHES))

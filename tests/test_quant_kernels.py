@@ -393,7 +393,6 @@ from triton.compiler import ASTSource
 triton.knobs.runtime.interpret = False
 from overlap.kernels import triton_backend as k
 
-arch = int(sys.argv[1])
 quantize = {"src": "*bf16", "error": "*fp32", "q": "*u8", "scales": "*fp32", "n": "i64", "block": "i32",
             "num_blocks": "i32", "QMAX": "constexpr", "MAGIC": "constexpr", "BITS": "constexpr",
             "HAS_ERROR": "constexpr", "ROWS": "constexpr", "HALF": "constexpr"}
@@ -410,25 +409,31 @@ sources = {
     "dequantize_accumulate_int8": ASTSource(k._dequantize_kernel, signature={**dequantize, "dst": "*fp32"},
         constexprs={"BITS": 8, "ACCUMULATE": True, "PAIRS": k.DEQUANT_PAIRS}),
 }
-for name, source in sources.items():
-    ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False}).asm["ptx"]
-    assert ".entry" in ptx, name
-    assert "fma" not in ptx, name + " fuses a multiply and an add"
-    if name.startswith("quantize"):
-        assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, name + ": inexact division"
-    print(name, "ok")
+for arch in map(int, sys.argv[1:]):
+    for name, source in sources.items():
+        target = GPUTarget("cuda", arch, 32)
+        ptx = triton.compile(source, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
+        assert ".entry" in ptx, name
+        assert "fma" not in ptx, f"{name} fuses a multiply and an add for sm_{arch}"
+        if name.startswith("quantize"):
+            assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, \
+                f"{name}: inexact division for sm_{arch}"
+        print(f"{name}@{arch}", "ok")
 """
 
 
-@pytest.mark.parametrize("arch", (80, 90))
-def test_triton_quant_kernels_compile_for_cuda(arch):
+def test_triton_quant_kernels_compile_for_cuda():
+    """For sm_80 and sm_90, in one process (the imports cost as much as the compiles)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(arch)], capture_output=True, text=True,
+    archs = (80, 90)
+    result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, *map(str, archs)], capture_output=True, text=True,
                             timeout=240, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split() == ["quantize_int4_feedback", "ok", "quantize_int8", "ok", "dequantize_into_int4",
-                                     "ok", "dequantize_accumulate_int8", "ok"]
+    assert result.stdout.split() == [word for arch in archs for name in ("quantize_int4_feedback", "quantize_int8",
+                                                                         "dequantize_into_int4",
+                                                                         "dequantize_accumulate_int8")
+                                     for word in (f"{name}@{arch}", "ok")]
 
 
 QUANT_ENTRY_POINTS = [f"{op}_{dtype}_b{bits}" for op in ("quantize", "dequantize_into")
