@@ -15,8 +15,9 @@
 #                   against a plain pinned copy and their overlap with compute; offload="disk"
 #                   against none in bf16 and its 16-bit shard's host->device refresh; compressed
 #                   collectives at world size 1, the step record's
-#                   CUDA clock against CUPTI, no host syncs in steady state (and SKIPs for
-#                   hybrid and hpZ), an emulated slow link (the exposed share of the injected
+#                   CUDA clock against CUPTI, no host syncs in steady state, hybrid sharding
+#                   and hpZ over a second group of one rank (their chained streams), an
+#                   emulated slow link (the exposed share of the injected
 #                   communication against the overlap report's, beside FSDP2's), device
 #                   selection and stream-race parity, kernels past 2**31 elements, ShardedModule
 #                   against FSDP2 and the plain model on a ~1B-parameter GPT

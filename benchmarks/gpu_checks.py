@@ -18,7 +18,11 @@
                 side-stream kernels CUPTI saw (torch.profiler)
   sync_free     a few steady-state steps under `torch.cuda.set_sync_debug_mode("error")`,
                 uncompressed and int8-int4, and the host waits that mode does not flag
-  hybrid, hpz   SKIP: one rank has no replicas and no node to copy within
+  hybrid, hpz   hybrid sharding with a replicate group of one rank, and hpZ with a node group
+                of one, collectives issued as with more ranks: the replicas' all-reduce on its
+                own stream behind each reduce-scatter, and backward's re-gather from the node
+                copy, under delays on every collective's stream and poisoned frees: identical
+                to the plain run, equal to the unsharded model
   slow_link     a slow link emulated on one GPU: a sleep kernel sized to bytes / bandwidth
                 on the stream of each collective, for ShardedModule and FSDP2; the share of
                 the injected time that the step time exposes, against the overlap report
@@ -254,10 +258,13 @@ class Injection:
     then shows as a different or non-finite result."""
 
     def __init__(self, cycles: Optional[Callable[[str, int], int]] = None, after: bool = False,
-                 poison: bool = False) -> None:
+                 poison: bool = False, all_reduce: bool = False) -> None:
         self.cycles = cycles
         self.after = after
         self.poison = poison
+        # `dist.all_reduce` too: hybrid sharding's all-reduce across replicas, on a stream of
+        # its own (the step's norm and flags all-reduces are counted and, on CUDA, delayed too).
+        self.all_reduce = all_reduce
         self.calls: Counter = Counter()
         self.nbytes: Counter = Counter()
         self.slept: Counter = Counter()       # sleep cycles injected, by kind
@@ -291,12 +298,34 @@ class Injection:
             return out
         return run
 
+    def _delayed_copies(self, on: Callable) -> Callable:
+        """`HostTier.on`, with the injected delay queued first on the copy's stream (the
+        download stream of reduced gradients, the all-gather stream of uploads): a copy whose
+        consumer does not wait for its event then reads or frees too early."""
+        def delayed(tier: Any, stream: Optional[torch.cuda.Stream]) -> Any:
+            context = on(tier, stream)
+            if stream is None or self.cycles is None:
+                return context
+            cycles = self.cycles("offload_copy", 0)
+
+            @contextlib.contextmanager
+            def on_the_stream() -> Iterator[None]:
+                with context:
+                    self.calls["offload_copy"] += 1
+                    self.slept["offload_copy"] += cycles
+                    torch.cuda._sleep(cycles)
+                    yield
+            return on_the_stream()
+        return delayed
+
     @contextlib.contextmanager
     def active(self) -> Iterator["Injection"]:
         from overlap.runtime.flat_group import FlatGroup
+        from overlap.runtime.host_tier import HostTier
 
-        targets = _collective_functions()
+        targets = _collective_functions() + ([(dist, "all_reduce", "all_reduce")] if self.all_reduce else [])
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+        saved.append((HostTier, "on", HostTier.on))
         free = FlatGroup.free
 
         def poisoned_free(group: FlatGroup) -> None:
@@ -307,6 +336,7 @@ class Injection:
 
         for owner, name, kind in targets:
             setattr(owner, name, self._wrap(kind, getattr(owner, name)))
+        HostTier.on = self._delayed_copies(HostTier.on)
         if self.poison:
             FlatGroup.free = poisoned_free
         try:
@@ -318,8 +348,10 @@ class Injection:
 
 
 def _race_injection(rehearse: bool) -> Injection:
-    """Delays before and after every collective (none on CPU) and poisoned frees."""
-    return Injection(cycles=None if rehearse else (lambda kind, nbytes: SLEEP_CYCLES), after=True, poison=True)
+    """Delays before and after every collective, all-reduces included, and before every
+    offload copy on its stream (none on CPU), and poisoned frees."""
+    return Injection(cycles=None if rehearse else (lambda kind, nbytes: SLEEP_CYCLES), after=True, poison=True,
+                     all_reduce=True)
 
 
 # ---- models and training -------------------------------------------------------------------------
@@ -650,7 +682,10 @@ def check_sync_free(checks: Checks, rehearse: bool) -> None:
             name = f"sync_free[{mode}]"
             try:
                 torch.manual_seed(0)
-                model = ShardedModule(_gpt(), prefetch_depth=1, mixed_precision=_bf16(), compression=mode)
+                # The side streams' gathers and reductions, as with more ranks: their waits are
+                # what this counts.
+                with collectives_issued_alone():
+                    model = ShardedModule(_gpt(), prefetch_depth=1, mixed_precision=_bf16(), compression=mode)
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
                 batches = _batches(device, SYNC_WARMUP + SYNC_STEPS)
 
@@ -689,16 +724,92 @@ def check_sync_free(checks: Checks, rehearse: bool) -> None:
 
 # ---- sharding over two levels ----------------------------------------------------------------------
 
+@contextlib.contextmanager
+def second_level_of_one(kind: str, device: torch.device) -> Iterator[None]:
+    """ShardedModules built inside shard over every rank with a second group of this one rank:
+    hybrid sharding's replicate group (`kind="hybrid"`: each reduced gradient shard is
+    all-reduced across the replicas on a stream of its own, chained behind its reduce-scatter)
+    or hpZ's node group (`kind="hpz"`: forward keeps a node copy, backward re-gathers from it
+    over the node). With one rank `resolve_sharding` builds neither (nothing to replicate, the
+    node is every rank); with collectives issued as if not alone, the group of one runs their
+    streams, events and buffers as several nodes would."""
+    from overlap.control import startup
+    from overlap.runtime.mesh import ShardingGroups, connect
+
+    second = dist.new_group([0])
+    connect(second, device.type)
+    resolve = startup.resolve_sharding
+
+    def with_second_level(*args: Any, **kwargs: Any) -> ShardingGroups:
+        groups = resolve(*args, **kwargs)
+        if kind == "hybrid":
+            return ShardingGroups(groups.shard, second)
+        return ShardingGroups(groups.shard, None, second)
+
+    startup.resolve_sharding = with_second_level
+    try:
+        yield
+    finally:
+        startup.resolve_sharding = resolve
+
+
+def _second_level_parity(checks: Checks, rehearse: bool, kind: str) -> None:
+    """Parity of a GPT sharded as `kind` over one rank and a group of one (see
+    `second_level_of_one`), trained plainly and under the race injection (delays on every
+    collective's stream, the all-reduce's included; poisoned frees): bit-identical, finite,
+    equal to the unsharded model, and the second level's collectives issued every step."""
+    from overlap.runtime.node_copy import NodeCopy
+
+    device = _device(rehearse)
+    config = _parity_configs()["gpt_fp32_depth2"]
+    # What only the second level issues: the all-reduce across replicas, or backward's
+    # gathers from the node copy (in place of gathers over every rank), counted here.
+    from_copies = Counter()
+    gather = NodeCopy.gather
+
+    def counted_gather(copy: NodeCopy, *args: Any, **kwargs: Any) -> Any:
+        from_copies["gathers"] += 1
+        from_copies["from the node copy"] += copy.secondary is not None
+        return gather(copy, *args, **kwargs)
+
+    NodeCopy.gather = counted_gather
+    try:
+        with one_rank_on(device), deterministic(), second_level_of_one(kind, device):
+            plain = _train_sharded(config, device, None)
+            injection = _race_injection(rehearse)
+            from_copies.clear()
+            poked = _train_sharded(config, device, injection)
+        reference = _train_plain(config, device)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error(kind, exc)
+        return
+    finally:
+        NodeCopy.gather = gather
+    identical, finite = _identical(plain, poked), _finite_run(poked)
+    worst = max(float(((plain["state"][k].double() - v.double()).abs() / (1e-5 + 1e-4 * v.double().abs())).max())
+                for k, v in reference["state"].items() if v.is_floating_point() and v.numel())
+    steps = len(plain["losses"])
+    if kind == "hybrid":
+        extra = poked["recorded"]["all_reduce"]
+        issued = extra >= steps and injection.calls["all_reduce"] >= extra
+        what = f"{extra} all-reduces across replicas in {steps} steps ({injection.calls['all_reduce']} seen by the " \
+               f"injection)"
+    else:
+        extra = from_copies["from the node copy"]
+        issued = extra >= steps
+        what = f"{extra} of {from_copies['gathers']} gathers from the node copy in {steps} steps"
+    ok = identical and finite and worst <= 1.0 and issued
+    checks.verdict(kind, ok, f"{what}; plain == injected: {identical}; finite: {finite}; worst parameter against "
+                             f"the unsharded model at {worst:.2f} of rtol 1e-4 + atol 1e-5; "
+                             f"losses {['%.5f' % v for v in plain['losses']]}")
+
+
 def check_hybrid(checks: Checks, rehearse: bool) -> None:
-    checks.report("SKIP", "hybrid", "one rank is one node of one rank: there is no replica to average gradients "
-                                    "with, so the all-reduce across replicas never runs; tests/test_hybrid.py checks "
-                                    "it with gloo on 2-4 ranks")
+    _second_level_parity(checks, rehearse, "hybrid")
 
 
 def check_hpz(checks: Checks, rehearse: bool) -> None:
-    checks.report("SKIP", "hpz", "with one rank the node copy is the whole gathered buffer and backward's "
-                                 "re-gather runs over a group of one: nothing moves within a node; "
-                                 "tests/test_hpz.py checks it with gloo on 3-4 ranks")
+    _second_level_parity(checks, rehearse, "hpz")
 
 
 # ---- a slow link emulated on one GPU -----------------------------------------------------------------
@@ -1012,8 +1123,8 @@ OFFLOAD_BANDWIDTH_SHARE, OFFLOAD_HIDDEN_SHARE = 0.8, 0.5
 
 def _offload_runs(device: torch.device, wrap: dict) -> dict:
     """`_parity_steps` steps of a GPT with offload "none" and "cpu", collectives issued as with
-    more ranks and "cpu" under the race injection (delays on the collectives' streams, the
-    upload before each gather and the download after each reduction then wait behind them);
+    more ranks and "cpu" under the race injection (delays on the collectives' streams and
+    before each upload and download on its stream);
     losses, states and where the offloaded parameters and gradients lived."""
     from overlap import ShardedModule
 
@@ -1056,7 +1167,7 @@ def _offload_parity(checks: Checks, device: torch.device) -> None:
         pinned = torch.cuda.is_available()
         on_host = got["places"] == {("cpu", pinned, "cpu")}
         checks.verdict(f"offload[parity_{name}]", close and states and on_host and _finite(got["losses"]),
-                       f"offload=cpu (delays injected on the collectives' streams) against none: identical "
+                       f"offload=cpu (delays injected on the collectives' and the copies' streams) against none: identical "
                        f"{identical}, losses and parameters within {OFFLOAD_RTOL:g}: {close}, {states}; "
                        f"parameters and gradients (device, pinned, grad device): {sorted(got['places'])}; "
                        f"losses {['%.5f' % v for v in got['losses']]}")

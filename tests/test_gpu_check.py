@@ -45,7 +45,7 @@ def test_rehearsal_gives_every_check_a_pass_or_a_skip_with_its_reason():
         assert status in ("PASS", "SKIP") and detail.strip(), (status, name, detail)
     # The checks of the newest code ran their CPU half, not just a SKIP.
     passed = {_check_of(name) for status, name, _ in verdicts if status == "PASS"}
-    assert {"compressed", "device", "parity", "large_index"} <= passed, verdicts
+    assert {"compressed", "device", "parity", "large_index", "hybrid", "hpz"} <= passed, verdicts
     # The injection reached the compressed gathers and every reduction the step records hold.
     for status, name, detail in verdicts:
         if name.startswith("compressed["):
