@@ -30,10 +30,11 @@ train: setup
 # `make test` leaves out the slow tier (tests marked `slow`: a wheel built and installed into a
 # fresh environment); `make test-all` runs everything, as CI does. Both print the 25 slowest
 # tests, so every log shows where the time goes. The files run on TEST_WORKERS pytest-xdist
-# workers, a whole file to a worker (tests/conftest.py: the longest files first): most tests
-# wait on ranks that wait on each other, and one worker left a 2-core machine a third idle.
+# workers, a whole file to a worker, in the order tests/conftest.py collects them (the longest
+# files first; xdist's own reordering puts the files with most tests first): most tests wait on
+# ranks that wait on each other, and one worker left a 2-core machine a third idle.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PYTEST) -m "not slow" $(ARGS)

@@ -36,10 +36,11 @@ if triton is not None and not torch.cuda.is_available():
 
 # [Note: the longest files first]
 # `make test` runs the files on two pytest-xdist workers, a whole file to a worker (its
-# `CaseLaunch` runs once). The workers take files in collection order, so a file of minutes
-# collected last would run alone at the end while the other worker idles: these, the longest
-# by `--durations` (a minute or more of building, launches or compiles each), are collected first,
-# alternating between the workers; the rest follow in their usual order and fill the gaps.
+# `CaseLaunch` runs once), handed out in collection order (`--no-loadscope-reorder`: xdist
+# would otherwise hand out the files with most tests first), so a file of minutes collected
+# last would run alone at the end while the other worker idles: these, the longest by
+# `--durations` (tens of seconds to minutes of building, launches or compiles each), are
+# collected first; the rest follow in their usual order and fill the gaps.
 LONGEST_FIRST = ["test_install.py", "test_benchmarks.py", "test_elastic_restarts.py", "test_compile.py",
                  "test_tensor_parallel.py", "test_train_job.py", "test_train_resume.py", "test_clean_exit.py",
                  "test_gpu_check.py", "test_cuda_sources.py", "test_integration_examples.py"]
