@@ -13,9 +13,7 @@ MAX_JOBS ?= 2
 
 setup: $(VENV)/.installed
 
-# --no-compile: pip byte-compiles every module it installs (torch, Triton, transformers,
-# Lightning: a third of the set-up's CPU time); Python compiles the ones a run imports.
-PIP := $(PY) -m pip install --quiet --no-compile
+PIP := $(PY) -m pip install --quiet
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(wildcard kernels/*.cu)
 	python3 -m venv $(VENV)

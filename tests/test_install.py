@@ -103,9 +103,7 @@ def install(tmp_path_factory):
     venv = base / "venv"
     _run([sys.executable, "-m", "venv", venv], cwd=base)
     # The build runs in this venv too: as a user's, it has torch and setuptools but no NumPy yet.
-    # --no-compile here and below: byte-compiling every module of torch and Triton at install
-    # was two thirds of the install's CPU time; Python compiles what the tests import.
-    _run([venv / "bin" / "pip", "install", "--no-compile", TORCH, SETUPTOOLS], cwd=base)
+    _run([venv / "bin" / "pip", "install", TORCH, SETUPTOOLS], cwd=base)
     python = venv / "bin" / "python"
 
     sdist_log = _run([python, "-c", "import sys; from setuptools import build_meta; "
@@ -124,7 +122,7 @@ def install(tmp_path_factory):
     bare_wheel, bare_log = _build_wheel(venv, base / "no-compiler" / source, base / "wheel-no-compiler",
                                         env=no_compiler)
 
-    _run([venv / "bin" / "pip", "install", "--no-compile", f"{wheel}[{EXTRA}]"], cwd=base)
+    _run([venv / "bin" / "pip", "install", f"{wheel}[{EXTRA}]"], cwd=base)
     workdir = base / "run"
     workdir.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "TORCHELASTIC_RUN_ID")}
