@@ -9,12 +9,10 @@ test_cuda_sources.py; here its PTX is checked for the entry points the launchers
 """
 from __future__ import annotations
 
-import os
 import pathlib
 import random
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,6 +26,7 @@ if triton is not None and not torch.cuda.is_available():
     triton.knobs.runtime.interpret = True
 
 from test_kernels import _assert_same  # noqa: E402
+from triton_aot import compile_for_cuda  # noqa: E402
 
 from overlap.kernels import DEFAULT_BLOCK, available_backends, get_backend  # noqa: E402
 from overlap.kernels.quantized import MAX_BLOCK, Q_DTYPES, num_blocks, quantized_bytes  # noqa: E402
@@ -386,9 +385,7 @@ def test_bad_arguments_raise_errors_naming_them(name, device):
 # Compiled for a GPU by Triton's compiler (no GPU needed), in a fresh process: this one runs
 # the interpreter. The PTX must divide with IEEE rounding (div.rn, as torch) and fuse no FMA.
 AOT_SCRIPT = """
-import sys
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 triton.knobs.runtime.interpret = False
 from overlap.kernels import triton_backend as k
@@ -409,31 +406,19 @@ sources = {
     "dequantize_accumulate_int8": ASTSource(k._dequantize_kernel, signature={**dequantize, "dst": "*fp32"},
         constexprs={"BITS": 8, "ACCUMULATE": True, "PAIRS": k.DEQUANT_PAIRS}),
 }
-for arch in map(int, sys.argv[1:]):
-    for name, source in sources.items():
-        target = GPUTarget("cuda", arch, 32)
-        ptx = triton.compile(source, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
-        assert ".entry" in ptx, name
-        assert "fma" not in ptx, f"{name} fuses a multiply and an add for sm_{arch}"
-        if name.startswith("quantize"):
-            assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, \
-                f"{name}: inexact division for sm_{arch}"
-        print(f"{name}@{arch}", "ok")
+
+
+def check(name, ptx):
+    if name.startswith("quantize"):
+        assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, name + ": inexact division"
 """
 
 
 def test_triton_quant_kernels_compile_for_cuda():
-    """For sm_80 and sm_90, in one process (the imports cost as much as the compiles)."""
+    """For sm_80 and sm_90."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    archs = (80, 90)
-    result = subprocess.run([sys.executable, "-c", AOT_SCRIPT, *map(str, archs)], capture_output=True, text=True,
-                            timeout=240, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split() == [word for arch in archs for name in ("quantize_int4_feedback", "quantize_int8",
-                                                                         "dequantize_into_int4",
-                                                                         "dequantize_accumulate_int8")
-                                     for word in (f"{name}@{arch}", "ok")]
+    compile_for_cuda(AOT_SCRIPT, ("quantize_int4_feedback", "quantize_int8", "dequantize_into_int4",
+                                  "dequantize_accumulate_int8"), (80, 90))
 
 
 QUANT_ENTRY_POINTS = [f"{op}_{dtype}_b{bits}" for op in ("quantize", "dequantize_into")
