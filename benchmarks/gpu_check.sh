@@ -15,9 +15,9 @@
 #                   against a plain pinned copy and their overlap with compute; offload="disk"
 #                   against none in bf16 and its 16-bit shard's host->device refresh; compressed
 #                   collectives at world size 1, the step record's
-#                   CUDA clock against CUPTI, no host syncs in steady state, hybrid sharding
-#                   and hpZ over a second group of one rank (their chained streams), an
-#                   emulated slow link (the exposed share of the injected
+#                   CUDA clock against CUPTI, no host syncs in steady state, (two_level)
+#                   hybrid sharding and hpZ over a second group of one rank (their chained
+#                   streams), an emulated slow link (the exposed share of the injected
 #                   communication against the overlap report's, beside FSDP2's), device
 #                   selection and stream-race parity, kernels past 2**31 elements, ShardedModule
 #                   against FSDP2 and the plain model on a ~1B-parameter GPT
@@ -62,13 +62,13 @@ start_s=$SECONDS
 # and the step may stop at its cap, a FAIL that names it, while every later step still runs
 # on the torch, Triton and CuPy backends.
 BUDGET_S=480
-STEPS=(machine install extension quant_kernels offload compressed report_timing sync_free slow_link parity
+STEPS=(machine install extension quant_kernels offload compressed report_timing sync_free two_level slow_link parity
        sanitized large_index overhead kernel_tests kernel_memcheck kernel_racecheck kernel_bandwidth)
-declare -A CAP=([machine]=15 [install]=20 [extension]=90 [quant_kernels]=55 [offload]=25 [compressed]=20
-                [report_timing]=20 [sync_free]=20 [slow_link]=30 [parity]=45 [sanitized]=25 [large_index]=20
-                [overhead]=25 [kernel_tests]=30 [kernel_memcheck]=20 [kernel_racecheck]=10 [kernel_bandwidth]=10)
+declare -A CAP=([machine]=15 [install]=20 [extension]=80 [quant_kernels]=55 [offload]=25 [compressed]=20
+                [report_timing]=20 [sync_free]=20 [two_level]=15 [slow_link]=30 [parity]=45 [sanitized]=25
+                [large_index]=20 [overhead]=20 [kernel_tests]=30 [kernel_memcheck]=20 [kernel_racecheck]=10 [kernel_bandwidth]=10)
 # The checks of benchmarks/gpu_checks.py that each step runs.
-declare -A CHECKS=([offload]=offload [compressed]=compressed [report_timing]=report_timing [sync_free]=sync_free,hybrid,hpz
+declare -A CHECKS=([offload]=offload [compressed]=compressed [report_timing]=report_timing [sync_free]=sync_free [two_level]=hybrid,hpz
                    [slow_link]=slow_link [parity]=device,parity [sanitized]=sanitized [large_index]=large_index
                    [overhead]=overhead)
 # What NCCL warns of goes to the logs; the Triton cache outlives this run (see the note).
@@ -280,7 +280,7 @@ checks_step() {
         checks_logs+=("$OUT_DIR/$name.log")
     fi
 }
-for name in offload compressed report_timing sync_free slow_link parity sanitized large_index overhead; do
+for name in offload compressed report_timing sync_free two_level slow_link parity sanitized large_index overhead; do
     checks_step "$name"
 done
 

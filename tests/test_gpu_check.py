@@ -69,7 +69,7 @@ def test_script_without_a_gpu_prints_its_plan_and_skips_every_step_with_a_reason
     verdicts = _verdicts(proc.stdout)
     assert verdicts and all(status == "SKIP" and detail.strip() for status, _, detail in verdicts), verdicts
     skipped = {_check_of(name) for _, name, _ in verdicts}
-    steps = set(caps) - {"machine", "compressed", "report_timing", "sync_free", "slow_link", "parity", "sanitized",
-                         "large_index", "overhead"}
+    steps = set(caps) - {"machine", "compressed", "report_timing", "sync_free", "two_level", "slow_link", "parity",
+                         "sanitized", "large_index", "overhead"}
     assert skipped == steps | set(CHECKS), skipped ^ (steps | set(CHECKS))
     assert re.search(rf"^0 passed, 0 failed, {len(verdicts)} skipped; status 0", proc.stdout, re.M), output[-2000:]
