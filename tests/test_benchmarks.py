@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="module")
-def quick_compare(tmp_path_factory) -> tuple[pytest.TempPathFactory, dict]:
+def quick_compare(tmp_path_factory) -> tuple[pathlib.Path, dict]:
     """`compare.py --quick` over every implementation: its output directory and report (read
     by the compressed rows' test too, which runs only the compressed implementations)."""
     out = tmp_path_factory.mktemp("compare")
