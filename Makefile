@@ -13,13 +13,11 @@ MAX_JOBS ?= 2
 
 setup: $(VENV)/.installed
 
-PIP := $(PY) -m pip install --quiet
-
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(wildcard kernels/*.cu)
 	python3 -m venv $(VENV)
-	$(PIP) --upgrade pip setuptools wheel
-	$(PIP) "$(TORCH)" ninja
-	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_JOBS=$(MAX_JOBS) $(PIP) --no-build-isolation -e ".[test,lightning,hf]"
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(PY) -m pip install --quiet "$(TORCH)" ninja
+	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --quiet --no-build-isolation -e ".[test,lightning,hf]"
 	touch $@
 
 train: setup

@@ -263,7 +263,8 @@ class Injection:
         self.after = after
         self.poison = poison
         # `dist.all_reduce` too: hybrid sharding's all-reduce across replicas, on a stream of
-        # its own (the step's norm and flags all-reduces are counted and, on CUDA, delayed too).
+        # its own (the step's norm and flags all-reduces are counted too, and delayed where
+        # their tensors are on the GPU).
         self.all_reduce = all_reduce
         self.calls: Counter = Counter()
         self.nbytes: Counter = Counter()
@@ -492,6 +493,13 @@ def _train_plain(config: dict, device: torch.device) -> dict:
 
 def _identical(a: dict, b: dict) -> bool:
     return a["losses"] == b["losses"] and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+
+
+def _worst_parameter(run: dict, reference: dict, rtol: float, atol: float) -> float:
+    """The largest |run - reference| of any parameter element, in units of atol + rtol * |reference|
+    (at most 1.0: every element within the tolerance)."""
+    return max(float(((run["state"][k].double() - v.double()).abs() / (atol + rtol * v.double().abs())).max())
+               for k, v in reference["state"].items() if v.is_floating_point() and v.numel())
 
 
 def _finite_run(run: dict) -> bool:
@@ -786,8 +794,7 @@ def _second_level_parity(checks: Checks, rehearse: bool, kind: str) -> None:
     finally:
         NodeCopy.gather = gather
     identical, finite = _identical(plain, poked), _finite_run(poked)
-    worst = max(float(((plain["state"][k].double() - v.double()).abs() / (1e-5 + 1e-4 * v.double().abs())).max())
-                for k, v in reference["state"].items() if v.is_floating_point() and v.numel())
+    worst = _worst_parameter(plain, reference, rtol=1e-4, atol=1e-5)
     steps = len(plain["losses"])
     if kind == "hybrid":
         extra = poked["recorded"]["all_reduce"]
@@ -1001,9 +1008,7 @@ def check_parity(checks: Checks, rehearse: bool) -> None:
                 continue
             identical, finite = _identical(plain, poked), _finite_run(poked)
             tol = dict(rtol=2e-2, atol=2e-3) if config.get("param_dtype") is not None else dict(rtol=1e-4, atol=1e-5)
-            worst = max(float(((plain["state"][k].double() - v.double()).abs()
-                               / (tol["atol"] + tol["rtol"] * v.double().abs())).max())
-                        for k, v in reference["state"].items() if v.is_floating_point() and v.numel())
+            worst = _worst_parameter(plain, reference, **tol)
             losses_close = all(math.isclose(a, b, rel_tol=tol["rtol"], abs_tol=tol["atol"])
                                for a, b in zip(plain["losses"], reference["losses"]))
             flat = {run: max(r["allocated"][1:]) - min(r["allocated"][1:]) for run, r in
@@ -1167,8 +1172,8 @@ def _offload_parity(checks: Checks, device: torch.device) -> None:
         pinned = torch.cuda.is_available()
         on_host = got["places"] == {("cpu", pinned, "cpu")}
         checks.verdict(f"offload[parity_{name}]", close and states and on_host and _finite(got["losses"]),
-                       f"offload=cpu (delays injected on the collectives' and the copies' streams) against none: identical "
-                       f"{identical}, losses and parameters within {OFFLOAD_RTOL:g}: {close}, {states}; "
+                       f"offload=cpu (delays injected on the collectives' and the copies' streams) against none: "
+                       f"identical {identical}, losses and parameters within {OFFLOAD_RTOL:g}: {close}, {states}; "
                        f"parameters and gradients (device, pinned, grad device): {sorted(got['places'])}; "
                        f"losses {['%.5f' % v for v in got['losses']]}")
 
