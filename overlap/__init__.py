@@ -1,7 +1,23 @@
 """overlap: ZeRO-3 sharded data parallelism that hides its communication behind compute."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from overlap.base.config import Config, config_from_env
 from overlap.base.mixed_precision import MixedPrecision
-from overlap.sharded_module import ShardedModule
+
+if TYPE_CHECKING:
+    from overlap.sharded_module import ShardedModule
 
 __all__ = ["Config", "MixedPrecision", "ShardedModule", "config_from_env"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # `ShardedModule` is imported at first use: it brings the runtime and torch's DTensor
+    # (about a second of start-up), which the `overlap` command's launcher, `estimate` and
+    # `simulate` never use.
+    if name == "ShardedModule":
+        from overlap.sharded_module import ShardedModule
+        return ShardedModule
+    raise AttributeError(f"module 'overlap' has no attribute {name!r}")
