@@ -19,12 +19,15 @@ Memory: the peak RSS from the engine's creation to the end of its first step, ab
 before it (the engine's own memory, against its buffers), and the whole run's peak RSS.
 
 With --model-params N it trains instead a GPT of about N parameters (built on the meta
-device) for 3 steps at 2 ranks with offload="disk" and bf16 gathers, and prints per rank: peak
-RSS, each step's time split into compute (forward and backward, collectives included) and
-optimizer step, the update's share of the step (kernel seconds), the IO alone (one read and
-write pass over the state file, timed after training), the share of the shorter of IO and
-update hidden, and the disk bandwidth; --out gets the JSON (default
-docs/results/offload_disk_model.json).
+device) for 3 steps at 2 ranks with offload="disk" and bf16 gathers, --rounds times with and
+without the steps taken during backward (overlap.optim.speculation; "without" runs the step
+as before it, all in optimizer.step()), the two in an order that alternates per round, and
+prints per rank: peak RSS, each step's time split into compute (forward and backward,
+collectives included), the worker's seconds of speculative steps during backward, what
+remains in optimizer.step() and the shards committed and recomputed, the update's share
+(kernel seconds), the IO alone (one read and write pass over the state file, timed after
+training), and the disk bandwidth; per round, the paired step times (compute + optimizer)
+over max(compute, IO alone). --out gets the JSON (default docs/results/offload_disk_model.json).
 
 Also measured once: whether `torch.ops.overlap.adamw_step` runs without the GIL (a Python
 thread counting while the kernel steps a bucket; with the GIL held it would stop counting).
@@ -215,8 +218,14 @@ def gpt_config(params: int, layers: int):
     return GPTConfig(vocab_size=vocab, block_size=128, n_layer=layers, n_head=d // 64, n_embd=d)
 
 
-def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, queue) -> None:
+def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, speculate: bool, queue) -> None:
     import torch.distributed as dist
+
+    if not speculate:
+        import overlap.runtime.disk_tier as disk_tier
+
+        # No settings for any parameter's next step: the disk tier never steps during backward.
+        disk_tier.next_hyper = lambda param: None
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(MODEL_RANKS),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(MODEL_RANKS), OVERLAP_OFFLOAD_DIR=directory)
@@ -241,6 +250,7 @@ def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, 
         generator = torch.Generator().manual_seed(rank)
         steps = []
         for _ in range(MODEL_STEPS):
+            before = (engine.speculated_s, engine.commits, engine.recomputes)
             tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=generator)
             start = time.perf_counter()
             logits = model(tokens[:, :-1])
@@ -253,13 +263,18 @@ def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, 
             step_s = time.perf_counter() - start
             if not torch.isfinite(loss.detach()):
                 raise RuntimeError(f"rank {rank}: the loss is {float(loss)}")
+            engine.wait_speculation()
             steps.append({"loss": loss.item(), "compute_s": compute_s, "optimizer_s": step_s,
-                          "update_s": engine.last_step.update_s, "io_bytes": engine.last_step.io_bytes})
+                          "update_s": engine.last_step.update_s, "io_bytes": engine.last_step.io_bytes,
+                          "speculated_s": engine.speculated_s - before[0], "commits": engine.commits - before[1],
+                          "recomputes": engine.recomputes - before[2]})
         start = time.perf_counter()
         engine._run(range(len(engine.buckets)), lambda k, b, buf: None)      # IO alone: read and write all
         io_s = time.perf_counter() - start
         last = steps[-1]
-        queue.put({"rank": rank, "params": config.num_params, "config": vars(config), "wrap_s": wrap_s,
+        queue.put({"rank": rank, "speculate": speculate,
+                   "step_over_longer_of_compute_and_io": (last["compute_s"] + last["optimizer_s"])
+                   / max(last["compute_s"], io_s), "params": config.num_params, "config": vars(config), "wrap_s": wrap_s,
                    "steps": steps, "io_alone_s": io_s, "state_file_bytes": engine.file.size,
                    "buffer_bytes": engine.buffer_bytes, "peak_buffers": engine.peak_buffers,
                    # [Note: the step against the IO alone] The IO alone is timed after the
@@ -269,13 +284,13 @@ def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, 
                    # step over the IO plus the update (1: nothing hidden) and over the longer.
                    "step_over_io_plus_update": last["optimizer_s"] / (io_s + last["update_s"]),
                    "step_over_longer": last["optimizer_s"] / max(io_s, last["update_s"]),
-                   "disk_gbps": last["io_bytes"] / io_s / 1e9,
+                   "disk_gbps": engine.file.size / io_s / 1e9,     # one slot read and written
                    "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
     finally:
         dist.destroy_process_group()
 
 
-def train_model(params: int, layers: int, directory: str) -> list[dict]:
+def train_model(params: int, layers: int, directory: str, speculate: bool = True) -> list[dict]:
     """3 steps of a GPT of about `params` parameters at 2 ranks with offload="disk"; per rank."""
     import socket
 
@@ -286,7 +301,7 @@ def train_model(params: int, layers: int, directory: str) -> list[dict]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_train_rank, args=(r, port, params, layers, directory, queue))
+    procs = [ctx.Process(target=_train_rank, args=(r, port, params, layers, directory, speculate, queue))
              for r in range(MODEL_RANKS)]
     for proc in procs:
         proc.start()
@@ -359,20 +374,34 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 def main_model(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="offload-disk-model-", dir=args.dir or ".") as directory:
-        ranks = train_model(parse_count(args.model_params), args.model_layers, directory)
-    for r in ranks:
-        last = r["steps"][-1]
-        print(f"rank {r['rank']}: {r['params'] / 1e6:.0f}M params, state file {r['state_file_bytes'] / 2**30:.2f} GiB, "
-              f"peak RSS {r['peak_rss_gib']:.2f} GiB; last step: compute {last['compute_s']:.2f} s, optimizer "
-              f"{last['optimizer_s']:.2f} s (update {last['update_s']:.2f} s, IO alone {r['io_alone_s']:.2f} s, "
-              f"step / (IO + update) {r['step_over_io_plus_update']:.2f}, step / longer {r['step_over_longer']:.2f}), "
-              f"disk {r['disk_gbps']:.2f} GB/s, "
-              f"losses {[round(s['loss'], 4) for s in r['steps']]}")
+        for index in range(args.rounds):
+            modes = (False, True) if index % 2 == 0 else (True, False)
+            runs = {("with" if speculate else "without"): train_model(parse_count(args.model_params),
+                                                                       args.model_layers, directory, speculate)
+                    for speculate in modes}
+            runs["load"] = os.getloadavg()
+            rounds.append(runs)
+            for mode in ("without", "with"):
+                for r in runs[mode]:
+                    last = r["steps"][-1]
+                    print(f"round {index} {mode} speculation, rank {r['rank']}: {r['params'] / 1e6:.0f}M params, "
+                          f"state file {r['state_file_bytes'] / 2**30:.2f} GiB, peak RSS {r['peak_rss_gib']:.2f} GiB; "
+                          f"last step: compute {last['compute_s']:.2f} s (speculative steps {last['speculated_s']:.2f} s "
+                          f"of it, {last['commits']} committed, {last['recomputes']} recomputed), optimizer.step() "
+                          f"{last['optimizer_s']:.2f} s (update {last['update_s']:.2f} s), IO alone "
+                          f"{r['io_alone_s']:.2f} s, step / max(compute, IO) {r['step_over_longer_of_compute_and_io']:.2f}, "
+                          f"disk {r['disk_gbps']:.2f} GB/s, losses {[round(s['loss'], 4) for s in r['steps']]}",
+                          flush=True)
+    paired = [{mode: max(r["step_over_longer_of_compute_and_io"] for r in runs[mode]) for mode in ("without", "with")}
+              for runs in rounds]
+    print("step / max(compute, IO), the slower rank, per round (without, with):",
+          [(round(p["without"], 2), round(p["with"], 2)) for p in paired])
     result = {"commit": git_commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
               "host": {"cores": os.cpu_count(), "torch": torch.__version__, "load_before": load_before,
                        "load_after": os.getloadavg()},
-              "ranks": ranks}
+              "step_over_longer_of_compute_and_io": paired, "rounds": rounds}
     out = pathlib.Path(args.out or "docs/results/offload_disk_model.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

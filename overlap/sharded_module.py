@@ -18,7 +18,7 @@ from overlap.control.settings import StartupRequest
 from overlap.control.startup import start_up
 from overlap.observe.report import OverlapReport
 from overlap.runtime.compiled import eager_hook
-from overlap.runtime.disk_tier import master_part, refresh_resident
+from overlap.runtime.disk_tier import master_part, refresh_resident, wait_for_saves
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.optimizer_state import full_optimizer_state
 from overlap.runtime.row_dtensors import local_part, shard_mesh
@@ -356,6 +356,8 @@ class ShardedModule(nn.Module):
         unexpected = [key for key in state_dict if key not in mine]
         if strict and (missing or unexpected):
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        if self.overlap_config.offload == "disk":
+            wait_for_saves([group for unit in self.scheduler.all_units for group in unit.groups])
         with torch.no_grad():
             for key, value in state_dict.items():
                 target = mine.get(key)

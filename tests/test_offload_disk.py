@@ -14,6 +14,7 @@ and another optimizer stepping the parameters is an error, not a silent divergen
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -132,21 +133,21 @@ def _device_copy_steps(rank: int, world: int) -> list[dict]:
     opt = AdamW(model.parameters(), lr=1e-2)
     records = []
     for batch in token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS)():
-        before = [g.place.uploads for g in groups]
+        before, commits = [g.place.uploads for g in groups], engine.commits
         loss = _lm_loss(model, (batch[0][rank::world], batch[1][rank::world]))
         loss.backward()
-        first = [g.place.uploads - b for g, b in zip(groups, before)]      # whole copies before a gather
         grads_copied = all(g.place.grads.issued >= 1 and g.place.grads.copied == g.place.grads.issued
                            and g.place.grads.staging is None for g in groups)
-        stepped_from = [g.place.uploads for g in groups]
         opt.step()
         opt.zero_grad()
         masters = [torch.empty(n) for n in engine.shard_sizes]
         engine.copy_masters_to(masters)
         records.append({
             "loss": loss.item(),
-            "whole_copies": first,
-            "bucket_copies": [g.place.uploads - s for g, s in zip(groups, stepped_from)],
+            # Copies in the whole iteration: the first gather's whole shard, then each bucket the
+            # step wrote, during backward (a committed speculation) or in step().
+            "copies": [g.place.uploads - b for g, b in zip(groups, before)],
+            "committed": engine.commits - commits,
             "buckets": [sum(b.shard == g.place.index for b in engine.buckets) for g in groups],
             "distinct": all(g.place.sent.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr()
                             for g in groups),
@@ -161,17 +162,18 @@ def _device_copy_steps(rank: int, world: int) -> list[dict]:
 @pytest.mark.timeout(900)
 def test_the_gathered_shard_is_a_copy_refreshed_bucket_by_bucket(launches: dict) -> None:
     """The parameters are views of a host shard; what the all-gather sends is a separate
-    (device) buffer, copied whole once and then bucket by bucket after each step; it equals
-    the host shard and the masters in the state file after every step, and the gradients came
-    back through offload="cpu"'s download path."""
+    (device) buffer, copied whole once and then bucket by bucket as each step (taken during
+    backward and committed) writes them; it equals the host shard and the masters in the
+    state file after every step, and the gradients came back through offload="cpu"'s
+    download path."""
     for rank, records in enumerate(outcome.result() for outcome in launches[2]["device-copy"]):
         assert len(records) == STEPS
         for step, record in enumerate(records):
             assert torch.isfinite(torch.tensor(record["loss"])), (rank, step)
             assert record["distinct"] and record["equal"] and record["masters"] and record["sent"], (rank, step)
             assert record["grads_copied"], (rank, step)
-            assert record["bucket_copies"] == record["buckets"], (rank, step, record)
-            assert record["whole_copies"] == [1 if step == 0 else 0] * len(record["buckets"]), (rank, step, record)
+            assert record["copies"] == [n + (step == 0) for n in record["buckets"]], (rank, step, record)
+            assert record["committed"] == len(record["buckets"]), (rank, step, record)
         assert max(records[0]["buckets"]) > 1, records[0]["buckets"]
 
 
@@ -433,28 +435,88 @@ def test_checkpoints_stream_the_moments_through_the_state_file(launches: dict) -
                 assert torch.count_nonzero(value) > 0 and torch.equal(loaded["moments"][name], value), (world, name)
 
 
-def _async_save_messages(rank: int, world: int, path: str) -> list[str]:
-    import logging
+def _async_save_streamed(rank: int, world: int, path: str) -> dict:
+    """A step, an asynchronous save whose writer starts a second late, two more steps while it
+    writes (the first writes the spare slots; the second would write the slots the save
+    reads, and waits for it), then a load of the checkpoint: what was staged, and the state
+    at the save, after the steps and as loaded."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
 
     from overlap import ShardedModule, checkpoint
+    from overlap.checkpoint import staging
+    from overlap.optim.adamw import paged_moments
+    from overlap.optim.paged import paged_of
     from parity import _optimizer
 
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("overlap").addHandler(handler)
+    staged: list[tuple[dict, dict, frozenset]] = []
+    stage, write = staging.stage_items, FileSystemWriter.write_data
+
+    def recorded(state_dict, streamed=frozenset()):
+        out = stage(state_dict, streamed)
+        staged.append((state_dict, out, streamed))
+        return out
+
+    def late(self, plan, planner):
+        time.sleep(1.0)
+        return write(self, plan, planner)
+
+    staging.stage_items, FileSystemWriter.write_data = recorded, late
     try:
+        torch.manual_seed(0)
         model = ShardedModule(GPT(SMALL_GPT), offload="disk", mixed_precision=BF16)
-        checkpoint.async_save(path, model, _optimizer("overlap_adamw_dim_groups", model)).wait()
+        optimizer = _optimizer("overlap_adamw_dim_groups", model)
+        paged = {name: p for name, p in model.named_parameters() if paged_of(p) is not None}
+
+        def state() -> dict:
+            moments = {f"{name}.{key}": value.clone() for name, p in paged.items()
+                       for key, value in paged_moments(p).items()}
+            return {**model.full_state_dict(), **moments}
+
+        batches = token_batches(SMALL_GPT.vocab_size, 12, steps=3)()
+        losses = []
+
+        def step(batch) -> None:
+            loss = _lm_loss(model, (batch[0][rank::world], batch[1][rank::world]))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+
+        step(batches[0])
+        at_save = state()
+        pending = checkpoint.async_save(path, model, optimizer)
+        for batch in batches[1:]:
+            step(batch)
+        pending.wait()
+        after = state()
+        checkpoint.load(path, model, optimizer)
+        loaded = state()
     finally:
-        logging.getLogger("overlap").removeHandler(handler)
-    return messages
+        staging.stage_items, FileSystemWriter.write_data = stage, write
+    (items, out, streamed), = staged
+    return {"streamed": sorted(streamed), "paged": sorted(paged), "kept": sorted(k for k in streamed if out[k] is items[k]),
+            "copied": sorted(k for k in items if k not in streamed and isinstance(items[k], torch.Tensor)
+                             and out[k] is items[k]),
+            "at_save": at_save, "after": after, "loaded": loaded, "losses": losses}
 
 
 @pytest.mark.timeout(900)
-def test_async_save_warns_that_it_stages_the_offloaded_state(launches: dict) -> None:
-    for messages in (outcome.result() for outcome in launches[1]["async-save"]):
-        assert any("async_save with offload='disk' copies this rank's offloaded state" in m for m in messages), messages
+def test_async_save_streams_the_disk_state_and_keeps_the_state_of_its_step(launches: dict) -> None:
+    """The masters and moments of an asynchronous save are written from the state file (not
+    staged), and the steps taken while it writes do not reach the checkpoint."""
+    for result in (outcome.result() for outcome in launches[2]["async-save"]):
+        paged = result["paged"]
+        assert paged and result["streamed"] == sorted(
+            [f"model.{name}" for name in paged]
+            + [f"optimizer.state.{name}.{m}" for name in paged for m in ("exp_avg", "exp_avg_sq")])
+        assert result["kept"] == result["streamed"] and not result["copied"]
+        assert all(torch.isfinite(torch.tensor(loss)) for loss in result["losses"])
+        at_save, after, loaded = result["at_save"], result["after"], result["loaded"]
+        assert any(not torch.equal(after[key], value) for key, value in at_save.items())
+        for key, value in at_save.items():
+            assert torch.equal(loaded[key], value), key
 
 
 def _failed_load_then_good(rank: int, world: int, good: str, bad: str) -> dict:
@@ -561,6 +623,112 @@ def test_checkpoint_round_trips_with_hybrid_and_hpz_sharding(sharding: str, laun
                 assert torch.equal(loaded[part][key], value), (sharding, part, key)
 
 
+# ---- steps taken during backward (overlap.optim.speculation) ----------------------------------------
+
+# Each phase, and what it does to each paged group's speculation: (commits, recomputes, restores).
+PHASES = [
+    ("plain", (1, 0, 0)),               # the first step speculates
+    ("clip-loose", (1, 0, 0)),          # torch's clip multiplies by exactly 1: kept
+    ("clip-tight", (0, 1, 0)),          # the clip binds: recomputed
+    ("scaled", (0, 1, 0)),              # the user scales the gradients after backward
+    ("lr-after-backward", (0, 1, 0)),   # the learning rate changed between backward and step
+    ("no_sync", (1, 0, 0)),             # a no_sync micro-batch reduces nothing: kept
+    ("accumulate", (0, 0, 1)),          # two reducing micro-batches: the second forward restores
+    ("accumulate", (0, 0, 0)),          # ... and the next step does not speculate
+    ("plain", (0, 0, 0)),               # nor the one after a step that followed two backwards
+    ("plain", (1, 0, 0)),
+    ("skipped", (0, 0, 1)),             # backward, zero_grad, backward, step
+    ("plain", (0, 0, 0)),
+    ("forward-between", (0, 0, 1)),     # a forward after backward, then the step
+    ("plain", (1, 0, 0)),
+    ("no-grads", (0, 0, 1)),            # backward, zero_grad, step: the step steps nothing
+    ("plain", (0, 0, 0)),               # (counts two reductions since the last step that stepped)
+    ("plain", (0, 0, 0)),
+    ("plain", (1, 0, 0)),
+]
+
+
+def _speculation_phases(rank: int, world: int, wrap: dict, local_world_size: int | None) -> dict:
+    """PHASES with offload="none" and with "disk" (LambdaLR decays the learning rate after
+    every step): losses, clip norms, the final fp32 masters and, on disk, the engine's counts
+    after each phase."""
+    from overlap import ShardedModule
+    from overlap.optim.paged import paged_of
+    from parity import _optimizer, _slice
+
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    batches = token_batches(SMALL_GPT.vocab_size, 12, steps=2 * len(PHASES))()
+    out = {}
+    for offload in ("none", "disk"):
+        torch.manual_seed(0)
+        model = ShardedModule(GPT(SMALL_GPT), offload=offload, mixed_precision=BF16, **wrap)
+        optimizer = _optimizer("overlap_adamw_dim_groups", model)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        engine = paged_of(next(model.parameters())).engine if offload == "disk" else None
+        losses, counts = [], []
+
+        def backward(batch, no_sync: bool = False) -> None:
+            with model.no_sync() if no_sync else contextlib.nullcontext():
+                loss = model(*_slice(batch, rank, world))
+                loss.backward()
+            losses.append(float(loss.detach()))
+
+        for index, (phase, _) in enumerate(PHASES):
+            first, second = batches[2 * index], batches[2 * index + 1]
+            backward(first, no_sync=phase == "no_sync")
+            if phase in ("no_sync", "accumulate"):
+                backward(second)
+            elif phase == "clip-loose":
+                losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e4)))
+            elif phase == "clip-tight":
+                losses.append(float(model.clip_grad_norm_(1e-4)))
+            elif phase == "scaled":
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+            elif phase == "lr-after-backward":
+                for group in optimizer.param_groups:
+                    group["lr"] *= 0.5
+            elif phase == "skipped":
+                optimizer.zero_grad()
+                backward(second)
+            elif phase == "forward-between":
+                with torch.no_grad():
+                    losses.append(float(model(*_slice(second, rank, world))))
+            elif phase == "no-grads":
+                optimizer.zero_grad()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            if engine is not None:
+                counts.append((engine.commits, engine.recomputes, engine.restores))
+        out[offload] = {"losses": losses, "state": model.full_state_dict(), "counts": counts,
+                        "groups": sum(g.place.offloaded for unit in model.scheduler.all_units for g in unit.groups)}
+    return out
+
+
+SPECULATION_CASES = {"plain": {}, "hybrid": {"sharding": "hybrid"}, "hpz": {"sharding": "hpz"}}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(SPECULATION_CASES))
+def test_steps_taken_during_backward_train_as_without_offload(name: str, launches: dict) -> None:
+    """The speculative steps are committed where nothing changed after backward, recomputed
+    or restored where something did, and training matches offload="none" bit for bit."""
+    for rank, result in enumerate(outcome.result() for outcome in launches[2][f"speculation-{name}"]):
+        ref, got = result["none"], result["disk"]
+        assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
+        for key, value in ref["state"].items():
+            assert torch.equal(got["state"][key], value), (rank, key)
+        groups, before = got["groups"], (0, 0, 0)
+        assert groups >= 2
+        for (phase, expected), after in zip(PHASES, got["counts"]):
+            delta = tuple(a - b for a, b in zip(after, before))
+            assert delta == tuple(groups * e for e in expected), (name, rank, phase, delta, expected)
+            before = after
+
+
 # ---- the launches ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -589,13 +757,15 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
         "save": RankCase(_save_at, (path("ckpt"),)),
         "meta": RankCase(_meta_and_eager),
         "save-wide": RankCase(_save_wide, (path("wide"),)),
+        "async-save": RankCase(_async_save_streamed, (path("async"),)),
         **{f"round-trip-{sharding}": RankCase(_round_trip, (path(f"round-trip-{sharding}"), sharding))
            for sharding in ("hybrid", "hpz")},
+        **{f"speculation-{name}": RankCase(_speculation_phases, (wrap, 1 if wrap else None))
+           for name, wrap in SPECULATION_CASES.items()},
     }, world_size=2, env=env, timeout=800)
     return {
         2: saves,
         1: CaseLaunch({**trained(1), **loads(), "full-load": RankCase(_full_load_refused),
-                       "async-save": RankCase(_async_save_messages, (path("async"),)),
                        "failed-load": RankCase(_failed_load_then_good, (path("good"), path("bad")))},
                       world_size=1, env=env, timeout=800, after=[saves]),
         3: CaseLaunch({**trained(3), **loads()}, world_size=3, env=env, timeout=800, after=[saves]),

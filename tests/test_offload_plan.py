@@ -25,7 +25,8 @@ def test_bytes_per_tier_mixed_precision_adam():
     # Disk: master and moments (12); the host the bf16 shard the step writes (2), the
     # gradient (4) and 3 buffers of a bucket of 1e6 parameters x 12 bytes.
     b = tier_bytes("disk", PSI, N, "bf16", bucket_params=1e6, buffers=3)
-    assert (b.device, b.host, b.disk) == pytest.approx((2 * SHARD, 6 * SHARD + 3 * 12e6, 12 * SHARD))
+    # The state file holds each bucket twice: current and spare slots.
+    assert (b.device, b.host, b.disk) == pytest.approx((2 * SHARD, 6 * SHARD + 3 * 12e6, 2 * 12 * SHARD))
 
 
 def test_bytes_per_tier_fp32_and_sgd():
@@ -33,7 +34,7 @@ def test_bytes_per_tier_fp32_and_sgd():
     assert tier_bytes("cpu", PSI, N, "fp32", "adamw").device == 0
     # Plain SGD has no moments: 8 bytes per parameter, disk holds only the master.
     assert _tiers(tier_bytes("cpu", PSI, N, "fp16", "sgd")) == pytest.approx((2 * SHARD, 8 * SHARD, 0))
-    assert tier_bytes("disk", PSI, N, "fp16", "sgd", bucket_params=1e6).disk == pytest.approx(4 * SHARD)
+    assert tier_bytes("disk", PSI, N, "fp16", "sgd", bucket_params=1e6).disk == pytest.approx(2 * 4 * SHARD)
     # A shard smaller than a bucket needs buffers of the shard only.
     small = tier_bytes("disk", 1e6, 1, "bf16", "adamw", bucket_params=1e8, buffers=3)
     assert small.host == pytest.approx(2e6 + 4e6 + 3 * 12e6)
@@ -92,7 +93,7 @@ def test_estimate_prints_every_tier_and_the_added_time(capsys, monkeypatch):
             if line.split() and line.split()[0] in ("none", "cpu", "disk")}
     assert rows["none"] == ["16.00", "0.00", "0.00"]
     assert rows["cpu"] == ["2.00", "16.00", "0.00"]
-    assert rows["disk"] == ["2.00", "6.04", "12.00"]
+    assert rows["disk"] == ["2.00", "6.04", "24.00"]       # the state file holds two slots
     assert "copies 300.0 ms" in out and "at 20 GB/s" in out and "CPU AdamW 2,000.0 ms" in out
     # 2 x 1000 requests of 100 µs on top of the 12 s of bandwidth.
     assert "disk IO 12,200.0 ms at 2 GB/s" in out and "-> 12,500.0 ms" in out

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from overlap.optim.paged import DEFAULT_BUCKET_PARAMS, DEFAULT_BUFFERS, Hyper, PagedAdamW, Segment
-from overlap.optim.state_file import StateFileError, plan_buckets
-from overlap.plan.offload import DISK_BUCKET_PARAMS, DISK_BUFFERS
+from overlap.optim.state_file import SLOTS, StateFileError, plan_buckets
+from overlap.plan.offload import DISK_BUCKET_PARAMS, DISK_BUFFERS, DISK_SLOTS
 
 SHAPES = ((37,), (13, 11), (1000,), (5, 7, 3), (257,), (33, 9))
 STEPS = 4
@@ -128,7 +128,7 @@ def test_parameters_without_gradient_keep_their_state(tmp_path):
 
 
 def test_defaults_are_the_planners():
-    assert (DEFAULT_BUCKET_PARAMS, DEFAULT_BUFFERS) == (DISK_BUCKET_PARAMS, DISK_BUFFERS)
+    assert (DEFAULT_BUCKET_PARAMS, DEFAULT_BUFFERS, SLOTS) == (DISK_BUCKET_PARAMS, DISK_BUFFERS, DISK_SLOTS)
 
 
 def test_buffers_bound_host_memory(tmp_path):
@@ -278,15 +278,22 @@ def test_new_file_reads_as_zeros_and_state_dict_views_follow_the_file(tmp_path):
         assert all(torch.count_nonzero(t) == 0 for bucket in views["buckets"] for t in bucket.values())
         masters = [torch.randn(700), torch.randn(300)]
         engine.load_masters(masters)
+        # views made before a write in place (direct IO where the file system has it) show it
+        for (shard, start, stop), bucket in zip(views["layout"], views["buckets"]):
+            assert torch.equal(bucket["master"], masters[shard][start:stop])
         hyper = Hyper(1e-2, (0.9, 0.999), 1e-8, 0.1, 1.0)
         engine.step([torch.randn(700), torch.randn(300)], [Segment(0, 0, 700, hyper), Segment(1, 0, 300, hyper)])
         after = [torch.empty(700), torch.empty(300)]
         engine.copy_masters_to(after)
         assert not torch.equal(after[0], masters[0])
-        # views made before the writes (direct IO where the file system has it) show the new values
-        for (shard, start, stop), bucket in zip(views["layout"], views["buckets"]):
-            assert torch.equal(bucket["master"], after[shard][start:stop])
-            assert torch.count_nonzero(bucket["exp_avg"]) > 0
+        # a step writes the spare slots and makes them current: views made before it keep the
+        # state before it (what an asynchronous save reads), the state dict after it is the step's
+        stepped = engine.state_dict()
+        for (shard, start, stop), bucket, new in zip(views["layout"], views["buckets"], stepped["buckets"]):
+            assert torch.equal(bucket["master"], masters[shard][start:stop])
+            assert torch.count_nonzero(bucket["exp_avg"]) == 0
+            assert torch.equal(new["master"], after[shard][start:stop])
+            assert torch.count_nonzero(new["exp_avg"]) > 0
     finally:
         engine.close()
 
@@ -348,7 +355,7 @@ def test_shards_added_later_extend_the_file(tmp_path):
         index = engine.add_shard(500, [0, 200], bucket_params=300)
         assert index == 1 and engine.shard_sizes == (300, 500)
         assert [(b.shard, b.start, b.stop) for b in engine.buckets[-2:]] == [(1, 0, 200), (1, 200, 500)]
-        assert os.path.getsize(engine.file.path) == engine.file.size == sum(b.nbytes for b in engine.buckets)
+        assert os.path.getsize(engine.file.path) == engine.file.size == 2 * sum(b.nbytes for b in engine.buckets)
         assert engine.buffer_bytes == DEFAULT_BUFFERS * engine.buckets[-1].nbytes
         masters = [torch.randn(300), torch.randn(500)]
         engine.load_masters(masters)
@@ -371,3 +378,128 @@ def test_engines_sharing_a_directory_keep_their_own_files(tmp_path):
         first.close()
         second.close()
     assert not os.listdir(tmp_path)
+
+
+# ---- two slots per bucket and the speculative step ---------------------------------------------
+
+def _speculation_pair(tmp_path):
+    """Two engines with the same masters (small buckets, two shards): one to speculate on, one
+    stepped the ordinary way as the reference."""
+    sizes = [300, 170]
+    masters = [torch.randn(n) for n in sizes]
+    engines = []
+    for name in ("spec", "ref"):
+        (tmp_path / name).mkdir()
+        engine = PagedAdamW(sizes, directory=str(tmp_path / name), bucket_params=64)
+        engine.load_masters(masters)
+        engines.append(engine)
+    return sizes, engines
+
+
+def _hyper(step: float, lr: float = 1e-2) -> Hyper:
+    return Hyper(lr, (0.9, 0.95), 1e-8, 0.1, step)
+
+
+def _speculate(engine, shard, grad, segments, resident, calls):
+    return engine.speculate(shard, grad, segments, resident, on_bucket=lambda b: calls.append(("bucket", b.shard)),
+                            before_write=lambda: calls.append(("before",)), restored=lambda: calls.append(("restored",)))
+
+
+def _state(engine) -> list[torch.Tensor]:
+    return [torch.cat([b[name] for b in engine.state_dict()["buckets"]]).clone() for name in
+            ("master", "exp_avg", "exp_avg_sq")]
+
+
+def test_a_speculation_writes_the_spare_slots_and_a_step_that_agrees_commits_it(tmp_path):
+    sizes, (spec, ref) = _speculation_pair(tmp_path)
+    try:
+        assert os.path.getsize(spec.file.path) == spec.file.size == 2 * sum(b.nbytes for b in spec.buckets)
+        for step in (1.0, 2.0, 3.0):
+            grads = [torch.randn(n) for n in sizes]
+            segments = [Segment(0, 0, 120, _hyper(step)), Segment(0, 120, 300, _hyper(step, 3e-3)),
+                        Segment(1, 0, 170, _hyper(step))]
+            resident = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+            before, calls = _state(spec), []
+            assert _speculate(spec, 0, grads[0], segments, resident[0], calls)
+            assert not _speculate(spec, 0, grads[0], segments, resident[0], calls)   # one per shard
+            spec.wait_speculation()
+            assert all(torch.equal(x, y) for x, y in zip(before, _state(spec))), "the current slots are untouched"
+            assert calls[0] == ("before",) and calls.count(("bucket", 0)) == 5 and torch.count_nonzero(resident[0])
+            spec.step(grads, segments, resident)
+            expected = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+            ref.step(grads, segments, expected)
+            assert spec.commits == step and spec.recomputes == spec.restores == 0
+            assert all(torch.equal(x, y) for x, y in zip(_state(spec), _state(ref))), step
+            assert all(torch.equal(x, y) for x, y in zip(resident, expected)), step
+        # Every step writes the spare slots and flips them: shard 0's three committed
+        # speculations and shard 1's three plain steps each flipped every bucket three times.
+        assert {spec.file.slot(b) for b in spec.buckets} == {1}
+        # A state dict and maps show the current slots.
+        first = spec.buckets[0]
+        assert torch.equal(spec.map_range(0, first.start, first.stop)[1], spec.state_dict()["buckets"][0]["exp_avg"])
+    finally:
+        spec.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("change", ["grad-scaled", "grad-replaced", "lr", "step", "segments", "failed"])
+def test_a_speculation_whose_inputs_changed_is_recomputed(tmp_path, change, monkeypatch):
+    sizes, (spec, ref) = _speculation_pair(tmp_path)
+    try:
+        grads = [torch.randn(n) for n in sizes]
+        segments = [Segment(0, 0, 300, _hyper(1.0)), Segment(1, 0, 170, _hyper(1.0))]
+        masters = [torch.empty(n) for n in sizes]
+        spec.copy_masters_to(masters)
+        resident, calls = [m.to(torch.bfloat16) for m in masters], []
+        if change == "failed":
+            real = spec.file.write
+            monkeypatch.setattr(spec.file, "write", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+        _speculate(spec, 0, grads[0], segments, resident[0], calls)
+        spec.wait_speculation()
+        if change == "failed":
+            monkeypatch.setattr(spec.file, "write", real)
+        if change == "grad-scaled":
+            grads[0].mul_(0.5)
+        elif change == "grad-replaced":
+            grads[0] = grads[0].clone()
+        elif change in ("lr", "step"):
+            segments[0] = Segment(0, 0, 300, _hyper(2.0) if change == "step" else _hyper(1.0, 5e-3))
+        elif change == "segments":
+            segments[0] = Segment(0, 0, 200, _hyper(1.0))
+        spec.step(grads, segments, resident)
+        expected = [m.to(torch.bfloat16) for m in masters]
+        ref.step(grads, segments, expected)
+        assert (spec.commits, spec.recomputes, spec.restores) == (0, 1, 0), change
+        assert ("restored",) in calls
+        assert all(torch.equal(x, y) for x, y in zip(_state(spec), _state(ref))), change
+        # A bucket the speculation wrote and this step does not step is restored from the master.
+        assert all(torch.equal(x, y) for x, y in zip(resident, expected)), change
+    finally:
+        spec.close()
+        ref.close()
+
+
+def test_a_dropped_speculation_restores_the_resident_copy_from_the_current_slot(tmp_path):
+    sizes, (spec, ref) = _speculation_pair(tmp_path)
+    try:
+        masters = [torch.empty(n) for n in sizes]
+        spec.copy_masters_to(masters)
+        for settle in ("abandon", "step-without-it"):
+            grads = [torch.randn(n) for n in sizes]
+            segments = [Segment(0, 0, 300, _hyper(1.0)), Segment(1, 0, 170, _hyper(1.0))]
+            resident, calls = [m.to(torch.bfloat16) for m in masters], []
+            _speculate(spec, 0, grads[0], segments, resident[0], calls)
+            spec.wait_speculation()
+            assert not torch.equal(resident[0], masters[0].to(torch.bfloat16))
+            if settle == "abandon":
+                spec.abandon(0)
+            else:
+                spec.step(grads, segments[1:], resident)      # shard 0 not stepped at all
+                ref.step(grads, segments[1:])
+            assert calls[-1] == ("restored",) and not spec.speculating(0)
+            assert torch.equal(resident[0], masters[0].to(torch.bfloat16)), settle
+            assert all(torch.equal(x, y) for x, y in zip(_state(spec), _state(ref))), settle
+        assert (spec.commits, spec.recomputes, spec.restores) == (0, 0, 2)
+    finally:
+        spec.close()
+        ref.close()

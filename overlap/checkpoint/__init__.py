@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import shutil
+from concurrent import futures
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -33,7 +34,7 @@ from overlap.checkpoint.pretrained import load_pretrained
 from overlap.checkpoint.staging import StagingWriter
 from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, UnsafeCheckpoint, read_metadata
 from overlap.checkpoint.state import (EXTRA, MODEL, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
-                                      model_items, optimizer_items, optimizer_targets)
+                                      model_items, optimizer_items, optimizer_targets, streamed_keys)
 from overlap.optim.paged import PagedAdamW, paged_of
 
 if TYPE_CHECKING:
@@ -167,8 +168,8 @@ class _SavePlanner(DefaultSavePlanner):
         return self.plan
 
 
-def _writer(partial: str, checksums: bool) -> StagingWriter:
-    return ChecksumWriter(partial) if checksums else StagingWriter(partial)
+def _writer(partial: str, checksums: bool, streamed: frozenset[str] = frozenset()) -> StagingWriter:
+    return ChecksumWriter(partial, streamed=streamed) if checksums else StagingWriter(partial, streamed=streamed)
 
 
 def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
@@ -189,13 +190,26 @@ def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
 def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
                extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> PendingSave:
     """Like `save`, but returns once the state is copied (staged) to host memory; the files
-    are written by a background thread while training goes on. The next save, or `wait()`,
-    waits for it. Holds a copy of this rank's state until written."""
+    are written by a background thread while training goes on. The next save, a load, or
+    `wait()` waits for it. Holds a copy of this rank's state until written, except the masters
+    and moments of offload="disk", which are written from the state file: the second
+    optimizer step after the save waits for it (see [Note: saves streamed from the state file]
+    in overlap.optim.paged)."""
     path = os.fspath(path)
-    _warn_if_staging_offloaded_state(model, optimizer)
     group, partial = _prepare(path, model)
-    response = dcp.async_save(_items(model, optimizer, extra), storage_writer=_writer(partial, checksums),
-                              process_group=group, planner=_SavePlanner())
+    items = _items(model, optimizer, extra)
+    pins = [engine.pin() for engine in _paged_engines(model)]
+    streamed = streamed_keys(model, optimizer)
+
+    def release() -> None:
+        for pin in pins:
+            pin.release()
+    try:
+        response = dcp.async_save(items, storage_writer=_writer(partial, checksums, streamed), process_group=group,
+                                  planner=_SavePlanner())
+    except BaseException:
+        release()
+        raise
     upload: Future = getattr(response, "upload_completion", response)
     finished: Future = Future()
     is_coordinator = dist.get_rank(group) == 0
@@ -203,27 +217,18 @@ def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optio
     def on_upload(done: Future) -> None:
         try:
             done.result()
+            release()
             if is_coordinator:
                 _publish(partial, path)
             finished.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            release()
             finished.set_exception(exc)
 
     upload.add_done_callback(on_upload)
     pending = PendingSave(finished, path)
     _in_flight[group] = pending
     return pending
-
-
-def _warn_if_staging_offloaded_state(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """offload="disk" keeps the masters and moments out of memory; staging them for an
-    asynchronous save brings all of them back, which the user should hear of."""
-    paged = sum(p.numel() for p in model.parameters() if paged_of(p) is not None)
-    if paged:
-        state_bytes = (12 if optimizer is not None else 4) * paged
-        logger.warning("async_save with offload='disk' copies this rank's offloaded state (%.2f GiB of fp32 masters%s) "
-                       "into host memory until it is written; checkpoint.save writes it from the state file instead",
-                       state_bytes / 2**30, " and moments" if optimizer is not None else "")
 
 
 def _complete_metadata(path: str):
@@ -271,6 +276,11 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
     metadata = _complete_metadata(path)
     check_model(path, metadata, model)
     group = _checkpoint_group(model)
+    previous = _in_flight.get(group)
+    if previous is not None:
+        # Its files may still be written from the state this load replaces (offload="disk");
+        # its outcome stays for whoever waits on it, the next save, or the report at exit.
+        futures.wait([previous.future])
     items = model_items(model)
     parts: dict[str, torch.Tensor] = {}
     if optimizer is not None:
@@ -283,6 +293,8 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
             size = getattr(entry, "size", None)
             items[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
     engines = _paged_engines(model)
+    for engine in engines:
+        engine.abandon()          # a step taken ahead from the state being replaced never commits
     try:
         _read(items, path, metadata, group, verify)
         if optimizer is not None:

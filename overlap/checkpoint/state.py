@@ -55,6 +55,19 @@ def model_items(model: "ShardedModule") -> dict[str, Any]:
     return {MODEL + key: value for key, value in model.state_dict().items()}
 
 
+def streamed_keys(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer]) -> frozenset[str]:
+    """The keys whose values map a state file (offload="disk"): the masters of paged
+    parameters and, with `optimizer`, their moments. An asynchronous save writes them from
+    the file instead of staging a copy."""
+    keys = set()
+    for name, param in model.named_parameters():
+        if paged_of(param) is not None:
+            keys.add(MODEL + name)
+            if optimizer is not None:
+                keys.update(f"{OPTIM_STATE}{name}.{moment}" for moment in PAGED_MOMENTS)
+    return frozenset(keys)
+
+
 def optimizer_items(model: "ShardedModule", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     places = _param_places(model)
     items: dict[str, Any] = {}

@@ -11,7 +11,10 @@ Parameters of a model wrapped with offload="disk" carry a `PagedParam` (overlap.
 their fp32 masters and moments live in the model's state file, and they are stepped
 together, one segment each, by the pipelined engine there; their state here holds the
 `step` count and memory maps of the file for `exp_avg` and `exp_avg_sq`, so state dicts and
-checkpoints read and write the file in place.
+checkpoints read and write the file in place. The optimizer registers itself on them, so
+that the disk tier can step them during backward with this optimizer's settings, and
+`step()` commits or recomputes those steps ([Note: the speculative step] in
+overlap.optim.speculation); the maps then follow each bucket's current slot.
 
 Tensors the kernel does not take (off the CPU, not float32, strided) are stepped by the
 torch reference (`overlap.optim.reference`), which is torch.optim.AdamW's single-tensor
@@ -22,12 +25,13 @@ parameters to within a few ulps (tests/test_optim_adamw.py).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable, Optional, Tuple, Union
 
 import torch
 
 from .flat_step import OPTIM_BACKENDS, adamw_step
-from .paged import Hyper, PagedAdamW, PagedParam, Segment, paged_of
+from .paged import Hyper, PagedAdamW, PagedParam, Segment, paged_of, register_next_hyper
 
 ParamsT = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
 
@@ -79,6 +83,26 @@ class AdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         _refuse_amsgrad(group.get("amsgrad", False))
+        self._register_paged()
+
+    def _register_paged(self) -> None:
+        """Tell the disk tier which settings this optimizer's paged parameters step with (see
+        [Note: the speculative step]); the group of each by id, kept current through loads."""
+        self._paged_groups: dict[int, dict[str, Any]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if paged_of(p) is not None:
+                    self._paged_groups[id(p)] = group
+                    register_next_hyper(p, weakref.WeakMethod(self._next_hyper))
+
+    def _next_hyper(self, p: torch.Tensor) -> Optional[Hyper]:
+        """The settings `step()` will step `p` with if nothing changes before it."""
+        group = self._paged_groups.get(id(p))
+        if group is None:
+            return None
+        state = self.state.get(p)
+        step = 1.0 if not state else float(state["step"] + 1)      # float32, as step() counts it
+        return Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], step, group["maximize"])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # load_state_dict comes here: a state dict of torch.optim.AdamW carries its own flags
@@ -92,6 +116,7 @@ class AdamW(torch.optim.Optimizer):
                 p_state = self.state.get(p)
                 if p_state and not torch.is_tensor(p_state["step"]):
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+        self._register_paged()       # the groups are new dicts
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -103,6 +128,8 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
+                    if paged_of(p) is not None:
+                        paged.settle(paged_of(p))         # a speculation of it is dropped
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("overlap.optim.AdamW does not support sparse gradients")
@@ -116,6 +143,7 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] += 1
                     paged.add(p, where, Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                               state["step"].item(), group["maximize"]))
+                    paged.stepped.append(p)
                     continue
                 if not state:
                     # As torch: a float32 step count on the CPU, moments shaped like the parameter.
@@ -127,6 +155,8 @@ class AdamW(torch.optim.Optimizer):
                            eps=group["eps"], weight_decay=group["weight_decay"], step=state["step"].item(),
                            maximize=group["maximize"], backend=self.backend)
         paged.run()
+        for p in paged.stepped:
+            self.state[p].update(paged_moments(p))      # a commit moves buckets to their other slot
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -137,6 +167,9 @@ class AdamW(torch.optim.Optimizer):
         # reads into those in place) is not copied at all. The state then holds the maps.
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         ours = [p for group in self.param_groups for p in group["params"]]
+        for engine in {id(w.engine): w.engine for w in map(paged_of, ours) if w is not None}.values():
+            engine.abandon()          # a speculation from the state being replaced never commits
+            engine.wait_pins()        # an asynchronous save may still read the moments written below
         state = dict(state_dict["state"])
         moments: dict[torch.Tensor, dict[str, Any]] = {}
         for i, p in zip(saved_ids, ours):
@@ -168,22 +201,28 @@ _MAPS_ATTR = "_overlap_moment_maps"
 
 def paged_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
     """exp_avg and exp_avg_sq of a paged parameter: memory maps of its range of the state
-    file, shaped like it, so that the optimizer's state (and its state dict, and checkpoints)
-    are the file's values without holding them in memory. Made once per parameter: a
-    checkpoint load reads into these very tensors, and the optimizer's state is them too."""
-    maps = getattr(param, _MAPS_ATTR, None)
+    file (the current slot of its bucket: [Note: two slots per bucket]), shaped like it, so
+    that the optimizer's state (and its state dict, and checkpoints) are the file's values
+    without holding them in memory. Made once per parameter and slot: a checkpoint load reads
+    into these very tensors, and the optimizer's state is them too."""
+    where = paged_of(param)
+    if where is None:
+        raise ValueError("paged_moments: the parameter is not paged (offload='disk')")
+    by_slot = getattr(param, _MAPS_ATTR, None)
+    if by_slot is None:
+        by_slot = {}
+        setattr(param, _MAPS_ATTR, by_slot)
+    # This rank holds none of the parameter's rows: nothing in the file to map (slot None).
+    slot = None if where.start == where.stop else where.engine.slot_of(where.shard, where.start, where.stop)
+    maps = by_slot.get(slot)
     if maps is None:
-        where = paged_of(param)
-        if where is None:
-            raise ValueError("paged_moments: the parameter is not paged (offload='disk')")
-        if where.start == where.stop:
-            # This rank holds none of the parameter's rows: nothing in the file to map.
+        if slot is None:
             maps = {name: torch.zeros(param.shape, dtype=torch.float32) for name in PAGED_MOMENTS}
         else:
             ranges = where.engine.map_range(where.shard, where.start, where.stop)
             assert ranges is not None, "the disk tier sizes its buckets to hold every parameter's part"
             maps = {name: view.view(param.shape) for name, view in zip(PAGED_MOMENTS, ranges[1:])}
-        setattr(param, _MAPS_ATTR, maps)
+        by_slot[slot] = maps
     return maps
 
 
@@ -197,6 +236,13 @@ class _PagedSteps:
     def __init__(self) -> None:
         self.segments: dict[PagedAdamW, list[Segment]] = {}
         self.shards: dict[PagedAdamW, dict[int, PagedParam]] = {}
+        self.stepped: list[torch.Tensor] = []
+
+    def settle(self, where: PagedParam) -> None:
+        """`where`'s engine steps in this step even if none of its parameters has a gradient:
+        the step settles the speculations of earlier (see [Note: the speculative step])."""
+        self.segments.setdefault(where.engine, [])
+        self.shards.setdefault(where.engine, {})
 
     def add(self, param: torch.Tensor, where: PagedParam, hyper: Hyper) -> None:
         grad_shard = where.grad_shard()
@@ -210,6 +256,7 @@ class _PagedSteps:
 
     def run(self) -> None:
         for engine, segments in self.segments.items():
+            engine.wait_speculation()          # its writes come before this step's
             shards = self.shards[engine]
             grads: list[Optional[torch.Tensor]] = [None] * len(engine.shard_sizes)
             resident: list[Optional[torch.Tensor]] = [None] * len(engine.shard_sizes)

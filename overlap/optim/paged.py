@@ -24,17 +24,35 @@ An error in any of the three (a short file, a full disk) stops the step: the thr
 their current call, then the error is raised naming the bucket. Buckets before it hold the new
 step and those after it the old one, so the engine refuses every later step and says so,
 instead of training on a state that is half one step and half the next.
+
+A step may also be taken ahead, during backward, into each bucket's spare slot, and kept or
+recomputed at `step()` (`speculate`; see [Note: the speculative step] in speculation.py).
+Every step writes the spare slots and makes them current once all are written, so a step
+that fails leaves the file at the state before it.
+
+[Note: saves streamed from the state file]
+An asynchronous checkpoint save (overlap.checkpoint.async_save) writes the masters and
+moments from memory maps of each bucket's current slot, read by DCP's writer thread while
+training goes on, instead of a copy of the whole state in host memory. `pin()` keeps those
+slots as they are until the save's files are written: the next step (taken ahead or not)
+writes the spare slots and flips, untouched by the pin; the step after it would write the
+pinned slots, and waits for the save to finish first (on the worker for a step taken ahead,
+so backward does not wait). A load writes the current slots in place: the engine's own loads
+wait for the pins, and the loads that write through maps (checkpoint, model and optimizer
+state dicts) call `wait_pins()` first.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .flat_step import adamw_step
+from .speculation import Speculation, shard_segments
 from .state_file import STATE_NAMES, Bucket, StateFile, aligned_buffer, bucket_views, plan_buckets
 
 # Defaults of the bucket size and the buffer count: the planner's (overlap/plan/offload.py),
@@ -100,11 +118,22 @@ class PagedAdamW:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="overlap-offload-write")
         self._broken: Optional[str] = None
         self.last_step = StepTimes(0.0, 0.0, 0.0)
+        # Speculative steps (see [Note: the speculative step]) run on one worker thread, so that
+        # engine calls never run concurrently: every call from another thread waits for it first.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="overlap-offload-speculate")
+        self._speculations: dict[int, Speculation] = {}
+        # Shards whose speculation a step committed, recomputed, or that were restored without a
+        # step; seconds the worker spent in speculative steps. The tests and the benchmark read them.
+        self.commits = self.recomputes = self.restores = 0
+        self.speculated_s = 0.0
+        # Slots an asynchronous save is reading (see [Note: saves streamed from the state file]).
+        self._pins: list[Pin] = []
 
     def add_shard(self, size: int, param_starts: Optional[Sequence[int]] = None,
                   bucket_params: Optional[int] = None) -> int:
         """Add a shard of `size` elements at the end of the file (reading as zeros) and return
         its index; its buckets hold at most `bucket_params` elements (default: the engine's)."""
+        self.wait_speculation()
         self._check_usable()
         buckets = plan_buckets([size], bucket_params or self.bucket_params,
                                None if param_starts is None else [param_starts], first_shard=len(self.shard_sizes),
@@ -134,10 +163,15 @@ class PagedAdamW:
         return sum(b.numel() for b in self._buffers)
 
     # -- the pipeline ----------------------------------------------------------------------
-    def _run(self, indices: Sequence[int], work, *, read: bool = True, write: bool = True) -> None:
+    def _run(self, indices: Sequence[int], work, *, read: bool = True, write: bool = True,
+             spare: bool = False) -> None:
         """For each bucket index in order: read it (if `read`), call `work(index, bucket, buffer)`
-        on the main thread, write it back (if `write`); see [Note: the disk pipeline]."""
+        on the calling thread, write it back (if `write`; into its spare slot with `spare`); see
+        [Note: the disk pipeline]. A failed write into spare slots leaves the state whole."""
         self._check_usable()
+        if write:
+            slots = [self.file.slot(self.buckets[k]) for k in indices]
+            self._wait_for_pins([(k, 1 - slot if spare else slot) for k, slot in zip(indices, slots)])
         count = len(self._buffers)
         reads: dict[int, Future] = {}
         writes: dict[int, Future] = {}
@@ -156,7 +190,7 @@ class PagedAdamW:
         def write_back(bucket: Bucket, buffer: torch.Tensor) -> None:
             try:
                 if write:
-                    self.file.write(bucket, buffer)
+                    self.file.write(bucket, buffer, spare=spare)
             finally:
                 self._give()
 
@@ -174,7 +208,7 @@ class PagedAdamW:
                 writes.pop(j).result()
         except BaseException as e:
             self._drain(reads, writes)
-            if write:
+            if write and not spare:
                 self._broken = f"{type(e).__name__}: {e}"
             raise
 
@@ -202,6 +236,7 @@ class PagedAdamW:
     def check_consistent(self) -> None:
         """Raise if a failed step or load left the file part old and part new (before reading
         the state out, as a checkpoint save does)."""
+        self.wait_speculation()
         self._check_usable()
 
     def mark_inconsistent(self, reason: str) -> None:
@@ -227,6 +262,7 @@ class PagedAdamW:
 
             def values(shard: int, start: int, stop: int) -> torch.Tensor:
                 return masters[shard].reshape(-1)[start:stop]
+        self.abandon(restore=False)   # every master is written anew
         self._broken = None           # every bucket is written whole
 
         def fill(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -246,6 +282,7 @@ class PagedAdamW:
         if master.numel() != self.shard_sizes[index]:
             raise ValueError(f"shard {index} has {self.shard_sizes[index]} elements; got {master.numel()}")
         flat = master.reshape(-1)
+        self.abandon(index, restore=False)
 
         def fill(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
             views = bucket_views(buffer, bucket.numel)
@@ -257,6 +294,7 @@ class PagedAdamW:
     def copy_masters_to(self, outputs: Sequence[Optional[torch.Tensor]]) -> None:
         """Copy each shard's master into `outputs[i]` (cast to its dtype; None skips it)."""
         self._check_sizes(outputs, "outputs", allow_none=True, contiguous=True)
+        self.wait_speculation()
         wanted = [i for i, b in enumerate(self.buckets) if outputs[b.shard] is not None]
 
         def copy(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -268,7 +306,9 @@ class PagedAdamW:
         """The state as views of the file (memory maps): nothing is read until a value is
         used, and what is read is file-backed page cache, not process memory. `buckets[k]`
         holds bucket k's "master", "exp_avg" and "exp_avg_sq"; `layout` its (shard, start,
-        stop). The views show the file as it is, so they are current until the next step."""
+        stop). The views show the file as it is (each bucket's current slot), so they are
+        current until the next step."""
+        self.wait_speculation()
         self._check_usable()
         buckets = []
         for bucket in self.buckets:
@@ -281,11 +321,21 @@ class PagedAdamW:
         """Elements [start, stop) of shard `shard` as (master, exp_avg, exp_avg_sq) maps of the
         file, each over those elements alone (`StateFile.map_elements`); None when they do not
         lie inside one bucket. Given also while the state is inconsistent: a checkpoint load
-        writes through them to make it whole again."""
+        writes through them to make it whole again. The current slot's: a step that commits a
+        speculation moves it (see [Note: two slots per bucket])."""
+        self.wait_speculation()
         self._check_open()
         for bucket in self.buckets:
             if bucket.shard == shard and bucket.start <= start and stop <= bucket.stop:
                 return self.file.map_elements(bucket, start - bucket.start, stop - bucket.start)
+        return None
+
+    def slot_of(self, shard: int, start: int, stop: int) -> Optional[int]:
+        """The current slot of the bucket holding elements [start, stop) of shard `shard`, or
+        None when they do not lie inside one bucket (as `map_range`)."""
+        for bucket in self.buckets:
+            if bucket.shard == shard and bucket.start <= start and stop <= bucket.stop:
+                return self.file.slot(bucket)
         return None
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -309,6 +359,7 @@ class PagedAdamW:
         def fill(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
             for view, name in zip(bucket_views(buffer, bucket.numel), STATE_NAMES):
                 view.copy_(sources[k][name].reshape(-1))
+        self.abandon(restore=False)
         self._broken = None           # a complete load makes the state whole again
         self._run(list(range(len(self.buckets))), fill, read=False)
 
@@ -327,13 +378,38 @@ class PagedAdamW:
         bucket is stepped (the disk tier queues that part's copy to the device there, so that it
         runs while the next bucket is updated). Buckets with no segment are neither read nor
         written.
+
+        Speculations of earlier in this step (`speculate`) are settled first: each one whose
+        inputs equal this step's is committed and its buckets are not stepped again; the
+        others are recomputed here, and their buckets this step does not write get their
+        resident copy restored from the current masters.
         """
+        self.wait_speculation()
         self._check_sizes(grads, "grads", allow_none=True, contiguous=True)
         if resident is not None:
             self._check_sizes(resident, "resident", allow_none=True, contiguous=True)
+        segments = list(segments)
         pieces = self._pieces(segments, grads)
-        wanted = [k for k in range(len(self.buckets)) if pieces[k]]
+        start = _Clock.now()
+        committed = self._settle(grads, segments, pieces)
+        wanted = [k for k in range(len(self.buckets)) if pieces[k] and k not in committed]
         clock = _Clock()
+        try:
+            self._run(wanted, self._updater(pieces, grads, resident, on_bucket, clock), spare=True)
+        except BaseException as e:
+            # The file holds the state before the step, but `resident` is part new, part old.
+            self._broken = f"{type(e).__name__}: {e}"
+            raise
+        for k in wanted:
+            self.file.flip(self.buckets[k])
+        total = _Clock.now() - start
+        self.last_step = StepTimes(total, clock.seconds, sum(2 * self.buckets[k].nbytes for k in wanted))
+
+    def _updater(self, pieces: list, grads: Sequence[Optional[torch.Tensor]],
+                 resident: Optional[Sequence[Optional[torch.Tensor]]], on_bucket: Optional[Callable[[Bucket], None]],
+                 clock: "_Clock") -> Callable[[int, Bucket, torch.Tensor], None]:
+        """The pipeline's work for a step: the kernel on each piece of the bucket, then its
+        resident copy and `on_bucket`."""
 
         def update(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
             with clock:
@@ -348,10 +424,97 @@ class PagedAdamW:
                     resident[bucket.shard].reshape(-1)[bucket.start:bucket.stop].copy_(master)
                 if on_bucket is not None:
                     on_bucket(bucket)
+        return update
+
+    # -- speculative steps (see [Note: the speculative step]) ------------------------------
+    def speculate(self, shard: int, grad: torch.Tensor, segments: Iterable[Segment], resident: Optional[torch.Tensor],
+                  *, on_bucket: Callable[[Bucket], None], before_write: Callable[[], None],
+                  restored: Callable[[], None], ready: Optional[Callable[[], None]] = None) -> bool:
+        """Start stepping shard `shard`'s `segments` with `grad` on the worker thread, into the
+        spare slots (after `ready()`, run there: e.g. waiting for the gradient's copy), writing
+        `resident` and calling `on_bucket` as `step` does, and `before_write()` before the
+        first write of `resident`. `restored()` is called when the speculation is dropped and
+        `resident` restored. Whether it was started: not for a shard already speculated, nor
+        on a closed or inconsistent state."""
+        own = shard_segments(segments, shard)
+        if not own or shard in self._speculations or self._broken is not None or self.file.fd < 0:
+            return False
+        grads: list[Optional[torch.Tensor]] = [None] * len(self.shard_sizes)
+        grads[shard] = grad
+        pieces = self._pieces(own, grads)
+        record = Speculation(shard, own, grad, grad._version, [k for k, p in enumerate(pieces) if p], resident,
+                             before_write, restored)
+        record.future = self._worker.submit(self._speculative_step, record, pieces, grads, on_bucket, ready)
+        self._speculations[shard] = record
+        return True
+
+    def _speculative_step(self, record: Speculation, pieces: list, grads: list, on_bucket: Callable[[Bucket], None],
+                          ready: Optional[Callable[[], None]]) -> None:
+        """On the worker thread: one shard's step into its buckets' spare slots."""
         start = _Clock.now()
-        self._run(wanted, update)
-        total = _Clock.now() - start
-        self.last_step = StepTimes(total, clock.seconds, sum(2 * self.buckets[k].nbytes for k in wanted))
+        with torch.no_grad():
+            if ready is not None:
+                ready()
+            record.before_write()
+            resident: list[Optional[torch.Tensor]] = [None] * len(self.shard_sizes)
+            resident[record.shard] = record.resident
+            self._run(record.buckets, self._updater(pieces, grads, resident, on_bucket, _Clock()), spare=True)
+        record.seconds = _Clock.now() - start
+
+    def speculating(self, shard: int) -> bool:
+        """Whether shard `shard` has a speculation that no step has settled yet."""
+        return shard in self._speculations
+
+    def wait_speculation(self) -> None:
+        """Wait until the worker has finished every speculation started (their errors are kept:
+        a speculation that failed is recomputed by the step)."""
+        for record in self._speculations.values():
+            if record.future is not None:
+                record.failed = record.future.exception()
+                record.future = None
+                self.speculated_s += record.seconds
+
+    def abandon(self, shard: Optional[int] = None, *, restore: bool = True) -> None:
+        """Drop the speculation of `shard` (of every shard when None), restoring its resident
+        copy from the current masters (with `restore`, and where the state is consistent), then
+        telling the disk tier (`restored`)."""
+        self.wait_speculation()
+        for index in list(self._speculations) if shard is None else [shard]:
+            record = self._speculations.pop(index, None)
+            if record is not None:
+                self._drop(record, record.buckets if restore and self._broken is None else ())
+                self.restores += 1
+
+    def _drop(self, record: Speculation, restore: Sequence[int]) -> None:
+        """Restore the resident copy of buckets `restore` of a dropped speculation."""
+        if restore and record.resident is not None:
+            record.before_write()
+            target = record.resident.reshape(-1)
+
+            def copy(k: int, bucket: Bucket, buffer: torch.Tensor) -> None:
+                target[bucket.start:bucket.stop].copy_(bucket_views(buffer, bucket.numel)[0])
+            with torch.no_grad():
+                self._run(list(restore), copy, write=False)
+        record.restored()
+
+    def _settle(self, grads: Sequence[Optional[torch.Tensor]], segments: list[Segment], pieces: list) -> set[int]:
+        """Commit the speculations this step agrees with, drop the others (restoring what this
+        step will not rewrite); the buckets committed."""
+        committed: set[int] = set()
+        for shard, record in list(self._speculations.items()):
+            del self._speculations[shard]
+            if record.holds_for(grads[shard], shard_segments(segments, shard)):
+                for k in record.buckets:
+                    self.file.flip(self.buckets[k])
+                committed.update(record.buckets)
+                self.commits += 1
+            else:
+                if any(pieces[k] for k in record.buckets):
+                    self.recomputes += 1
+                else:
+                    self.restores += 1
+                self._drop(record, [k for k in record.buckets if not pieces[k]])
+        return committed
 
     def _pieces(self, segments: Iterable[Segment], grads: Sequence[Optional[torch.Tensor]]):
         """Per bucket: the (start, stop, hyper) pieces of segments inside it, in shard elements."""
@@ -388,11 +551,48 @@ class PagedAdamW:
                 raise ValueError(f"{what}[{i}] is not contiguous; the engine reads and writes shards through flat "
                                  "views")
 
+    # -- pins (see [Note: saves streamed from the state file]) -----------------------------
+    def pin(self) -> "Pin":
+        """Keep every bucket's current slot as it is until the returned pin is released."""
+        self.wait_speculation()
+        pin = Pin({k: self.file.slot(bucket) for k, bucket in enumerate(self.buckets)})
+        with self._lock:
+            self._pins.append(pin)
+        return pin
+
+    def wait_pins(self) -> None:
+        """Block until every pin is released (before a load writes the current slots through maps)."""
+        self._wait_for_pins(None)
+
+    def _wait_for_pins(self, targets: Optional[Sequence[tuple[int, int]]]) -> None:
+        """Block until no pin holds any of `targets` ((bucket, slot) pairs; None: any)."""
+        with self._lock:
+            pins = list(self._pins)
+        for pin in pins:
+            if targets is None or any(pin.slots.get(k) == slot for k, slot in targets):
+                pin.released.wait()
+        with self._lock:
+            self._pins = [pin for pin in self._pins if not pin.released.is_set()]
+
     def close(self) -> None:
         """Stop the threads and remove the state file."""
+        self._worker.shutdown(wait=True)
+        self._speculations.clear()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.file.close()
+
+
+@dataclass
+class Pin:
+    """The slot of each bucket (by index) an asynchronous save reads; `release()` once its
+    files are written."""
+
+    slots: dict[int, int]
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        self.released.set()
 
 
 @dataclass(frozen=True)
@@ -426,6 +626,25 @@ def register_paged(param: torch.Tensor, where: PagedParam) -> None:
 def paged_of(param: torch.Tensor) -> Optional[PagedParam]:
     """Where `param`'s master and moments are paged, or None for an ordinary parameter."""
     return getattr(param, _PAGED_ATTR, None)
+
+
+# The attribute that holds, on a paged parameter, a weak reference to the function giving the
+# settings its next step will use: set by the overlap.optim.AdamW holding it, read by the disk
+# tier to speculate (see [Note: the speculative step] in speculation.py).
+_NEXT_HYPER_ATTR = "_overlap_next_hyper"
+
+
+def register_next_hyper(param: torch.Tensor, source: "weakref.WeakMethod") -> None:
+    """`source()(param)` gives the Hyper of `param`'s next step, or None if it has none."""
+    setattr(param, _NEXT_HYPER_ATTR, source)
+
+
+def next_hyper(param: torch.Tensor) -> Optional[Hyper]:
+    """The settings of `param`'s next step by the optimizer that holds it (None: no
+    overlap.optim.AdamW holds it, or that optimizer is gone)."""
+    source = getattr(param, _NEXT_HYPER_ATTR, None)
+    method = None if source is None else source()
+    return None if method is None else method(param)
 
 
 @dataclass(frozen=True)

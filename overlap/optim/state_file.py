@@ -5,8 +5,17 @@ Flat shards (one per flat group of the model) are cut into buckets of at most
 `bucket_params` elements. A bucket's fp32 master, exp_avg and exp_avg_sq lie one after the
 other in the file, so a bucket is one read and one write:
 
-    file:    | bucket 0: master | exp_avg | exp_avg_sq | pad | bucket 1: ... |
+    file:    | bucket 0 slot 0: master | exp_avg | exp_avg_sq | pad | bucket 0 slot 1 | bucket 1 ...
     buffer:  | master | exp_avg | exp_avg_sq | pad |      (one host buffer per bucket in flight)
+
+[Note: two slots per bucket]
+Each bucket has two regions of the same size, its current slot and its spare one. Reads,
+ordinary writes and the memory maps (`map`, `map_elements`) are of the current slot; a
+speculative step (overlap.optim.paged, [Note: the speculative step]) writes the spare slot,
+so the state it started from stays intact until the step is validated, and committing it is
+`flip`: the spare becomes current, with no IO. The file is therefore twice the state's size
+(plan/offload.py counts it so). Which slot is current lives in this object only: a file is
+never reopened, its state is saved and loaded through checkpoints.
 
 [Note: direct IO]
 The file is opened with O_DIRECT where the file system takes it (ext4 and xfs do, tmpfs does
@@ -38,6 +47,7 @@ import torch
 ALIGN = 4096            # bytes: a logical block on every drive we target, and a page
 FLOAT_BYTES = 4
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+SLOTS = 2               # current and spare: see [Note: two slots per bucket]
 # Linux moves at most this many bytes per read or write call (0x7ffff000); longer buckets
 # take several calls, each continuing where the last one stopped.
 _MAX_IO = 0x7FFFF000
@@ -65,8 +75,12 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its region in the file and in a buffer (padded to ALIGN)."""
+        """Bytes of one of its slots in the file, and of a buffer (padded to ALIGN)."""
         return region_bytes(self.numel)
+
+    def slot_offset(self, slot: int) -> int:
+        """Where slot 0 or 1 of the bucket begins in the file (see [Note: two slots per bucket])."""
+        return self.offset + slot * self.nbytes
 
 
 def region_bytes(numel: int) -> int:
@@ -106,7 +120,7 @@ def plan_buckets(shard_sizes: Sequence[int], bucket_params: int,
             ranges = _cut_on_boundaries(starts if size else [], size, bucket_params)
         for start, stop in ranges:
             buckets.append(Bucket(first_shard + shard, start, stop, offset))
-            offset += buckets[-1].nbytes
+            offset += SLOTS * buckets[-1].nbytes
     return buckets
 
 
@@ -146,7 +160,9 @@ class StateFile:
     def __init__(self, buckets: Sequence[Bucket], directory: Optional[str] = None, *, rank: int = 0,
                  direct: bool = True) -> None:
         self.buckets = tuple(buckets)
-        self.size = sum(b.nbytes for b in self.buckets)
+        self.size = sum(SLOTS * b.nbytes for b in self.buckets)
+        # The current slot of each bucket that is not in slot 0, by the bucket's offset.
+        self._current: dict[int, int] = {}
         self._own_dir = directory is None
         if directory is None:
             directory = tempfile.mkdtemp(prefix=f"overlap-offload-rank{rank}-")
@@ -190,7 +206,7 @@ class StateFile:
 
     def grow(self, buckets: Sequence[Bucket]) -> None:
         """Add buckets laid out after the current end of the file, reserving their space."""
-        size = self.size + sum(b.nbytes for b in buckets)
+        size = self.size + sum(SLOTS * b.nbytes for b in buckets)
         self._reserve(self.size, size)
         self.buckets += tuple(buckets)
         self.size = size
@@ -214,43 +230,53 @@ class StateFile:
     def _error(self, what: str, e: OSError) -> StateFileError:
         return StateFileError(f"rank {self.rank}: {what} the offload state file {self.path!r}: {e.strerror or e}")
 
+    def slot(self, bucket: Bucket) -> int:
+        """The bucket's current slot, 0 or 1."""
+        return self._current.get(bucket.offset, 0)
+
+    def flip(self, bucket: Bucket) -> None:
+        """Make the bucket's spare slot its current one (a speculative step is committed)."""
+        self._current[bucket.offset] = 1 - self.slot(bucket)
+
     def read(self, bucket: Bucket, buffer: torch.Tensor) -> None:
-        """Fill `buffer` (aligned, at least bucket.nbytes) with the bucket's region."""
-        self._io(bucket, buffer, os.preadv, "read")
+        """Fill `buffer` (aligned, at least bucket.nbytes) with the bucket's current slot."""
+        self._io(bucket.slot_offset(self.slot(bucket)), bucket.nbytes, buffer, os.preadv, "read")
 
-    def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
-        """Write the bucket's region from `buffer`."""
-        self._io(bucket, buffer, os.pwritev, "write")
+    def write(self, bucket: Bucket, buffer: torch.Tensor, *, spare: bool = False) -> None:
+        """Write the bucket's current slot (its spare one with `spare`) from `buffer`."""
+        slot = self.slot(bucket)
+        self._io(bucket.slot_offset(1 - slot if spare else slot), bucket.nbytes, buffer, os.pwritev, "write")
 
-    def _io(self, bucket: Bucket, buffer: torch.Tensor, call, verb: str) -> None:
+    def _io(self, offset: int, nbytes: int, buffer: torch.Tensor, call, verb: str) -> None:
         if self.fd < 0:
             raise StateFileError(f"rank {self.rank}: the offload state file {self.path!r} is closed")
-        view = memoryview(buffer.numpy()).cast("B")[:bucket.nbytes]
+        view = memoryview(buffer.numpy()).cast("B")[:nbytes]
         done = 0
-        while done < bucket.nbytes:
+        while done < nbytes:
             try:
-                n = call(self.fd, [view[done:done + _MAX_IO]], bucket.offset + done)
+                n = call(self.fd, [view[done:done + _MAX_IO]], offset + done)
             except OSError as e:
                 if e.errno == errno.EINTR:
                     continue
-                raise self._error(f"cannot {verb} bucket at byte {bucket.offset + done} of", e) from e
+                raise self._error(f"cannot {verb} bucket at byte {offset + done} of", e) from e
             if n == 0:
                 raise StateFileError(
                     f"rank {self.rank}: the offload state file {self.path!r} is shorter than its layout: {verb} "
-                    f"of bytes {bucket.offset}..{bucket.offset + bucket.nbytes} stopped at {bucket.offset + done} "
+                    f"of bytes {offset}..{offset + nbytes} stopped at {offset + done} "
                     f"(file size {os.fstat(self.fd).st_size}); was it truncated?")
             done += n
 
     def _mmap(self, bucket: Bucket) -> mmap.mmap:
-        """The bucket's bytes, mapped shared (writes to the map are writes to the file). Regions
-        start on ALIGN boundaries, which mmap's offsets need."""
+        """The bucket's current slot, mapped shared (writes to the map are writes to the file).
+        Slots start on ALIGN boundaries, which mmap's offsets need."""
         length = len(STATE_NAMES) * FLOAT_BYTES * bucket.numel
         with open(self.path, "r+b") as f:
-            return mmap.mmap(f.fileno(), length, offset=bucket.offset, access=mmap.ACCESS_WRITE)
+            return mmap.mmap(f.fileno(), length, offset=bucket.slot_offset(self.slot(bucket)),
+                             access=mmap.ACCESS_WRITE)
 
     def map(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's master, exp_avg and exp_avg_sq, one after the other, as a float32 tensor
-        that maps the file."""
+        """The bucket's master, exp_avg and exp_avg_sq (current slot), one after the other, as a
+        float32 tensor that maps the file."""
         return torch.frombuffer(self._mmap(bucket), dtype=torch.float32)
 
     def map_elements(self, bucket: Bucket, start: int, stop: int) -> tuple[torch.Tensor, ...]:

@@ -9,7 +9,7 @@ overlap's own layout maps onto these categories] in plan/memory.py): the fp32 ma
     offload   device                     host                               disk
     none      master + gradient + moments   0                               0
     cpu       e·Ψ/N (the shard to send)  master + gradient + moments        0
-    disk      e·Ψ/N                      e·Ψ/N + gradient + B buffers       master + moments
+    disk      e·Ψ/N                      e·Ψ/N + gradient + B buffers       2 × (master + moments)
 
 e is the gathered dtype's element size under mixed precision (the 16-bit copy of the shard
 the all-gather sends, refreshed after each step); in fp32 the master shard itself is sent,
@@ -17,8 +17,10 @@ copied to the device a unit at a time inside the gathered buffers, so e = 0 here
 tier's host also holds a 16-bit copy (e·Ψ/N): the one the parameters are views of and the
 paged step writes, copied to the device bucket by bucket. B host buffers each hold one
 bucket's master and moments: the disk pipeline reads bucket k+1 and
-writes bucket k-1 while bucket k is stepped (B = 3). Gathered units and activations stay on
-the device in every tier; callers add them.
+writes bucket k-1 while bucket k is stepped (B = 3). The state file holds two slots of each
+bucket, the current state and the spare one a step taken during backward writes
+(overlap/optim/state_file.py, [Note: two slots per bucket]), so the disk holds the master and
+moments twice. Gathered units and activations stay on the device in every tier; callers add them.
 
 Time per step and rank:
   copies  the gradient shard device -> host (4Ψ/N) and the updated shard host -> device
@@ -42,6 +44,8 @@ from overlap.plan.memory import MASTER_BYTES, OPTIMIZER_MOMENTS, PRECISIONS, sta
 # many such buffers the pipeline keeps in host memory (read ahead, stepping, writing back).
 DISK_BUCKET_PARAMS = 2**24
 DISK_BUFFERS = 3
+# Slots of each bucket in the state file: current and spare (optim/state_file.py SLOTS).
+DISK_SLOTS = 2
 # The CPU AdamW rate per rank before anything is measured: a rank with a few cores of a
 # server socket moves ~30 GB/s, 28 bytes per update (fp32 gradients), about 1e9 parameters
 # a second; on the 2-core development machine it is a third of that (docs/optim.md).
@@ -133,7 +137,7 @@ def tier_bytes(offload: str, params: float, world: int, precision: str = "bf16",
         return TierBytes(device, master + gradient + moments, 0.0)
     per_param = MASTER_BYTES * (1 + OPTIMIZER_MOMENTS[optimizer])
     staging = buffers * per_param * min(bucket_params, shard)
-    return TierBytes(device, device + gradient + staging, master + moments)
+    return TierBytes(device, device + gradient + staging, DISK_SLOTS * (master + moments))
 
 
 def offload_time(offload: str, params: float, world: int, precision: str = "bf16", optimizer: str = "adamw",

@@ -41,6 +41,20 @@ in memory: `sent` is the host shard itself and nothing is copied. The tests set
 `SEPARATE_COPY_WITHOUT_DEVICE` to run the device path there with a separate buffer and
 synchronous copies.
 
+[Note: when the disk tier speculates]
+A group's step may start during backward (see [Note: the speculative step] in
+overlap.optim.speculation), once its gradient is final: on gloo when its reduction (and
+hybrid's all-reduce) completed and was copied into the host gradient shard, which happens
+when the reduction is waited for (`GradReduction`'s bound on reductions in flight, or the end
+of backward); on CUDA as soon as the reduction is issued, the worker first waiting for the
+event that ends the gradient's download. Only the parameters an `overlap.optim.AdamW` holds
+are stepped ahead, with its settings. It speculates in a backward that reduced the group's
+gradient only if that is the first reduction since the group's last step and the step before
+followed exactly one reduction (the first step speculates): a loop that accumulates without
+no_sync would otherwise compute, then restore, a step per micro-batch. A speculation no
+step settled is dropped before the group's next gather (which then sends the restored
+shard, copied whole) and when a load writes the state.
+
 Any other write of the 16-bit shard (another optimizer stepping the parameters, an
 in-place init) would part it from the master on disk, and the next step would overwrite it;
 the shard's version counter, recorded after each paged step, is checked before each gather
@@ -52,9 +66,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from overlap.optim.paged import DEFAULT_BUCKET_PARAMS, PagedAdamW, PagedParam, paged_of, register_paged
+from overlap.optim.paged import (DEFAULT_BUCKET_PARAMS, PagedAdamW, PagedParam, Segment, next_hyper, paged_of,
+                                 register_paged)
 from overlap.optim.state_file import Bucket
-from overlap.runtime.host_tier import HostShard, HostTier, ShardPlace
+from overlap.runtime.host_tier import HostShard, HostTier, ShardPlace, after_all
 from overlap.runtime.param_identity import rebind
 
 # True: keep `sent` a buffer of its own and copy into it even where the device is the host
@@ -114,6 +129,11 @@ class DiskShard(ShardPlace):
         # Parts of the shard copied to the device so far (bucket by bucket after each step,
         # whole after a load): the tests read it to see that the copies ran.
         self.uploads = 0
+        # The paged parameters and where each lies; reductions of the gradient since the last
+        # step, and before the step ahead of it (see [Note: when the disk tier speculates]).
+        self.paged: list[tuple[torch.Tensor, PagedParam]] = []
+        self.reductions = 0
+        self.reductions_before_step = 1
 
     @property
     def offloaded(self) -> bool:          # type: ignore[override]
@@ -152,9 +172,10 @@ class DiskShard(ShardPlace):
             for module, attr in slot.owners:
                 module._parameters[attr] = param
             start = starts[slot_index]
-            register_paged(param, PagedParam(engine, self.index, start, start + param.numel(), resident,
-                                             _grad_shard_of(group), self.stepped, self.bucket_written,
-                                             self.wait_refreshed))
+            where = PagedParam(engine, self.index, start, start + param.numel(), resident, _grad_shard_of(group),
+                               self.stepped, self.bucket_written, self.wait_refreshed)
+            register_paged(param, where)
+            self.paged.append((param, where))
         self.loaded(resident)
 
     def part_written(self, group: "FlatGroup", index: int, part: torch.Tensor) -> None:
@@ -178,8 +199,26 @@ class DiskShard(ShardPlace):
         return self.grads.reduce_target(grad_shard, zeros)
 
     def reduction_issued(self, pending: "Pending") -> None:
-        if self.engine is not None:
-            self.grads.reduction_issued(pending)
+        if self.engine is None:
+            return
+        self.grads.reduction_issued(pending)
+        self.reductions += 1
+        if self.reductions != 1 or self.reductions_before_step != 1:
+            return
+        if self.tier.host.use_streams:
+            # The download of the sum into the host gradient shard is queued: the worker waits for it.
+            self._speculate(self.grads.downloads[-1].event.synchronize)
+        else:
+            after_all(pending, self._speculate)         # after the copy home, added before it
+
+    def _speculate(self, ready=None) -> None:
+        """Start this group's step on the engine's worker (see [Note: when the disk tier speculates])."""
+        segments = [Segment(self.index, where.start, where.stop, hyper)
+                    for param, where in self.paged if (hyper := next_hyper(param)) is not None]
+        if segments and self.grads.grad_shard is not None:
+            self.engine.speculate(self.index, self.grads.grad_shard, segments, self.host_shard,
+                                  on_bucket=self.bucket_written, before_write=self.wait_refreshed,
+                                  restored=self.restored, ready=ready)
 
     def grads_ready(self) -> None:
         if self.engine is not None:
@@ -190,6 +229,8 @@ class DiskShard(ShardPlace):
     def gather_source(self, master: torch.Tensor, dtype: torch.dtype, encoded: bool, local: bool) -> torch.Tensor:
         if self.engine is None:
             return master
+        if self.engine.speculating(self.index):
+            self.engine.abandon(self.index)       # no step came between: restore the shard
         if master._version != self.version:
             raise RuntimeError(
                 "offload='disk': the parameters of this model were changed in place by something other than "
@@ -246,10 +287,20 @@ class DiskShard(ShardPlace):
         self.version = resident._version
         if fresh:
             self.sent_version = self.version
+        self.reductions_before_step, self.reductions = self.reductions, 0
+
+    def restored(self) -> None:
+        """A speculation was dropped and the engine restored the shard from the masters (or a
+        load is about to write it): this version is the legitimate one, and the device copy is
+        refreshed whole before the next gather."""
+        self.version = self.host_shard._version
+        self.sent_version = None
 
     def loaded(self, resident: torch.Tensor) -> None:
         """The shard was written by a load or a materialisation: this version is the legitimate
         one, and the device copy is refreshed whole before the next gather."""
+        if self.engine is not None:
+            self.engine.abandon(self.index, restore=False)
         self.host_shard = resident
         self.version = resident._version
         self.sent_version = None
@@ -290,6 +341,15 @@ def master_part(param: torch.Tensor) -> torch.Tensor:
     return where.engine.map_range(where.shard, where.start, where.stop)[0].view(param.shape)
 
 
+def wait_for_saves(groups: list["FlatGroup"]) -> None:
+    """Before a load writes the masters in place: wait for the asynchronous saves still
+    reading them from the state file ([Note: saves streamed from the state file] in
+    overlap.optim.paged)."""
+    for engine in {id(g.place.engine): g.place.engine for g in groups
+                   if isinstance(g.place, DiskShard) and g.place.engine is not None}.values():
+        engine.wait_pins()
+
+
 def refresh_resident(groups: list["FlatGroup"]) -> None:
     """Copy the masters in the state file into the 16-bit shards (after a load wrote them)."""
     paged = [g for g in groups if isinstance(g.place, DiskShard) and g.place.engine is not None]
@@ -298,6 +358,7 @@ def refresh_resident(groups: list["FlatGroup"]) -> None:
         outputs = by_engine.setdefault(group.place.engine, [None] * len(group.place.engine.shard_sizes))
         outputs[group.place.index] = group.shard
     for group in paged:
+        group.place.engine.abandon(group.place.index, restore=False)
         group.place.wait_refreshed()              # the host shard is about to be written
     for engine, outputs in by_engine.items():
         engine.copy_masters_to(outputs)

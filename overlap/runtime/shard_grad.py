@@ -19,6 +19,16 @@ The reduction is a collective: every rank must call it, with the same gradients,
 clip is called in a training loop. Reductions along a `dim` (row-wise statistics), sums and
 means stay this rank's: they are what the local block holds. Results are plain tensors, so
 the subclass does not spread beyond `.grad`.
+
+[Note: multiplying a gradient by one]
+torch's clip multiplies every gradient by clamp(max_norm / (norm + eps), max=1) in place,
+also when the clip does not bind and the factor is exactly 1. That changes no bit (x * 1 is
+x for every float, NaN and -0 included) but bumps the gradient's `_version`, and offload="disk"
+keeps a step taken during backward only if the gradient's version is unchanged ([Note: the
+speculative step] in overlap.optim.speculation). So `Tensor.mul_` and `torch._foreach_mul_`
+of ShardGrads by a factor that is exactly 1 (a Python number, or a 0-dim CPU tensor: a
+device tensor is never read back, which would synchronise) are skipped: a clip that does
+not bind keeps the speculation, one that binds invalidates it and the step recomputes.
 """
 from __future__ import annotations
 
@@ -40,10 +50,23 @@ class ShardGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func in _IN_PLACE_MULS and _is_one(args[1] if len(args) > 1 else kwargs.get("other",
+                                                                                      kwargs.get("scalar"))):
+            return args[0] if func is torch.Tensor.mul_ else None     # see [Note: multiplying a gradient by one]
         combine = _NORMS.get(func)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs) if combine is None else _local_norms(func, args, kwargs)
         return out if combine is None else combine(args, kwargs, out)
+
+
+_IN_PLACE_MULS = (torch.Tensor.mul_, torch._foreach_mul_)
+
+
+def _is_one(factor: Any) -> bool:
+    """Whether `factor` is exactly 1 without reading a device tensor back."""
+    if isinstance(factor, torch.Tensor):
+        return factor.device.type == "cpu" and factor.dim() == 0 and not factor.is_complex() and bool(factor == 1)
+    return isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor == 1
 
 
 def shard_grad(view: torch.Tensor, collectives: "Collectives") -> ShardGrad:

@@ -1,0 +1,175 @@
+"""An asynchronous checkpoint save of an offload="disk" model: its masters and moments written
+from the state file (streamed) against staged in host memory first (as every other tier's
+state is), alternated round by round in one process.
+
+    python benchmarks/disk_async_save.py --model-params 200M --rounds 4 --out docs/results/disk_async_save.json
+
+One gloo rank trains a GPT of about `--model-params` parameters (built on the meta device,
+bf16 gathers, overlap.optim.AdamW) for a step, then per round: `async_save`, `--steps`
+training steps while its files are written, `wait()`. "staged" is the same save with no key
+streamed (`overlap.checkpoint.streamed_keys` made to return none), so DCP's writer gets a
+host copy of every value. Per round and mode: the seconds `async_save` blocked, the seconds
+until the save was complete, the seconds of each step taken during it, and the peak of the
+process's anonymous resident memory (RssAnon: the staged copies are anonymous memory, while
+the pages a streamed save reads are the state file's page cache, RssFile, which the kernel
+may drop) above its level before the save, sampled every 10 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from common import git_commit, markdown_table, median, write_json
+from optim_step import parse_count
+from offload_disk import gpt_config
+
+MODES = ("staged", "streamed")
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class PeakRss:
+    """The peak RssAnon and RssFile (bytes) while the `with` block runs, sampled every 10 ms."""
+
+    def __enter__(self) -> "PeakRss":
+        self.anon = self.file = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while True:
+            self.anon = max(self.anon, 1024 * _rss_kib("RssAnon"))
+            self.file = max(self.file, 1024 * _rss_kib("RssFile"))
+            if self._stop.wait(0.01):
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+
+    import overlap.checkpoint as checkpoint
+    from overlap import MixedPrecision, ShardedModule
+    from overlap.models import GPT
+    from overlap.optim import AdamW
+
+    streamed_keys = checkpoint.streamed_keys
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        config = gpt_config(parse_count(args.model_params), args.model_layers)
+        with torch.device("meta"):
+            inner = GPT(config)
+        model = ShardedModule(inner, offload="disk",
+                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        optimizer = AdamW(model.parameters(), lr=1e-4)
+        generator = torch.Generator().manual_seed(0)
+
+        def step() -> float:
+            start = time.perf_counter()
+            tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=generator)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if not torch.isfinite(loss.detach()):
+                raise RuntimeError(f"the loss is {float(loss)}")
+            return time.perf_counter() - start
+
+        step()
+        rounds = []
+        for index in range(args.rounds):
+            order = MODES if index % 2 == 0 else MODES[::-1]
+            measured = {}
+            for mode in order:
+                checkpoint.streamed_keys = streamed_keys if mode == "streamed" else (lambda *_: frozenset())
+                path = os.path.join(args.dir, f"round{index}-{mode}")
+                anon_before, file_before = 1024 * _rss_kib("RssAnon"), 1024 * _rss_kib("RssFile")
+                with PeakRss() as peak:
+                    start = time.perf_counter()
+                    pending = checkpoint.async_save(path, model, optimizer)
+                    blocked = time.perf_counter() - start
+                    steps = [step() for _ in range(args.steps)]
+                    pending.wait()
+                    total = time.perf_counter() - start
+                measured[mode] = dict(blocked_s=blocked, total_s=total, steps_s=steps,
+                                      anon_growth_bytes=peak.anon - anon_before,
+                                      file_growth_bytes=peak.file - file_before)
+                print(f"round {index} {mode}: async_save blocked {blocked:.2f} s, complete after {total:.2f} s, "
+                      f"steps {[round(s, 2) for s in steps]} s, RssAnon +{measured[mode]['anon_growth_bytes'] / 2**30:.2f} "
+                      f"GiB, RssFile +{measured[mode]['file_growth_bytes'] / 2**30:.2f} GiB", flush=True)
+            rounds.append(dict(order=list(order), **measured))
+        checkpoint.streamed_keys = streamed_keys
+        return dict(params=config.num_params, config=vars(config), rounds=rounds,
+                    state_bytes=12 * sum(p.numel() for p in model.parameters()))
+    finally:
+        dist.destroy_process_group()
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-params", default="200M", help="GPT parameters, e.g. 200M (default)")
+    parser.add_argument("--model-layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2, help="training steps while each save is written")
+    parser.add_argument("--dir", default=None, help="where the state file and checkpoints go (default: a temporary "
+                        "directory under the current one)")
+    parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--out", help="result JSON")
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    load_before, started = os.getloadavg(), time.time()
+    with tempfile.TemporaryDirectory(prefix="disk-async-save-", dir=args.dir or ".") as directory:
+        os.environ["OVERLAP_OFFLOAD_DIR"] = directory
+        args.dir = directory
+        measured = run(args)
+    counted = measured["rounds"]
+
+    def spread(values: list[float]) -> dict:
+        return dict(median=median(values), min=min(values), max=max(values))
+    summary = {f"{figure}_{mode}": spread([scale * r[mode][key] for r in counted]) for mode in MODES
+               for figure, key, scale in (("blocked_s", "blocked_s", 1.0), ("complete_s", "total_s", 1.0),
+                                          ("anon_growth_gib", "anon_growth_bytes", 2**-30))}
+    summary["step_during_save_s_streamed_over_staged"] = spread(
+        [median(r["streamed"]["steps_s"]) / median(r["staged"]["steps_s"]) for r in counted])
+    result = dict(meta=dict(command="python benchmarks/disk_async_save.py " + " ".join(args.argv),
+                            commit=git_commit(), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                            host_load=dict(load_1_5_15min_before=list(load_before),
+                                           load_1_5_15min_after=list(os.getloadavg()),
+                                           wall_s=time.time() - started),
+                            params=measured["params"], state_gib=measured["state_bytes"] / 2**30),
+                  summary=summary, rounds=counted)
+    if args.out:
+        write_json(args.out, result)
+    rows = [[name, f"{s['median']:.3f}", f"{s['min']:.3f}–{s['max']:.3f}"] for name, s in summary.items()]
+    print(markdown_table(["figure", "median", "range"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
