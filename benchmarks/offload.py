@@ -12,8 +12,19 @@ round runs `--steps` steps of one, then of the other, the order alternating from
 round; a step is forward, backward, `optimizer.step()` and `zero_grad()`, its time the slower
 rank's. Per round, the ratio of the two modes' median step times; the summary gives the
 median and range of those paired ratios. The first round is a warm-up and is not counted.
+Each mode's step is also split into forward + backward and the optimizer step, with how busy
+the rank's threads were during forward and backward: what stepping the host shards during
+backward could hide (see [Note: what overlapping the update could hide]).
 
     python benchmarks/offload.py --rounds 9 --steps 20 --out docs/results/offload_cpu.json
+
+`--modes cpu,disk` compares two other tiers (the ratio is the second's step over the
+first's); `--model-params N` trains instead a GPT of about N parameters (`--model-layers`
+blocks, sequences of 128, 2 per rank); `--optimizer overlap` steps both with
+overlap.optim.AdamW (offload="disk" needs it, and bf16 gathers: `--precision bf16`).
+
+    python benchmarks/offload.py --modes cpu,disk --precision bf16 --optimizer overlap \
+        --model-params 300M --model-layers 12 --rounds 4 --steps 3 --out docs/results/offload_disk_vs_cpu.json
 """
 from __future__ import annotations
 
@@ -32,6 +43,14 @@ from common import (git_commit, markdown_table, median, run_with_deadline, scrip
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 logger = logging.getLogger("offload")
 MODES = ("none", "cpu")
+# [Note: what overlapping the update could hide]
+# Stepping a unit's host shard while backward goes on (as offload="disk" steps its buckets)
+# can hide at most the update's time, and only in cycles backward leaves idle. Per mode and
+# round: the medians of forward + backward (ms), of the optimizer step (ms), and of the
+# fraction of its threads' time each rank's process was on a CPU during forward and
+# backward (1.0: no idle cycle for an update to use).
+PHASE_FIGURES = (("median_compute_ms", "compute", 1e3), ("median_update_ms", "update", 1e3),
+                 ("busy_in_compute", "busy_in_compute", 1.0))
 
 
 # ---- worker: one launch of 2 ranks ---------------------------------------------------------------
@@ -42,51 +61,77 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from overlap import MixedPrecision, ShardedModule
     from overlap.models import GPT, Block, GPTConfig
-    from overlap.train.job import VOCAB_SIZE, build_parser
+    from overlap.optim import AdamW
+    from overlap.train.options import build_parser
+    from overlap.train.rank import VOCAB_SIZE
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))      # as `overlap train` does
     job = build_parser().parse_args([])                                 # the job's defaults
-    config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=job.seq, n_layer=job.layers, n_head=job.heads,
-                       n_embd=job.hidden)
-    precision = MixedPrecision(param_dtype=torch.bfloat16) if args.precision == "bf16" else None
-    models, optimizers = {}, {}
-    for mode in MODES:
-        torch.manual_seed(job.seed)
-        model = ShardedModule(GPT(config), unit_types=(Block,), mixed_precision=precision, offload=mode)
-        models[mode] = model
-        optimizers[mode] = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(),
-                                                                           job.weight_decay),
-                                             lr=job.lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, VOCAB_SIZE, (job.batch, job.seq + 1), generator=gen) for _ in range(args.steps)]
+    if args.model_params is None:
+        config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=job.seq, n_layer=job.layers, n_head=job.heads,
+                           n_embd=job.hidden)
+        batch = job.batch
+    else:
+        from offload_disk import gpt_config
+        from optim_step import parse_count
 
-    def steps(mode: str) -> list[float]:
+        config, batch = gpt_config(parse_count(args.model_params), args.model_layers), 2
+    precision = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.precision == "bf16"
+                 else None)
+    optimizer_class = AdamW if args.optimizer == "overlap" else torch.optim.AdamW
+    models, optimizers = {}, {}
+    for mode in args.modes:
+        torch.manual_seed(job.seed)
+        with torch.device("meta" if args.model_params is not None else "cpu"):
+            inner = GPT(config)
+        model = ShardedModule(inner, unit_types=(Block,), mixed_precision=precision, offload=mode)
+        models[mode] = model
+        optimizers[mode] = optimizer_class(model.module.optimizer_groups(model.named_parameters(), job.weight_decay),
+                                           lr=job.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, config.vocab_size, (batch, config.block_size + 1), generator=gen)
+               for _ in range(args.steps)]
+
+    threads = torch.get_num_threads()
+
+    def steps(mode: str) -> dict[str, list[float]]:
         model, optimizer = models[mode], optimizers[mode]
-        seconds = []
+        # Per step: its wall time; forward and backward's wall and this process's CPU time
+        # (all threads); the optimizer step's wall time (see [Note: what overlapping the
+        # update could hide]).
+        seconds, compute, compute_cpu, update = [], [], [], []
         for batch in batches:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             loss = model(batch[:, :-1], batch[:, 1:])
             loss.backward()
+            computed, cpu_computed = time.perf_counter(), time.process_time()
             optimizer.step()
+            stepped = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             seconds.append(time.perf_counter() - start)
+            compute.append(computed - start)
+            compute_cpu.append(cpu_computed - cpu_start)
+            update.append(stepped - computed)
             if not torch.isfinite(loss):
                 raise RuntimeError(f"offload={mode}: non-finite loss {float(loss)}")
-        # A step takes the slower rank's time.
+        # A step takes the slower rank's time; the phases are this rank's (rank 0's).
         times = torch.tensor(seconds, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        return times.tolist()
+        busy = [cpu / (wall * threads) for cpu, wall in zip(compute_cpu, compute)]
+        return dict(step=times.tolist(), compute=compute, update=update, busy_in_compute=busy)
 
     rounds = []
     for index in range(args.rounds):
-        order = MODES if index % 2 == 0 else MODES[::-1]
-        rounds.append(dict(order=list(order), step_s={mode: steps(mode) for mode in order}))
+        order = args.modes if index % 2 == 0 else args.modes[::-1]
+        measured = {mode: steps(mode) for mode in order}
+        rounds.append(dict(order=list(order), step_s={mode: m["step"] for mode, m in measured.items()},
+                           phases={mode: {k: v for k, v in m.items() if k != "step"} for mode, m in measured.items()}))
     if rank == 0:
         with open(args.result, "w") as f:
-            json.dump(dict(rounds=rounds, model=dict(layers=job.layers, hidden=job.hidden, heads=job.heads,
-                                                     seq=job.seq, batch=job.batch, params=config.num_params)), f)
+            json.dump(dict(rounds=rounds, model=dict(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head,
+                                                     seq=config.block_size, batch=batch, params=config.num_params)), f)
 
 
 # ---- driver ---------------------------------------------------------------------------------------
@@ -99,20 +144,27 @@ def run_driver_result(args: argparse.Namespace) -> dict:
     started, load_before = time.time(), os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        command = torchrun(os.path.abspath(__file__), 2, ["--worker", "--result", result_path,
-                                                          "--rounds", str(args.rounds), "--steps", str(args.steps),
-                                                          "--precision", args.precision])
-        run_with_deadline(command, args.timeout, env=single_thread_env())
+        worker = ["--worker", "--result", result_path, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                  "--precision", args.precision, "--modes", ",".join(args.modes), "--optimizer", args.optimizer,
+                  "--model-layers", str(args.model_layers)]
+        if args.model_params is not None:
+            worker += ["--model-params", args.model_params]
+        with tempfile.TemporaryDirectory(prefix="offload-", dir=".") as state_dir:
+            env = {**single_thread_env(), "OVERLAP_OFFLOAD_DIR": state_dir}
+            run_with_deadline(torchrun(os.path.abspath(__file__), 2, worker), args.timeout, env=env)
         with open(result_path) as f:
             measured = json.load(f)
     counted = measured["rounds"][1:]                  # the first round warms both models up
-    ratios = [median(r["step_s"]["cpu"]) / median(r["step_s"]["none"]) for r in counted]
-    summary = dict(step_cpu_over_none=_spread(ratios),
-                   **{f"median_step_ms_{mode}": _spread([1e3 * median(r["step_s"][mode]) for r in counted])
-                      for mode in MODES})
+    first, second = args.modes
+    ratios = [median(r["step_s"][second]) / median(r["step_s"][first]) for r in counted]
+    summary = {f"step_{second}_over_{first}": _spread(ratios),
+               **{f"median_step_ms_{mode}": _spread([1e3 * median(r["step_s"][mode]) for r in counted])
+                  for mode in args.modes},
+               **{f"{figure}_{mode}": _spread([median(r["phases"][mode][key]) * scale for r in counted])
+                  for mode in args.modes for figure, key, scale in PHASE_FIGURES}}
     meta = dict(command="python benchmarks/offload.py " + " ".join(args.argv), commit=git_commit(REPO),
                 world=2, backend="gloo", rounds=args.rounds, rounds_counted=len(counted), steps=args.steps,
-                precision=args.precision, model=measured["model"], time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                precision=args.precision, modes=list(args.modes), optimizer=args.optimizer, model=measured["model"], time=time.strftime("%Y-%m-%d %H:%M:%S"),
                 host_load=dict(load_1_5_15min_before=list(load_before), load_1_5_15min_after=list(os.getloadavg()),
                                wall_s=time.time() - started))
     return dict(meta=meta, summary=summary, rounds=measured["rounds"])
@@ -134,6 +186,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="steps of each mode per round (default 20)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: gathers in bf16, the persistent bf16 copy on the device")
+    parser.add_argument("--modes", default=",".join(MODES), help="the two offload tiers compared (default none,cpu)")
+    parser.add_argument("--optimizer", choices=("torch", "overlap"), default="torch",
+                        help="torch.optim.AdamW (default) or overlap.optim.AdamW for both")
+    parser.add_argument("--model-params", default=None, help="a GPT of about this many parameters, e.g. 300M "
+                        "(default: overlap train's default model)")
+    parser.add_argument("--model-layers", type=int, default=12, help="its blocks (with --model-params)")
     parser.add_argument("--out", help="result JSON")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the launch may take")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -141,6 +199,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 2 or args.steps < 1:
         parser.error("--rounds must be >= 2 (the first is a warm-up) and --steps >= 1")
+    args.modes = tuple(args.modes.split(","))
+    if len(args.modes) != 2 or len(set(args.modes)) != 2 or not set(args.modes) <= {"none", "cpu", "disk"}:
+        parser.error(f"--modes {','.join(args.modes)}: expected two different tiers of none, cpu, disk")
+    if "disk" in args.modes and (args.optimizer != "overlap" or args.precision != "bf16"):
+        parser.error("offload disk steps with overlap.optim.AdamW and keeps bf16 gathers: add --optimizer overlap "
+                     "--precision bf16")
     args.argv = [a for a in argv]
     return args
 
