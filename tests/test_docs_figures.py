@@ -424,6 +424,16 @@ def _model_ranks(field: Callable[[dict], float], scale: float = 1.0) -> tuple:
 _LAST = lambda name: (lambda rank: rank["steps"][-1][name])  # noqa: E731
 
 
+def _with_without(field: Callable[[dict], float]) -> tuple:
+    """One figure of offload_disk.py's rounds mode, round 0: without (rank 0, 1), with (rank 0, 1)."""
+    return tuple(lambda d, m=m, r=r: field(d["rounds"][0][m][r]) for m in ("without", "with") for r in (0, 1))
+
+
+def _step_total(mode: str) -> Callable[[dict], float]:
+    """Rank 0's last step, compute and optimizer.step(), in offload_disk.py's rounds mode."""
+    return lambda d: sum(d["rounds"][0][mode][0]["steps"][-1][k] for k in ("compute_s", "optimizer_s"))
+
+
 def _spread(ratios: Reader) -> tuple:
     """The median, smallest and largest of per-round ratios."""
     return (lambda d: statistics.median(ratios(d)), lambda d: min(ratios(d)), lambda d: max(ratios(d)))
@@ -865,6 +875,23 @@ FIGURES: list[Figure] = [
                                              lambda d: 16 * d["ranks"][0]["params"] / 2**30)),
     Figure("docs/offload_disk.md", "The two ranks' peaks add up to {0:.1f} GiB", "offload_disk_model_large.json",
            (lambda d: sum(r["peak_rss_gib"] for r in d["ranks"]),)),
+    *[Figure("docs/offload_disk.md", text, "offload_disk_model_large_speculation.json", values)
+      for text, values in (
+          ("| compute, forward + backward | {0:.1f} / {1:.1f} s | {2:.1f} / {3:.1f} s |",
+           _with_without(_LAST("compute_s"))),
+          ("| of it, the worker's steps during backward | 0 / 0 s | {2:.1f} / {3:.1f} s |",
+           _with_without(_LAST("speculated_s"))),
+          ("| `optimizer.step()` | {0:.1f} / {1:.1f} s | {2:.2f} / {3:.2f} s |", _with_without(_LAST("optimizer_s"))),
+          ("| shards committed / recomputed | 0 / 0 | {2:.0f} / {3:.0f} |",
+           _with_without(_LAST("commits"))[:3] + (lambda d: d["rounds"][0]["with"][0]["steps"][-1]["recomputes"],)),
+          ("| IO alone | {0:.1f} / {1:.1f} s | {2:.1f} / {3:.1f} s |", _with_without(lambda r: r["io_alone_s"])),
+          ("| step ÷ max(compute, IO), the slower rank | {0:.2f} | {1:.2f} |",
+           (at("step_over_longer_of_compute_and_io", 0, "without"), at("step_over_longer_of_compute_and_io", 0, "with"))),
+          ("Compute + step went from {0:.1f} s to {1:.1f} s on rank 0 ({2:.2f} of it)",
+           (_step_total("without"), _step_total("with"), lambda d: _step_total("with")(d) / _step_total("without")(d))),
+          ("longer than without them ({0:.1f} against {1:.1f} s", _with_without(_LAST("compute_s"))[2::-2]),
+          ("The state file per rank is {0:.1f} GiB", (lambda d: d["rounds"][0]["with"][0]["state_file_bytes"] / 2**30,)),
+      )],
     *[Figure("docs/offload_disk.md", text, name, _model_ranks(field, scale))
       for name, text, field, scale in (
           ("offload_disk_model_first.json", "| peak RSS | {0:.2f} / {1:.2f} GiB |", lambda r: r["peak_rss_gib"], 1),
