@@ -873,6 +873,18 @@ FIGURES: list[Figure] = [
     Figure("docs/offload_disk.md", "Its training state at 16 bytes per parameter is {0:.1f} GB ({1:.1f} GiB)",
            "offload_disk_model_large.json", (lambda d: 16 * d["ranks"][0]["params"] / 1e9,
                                              lambda d: 16 * d["ranks"][0]["params"] / 2**30)),
+    # docs/offload_disk.md and docs/offload.md: the disk tier against the cpu tier at 297M.
+    Figure("docs/offload_disk.md", "| step, disk ÷ cpu (paired per round) | {0:.3f} | {1:.3f}, {2:.3f}, {3:.3f} |",
+           "offload_disk_vs_cpu.json", (at("summary", "step_disk_over_cpu", "median"),
+                                        *[at("summary", "step_disk_over_cpu", "per_round", i) for i in range(3)])),
+    *[Figure(doc, text, "offload_disk_vs_cpu.json", tuple(at("summary", key, "median") for key in keys))
+      for doc, text, keys in (
+          ("docs/offload_disk.md", "| step, cpu | {0:.0f} ms |", ("median_step_ms_cpu",)),
+          ("docs/offload_disk.md", "| step, disk | {0:.0f} ms |", ("median_step_ms_disk",)),
+          ("docs/offload_disk.md", "| left in `optimizer.step()`, disk | {0:.0f} ms |", ("median_update_ms_disk",)),
+          ("docs/offload.md", "update takes {0:.0f} ms of a {1:.0f} ms step", ("median_update_ms_cpu",
+                                                                               "median_step_ms_cpu")),
+          ("docs/offload.md", "each rank's thread was on a CPU {0:.0%} of the time", ("busy_in_compute_cpu",)))],
     Figure("docs/offload_disk.md", "The two ranks' peaks add up to {0:.1f} GiB", "offload_disk_model_large.json",
            (lambda d: sum(r["peak_rss_gib"] for r in d["ranks"]),)),
     *[Figure("docs/offload_disk.md", text, "offload_disk_model_large_speculation.json", values)
