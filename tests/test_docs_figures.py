@@ -873,6 +873,18 @@ FIGURES: list[Figure] = [
     Figure("docs/offload_disk.md", "Its training state at 16 bytes per parameter is {0:.1f} GB ({1:.1f} GiB)",
            "offload_disk_model_large.json", (lambda d: 16 * d["ranks"][0]["params"] / 1e9,
                                              lambda d: 16 * d["ranks"][0]["params"] / 2**30)),
+    # docs/offload_disk.md: asynchronous saves of the disk tier, staged against streamed.
+    *[Figure("docs/offload_disk.md", f"| {words} | " + f"{{0:{fmt}}} ({{1:{fmt}}}–{{2:{fmt}}}) {unit} | "
+             f"{{3:{fmt}}} ({{4:{fmt}}}–{{5:{fmt}}}) {unit} |", "disk_async_save.json",
+             tuple(at("summary", f"{key}_{mode}", stat) for mode in ("staged", "streamed")
+                   for stat in ("median", "min", "max")))
+      for words, key, fmt, unit in (("`async_save` blocked", "blocked_s", ".2f", "s"),
+                                    ("save complete after", "complete_s", ".1f", "s"),
+                                    ("peak anonymous memory above before the save", "anon_growth_gib", ".2f", "GiB"))],
+    Figure("docs/offload_disk.md", "took {0:.2f} times as long as", "disk_async_save.json",
+           (at("summary", "step_during_save_s_streamed_over_staged", "median"),)),
+    Figure("docs/offload_disk.md", "a {0:.0f}M GPT at one rank", "disk_async_save.json",
+           (lambda d: d["meta"]["params"] / 1e6,)),
     # docs/offload_disk.md and docs/offload.md: the disk tier against the cpu tier at 297M.
     Figure("docs/offload_disk.md", "| step, disk ÷ cpu (paired per round) | {0:.3f} | {1:.3f}, {2:.3f}, {3:.3f} |",
            "offload_disk_vs_cpu.json", (at("summary", "step_disk_over_cpu", "median"),
