@@ -873,6 +873,10 @@ FIGURES: list[Figure] = [
     Figure("docs/offload_disk.md", "Its training state at 16 bytes per parameter is {0:.1f} GB ({1:.1f} GiB)",
            "offload_disk_model_large.json", (lambda d: 16 * d["ranks"][0]["params"] / 1e9,
                                              lambda d: 16 * d["ranks"][0]["params"] / 2**30)),
+    Figure("README.md", "its step took {0:.2f} times the longer of compute", "offload_disk_model_large_speculation.json",
+           (at("step_over_longer_of_compute_and_io", 0, "without"),)),
+    Figure("README.md", "and IO with every bucket stepped in `optimizer.step()`, and {0:.2f} times",
+           "offload_disk_model_large_speculation.json", (at("step_over_longer_of_compute_and_io", 0, "with"),)),
     # docs/offload_disk.md: asynchronous saves of the disk tier, staged against streamed.
     *[Figure("docs/offload_disk.md", f"| {words} | " + f"{{0:{fmt}}} ({{1:{fmt}}}–{{2:{fmt}}}) {unit} | "
              f"{{3:{fmt}}} ({{4:{fmt}}}–{{5:{fmt}}}) {unit} |", "disk_async_save.json",
