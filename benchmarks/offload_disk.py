@@ -299,7 +299,10 @@ def train_model(params: int, layers: int, directory: str, speculate: bool = True
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # Ranks forked from a server that imported torch and the package once (each mode's pair of
+    # ranks otherwise imports them again); it holds modules only, no threads or process group.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "overlap.sharded_module", "overlap.models", "overlap.optim"])
     queue = ctx.Queue()
     procs = [ctx.Process(target=_train_rank, args=(r, port, params, layers, directory, speculate, queue))
              for r in range(MODEL_RANKS)]
