@@ -519,6 +519,43 @@ def test_async_save_streams_the_disk_state_and_keeps_the_state_of_its_step(launc
             assert torch.equal(loaded[key], value), key
 
 
+def _optimizer_before_wrapping(rank: int, world: int) -> dict:
+    """overlap.optim.AdamW built on the module before the wrap (a DDP script's order) and after
+    it: losses, final masters and the steps taken during backward that were committed."""
+    from overlap import ShardedModule
+    from overlap.optim import AdamW
+    from overlap.optim.paged import paged_of
+
+    out = {}
+    for order in ("after", "before"):
+        torch.manual_seed(0)
+        inner = GPT(SMALL_GPT)
+        optimizer = AdamW(inner.parameters(), lr=1e-2) if order == "before" else None
+        model = ShardedModule(inner, offload="disk", mixed_precision=BF16)
+        optimizer = optimizer or AdamW(model.parameters(), lr=1e-2)
+        engine = next(paged_of(p) for p in model.parameters() if paged_of(p) is not None).engine
+        losses = []
+        for batch in token_batches(SMALL_GPT.vocab_size, 12, steps=STEPS)():
+            loss = _lm_loss(model, (batch[0][rank::world], batch[1][rank::world]))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        out[order] = {"losses": losses, "state": model.full_state_dict(), "commits": engine.commits,
+                      "recomputes": engine.recomputes}
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_an_optimizer_built_before_wrapping_steps_during_backward_too(launches: dict) -> None:
+    for result in (outcome.result() for outcome in launches[1]["optimizer-before"]):
+        before, after = result["before"], result["after"]
+        assert before["losses"] == after["losses"] and all(torch.isfinite(torch.tensor(before["losses"])))
+        for key, value in after["state"].items():
+            assert torch.equal(before["state"][key], value), key
+        assert before["commits"] == after["commits"] > 0 and before["recomputes"] == 0
+
+
 def _failed_load_then_good(rank: int, world: int, good: str, bad: str) -> dict:
     """A checkpoint, a damaged copy of it, a step on; then the damaged load fails partway
     (the items before the damage may already be in the state file), and the step and the
@@ -766,7 +803,8 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     return {
         2: saves,
         1: CaseLaunch({**trained(1), **loads(), "full-load": RankCase(_full_load_refused),
-                       "failed-load": RankCase(_failed_load_then_good, (path("good"), path("bad")))},
+                       "failed-load": RankCase(_failed_load_then_good, (path("good"), path("bad"))),
+                       "optimizer-before": RankCase(_optimizer_before_wrapping)},
                       world_size=1, env=env, timeout=800, after=[saves]),
         3: CaseLaunch({**trained(3), **loads()}, world_size=3, env=env, timeout=800, after=[saves]),
     }

@@ -86,14 +86,15 @@ class AdamW(torch.optim.Optimizer):
         self._register_paged()
 
     def _register_paged(self) -> None:
-        """Tell the disk tier which settings this optimizer's paged parameters step with (see
-        [Note: the speculative step]); the group of each by id, kept current through loads."""
+        """Tell the disk tier which settings this optimizer's parameters step with (see
+        [Note: the speculative step]); the group of each by id, kept current through loads.
+        Every parameter, paged or not yet: an optimizer built before `ShardedModule(...,
+        offload="disk")` holds the same Parameter objects the wrap pages afterwards."""
         self._paged_groups: dict[int, dict[str, Any]] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if paged_of(p) is not None:
-                    self._paged_groups[id(p)] = group
-                    register_next_hyper(p, weakref.WeakMethod(self._next_hyper))
+                self._paged_groups[id(p)] = group
+                register_next_hyper(p, weakref.WeakMethod(self._next_hyper))
 
     def _next_hyper(self, p: torch.Tensor) -> Optional[Hyper]:
         """The settings `step()` will step `p` with if nothing changes before it."""
@@ -101,8 +102,7 @@ class AdamW(torch.optim.Optimizer):
         if group is None:
             return None
         state = self.state.get(p)
-        step = 1.0 if not state else float(state["step"] + 1)      # float32, as step() counts it
-        return Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], step, group["maximize"])
+        return _hyper(group, 1.0 if not state else float(state["step"] + 1))      # float32, as step() counts it
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # load_state_dict comes here: a state dict of torch.optim.AdamW carries its own flags
@@ -141,8 +141,7 @@ class AdamW(torch.optim.Optimizer):
                         state["step"] = torch.tensor(0.0, dtype=torch.float32)
                         state.update(paged_moments(p))
                     state["step"] += 1
-                    paged.add(p, where, Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                              state["step"].item(), group["maximize"]))
+                    paged.add(p, where, _hyper(group, state["step"].item()))
                     paged.stepped.append(p)
                     continue
                 if not state:
@@ -189,6 +188,12 @@ class AdamW(torch.optim.Optimizer):
                 if not _same_memory(source, target):
                     target.copy_(source.reshape(target.shape))
             self.state[p].update(maps)
+
+
+def _hyper(group: dict[str, Any], step: float) -> Hyper:
+    """A paged step's settings: the one `step()` takes and the one the disk tier takes ahead
+    of it are made here alike, so that they compare equal when nothing changed."""
+    return Hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], step, group["maximize"])
 
 
 # The state a paged parameter keeps in the state file rather than in memory.
