@@ -31,10 +31,9 @@ train: setup
 # fresh environment); `make test-all` runs everything, as CI does. Both print the 25 slowest
 # tests, so every log shows where the time goes. The files run on TEST_WORKERS pytest-xdist
 # workers, a whole file to a worker, in the order tests/conftest.py collects them (the longest
-# files first; xdist's own reordering puts the files with most tests first). Most tests wait on
-# ranks that wait on each other: on a 2-core machine one worker left the cores a third idle,
-# two 12% (sampled every second over a whole run), three 2%, and the run took 10% less time.
-TEST_WORKERS ?= 3
+# files first; xdist's own reordering puts the files with most tests first): most tests wait on
+# ranks that wait on each other, and one worker left a 2-core machine a third idle.
+TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup

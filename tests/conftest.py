@@ -35,10 +35,10 @@ if triton is not None and not torch.cuda.is_available():
 
 
 # [Note: the longest files first]
-# `make test` runs the files on three pytest-xdist workers, a whole file to a worker (its
+# `make test` runs the files on two pytest-xdist workers, a whole file to a worker (its
 # `CaseLaunch` runs once), handed out in collection order (`--no-loadscope-reorder`: xdist
 # would otherwise hand out the files with most tests first), so a file of minutes collected
-# last would run alone at the end while the other workers idle: these, the longest by
+# last would run alone at the end while the other worker idles: these, the longest by
 # `--durations` (tens of seconds to minutes of building, launches or compiles each), are
 # collected first; the rest follow in their usual order and fill the gaps.
 LONGEST_FIRST = ["test_install.py", "test_benchmarks.py", "test_elastic_restarts.py", "test_compile.py",
