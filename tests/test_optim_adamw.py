@@ -9,6 +9,7 @@ Inputs are fresh random values each run; the seed is in every failure message.
 from __future__ import annotations
 
 import copy
+import io
 import random
 
 import pytest
@@ -250,6 +251,26 @@ def test_tensors_the_kernel_does_not_take_use_the_reference():
             with pytest.raises(ExtensionUnavailable, match="cannot step these tensors"):
                 adamw_step(param, grad, m, v, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                            step=2, backend="ext")
+
+
+def test_a_model_whose_parameters_the_optimizer_holds_pickles_and_copies():
+    """`torch.save(model)` and `copy.deepcopy(model)` after building the optimizer, as a script
+    saving whole modules or keeping an EMA copy does: what the optimizer records for the disk
+    tier stays off the parameters, and the copy computes the gradients the original does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    AdamW(model.parameters(), lr=1e-2)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        for ours, theirs in zip(model.parameters(), copied.parameters()):
+            assert torch.equal(ours, theirs)
+        x = torch.randn(4, 8)
+        for net in (model, copied):
+            net.zero_grad()
+            net(x).square().sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), copied.parameters()))
 
 
 def test_refusals():
