@@ -1,6 +1,6 @@
 // CPU implementation of the quantised ops (semantics and layout: kernels/quantized.py).
 //
-// Work is split over quantisation blocks, at least kGrain elements' worth per task. Every loop
+// Work is split over quantisation blocks, at least kQuantGrain elements' worth per task. Every loop
 // is a plain loop over one block's contiguous elements that the compiler vectorises (built per
 // CPU level, see cpu_convert.h); dequantising decodes a block into float stack buffers.
 // The absmax is an integer max over the bit patterns with the sign cleared: for non-negative
@@ -20,7 +20,7 @@
 namespace overlap {
 namespace {
 
-constexpr int64_t kGrain = 1 << 16;
+constexpr int64_t kQuantGrain = 1 << 16;
 // ROUNDING_MAGIC in kernels/quantized.py: (y + M) - M rounds |y| < 2**22 to nearest even.
 constexpr float kRoundingMagic = 12582912.0f;
 constexpr uint32_t kExponentBits = 0x7F800000u;
@@ -180,7 +180,7 @@ const IntoFn kDequantizeInto[3][2] = {{dequantize_into_blocks<F32, 8>, dequantiz
 // Calls fn(first_block, last_block) over the blocks of n elements, in parallel.
 template <typename Fn>
 void for_blocks(int64_t n, int64_t block, const Fn& fn) {
-  at::parallel_for(0, quant_blocks(n, block), std::max<int64_t>(1, kGrain / block), fn);
+  at::parallel_for(0, quant_blocks(n, block), std::max<int64_t>(1, kQuantGrain / block), fn);
 }
 
 void quantize_cpu(const at::Tensor& src, const at::Tensor& q, const at::Tensor& scales,
