@@ -34,6 +34,18 @@ if triton is not None and not torch.cuda.is_available():
     triton.knobs.runtime.interpret = True
 
 
+# [Note: compiled tests without SIMD kernels]
+# The compiled tests check ShardedModule's units under torch.compile (one graph per unit, no
+# recompiles, training equal to eager), not the vectorisation of Inductor's C++ kernels. On
+# CPU, Inductor compiles each kernel with g++ (about 2 s each), first probes the CPU's vector
+# instruction sets (a compile per set) and builds a precompiled header of its vector code:
+# with vectorisation off, the kernels are scalar C++ and none of that runs; the three files
+# that compile most took 147 CPU-s instead of 179 (paired runs). Set here, at import, so that
+# every rank, `overlap train` job and script the tests start inherits it; a value the caller
+# set is kept. GPU kernels (Triton) are not affected.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+
 # [Note: the longest files first]
 # `make test` runs the files on two pytest-xdist workers, a whole file to a worker (its
 # `CaseLaunch` runs once), handed out in collection order (`--no-loadscope-reorder`: xdist
