@@ -99,8 +99,11 @@ def _source_groups(sources, groups, directory):
     for index, group in enumerate(members):
         path = os.path.join(directory, f"sources_{index}.cpp")
         text = "".join(f'#include "{os.path.abspath(source)}"\n' for source in sorted(group))
-        if not os.path.exists(path) or open(path).read() != text:     # unchanged: ninja keeps its object
-            with open(path, "w") as f:
+        with open(path, "a+") as f:          # unchanged: ninja keeps its object
+            f.seek(0)
+            if f.read() != text:
+                f.seek(0)
+                f.truncate()
                 f.write(text)
         grouped.append(path)
     return grouped

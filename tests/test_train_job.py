@@ -80,7 +80,6 @@ def test_batches_are_next_byte_targets():
     assert int(val_inputs.min()) >= 180
 
 
-@pytest.mark.timeout(300)
 def _both_builds(rank: int, world: int, argv: list[str]) -> list:
     from overlap.train.options import build_parser
     from overlap.train.rank import train
