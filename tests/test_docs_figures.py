@@ -998,6 +998,18 @@ FIGURES: list[Figure] = [
             lambda d: 100 * (1 - min(_paired("10gbit", "overlap", (p,))(d)[i] for p in ("fsdp2", "deepspeed") for i in range(3))),
             lambda d: 100 * (min(_paired("10gbit", "overlap", ("ddp", "ddp-tuned"))(d)) - 1),
             lambda d: 100 * (max(_paired("10gbit", "overlap", ("ddp", "ddp-tuned"))(d)) - 1))),
+    # docs/benchmarks.md: what the rows say, per round.
+    Figure("docs/benchmarks.md", "ahead in every round at 2 Gbit/s ({0}); on loopback ahead in two rounds and behind "
+                                 "in one ({1}), short of the 0.9 target in all three; {2} at 10 Gbit/s", _CURRENT["2gbit"],
+           (listed(_paired("2gbit", "overlap", ("fsdp2-tuned",))),
+            lambda d: listed(_paired("loopback", "overlap", ("fsdp2-tuned",)))(_result(_CURRENT["loopback"])),
+            lambda d: listed(_paired("10gbit", "overlap", ("fsdp2-tuned",)))(_result(_TEN)))),
+    Figure("docs/benchmarks.md", "per round against tuned DDP: {0} on loopback, {1} at 2 Gbit/s; {2:.2f}–{3:.2f} "
+                                 "against the faster DDP of each round at 10 Gbit/s", _CURRENT["2gbit"],
+           (lambda d: listed(_paired("loopback", "overlap", ("ddp-tuned",)))(_result(_CURRENT["loopback"])),
+            listed(_paired("2gbit", "overlap", ("ddp-tuned",))),
+            lambda d: min(_paired("10gbit", "overlap", ("ddp", "ddp-tuned"))(_result(_TEN))),
+            lambda d: max(_paired("10gbit", "overlap", ("ddp", "ddp-tuned"))(_result(_TEN))))),
     # docs/benchmarks.md: compare.py's tables of the three runs.
     *[Figure("docs/benchmarks.md", "{0}", file, (_time_row(link, impl),))
       for file, link in ((_CURRENT["loopback"], "loopback"), (_CURRENT["2gbit"], "2gbit"), (_TEN, "10gbit"))
