@@ -1027,7 +1027,7 @@ FIGURES: list[Figure] = [
     *[Figure("docs/tensor_parallel.md", f"| {impl} | {{0:.2f}} | {{1:.1f}} | {{2:.0f}} |", "tp.json",
              (_tp_median_step(impl), _tp_peak(impl, "peak_tracked"), _tp_peak(impl, "peak_rss")))
       for impl in ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")],
-    *[Figure("docs/parameters.md", f"| {{0}} | {{1}} | {{2}} | {{3}} |", "dropin_habits.json",
+    *[Figure("docs/parameters.md", "| {0} | {1} | {2} | {3} |", "dropin_habits.json",
              (_habit(("cells", "ddp"), habit), _habit(("cells", "fsdp2"), habit),
               _habit(("before", "cells", "overlap"), habit), _habit(("cells", "overlap"), habit)))
       for habit in ("optimizer_before", "torch_clip", "ddp_switch", "rank0_save", "rank0_eval", "numel")],
