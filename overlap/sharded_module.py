@@ -21,9 +21,9 @@ from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident, wait_for_saves
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.optimizer_state import full_optimizer_state
-from overlap.runtime.row_dtensors import local_part, shard_mesh
+from overlap.runtime.row_dtensors import local_part, local_rows, shard_mesh
 from overlap.runtime.shard_grad import plain
-from overlap.runtime.unpicklable_state import FULL_MODEL, RankPartStateDict
+from overlap.runtime.unpicklable_state import FULL_MODEL, SHARDED, PartialStateError
 
 if TYPE_CHECKING:
     from overlap.observe.memory import MemoryReport
@@ -296,15 +296,21 @@ class ShardedModule(nn.Module):
 
     def _module_state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                                 local_metadata: Any) -> Optional[dict[str, Any]]:
-        """`model.module.state_dict()`: each parameter in the sharded form of `state_dict()`;
-        where it holds a part, a dict that refuses to be pickled (see [Note: a one-rank save of
-        a sharded state])."""
+        """`model.module.state_dict()` refuses at the call ([Note: a one-rank save of a sharded
+        state]); inside a larger module's state dict, each parameter is in the sharded form of
+        `state_dict()`."""
         if self._raw_module_state or self.collectives.world_size == 1:
             return None
+        if not prefix:
+            raise PartialStateError(
+                f"model.module.state_dict() under ShardedModule (rank {self.collectives.rank}) would hold this rank's "
+                f"part of each parameter only, and a file saved from it a partial checkpoint. Call {FULL_MODEL} on "
+                f"every rank and save its result on rank 0, call model.state_dict() for the sharded form "
+                f"(DTensors, for torch.distributed.checkpoint), or save with {SHARDED}")
         for key, value in self.state_dict().items():
             if isinstance(value, DTensor) and prefix + key in state_dict:
                 state_dict[prefix + key] = value
-        return RankPartStateDict(state_dict, "model.module.state_dict()", FULL_MODEL) if not prefix else None
+        return None
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
         """A Hugging Face model's `save_pretrained`, of the whole model: called on every rank,
@@ -362,13 +368,11 @@ class ShardedModule(nn.Module):
             for key, value in state_dict.items():
                 target = mine.get(key)
                 if isinstance(target, DTensor):
-                    ours = local_part(target)
-                    theirs = local_part(value) if isinstance(value, DTensor) else None
-                    if theirs is None or value.shape != target.shape or theirs[1] != ours[1] \
-                            or theirs[0].shape != ours[0].shape:
-                        raise ValueError(f"load_state_dict: {key} is not sharded like this model's parameter; "
-                                         "load full tensors, or load a checkpoint with overlap.checkpoint.load")
-                    ours[0].copy_(theirs[0])
+                    if not isinstance(value, DTensor) or value.shape != target.shape:
+                        raise ValueError(f"load_state_dict: {key} is not a DTensor of this model's parameter's "
+                                         f"shape {tuple(target.shape)}; load full tensors (all of them), or a "
+                                         "checkpoint with overlap.checkpoint.load")
+                    local_part(target)[0].copy_(local_rows(value, target))
         if self.overlap_config.offload == "disk":
             refresh_resident([group for unit in self.scheduler.all_units for group in unit.groups])
         others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}

@@ -9,6 +9,7 @@ and saves what the script saves.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any, Callable
@@ -78,16 +79,25 @@ def nanogpt_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 6, accum: int
             with torch.no_grad():
                 evals.append(model(*_batch(99, 0, rank, CONFIG.vocab_size)).item())
             model.train()
-    checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": iters}
-    save_error = None
+    save_error, kept = None, None
     if rank == 0:
+        # nanoGPT's save, over a checkpoint an earlier run left there: a refused save must
+        # leave that file as it was.
+        path = os.path.join(out_dir, f"ckpt_{type(model).__name__}.pt")
+        torch.save({"earlier": torch.arange(1000)}, path)
+        with open(path, "rb") as f:
+            before = f.read()
         try:
-            torch.save(checkpoint, os.path.join(out_dir, "ckpt.pt"))
+            checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": iters}
+            torch.save(checkpoint, path)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             save_error = f"{type(exc).__name__}: {exc}"
+        with open(path, "rb") as f:
+            kept = f.read() == before
     dist.barrier()
     state = _full_state(model, optimizer, out_dir, rank)
     return {"losses": losses, "norms": norms, "evals": evals, "counted": counted, "save_error": save_error,
+            "earlier_file_kept": kept,
             "state": state, "resumed": nanogpt_resume(rank, wrap, state, grad_clip)}
 
 
@@ -165,6 +175,13 @@ def hf_no_trainer_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 4, accu
     if isinstance(model, ShardedModule):
         model.save_pretrained(path + "_every_rank")              # the wrapper's own, called on every rank
     return {"losses": losses, "norms": norms, "path": path}
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """minGPT's training snapshot, which its trainer turns into a dict with `asdict`."""
+
+    optimizer_state: dict
 
 
 class _nothing:
@@ -285,10 +302,17 @@ def edge_cases(rank: int) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters())
         step(model)
         optimizer.step()
-        module_state, optimizer_state = model.module.state_dict(), optimizer.state_dict()
-        copied = copy.deepcopy(module_state)
-        results = {"deepcopy": sorted(copied) == sorted(module_state)}
-        for name, value in (("module", module_state), ("optimizer", optimizer_state)):
+        results = {}
+        try:
+            model.module.state_dict()
+            results["module"] = "returned"
+        except Exception as exc:  # noqa: BLE001 - the expected refusal, at the call
+            results["module"] = f"{type(exc).__name__}: {exc}"
+        optimizer_state = optimizer.state_dict()
+        copied = copy.deepcopy(optimizer_state)
+        snapshot = dataclasses.asdict(_Snapshot(optimizer_state))      # minGPT's trainer copies its snapshot so
+        results["deepcopy"] = sorted(copied) == sorted(optimizer_state)
+        for name, value in (("optimizer", optimizer_state), ("snapshot", snapshot)):
             try:
                 torch.save(value, io.BytesIO())
                 results[name] = "saved"

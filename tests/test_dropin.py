@@ -72,12 +72,14 @@ def test_evaluation_on_every_rank_equals_ddp(runs) -> None:
                                    torch.tensor(result["nanogpt"]["ddp"]["evals"]), **TOL)
 
 
-def test_a_one_rank_save_of_the_parts_fails_naming_the_full_state_calls(runs) -> None:
+def test_a_one_rank_save_of_the_parts_fails_naming_the_full_state_calls_and_keeps_the_earlier_file(runs) -> None:
     results, _ = runs
     assert results[0]["nanogpt"]["ddp"]["save_error"] is None
+    assert results[0]["nanogpt"]["ddp"]["earlier_file_kept"] is False          # DDP's save replaced it
     error = results[0]["nanogpt"]["sharded"]["save_error"]
-    assert error is not None and error.startswith("PartialStateError")
-    assert "model.full_state_dict(rank0_only=True)" in error and "torch.save" in error
+    assert error is not None and error.startswith("PartialStateError"), error
+    assert "model.full_state_dict(rank0_only=True)" in error and "model.module.state_dict()" in error
+    assert results[0]["nanogpt"]["sharded"]["earlier_file_kept"] is True
 
 
 def test_parameter_count_is_this_ranks_part(runs) -> None:
@@ -157,12 +159,13 @@ def test_grad_norms_are_the_whole_parameters(runs) -> None:
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(ddp), **TOL)
 
 
-def test_the_parts_state_dicts_copy_but_refuse_torch_save(runs) -> None:
+def test_the_modules_part_is_refused_at_the_call_and_the_optimizers_refuses_torch_save(runs) -> None:
     for status, value in _edge(runs, "sharded_state"):
         assert status == "ok", value
-        assert value["deepcopy"]
         assert value["module"].startswith("PartialStateError") and "full_state_dict(rank0_only=True)" in value["module"]
-        assert value["optimizer"].startswith("PartialStateError") and "full_optim_state_dict" in value["optimizer"]
+        assert value["deepcopy"]
+        for name in ("optimizer", "snapshot"):
+            assert value[name].startswith("PartialStateError") and "full_optim_state_dict" in value[name], value
 
 
 def test_a_switch_that_is_not_a_bool_is_refused(runs) -> None:

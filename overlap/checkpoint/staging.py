@@ -1,8 +1,8 @@
 """The host copy an asynchronous save writes from.
 
 DCP's file writer stages a state dict by making an empty copy of each tensor and filling it;
-for a DTensor it does so on the local tensor, which for this rank's rows is a
-`LocalShardsWrapper` (overlap.runtime.row_dtensors) that cannot make empty copies. The
+for a DTensor it does so on the local tensor, which for a tensor-parallel parameter's rows is
+a `LocalShardsWrapper` (overlap.runtime.row_dtensors) that cannot make empty copies. The
 writer here stages itself: each row DTensor becomes one over a CPU copy of its rows, plain
 tensors CPU copies, other values deep copies, so training may change the originals while
 the files are written. Values under `streamed` keys (offload="disk": memory maps of the

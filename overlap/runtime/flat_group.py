@@ -113,6 +113,11 @@ class FlatGroup:
         self._split_sizes = self.layout.split_sizes
         self.parts = self.layout.parts_on(rank)
         self.local_shapes = [self.layout.local_shape(index, rank, slot.shape) for index, slot in enumerate(self.slots)]
+        # Each parameter's rows on every rank: its state-dict DTensor's placement
+        # ([Note: row-aligned shards as a DTensor placement]).
+        self.rows_by_rank = [tuple(self.layout.local_shape(index, other, slot.shape)[0]
+                                   for other in range(self.collectives.world_size))
+                             for index, slot in enumerate(self.slots)]
 
     def _first_shard(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
                      on_meta: bool) -> torch.Tensor:
@@ -315,10 +320,10 @@ class FlatGroup:
         optimizer state of the same shape) as a DTensor of the parameter's full shape."""
         slot = self.slots[index]
         mesh = shard_mesh(self.collectives.group, self.collectives.device.type)
-        first_row = self.layout.first_row(index, self.collectives.rank, slot.shape)
         tp = self.tensor_parallel[index]
         if tp is None:
-            return as_dtensor(part, slot.shape, first_row, mesh)
+            return as_dtensor(part, slot.shape, self.rows_by_rank[index], mesh)
+        first_row = self.layout.first_row(index, self.collectives.rank, slot.shape)
         # This rank's rows of its TP-local tensor, where that tensor lies in the global one.
         offset = (tp.offset[0] + first_row, *tp.offset[1:]) if tp.offset else (first_row,)
         return as_block_dtensor(part, tp.shape, list(slot.shape)[1:], offset, mesh)

@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from overlap.optim.paged import paged_of
 from overlap.runtime.param_identity import left_behind
-from overlap.runtime.row_dtensors import local_part
+from overlap.runtime.row_dtensors import local_part, local_rows
 from overlap.runtime.unpicklable_state import FULL_OPTIMIZER, RankPartStateDict
 
 # A flat group (overlap.runtime.flat_group imports this module: no import back). It answers
@@ -91,13 +91,10 @@ def _reshard(state: dict[str, Any], param: torch.Tensor, group: FlatGroup, index
     slot = group.slots[index]
     for key, value in state.items():
         if isinstance(value, DTensor):          # the sharded form of `optimizer.state_dict()`, loaded
-            block, offset = local_part(value)
-            if value.shape != slot.shape or block.shape != param.shape or \
-                    (offset and offset[0] != group.layout.first_row(index, group.collectives.rank, slot.shape)):
-                raise ValueError(f"optimizer state {key!r} of parameter {slot.name!r} is a DTensor sharded unlike "
-                                 "this model's parameter: load it with overlap.checkpoint.load or "
-                                 "torch.distributed.checkpoint, which reshard")
-            state[key] = block.clone()
+            if value.shape != group.global_shape(index):
+                raise ValueError(f"optimizer state {key!r} of parameter {slot.name!r} is a DTensor of shape "
+                                 f"{tuple(value.shape)}, the parameter's is {tuple(group.global_shape(index))}")
+            state[key] = local_rows(value, group.dtensor(param, index)).reshape(param.shape).clone()
             continue
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape == param.shape:
             continue

@@ -1,26 +1,40 @@
-"""This rank's parts of the original parameters (and of their optimizer state) as DTensors of
-the parameters' full shapes: the form FSDP2's state dicts take, and the one
-`torch.distributed.checkpoint` (DCP) saves, loads in place and reshards.
+"""This rank's rows of a tensor as a DTensor of the tensor's full shape: the form FSDP2's
+state dicts take, and the one torch's state-dict API, `torch.distributed.checkpoint` (DCP)
+and DTensor's own collectives (`full_tensor()`, `redistribute`) understand.
 
-A rank keeps a block of whole rows of each parameter, from row `first_row` on (see [Note:
-row-aligned shards]). DTensor's `Shard(0)` alone would place rows by even chunks
-(`torch.chunk`), which row-aligned shards are in general not, so the local tensor is wrapped
-in torch's `LocalShardsWrapper`, which gives DCP the block's own offset: DCP writes and reads
-each rank's block where it is and reshards between any two layouts (FSDP2's even chunks,
-another world size) by overlapping chunks. These DTensors are for checkpoints: operations
-that redistribute (`full_tensor()`, arithmetic across ranks) assume even chunks;
-`ShardedModule.full_state_dict()` gives full tensors.
+[Note: row-aligned shards as a DTensor placement]
+A rank keeps a block of whole rows of each parameter, from its first row on (see [Note:
+row-aligned shards]): how many rows each rank holds follows the flat layout, not
+`torch.chunk`, so DTensor's `Shard(0)` (even chunks) does not describe it. `RowShard(dim,
+rows)` is a `Shard` that carries every rank's row count along the mesh dimension, and
+answers DTensor's placement calls by them: where each rank's block starts (what DCP writes
+each block under, so every rank's block has its own offset and an empty one sits past the
+end, as torch.chunk's empty chunks do), the gather to `Replicate` (padded to the largest
+block, then the real rows kept), and the split from `Replicate`. The local tensor is a view
+of the rank's rows in the flat shard, so loading into the DTensor writes the shard in place.
+
+DTensor's operators build their results' placements anew (`Shard(0)` where the input was
+`RowShard(0, ...)`), which would describe an elementwise result's rows wrongly. `RowDTensor`
+is the DTensor subclass that keeps them: after each operator it gives every result sharded
+on a dimension the rows of the input it came from (scaled where the operator merged
+trailing dimensions into that one, as a flatten does), and refuses a result whose rows it
+cannot tell. Nothing here runs on the training step: the parameters the modules compute with
+are plain views of the gathered buffers; these objects exist only in state dicts.
 """
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 @lru_cache(maxsize=None)
@@ -29,40 +43,247 @@ def shard_mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
 
-def as_dtensor(part: torch.Tensor, shape: Sequence[int], first_row: int, mesh: DeviceMesh) -> DTensor:
-    """`part` (this rank's rows of a tensor of `shape`, from `first_row`; any shape with that
-    many elements) as a DTensor of `shape` whose local tensor is a view of `part`: loading
-    into the result writes `part` in place. A 0-dim tensor is one element, shape [1]."""
-    trailing = list(shape)[1:]
-    return as_block_dtensor(part, shape, trailing, (first_row, *(0 for _ in trailing)), mesh)
+class RowShard(Shard):
+    """`Shard(dim)` with each rank's number of rows along `dim` given (see the note)."""
+
+    def __init__(self, dim: int, rows: Sequence[int]) -> None:
+        super().__init__(dim)
+        self.rows = tuple(int(r) for r in rows)
+        self.starts = tuple(sum(self.rows[:rank]) for rank in range(len(self.rows)))
+
+    # Equal to `Shard(dim)` for DTensor's own checks of which mesh dimensions shard which
+    # tensor dimension (`DTensorSpec` compares placements with `Shard(dim)`); two RowShards are
+    # equal only with the same rows, so a redistribution between two layouts is never skipped.
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RowShard):
+            return other.dim == self.dim and other.rows == self.rows
+        return isinstance(other, Shard) and other.dim == self.dim
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(self.dim)
+
+    def __repr__(self) -> str:
+        return f"RowShard(dim={self.dim}, rows={self.rows})"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        return RowShard, (self.dim, self.rows)
+
+    def _check_ranks(self, num_chunks: int) -> None:
+        if num_chunks != len(self.rows):
+            raise ValueError(f"{self!r} places rows on {len(self.rows)} ranks, the mesh dimension has {num_chunks}")
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: Any) -> tuple[int, int]:
+        self._check_ranks(num_chunks)
+        return self.rows[rank], self.starts[rank] if self.rows[rank] else curr_local_size
+
+    def local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int,  # type: ignore[override]
+                                    rank: Any) -> tuple[int, int]:
+        return self._local_shard_size_and_offset(curr_local_size, num_chunks, rank)
+
+    def _split_tensor(self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True,
+                      contiguous: bool = True) -> tuple[list[torch.Tensor], list[int]]:
+        self._check_ranks(num_chunks)
+        widest = max(self.rows)
+        pieces, pads = [], []
+        for start, rows in zip(self.starts, self.rows):
+            piece = tensor.narrow(self.dim, start, rows)
+            pad = widest - rows if with_padding else 0
+            if pad:
+                piece = torch.cat([piece, piece.new_zeros(_with_size(piece.shape, self.dim, pad))], self.dim)
+            pieces.append(piece.contiguous() if contiguous else piece)
+            pads.append(pad)
+        return pieces, pads
+
+    def _select_split_tensor(self, tensor: torch.Tensor, num_chunks: int, index: Any, *, with_padding: bool = True,
+                             contiguous: bool = True, clone: bool = True) -> torch.Tensor:
+        pieces, _ = self._split_tensor(tensor, num_chunks, with_padding=with_padding, contiguous=False)
+        piece = pieces[index]
+        return piece.clone() if clone else piece.contiguous() if contiguous else piece
+
+    def _shard_tensor(self, tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
+                      src_data_rank: Optional[int] = 0) -> torch.Tensor:
+        rank = mesh.get_local_rank(mesh_dim)
+        if src_data_rank is not None:
+            tensor = tensor.contiguous()
+            dist.broadcast(tensor, src=dist.get_global_rank(mesh.get_group(mesh_dim), src_data_rank),
+                           group=mesh.get_group(mesh_dim))
+        return tensor.narrow(self.dim, self.starts[rank], self.rows[rank]).clone()
+
+    def _replicate_to_shard(self, local_tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
+                            shard_index: Any) -> torch.Tensor:
+        return local_tensor.narrow(self.dim, self.starts[shard_index], self.rows[shard_index]).clone()
+
+    def _to_replicate_tensor(self, local_tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
+                             current_logical_shape: Sequence[int]) -> torch.Tensor:
+        self._check_ranks(mesh.size(mesh_dim))
+        widest = max(self.rows)
+        pad = widest - local_tensor.size(self.dim)
+        if pad:
+            local_tensor = torch.cat([local_tensor, local_tensor.new_zeros(_with_size(local_tensor.shape, self.dim,
+                                                                                      pad))], self.dim)
+        gathered = funcol.all_gather_tensor(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
+        gathered = funcol.wait_tensor(gathered)
+        return torch.cat([gathered.narrow(self.dim, rank * widest, rows) for rank, rows in enumerate(self.rows)],
+                         self.dim)
+
+    def _reduce_shard_tensor(self, tensor: torch.Tensor, mesh: DeviceMesh, reduce_op: Any,
+                             mesh_dim: int) -> torch.Tensor:
+        total = funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), reduce_op, (mesh, mesh_dim)))
+        return self._replicate_to_shard(total, mesh, mesh_dim, mesh.get_local_rank(mesh_dim))
+
+    def _to_new_shard_dim(self, local_tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
+                          current_logical_shape: Sequence[int], new_shard_dim: int) -> torch.Tensor:
+        whole = self._to_replicate_tensor(local_tensor, mesh, mesh_dim, current_logical_shape)
+        return Shard(new_shard_dim)._replicate_to_shard(whole, mesh, mesh_dim, mesh.get_local_rank(mesh_dim))
+
+
+def _with_size(shape: Sequence[int], dim: int, size: int) -> list[int]:
+    out = list(shape)
+    out[dim] = size
+    return out
+
+
+class RowDTensor(DTensor):
+    """A DTensor whose results keep their rows' placement (see the note)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        source = next((value for value in tree_flatten((args, kwargs or {}))[0] if isinstance(value, RowDTensor)),
+                      None)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if source is None:
+            return out
+        return tree_map(lambda value: _keep_rows(value, source, func), out)
+
+    def redistribute(self, device_mesh: Optional[DeviceMesh] = None, placements: Optional[Sequence[Placement]] = None,
+                     *, async_op: bool = False, forward_dtype: Optional[torch.dtype] = None,
+                     backward_dtype: Optional[torch.dtype] = None) -> DTensor:
+        """As DTensor's, through `Replicate` where rows leave a RowShard for another sharding of
+        the same dimension (DTensor would take same-dimension shards to need no move)."""
+        target = list(placements) if placements is not None else list(self.placements)
+        here = list(self.placements)
+        if device_mesh in (None, self.device_mesh) and any(
+                isinstance(a, RowShard) and isinstance(b, Shard) and a != b for a, b in zip(here, target)):
+            through = [Replicate() if isinstance(a, RowShard) and a != b else a for a, b in zip(here, target)]
+            whole = _plain(self).redistribute(self.device_mesh, through, async_op=async_op)
+            return _with_rows(whole.redistribute(self.device_mesh, target, async_op=async_op))
+        return _with_rows(_plain(self).redistribute(device_mesh, placements, async_op=async_op,
+                                                    forward_dtype=forward_dtype, backward_dtype=backward_dtype))
+
+
+def _plain(value: DTensor) -> DTensor:
+    """The same local tensor and spec as a base DTensor (DTensor's own methods on it)."""
+    return DTensor(value._local_tensor, value._spec, requires_grad=value.requires_grad)
+
+
+def _with_rows(value: DTensor) -> DTensor:
+    """`value` as a RowDTensor where a placement is a RowShard."""
+    if isinstance(value, RowDTensor) or not any(isinstance(p, RowShard) for p in value.placements):
+        return value
+    return row_dtensor(value._local_tensor, value.device_mesh, value.placements, value.shape, value.stride())
+
+
+def _keep_rows(value: Any, source: DTensor, func: Any) -> Any:
+    """`value` (an operator's result computed from `source`) with `source`'s rows on every
+    mesh dimension where the operator left a plain `Shard`."""
+    if not isinstance(value, DTensor) or isinstance(value, RowDTensor):
+        return value
+    placements, changed = [], False
+    for mesh_dim, placement in enumerate(value.placements):
+        origin = source.placements[mesh_dim] if mesh_dim < len(source.placements) else None
+        if isinstance(placement, Shard) and not isinstance(placement, RowShard) and isinstance(origin, RowShard):
+            placement = _scaled(origin, value.shape[placement.dim], source.shape[origin.dim], placement.dim, func)
+            changed = True
+        placements.append(placement)
+    if not changed:
+        return value
+    return row_dtensor(value._local_tensor, value.device_mesh, placements, value.shape, value.stride())
+
+
+def _scaled(origin: RowShard, size: int, source_size: int, dim: int, func: Any) -> RowShard:
+    if size == source_size:
+        return RowShard(dim, origin.rows)
+    if source_size and size % source_size == 0:
+        factor = size // source_size
+        return RowShard(dim, [rows * factor for rows in origin.rows])
+    raise NotImplementedError(
+        f"{func}: the result's size {size} along its sharded dimension does not follow the rows of its input "
+        f"({origin!r}); gather the value first with .full_tensor()")
+
+
+def row_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
+                stride: Optional[Sequence[int]] = None) -> RowDTensor:
+    """A RowDTensor over `local` (no copy) with the given global `shape`."""
+    shape = torch.Size(shape)
+    if stride is None:
+        stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, tuple(stride), local.dtype))
+    return RowDTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def as_dtensor(part: torch.Tensor, shape: Sequence[int], rows: Sequence[int], mesh: DeviceMesh) -> RowDTensor:
+    """`part` (this rank's rows of a tensor of `shape`; each rank's row count in `rows`; any
+    shape with that many elements) as a DTensor of `shape` whose local tensor is a view of
+    `part`: loading into the result writes `part` in place. A 0-dim tensor is one element,
+    shape [1]."""
+    global_shape = list(shape) or [1]
+    local = part.detach().view(-1, *global_shape[1:])
+    return row_dtensor(local, mesh, [RowShard(0, rows)], global_shape)
 
 
 def as_block_dtensor(part: torch.Tensor, shape: Sequence[int], trailing: Sequence[int], offset: Sequence[int],
                      mesh: DeviceMesh) -> DTensor:
     """`part` (a block of whole rows of `trailing` trailing dimensions, starting at `offset` in
-    a tensor of `shape`) as a DTensor of `shape` whose local tensor is a view of `part`. A
-    tensor-parallel parameter's block is this rank's rows of its TP-local tensor, placed at its
-    TP offset ([Note: tensor-parallel parameters in flat shards])."""
+    a tensor of `shape`) as a DTensor of `shape` for DCP: a tensor-parallel parameter's block is
+    this rank's rows of its TP-local tensor, placed at its TP offset ([Note: tensor-parallel
+    parameters in flat shards]). Its local tensor is torch's `LocalShardsWrapper`, which
+    carries the block's offset in every dimension: DCP saves, loads and reshards it; DTensor's
+    collectives (`full_tensor()`) do not take it."""
     global_shape = torch.Size(list(shape) or [1])
-    local = part.detach().view(-1, *trailing)
-    wrapped = LocalShardsWrapper([local], [tuple(offset)])
+    wrapped = LocalShardsWrapper([part.detach().view(-1, *trailing)], [tuple(offset)])
     stride = torch.empty(global_shape, device="meta").stride()
     return DTensor.from_local(wrapped, mesh, [Shard(0)], run_check=False, shape=global_shape, stride=stride)
 
 
 def local_part(value: DTensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The local block of a DTensor from `as_dtensor` (or an evenly sharded one) and its offset."""
+    """The local block of a DTensor and the global offset of its first element."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     local = value.to_local()
     if isinstance(local, LocalShardsWrapper):
         (block,) = local.local_shards()
         return block, tuple(local.local_offsets()[0])
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     return local, tuple(offset)
 
 
+def local_rows(value: DTensor, like: DTensor) -> torch.Tensor:
+    """This rank's block of `value` as `like` (a RowDTensor of the same shape) places its rows.
+    Where `value` is sharded otherwise (FSDP2's even chunks: `distribute_tensor` makes plain
+    `Shard`s, whatever placement it is given), the value is gathered first: a collective,
+    decided by the placements alone, so every rank takes the same branch."""
+    if tuple(value.shape) != tuple(like.shape):
+        raise ValueError(f"a DTensor of shape {tuple(value.shape)} cannot be loaded into one of shape "
+                         f"{tuple(like.shape)}")
+    if value.device_mesh == like.device_mesh and len(value.placements) == len(like.placements) and all(
+            type(a) is type(b) and a == b for a, b in zip(value.placements, like.placements)):
+        return local_part(value)[0]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    whole = value.full_tensor()
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+
+
 def copy_to_cpu(value: DTensor) -> DTensor:
-    """A DTensor like `value` (from `as_dtensor`) over a CPU copy of its local rows."""
+    """A DTensor like `value` over a CPU copy of its local rows."""
     block, offset = local_part(value)
-    return as_block_dtensor(block.detach().to("cpu", copy=True), value.shape, block.shape[1:], offset or (0,),
-                            value.device_mesh)
+    block = block.detach().to("cpu", copy=True)
+    if isinstance(value.to_local(), LocalShardsWrapper):
+        return as_block_dtensor(block, value.shape, block.shape[1:], offset or (0,), value.device_mesh)
+    return row_dtensor(block, value.device_mesh, value.placements, value.shape, value.stride())

@@ -1,15 +1,20 @@
-"""State dicts of this rank's part that refuse to be pickled.
+"""A one-rank save of a sharded state, refused before any byte is written where it can be.
 
 [Note: a one-rank save of a sharded state]
 A DDP script saves with `torch.save({"model": raw_model.state_dict(), "optimizer":
-optimizer.state_dict()}, path)` on rank 0 alone. Under ZeRO-3 both hold this rank's part
-only, and nothing at that call can tell that the other ranks are not calling it too: that
-would take a collective, which would hang when they are not. So the call itself succeeds
-(each parameter a DTensor of its full shape over this rank's rows, each optimizer state
-tensor this rank's rows), and what refuses is the one thing that would write a partial
-state to a file: pickling it. `torch.save` (and `pickle`) of the returned dict raises an
-error naming the calls that do save the whole model; deep copies, `torch.distributed.checkpoint`
-and reading the values work as for any dict.
+optimizer.state_dict()}, path)` on rank 0 alone (`raw_model = model.module`). Under ZeRO-3
+both hold this rank's part only, and nothing at those calls can tell whether the other ranks
+call them too: that would take a collective, which would hang when they do not. A refusal
+while pickling comes too late: `torch.save` opens, and so truncates, its file before it
+pickles anything, and the checkpoint the save was to replace is gone.
+- `model.module.state_dict()` therefore refuses at the call (`ShardedModule`'s state-dict
+  hook on the module), naming the calls that save the whole model. Code that saves on every
+  rank (FSDP2's way, DCP, torch's state-dict API) calls `model.state_dict()`, whose DTensors
+  are the sharded form; the module's own state dict is reached only the DDP way.
+- `optimizer.state_dict()` cannot refuse at the call: torch's state-dict API
+  (`get_optimizer_state_dict`) and DCP scripts call it on every rank. Its result refuses to
+  be pickled instead (`RankPartStateDict`); in the DDP idiom the model's state dict is asked
+  for first, in the same expression, and refuses before the file is opened.
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ class PartialStateError(RuntimeError):
 
 
 class RankPartStateDict(OrderedDict):
-    """A state dict of this rank's part (see the note); `what` names the call that made it."""
+    """A state dict of this rank's part (see the note); `what` names the call that made it.
+    The defaults are the optimizer's: copies made by `type(d)(items)` (`dataclasses.asdict`)
+    keep refusing."""
 
-    def __init__(self, items: Any, what: str, full_call: str) -> None:
+    def __init__(self, items: Any = (), what: str = "optimizer.state_dict()", full_call: str = FULL_OPTIMIZER) -> None:
         super().__init__(items)
         self.what = what
         self.full_call = full_call
