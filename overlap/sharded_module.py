@@ -230,13 +230,6 @@ class ShardedModule(nn.Module):
             torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
         return total
 
-    def _refuse_disk(self, what: str) -> None:
-        if self.overlap_config.offload == "disk":
-            raise NotImplementedError(
-                f"ShardedModule.{what}() with offload='disk' is not implemented yet: the fp32 masters live in the "
-                "offload state file; load a sharded state dict (load_state_dict(state_dict()) form, or "
-                "overlap.checkpoint.load) instead")
-
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The wrapped module's state dict with full (unsharded) CPU tensors, on every rank,
         or with `rank0_only` on rank 0 alone (the others return {}). Gathers one flat group
@@ -350,38 +343,52 @@ class ShardedModule(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Load a state dict from `state_dict()` (sharded, this world size and layout) or
-        from `full_state_dict()` (full tensors, any layout)."""
+        """Load a state dict: each parameter a DTensor of its full shape (as `state_dict()`
+        gives it, FSDP2's, or any other sharding: resharded, a collective) or a full tensor
+        (as `full_state_dict()` gives it); every rank calls it."""
         if assign:
             raise ValueError("ShardedModule.load_state_dict: assign=True would replace the views of the flat shards")
-        sharded = {key: value for key, value in state_dict.items() if isinstance(value, DTensor)}
-        if not sharded:
+        if not any(isinstance(value, DTensor) for value in state_dict.values()):
             return self.load_full_state_dict(state_dict)
         mine = self.state_dict()
         missing = [key for key in mine if key not in state_dict]
         unexpected = [key for key in state_dict if key not in mine]
         if strict and (missing or unexpected):
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        if self.overlap_config.offload == "disk":
-            wait_for_saves([group for unit in self.scheduler.all_units for group in unit.groups])
-        with torch.no_grad():
-            for key, value in state_dict.items():
-                target = mine.get(key)
-                if isinstance(target, DTensor):
-                    if not isinstance(value, DTensor) or value.shape != target.shape:
-                        raise ValueError(f"load_state_dict: {key} is not a DTensor of this model's parameter's "
-                                         f"shape {tuple(target.shape)}; load full tensors (all of them), or a "
-                                         "checkpoint with overlap.checkpoint.load")
-                    local_part(target)[0].copy_(local_rows(value, target))
-        if self.overlap_config.offload == "disk":
-            refresh_resident([group for unit in self.scheduler.all_units for group in unit.groups])
+        slots = dict(self._state_dict_layout)
+        parts = {}
+        for key, value in state_dict.items():
+            target = mine.get(key)
+            if not isinstance(target, DTensor):
+                continue
+            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+                raise ValueError(f"load_state_dict: {key} is not a tensor of this model's parameter's shape "
+                                 f"{tuple(target.shape)}; load a DTensor or the full value, or a checkpoint with "
+                                 "overlap.checkpoint.load")
+            if isinstance(value, DTensor):
+                parts[key] = local_rows(value, target)
+            else:
+                group, index = slots[key]
+                parts[key] = group.local_of_full(index, value)
+        self._write_parts(mine, parts)
         others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}
         if others:
             self.module.load_state_dict(others, strict=False)
 
+    def _write_parts(self, mine: dict[str, Any], parts: dict[str, torch.Tensor]) -> None:
+        """Write this rank's part of each parameter in `parts` into its shard (`mine`: `state_dict()`)."""
+        groups = [group for unit in self.scheduler.all_units for group in unit.groups]
+        disk = self.overlap_config.offload == "disk"
+        if disk:
+            wait_for_saves(groups)
+        with torch.no_grad():
+            for key, part in parts.items():
+                local_part(mine[key])[0].copy_(part.reshape(local_part(mine[key])[0].shape))
+        if disk:
+            refresh_resident(groups)
+
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load full tensors (as `full_state_dict` returns them); every rank passes the same."""
-        self._refuse_disk("load_full_state_dict")
         expected = [key for key, _ in self._state_dict_layout]
         missing = [key for key in expected if key not in state_dict]
         unexpected = sorted(set(state_dict) - set(expected))
@@ -400,7 +407,12 @@ class ShardedModule(nn.Module):
                 raise ValueError(f"load_full_state_dict: {key} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(slot.shape)}")
             per_group.setdefault(group, [None] * len(group.slots))[index] = value
-        for group, tensors in per_group.items():
-            group.load_full(tensors)
+        if self.overlap_config.offload == "disk":
+            # The fp32 masters live in the state file: written as the sharded form is.
+            self._write_parts(self.state_dict(), {key: where[0].local_of_full(where[1], state_dict[key])
+                                                  for key, where in self._state_dict_layout if where is not None})
+        else:
+            for group, tensors in per_group.items():
+                group.load_full(tensors)
         if others:
             self.module.load_state_dict(others, strict=False)

@@ -324,8 +324,12 @@ class FlatGroup:
         if tp is None:
             return as_dtensor(part, slot.shape, self.rows_by_rank[index], mesh)
         first_row = self.layout.first_row(index, self.collectives.rank, slot.shape)
-        # This rank's rows of its TP-local tensor, where that tensor lies in the global one.
+        # This rank's rows of its TP-local tensor, where that tensor lies in the global one; an
+        # empty block past the end, as torch.chunk's are: DCP keeps one block per offset, and an
+        # empty one at a real block's offset could be the one it keeps.
         offset = (tp.offset[0] + first_row, *tp.offset[1:]) if tp.offset else (first_row,)
+        if self.rows_by_rank[index][self.collectives.rank] == 0:
+            offset = (tp.shape[0], *offset[1:])
         return as_block_dtensor(part, tp.shape, list(slot.shape)[1:], offset, mesh)
 
     def global_shape(self, index: int) -> torch.Size:

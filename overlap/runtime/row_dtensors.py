@@ -51,15 +51,17 @@ class RowShard(Shard):
         self.rows = tuple(int(r) for r in rows)
         self.starts = tuple(sum(self.rows[:rank]) for rank in range(len(self.rows)))
 
-    # Equal to `Shard(dim)` for DTensor's own checks of which mesh dimensions shard which
-    # tensor dimension (`DTensorSpec` compares placements with `Shard(dim)`); two RowShards are
-    # equal only with the same rows, so a redistribution between two layouts is never skipped.
+    # Equal only to a RowShard of the same rows: DTensor caches its sharding decisions and
+    # redistribution plans by placement, and an entry made for even chunks must never serve
+    # these rows (nor the reverse). `!=` against a plain `Shard(dim)` is False all the same:
+    # DTensorSpec checks which mesh dimensions shard which tensor dimension with
+    # `placement != Shard(dim)`, and that is all it asks of a shard there.
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, RowShard):
-            return other.dim == self.dim and other.rows == self.rows
-        return isinstance(other, Shard) and other.dim == self.dim
+        return isinstance(other, RowShard) and other.dim == self.dim and other.rows == self.rows
 
     def __ne__(self, other: object) -> bool:
+        if type(other) is Shard:
+            return other.dim != self.dim
         return not self.__eq__(other)
 
     def __hash__(self) -> int:
@@ -126,7 +128,7 @@ class RowShard(Shard):
         if pad:
             local_tensor = torch.cat([local_tensor, local_tensor.new_zeros(_with_size(local_tensor.shape, self.dim,
                                                                                       pad))], self.dim)
-        gathered = funcol.all_gather_tensor(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
+        gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
         gathered = funcol.wait_tensor(gathered)
         return torch.cat([gathered.narrow(self.dim, rank * widest, rows) for rank, rows in enumerate(self.rows)],
                          self.dim)
