@@ -239,6 +239,13 @@ class ShardedModule(nn.Module):
         parts: dict[tuple[FlatGroup, int], torch.Tensor] = {}
         for unit in self.scheduler.all_units:
             for group in unit.groups:
+                if any(tp is not None for tp in group.tensor_parallel):
+                    # Split over tp too: gathered whole over tp and dp by their DTensors, one at a time.
+                    for index, param in enumerate(group.params):
+                        whole = group.dtensor(master_part(param), index).full_tensor()
+                        if keep:
+                            parts[(group, index)] = whole.cpu().clone()
+                    continue
                 flat = group.full_values()
                 if keep:
                     flat = flat.cpu()

@@ -38,8 +38,7 @@ BF16_TOL = {"rtol": 3e-2, "atol": 3e-3}
 REFUSED = {"offload_disk": "offload='disk'",
            "hpz": "sharding='hpz'", "no_mesh": "mesh=mesh['dp']", "sharding_hybrid": "sharding='hybrid'",
            "tp_mesh_as_dp": "must be the two dimensions of one mesh", "meta": "is on the meta device",
-           "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping",
-           "full_state_dict": "full values of tensor-parallel parameters"}
+           "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping"}
 
 CHECKPOINT = os.path.join(tempfile.mkdtemp(), "step2")
 FSDP2_CHECKPOINT = os.path.join(tempfile.mkdtemp(), "fsdp2_tp_step2")
@@ -99,6 +98,11 @@ def test_2d_training_equals_one_process(world: int, run: int) -> None:
             assert min(ref["norms"]) > how["clip"], ref["norms"]          # the clip scales every step
             torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref["norms"]), **tol)
     _assert_state_equal(results, ref["state"], tol)
+    for result in results:           # the whole values, from the runtime and from torch's state-dict API
+        for full in (result["full"], result["api_full"]):
+            assert full.keys() == ref["state"].keys()
+            for key, value in ref["state"].items():
+                torch.testing.assert_close(full[key], value, **tol, msg=lambda m: f"{key}: {m}")
     assert ref["losses"][-1] < ref["losses"][0]                    # training moved
 
 

@@ -47,10 +47,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from overlap.base.layout import FlatLayout
-from overlap.runtime.row_dtensors import as_block_dtensor, as_dtensor, shard_mesh
+from overlap.runtime.row_dtensors import RowShard, as_block_dtensor, as_dtensor, row_dtensor, shard_mesh, tp_dp_mesh
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.pending import COMPLETED
 from overlap.runtime.host_tier import ShardPlace
@@ -113,6 +114,8 @@ class FlatGroup:
         self._split_sizes = self.layout.split_sizes
         self.parts = self.layout.parts_on(rank)
         self.local_shapes = [self.layout.local_shape(index, rank, slot.shape) for index, slot in enumerate(self.slots)]
+        # The (tp, dp) mesh of tensor-parallel parameters' state-dict DTensors, made when first asked for.
+        self._tp_plane: Optional[tuple[Optional[DeviceMesh]]] = None
         # Each parameter's rows on every rank: its state-dict DTensor's placement
         # ([Note: row-aligned shards as a DTensor placement]).
         self.rows_by_rank = [tuple(self.layout.local_shape(index, other, slot.shape)[0]
@@ -323,6 +326,14 @@ class FlatGroup:
         tp = self.tensor_parallel[index]
         if tp is None:
             return as_dtensor(part, slot.shape, self.rows_by_rank[index], mesh)
+        if self._tp_plane is None:
+            self._tp_plane = (tp_dp_mesh(tp.root, tp.mesh, self.collectives.group, self.collectives.device.type),)
+        plane = self._tp_plane[0]
+        if plane is not None:
+            # Split over tp first, then rows of the TP-local tensor over the sharding group.
+            local = part.detach().view(-1, *slot.shape[1:])
+            return row_dtensor(local, plane, (*tp.placements, RowShard(0, self.rows_by_rank[index])), tp.shape,
+                               tp.stride)
         first_row = self.layout.first_row(index, self.collectives.rank, slot.shape)
         # This rank's rows of its TP-local tensor, where that tensor lies in the global one; an
         # empty block past the end, as torch.chunk's are: DCP keeps one block per offset, and an

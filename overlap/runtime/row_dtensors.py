@@ -43,6 +43,30 @@ def shard_mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
 
+def tp_dp_mesh(root: DeviceMesh, tp_mesh: DeviceMesh, group: dist.ProcessGroup,
+               device_type: str) -> Optional[DeviceMesh]:
+    """The 2-D mesh (tp, dp) over this rank's tp ranks and its sharding group, in that order
+    (tensor parallelism splits a parameter first, the sharding group then takes rows of each
+    rank's TP-local tensor), made from the two groups as they are; None where `root` (the mesh
+    both were sliced from) has no dimension over the sharding group's ranks. Local: no group is made. (Not
+    cached by its arguments: DeviceMesh compares equal by ranks and names, and two models'
+    tp meshes can do so over different roots.)"""
+    if root.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        return None
+    tp_dim = root.mesh_dim_names.index(tp_mesh.mesh_dim_names[0])
+    ranks = dist.get_process_group_ranks(group)
+    dp_dims = [dim for dim in range(root.ndim)
+               if dim != tp_dim and dist.get_process_group_ranks(root.get_group(dim)) == ranks]
+    if not dp_dims:
+        return None
+    coordinate = root.get_coordinate()
+    index = tuple(slice(None) if dim in (tp_dim, dp_dims[0]) else coordinate[dim] for dim in range(root.ndim))
+    plane = root.mesh[index]
+    if dp_dims[0] < tp_dim:
+        plane = plane.transpose(0, 1)
+    return DeviceMesh.from_group([tp_mesh.get_group(), group], device_type, mesh=plane, mesh_dim_names=("tp", "dp"))
+
+
 class RowShard(Shard):
     """`Shard(dim)` with each rank's number of rows along `dim` given (see the note)."""
 

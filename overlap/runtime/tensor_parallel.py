@@ -61,6 +61,9 @@ class TensorParallelSpec:
     stride: tuple[int, ...]
     offset: tuple[int, ...]           # where this rank's TP-local tensor starts in the global one
     norm_group: Optional[NormGroup]   # None: replicated over tp, its norm is dp's
+    # The mesh the dp mesh was sliced from (the tp mesh's own root can be another model's: torch
+    # reuses meshes that compare equal), for the state dict's (tp, dp) mesh.
+    root: DeviceMesh
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """`local` (a view of the gathered TP-local tensor) as the DTensor the module computes with."""
@@ -152,7 +155,8 @@ def take_tensor_parallel(module: nn.Module, mesh: Optional[DeviceMesh], device: 
                 _, offset = compute_local_shape_and_global_offset(param.shape, tp_mesh, param.placements)
                 sharded = any(isinstance(p, Shard) for p in param.placements)
                 specs[id(plain)] = TensorParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride(),
-                                                      tuple(offset), norm_group if sharded else None)
+                                                      tuple(offset), norm_group if sharded else None,
+                                                      mesh._get_root_mesh())
                 replaced[id(param)] = plain
                 _replaced_params[param] = None
             sub._parameters[attr] = replaced[id(param)]
