@@ -7,9 +7,15 @@ from overlap.base.config import Config, config_from_env
 from overlap.base.mixed_precision import MixedPrecision
 
 if TYPE_CHECKING:
+    from overlap.fsdp import fully_shard, register_fsdp_forward_method
     from overlap.sharded_module import ShardedModule
 
-__all__ = ["Config", "MixedPrecision", "ShardedModule", "config_from_env"]
+__all__ = ["Config", "MixedPrecision", "ShardedModule", "config_from_env", "fully_shard",
+           "register_fsdp_forward_method", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "FSDPModule"]
+# FSDP2's names, for `from overlap import fully_shard, MixedPrecisionPolicy` (the policies and
+# FSDPModule are torch's own classes).
+_FULLY_SHARD = ("fully_shard", "register_fsdp_forward_method", "MixedPrecisionPolicy", "OffloadPolicy",
+                "CPUOffloadPolicy", "FSDPModule")
 __version__ = "0.1.0"
 
 
@@ -20,4 +26,7 @@ def __getattr__(name: str) -> Any:
     if name == "ShardedModule":
         from overlap.sharded_module import ShardedModule
         return ShardedModule
+    if name in _FULLY_SHARD:
+        from overlap import fsdp
+        return getattr(fsdp, name)
     raise AttributeError(f"module 'overlap' has no attribute {name!r}")

@@ -79,11 +79,22 @@ class ShardedModule(nn.Module):
                  compression: Optional[str] = None, compile: Optional[bool] = None,
                  offload: Optional[str] = None) -> None:
         super().__init__()
-        started = start_up(module, StartupRequest(
+        self._start(module, StartupRequest(
             unit_types=unit_types, process_group=process_group, mixed_precision=mixed_precision,
             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, reshard_after_forward=reshard_after_forward,
             param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression, compile=compile,
             offload=offload, nested=any(isinstance(m, ShardedModule) for m in module.modules())))
+
+    @classmethod
+    def _for_request(cls, module: nn.Module, request: StartupRequest) -> "ShardedModule":
+        """The runtime over `module` as `request` asks (`fully_shard` builds its own this way)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._start(module, request)
+        return self
+
+    def _start(self, module: nn.Module, request: StartupRequest) -> None:
+        started = start_up(module, request)
         self.module = module
         # Sharding groups, link, plan and settings, the same on every rank; see overlap.control.startup.
         self.startup = started.decision
@@ -98,7 +109,8 @@ class ShardedModule(nn.Module):
         # `model.module.state_dict()` gives the sharded form, never the parameters' local parts
         # as if they were whole ([Note: a one-rank save of a sharded state]).
         self._raw_module_state = False
-        module._register_state_dict_hook(self._module_state_dict_hook)
+        if not request.dtensor_params:          # with DTensor parameters, the module's own is the sharded form
+            module._register_state_dict_hook(self._module_state_dict_hook)
         # Made now, on every rank: the mesh the state dicts' DTensors live on.
         shard_mesh(self.collectives.group, self.collectives.device.type)
 

@@ -68,11 +68,15 @@ def unit_types_tuple(unit_types: Union[type, Sequence[type], None]) -> Optional[
     return types
 
 
-def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None]
-                   ) -> tuple[UnitSpec, list[UnitSpec]]:
-    """Split `root`'s parameters into the root unit and the units, in module order."""
+def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None],
+                   unit_modules: Optional[Sequence[nn.Module]] = None) -> tuple[UnitSpec, list[UnitSpec]]:
+    """Split `root`'s parameters into the root unit and the units (`unit_modules` where given,
+    else by `unit_types`), in module order."""
     types = unit_types_tuple(unit_types)
-    if types is None:
+    if unit_modules is not None:
+        chosen = {id(m) for m in unit_modules}
+        unit_modules = [m for m in root.modules() if id(m) in chosen and m is not root and _has_params(m)]
+    elif types is None:
         unit_modules = _auto_unit_modules(root)
     else:
         unit_modules = [m for m in root.modules() if isinstance(m, types) and m is not root and _has_params(m)]

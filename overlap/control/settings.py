@@ -41,6 +41,13 @@ class StartupRequest:
     compile: Optional[bool] = None
     offload: Optional[str] = None
     nested: bool = False                 # the module already contains a ShardedModule
+    # `fully_shard`: these modules are the units (none merged), and the modules hold DTensor
+    # parameters (FSDP2's form) instead of their own Parameter objects.
+    unit_modules: Optional[tuple[nn.Module, ...]] = None
+    dtensor_params: bool = False
+    # Give a meta-device model's parameters values at wrap (else they start at zero, for the
+    # user's own `to_empty()` and initialisation after wrapping, as with FSDP2).
+    initialise_meta: bool = True
 
     @property
     def all_group(self) -> dist.ProcessGroup:

@@ -68,14 +68,14 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         raise RuntimeError("ShardedModule needs torch.distributed to be initialised "
                            "(dist.init_process_group(), launched with torchrun)")
     settings = resolve_settings(request)
-    root_spec, unit_specs = discover_units(module, request.unit_types)
+    root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules)
     error = settings.error or tensor_parallel_error(module, request.mesh, request.process_group, settings.config)
     check_ranks_agree(request.all_group, error, model_signature(root_spec, unit_specs), settings.config)
     # DTensor parameters of torch's tensor parallelism become their local tensors, the units'
     # parameters from here on; see overlap.runtime.tensor_parallel.
     tensor_parallel = take_tensor_parallel(module, request.mesh, settings.device)
     if tensor_parallel is not None:
-        root_spec, unit_specs = discover_units(module, request.unit_types)
+        root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules)
     decision = decide(request, settings, unit_specs)
     check_backend_env(request.all_group)           # before the gloo side groups are made
     collectives = _collectives(decision)
@@ -89,7 +89,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         host = DiskTier(decision.config.offload_dir, dist.get_rank(),
                         HostTier(decision.device, decision.kernels, collectives.all_gather_stream))
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host,
-                        tensor_parallel)
+                        tensor_parallel, merge=request.unit_modules is None, dtensor_params=request.dtensor_params,
+                        initialise_meta=request.initialise_meta)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check)
     # Per-step timings of compute and communication for `overlap_report()`.

@@ -39,8 +39,9 @@ class _FlatGroups:
     """Packs units' parameters into flat groups, remembering each parameter's slot."""
 
     def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier],
-                 tensor_parallel: Optional[TensorParallel]) -> None:
+                 tensor_parallel: Optional[TensorParallel], dtensor_params: bool) -> None:
         self.collectives = collectives
+        self.dtensor_params = dtensor_params
         self.tensor_parallel = tensor_parallel
         self.host = host
         self.mixed_precision = decision.mixed_precision
@@ -54,7 +55,8 @@ class _FlatGroups:
                               self.mixed_precision.grad_reduce_dtype(dtype), self.node,
                               None if self.host is None else self.host.place(),
                               None if self.tensor_parallel is None else
-                              [self.tensor_parallel.spec_of(param) for _, param, _ in entries])
+                              [self.tensor_parallel.spec_of(param) for _, param, _ in entries],
+                              self.dtensor_params)
             for index, (_, param, _) in enumerate(entries):
                 self.slot_of[id(param)] = (group, index)
             groups.append(group)
@@ -63,9 +65,14 @@ class _FlatGroups:
 
 def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpec], collectives: Collectives,
                 decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]],
-                host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None) -> BuiltUnits:
+                host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None,
+                merge: bool = True, dtensor_params: bool = False, initialise_meta: bool = True) -> BuiltUnits:
     """Units over `module`'s parameters, which become views of this rank's flat shards (in host
-    memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors."""
+    memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors. With
+    `merge`, consecutive small units are merged into buckets; with `dtensor_params`, the
+    modules hold DTensor parameters over those views. Without `initialise_meta`, a meta model's
+    parameters start at zero and its meta buffers stay on the meta device (the caller's
+    `to_empty()` and initialisation come later)."""
     device = decision.device
     for sub in module.modules():
         for name, buf in sub._buffers.items():
@@ -74,9 +81,10 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     on_meta = meta_places(module)
     # State-dict keys in the module's own order, read before parameters leave their modules.
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
-    flat = _FlatGroups(collectives, decision, host, tensor_parallel)
+    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params)
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
-    units = [flat.unit(spec, spec.modules) for spec in merge_into_buckets(unit_specs, decision.bucket_bytes)]
-    if on_meta or any(b.is_meta for b in module.buffers()):
+    specs = merge_into_buckets(unit_specs, decision.bucket_bytes) if merge else unit_specs
+    units = [flat.unit(spec, spec.modules) for spec in specs]
+    if initialise_meta and (on_meta or any(b.is_meta for b in module.buffers())):
         check_same_values(materialize(module, on_meta, flat.slot_of, device, param_init_fn), decision.all_group)
     return BuiltUnits(root, units, [(key, flat.slot_of.get(ident)) for key, ident in keys])

@@ -322,6 +322,8 @@ class OverlapReport:
 
     steps: list[StepStats] = field(default_factory=list)
     warmup_steps: int = 1
+    # Explicit schedule requests the runtime took as hints (`fully_shard`'s prefetch lists, say).
+    hints: list[str] = field(default_factory=list)
 
     @property
     def steady_steps(self) -> list[StepStats]:
@@ -383,6 +385,8 @@ class OverlapReport:
         for s in self.steps[-last_steps:]:
             lines.append(f"{s.step:>6}{ms(s.span_s):>10}{ms(s.compute_s):>10}{ms(s.comm_s):>10}{ms(s.hidden_s):>10}"
                          f"{ms(s.exposed_s):>10}{100 * s.hidden_fraction:>9.0f}%")
+        if self.hints:
+            lines += ["", "taken as hints (the runtime's own schedule decides):", *(f"  {h}" for h in self.hints)]
         return "\n".join(lines)
 
 
@@ -395,6 +399,7 @@ class OverlapMonitor:
         self._steps: deque[ClosedStep] = deque(maxlen=history)
         self._seen = 0
         self.warmup_steps = warmup_steps
+        self.hints: list[str] = []
 
     def on_step_end(self, step: ClosedStep) -> None:
         if step.record.kind is not StepKind.TRAIN:
@@ -409,4 +414,5 @@ class OverlapMonitor:
 
     def report(self) -> OverlapReport:
         dropped = self._seen - len(self._steps)
-        return OverlapReport([step.stats for step in self._steps], max(self.warmup_steps - dropped, 0))
+        return OverlapReport([step.stats for step in self._steps], max(self.warmup_steps - dropped, 0),
+                             list(self.hints))

@@ -89,6 +89,8 @@ class Collectives:
         self.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.all_group = all_group if all_group is not None else group       # every rank taking part
         self.world_size = dist.get_world_size(group)
+        # What the summed gradients are divided by; None: every rank taking part (the mean).
+        self.gradient_divide_factor: Optional[float] = None
         self.rank = dist.get_rank(group)
         self.backend = device_backend(group, device.type)
         self.device = device
@@ -225,7 +227,7 @@ class Collectives:
     def _pre_divided(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`grad` / (every rank taking part) in `dtype`: the reduce-scatter sums over the shard
         group, the all-reduce across replicas (hybrid sharding) over the replicas."""
-        scale = 1.0 / (self.world_size * self.replicas)
+        scale = 1.0 / (self.gradient_divide_factor or self.world_size * self.replicas)
         if grad.dtype == dtype:
             # The full gradient is the runtime's own buffer: divide it in place.
             if scale != 1.0:

@@ -59,7 +59,7 @@ from overlap.runtime.node_copy import NodeCopy
 from overlap.runtime.optimizer_state import register_group
 from overlap.runtime.param_identity import rebind
 from overlap.runtime.param_views import ParamViews
-from overlap.runtime.shard_grad import shard_grad
+from overlap.runtime.shard_grad import plain, shard_grad
 from overlap.runtime.tensor_parallel import TensorParallelSpec
 
 
@@ -78,8 +78,12 @@ class FlatGroup:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
                  collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  node_group: Optional[dist.ProcessGroup] = None, place: Optional[ShardPlace] = None,
-                 tensor_parallel: Optional[list[Optional[TensorParallelSpec]]] = None) -> None:
+                 tensor_parallel: Optional[list[Optional[TensorParallelSpec]]] = None,
+                 dtensor_params: bool = False) -> None:
         self.collectives = collectives
+        # The modules hold DTensor parameters of the full shapes (`fully_shard`, FSDP2's form)
+        # instead of the module's own Parameter objects as views; see [Note: DTensor parameters].
+        self.dtensor_params = dtensor_params
         # Each parameter's split over a tp mesh (None: not split); see [Note: tensor-parallel
         # parameters in flat shards].
         self.tensor_parallel = tensor_parallel if tensor_parallel is not None else [None] * len(params)
@@ -151,11 +155,18 @@ class FlatGroup:
         self.params = []
         for index, (name, param, _) in enumerate(params):
             before = param.detach() if on_meta and not param.is_meta else None
-            self.params.append(rebind(param, self._shard_view(self.shard, index), name))
+            if self.dtensor_params:
+                self.params.append(self._shard_view(self.shard, index))
+            else:
+                self.params.append(rebind(param, self._shard_view(self.shard, index), name))
             if before is not None:
                 # A meta model's parameter that already had values: its part goes in now.
                 self.write_part(index, before)
-        for slot, param in zip(self.slots, self.params):
+        # What the modules hold: the parameters themselves, or DTensors over them.
+        self.module_params = self.params if not self.dtensor_params else [
+            nn.Parameter(self.dtensor(view, index), requires_grad=param.requires_grad)
+            for index, (view, (_, param, _)) in enumerate(zip(self.params, params))]
+        for slot, param in zip(self.slots, self.module_params):
             for module, attr in slot.owners:
                 module._parameters[attr] = param
 
@@ -163,6 +174,7 @@ class FlatGroup:
         # Sum of the reduced gradients; each parameter's `.grad` is a view of it.
         self.grad_shard: Optional[torch.Tensor] = None
         self._grad_views: list[torch.Tensor] = []
+        self._grad_dtensors: list[DTensor] = []
         # Which parameters received a gradient in this rank's backward passes since the last
         # published gradients; only those (on any rank) get a `.grad`.
         self.got_grad = [False] * len(self.slots)
@@ -224,9 +236,15 @@ class FlatGroup:
         return pending
 
     def free(self) -> None:
-        """Release the gathered parameters. See [Note: freeing `full` by resizing its storage]."""
+        """Release the gathered parameters. See [Note: freeing `full` by resizing its storage].
+        With DTensor parameters, the modules' attributes fall back to them (FSDP2's sharded
+        state) instead of reading views of freed storage."""
         if not self.resident:
             self.full.untyped_storage().resize_(0)
+            if self.dtensor_params:
+                for slot in self.slots:
+                    for module, attr in slot.owners:
+                        module.__dict__.pop(attr, None)
 
     def install_views(self) -> None:
         """Point every owner module's attribute at its parameter's view of `full`.
@@ -293,17 +311,19 @@ class FlatGroup:
             self._grad_views = [shard_grad(self._shard_view(self.grad_shard, index),
                                            self.collectives if tp is None or tp.norm_group is None else tp.norm_group)
                                 for index, tp in enumerate(self.tensor_parallel)]
+            if self.dtensor_params:
+                self._grad_dtensors = [self.dtensor(plain(view), index) for index, view in enumerate(self._grad_views)]
             zeros = True
         elif not self.reduced:
-            grads = [param.grad for param in self.params]
+            grads = [param.grad for param in self.module_params]
             if grads.count(None) == len(grads):             # after zero_grad(): one fill
                 zeros = True
             else:
-                for grad, view in zip(grads, self._grad_views):
+                for grad, view, published in zip(grads, self._grad_views, self._published()):
                     if grad is None:
                         view.zero_()
-                    elif grad is not view:
-                        view.copy_(grad)                    # a gradient the user assigned
+                    elif grad is not published:
+                        view.copy_(grad.to_local() if isinstance(grad, DTensor) else grad)   # one the user assigned
         self.reduced = True
         return self.place.reduce_target(self.grad_shard, zeros)
 
@@ -312,11 +332,15 @@ class FlatGroup:
         gradient on some rank; the others keep theirs (None after `zero_grad()`)."""
         self.place.grads_ready()
         if self.reduced:
-            for param, view, used in zip(self.params, self._grad_views, got_grad):
+            for param, grad, used in zip(self.module_params, self._published(), got_grad):
                 if used or param.grad is not None:
-                    param.grad = view
+                    param.grad = grad
         self.reduced = False
         self.got_grad = [False] * len(self.slots)
+
+    def _published(self) -> list[torch.Tensor]:
+        """The `.grad` each parameter gets: its view of the flat gradient shard, or a DTensor over it."""
+        return self._grad_dtensors if self.dtensor_params else self._grad_views
 
     def dtensor(self, part: torch.Tensor, index: int) -> DTensor:
         """`part` (shaped like this rank's part of parameter `index`: the parameter itself, or

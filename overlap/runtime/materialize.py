@@ -144,7 +144,7 @@ def _materialize(root: nn.Module, places: list[MetaPlace], slot_of: Mapping[int,
             group, index = slot_of[id(param)]
             if module._parameters[attr] is value:
                 group.write_part(index, value)
-            module._parameters[attr] = group.params[index]
+            module._parameters[attr] = group.module_params[index]
             holders_left[id(param)] -= 1
             if holders_left[id(param)] == 0:
                 checksums[group.slots[index].name] = float(value.detach().double().sum())

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 
 @lru_cache(maxsize=None)
@@ -174,13 +174,66 @@ def _with_size(shape: Sequence[int], dim: int, size: int) -> list[int]:
     return out
 
 
+def _elementwise_ops() -> frozenset:
+    """Operators that act element by element (DTensor's own lists of them, and the few it
+    registers apart): on operands that share one layout, each rank's rows are the result's."""
+    from torch.distributed.tensor._ops import _pointwise_ops
+
+    aten = torch.ops.aten
+    ops = set()
+    for value in vars(_pointwise_ops).values():
+        if isinstance(value, list) and value and all(isinstance(op, torch._ops.OpOverload) for op in value):
+            ops.update(value)
+    ops.update([aten.copy_.default, aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten._to_copy.default,
+                aten.clone.default, aten.detach.default, aten.zeros_like.default, aten.ones_like.default,
+                aten.empty_like.default, aten.full_like.default, aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar,
+                aten.mul_.Scalar, aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor,
+                aten.div.Tensor, aten.div_.Tensor])
+    return frozenset(ops)
+
+
+# In-place random fills: drawn whole on every rank, then each rank keeps its rows (see RowDTensor).
+_RANDOM_FILLS = frozenset(getattr(torch.ops.aten, name).default for name in
+                          ("uniform_", "normal_", "random_", "exponential_", "log_normal_", "cauchy_", "geometric_"))
+_ELEMENTWISE = _elementwise_ops()
+
+
+def _local_operand(value: Any, spec: DTensorSpec) -> Any:
+    """`value` as the local operand of an elementwise operator whose result is laid out as
+    `spec`: a DTensor of that layout gives its rows, a replicated one-element DTensor its value;
+    anything else that DTensor would have to move gives None."""
+    if not isinstance(value, DTensor):
+        # A plain tensor of more than one element would broadcast against the rows: DTensor's
+        # dispatch refuses mixing it in, and so does this.
+        return None if isinstance(value, torch.Tensor) and value.numel() > 1 else value
+    if value._spec.mesh == spec.mesh and tuple(value.shape) == tuple(spec.shape) and all(
+            type(a) is type(b) and a == b for a, b in zip(value.placements, spec.placements)):
+        return value._local_tensor
+    if value.numel() == 1 and all(p.is_replicate() for p in value.placements):
+        return value._local_tensor
+    return None
+
+
 class RowDTensor(DTensor):
-    """A DTensor whose results keep their rows' placement (see the note)."""
+    """A DTensor whose results keep their rows' placement (see the note).
+
+    Elementwise operators on operands of one layout (an optimizer's step, a clip's scaling,
+    `.to(dtype)`) run on the local rows directly: DTensor's own dispatch would find the same
+    answer, at a higher host cost, and refuses in-place ones on a placement it does not know.
+    An in-place random fill (`nn.init`'s) draws the whole tensor on every rank and keeps this
+    rank's rows, so a model initialised after sharding gets one process's values from the
+    same seed (every rank draws the same numbers, as every rank seeded alike)."""
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        source = next((value for value in tree_flatten((args, kwargs or {}))[0] if isinstance(value, RowDTensor)),
-                      None)
+        kwargs = kwargs or {}
+        if func in _RANDOM_FILLS and isinstance(args[0], RowDTensor):
+            return _random_fill(func, args, kwargs)
+        if func in _ELEMENTWISE:
+            done = _elementwise(func, args, kwargs)
+            if done is not None:
+                return done
+        source = next((value for value in tree_flatten((args, kwargs))[0] if isinstance(value, RowDTensor)), None)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if source is None:
             return out
@@ -200,6 +253,39 @@ class RowDTensor(DTensor):
             return _with_rows(whole.redistribute(self.device_mesh, target, async_op=async_op))
         return _with_rows(_plain(self).redistribute(device_mesh, placements, async_op=async_op,
                                                     forward_dtype=forward_dtype, backward_dtype=backward_dtype))
+
+
+def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func` on the local rows, or None where an operand is laid out otherwise (DTensor's
+    dispatch then decides)."""
+    leaves, tree = tree_flatten((args, kwargs))
+    source = next(value for value in leaves if isinstance(value, RowDTensor))
+    spec = source._spec
+    local = [_local_operand(value, spec) for value in leaves]
+    if any(value is None and leaf is not None for value, leaf in zip(local, leaves)):
+        return None
+    local_args, local_kwargs = tree_unflatten(local, tree)
+    out = func(*local_args, **local_kwargs)
+    if func._schema.is_mutable and isinstance(args[0], DTensor) and out is local_args[0]:
+        return args[0]
+
+    def wrap(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.shape == source._local_tensor.shape:
+            return row_dtensor(value, spec.mesh, spec.placements, spec.shape, spec.stride)
+        return value
+
+    return tree_map(wrap, out)
+
+
+def _random_fill(func: Any, args: tuple, kwargs: dict) -> "RowDTensor":
+    target: RowDTensor = args[0]
+    whole = torch.empty(target.shape, dtype=target.dtype, device=target._local_tensor.device)
+    func(whole, *args[1:], **kwargs)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    target._local_tensor.copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+    return target
 
 
 def _plain(value: DTensor) -> DTensor:
@@ -227,7 +313,7 @@ def _keep_rows(value: Any, source: DTensor, func: Any) -> Any:
             changed = True
         placements.append(placement)
     if not changed:
-        return value
+        return _with_rows(value)
     return row_dtensor(value._local_tensor, value.device_mesh, placements, value.shape, value.stride())
 
 

@@ -222,7 +222,8 @@ class Scheduler:
         with phase(f"overlap::post_forward::{unit.name}"):
             self.log.mark(Mark.POST_FORWARD, unit.name)
             backward_follows = torch.is_grad_enabled() and _hook_outputs(output, self._pre_backward_hooks[unit])
-            if (self.reshard_after_forward and unit.all_members_ran
+            reshards = self.reshard_after_forward if unit.reshard_after_forward is None else unit.reshard_after_forward
+            if (reshards and unit.all_members_ran
                     and not (backward_follows and self.prefetch.ends_forward(unit))):
                 self._reshard(unit)
 
@@ -239,6 +240,25 @@ class Scheduler:
             # No backward can follow: the step ends here (evaluation, generation).
             self._end_pass()
             self.steps.close(StepKind.FORWARD, self.order)
+
+    # ---- asked for outside a pass (`fully_shard`'s unshard / reshard) -----------------------
+
+    def unshard(self, unit: Unit) -> None:
+        """Gather `unit` and put its views on its modules now; the next forward starts from
+        sharded again (its `_recover` drops them)."""
+        unit.finish_gather()
+        unit.install_views()
+
+    def reshard_now(self, unit: Unit) -> None:
+        if unit.gather_state is not GatherState.SHARDED:
+            unit.discard()
+            self.log.mark(Mark.FREE, unit.name)
+
+    def reset_pass(self) -> None:
+        """Forget a pass that did not finish (FSDP2's `reset_iter_state`)."""
+        self._recover()
+        for unit in self.all_units:
+            unit.end_pass()
 
     # ---- gathered parameters released ------------------------------------------------------
 

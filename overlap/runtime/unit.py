@@ -99,6 +99,9 @@ class Unit:
         self._grads_pending = 0                  # trainable groups whose gradient has not arrived
         self._input_grads_pending = 0            # forward calls whose input gradients are not complete
         self.span: Optional[Span] = None         # the profiler range of the unit's compute
+        # Whether to free the unit after its forward; None follows the scheduler's setting
+        # (`fully_shard`'s reshard_after_forward is per unit).
+        self.reshard_after_forward: Optional[bool] = None
 
     def _require(self, sources: tuple[State, ...], action: str) -> None:
         """Raise unless the unit is in one of `sources` (all of one kind)."""

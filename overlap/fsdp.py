@@ -1,0 +1,364 @@
+"""`fully_shard`: FSDP2's entry point, spelled as torch's, over this runtime.
+
+```python
+from overlap import fully_shard           # instead of torch.distributed.fsdp's
+for block in model.layers:
+    fully_shard(block, mesh=mesh)
+fully_shard(model, mesh=mesh)
+```
+
+Each call marks a module as one unit and makes it an `FSDPModule` (torch's class: code that
+checks `isinstance(m, FSDPModule)`, torch's pipelining among it, sees one). The call on a
+module that holds marked ones (the root) builds the runtime over all of them at once: one
+flat group per unit and dtype, gathered, freed and reduced as `ShardedModule`'s units are.
+A module marked alone builds when first used (its forward, its parameters, its state dict).
+
+[Note: DTensor parameters]
+Under `fully_shard` the modules hold FSDP2's form of each parameter: a DTensor of the full
+shape whose local tensor is this rank's row-aligned view of the flat shard (no copy), under
+the `RowShard` placement ([Note: row-aligned shards as a DTensor placement]). So code written
+for FSDP2 works as it is: `p.full_tensor()`, `p.to_local()`, `p.device_mesh`, `p.placements`,
+`distribute_tensor(full, p.device_mesh, p.placements)` (loaded back through
+`load_state_dict`, which takes any sharding of the full shape), `model.state_dict()` for DCP,
+torch's clip and GradScaler over DTensor gradients. Optimizers step the DTensors (their state
+is DTensors too); forward and backward never see them: units compute with plain views of their
+gathered buffers, as under `ShardedModule`. `ShardedModule` keeps the module's own Parameter
+objects instead, for scripts written for DDP (an optimizer built before wrapping).
+
+Where FSDP2 lets its user schedule by hand (explicit prefetch lists, `unshard()` ahead of a
+forward, `set_reshard_after_backward(False)`) the runtime's learned order and planner decide;
+those calls are kept as hints, listed in `overlap_report()` and in docs/fully_shard.md.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
+from torch.nn.modules.module import _IncompatibleKeys
+
+from overlap.base.config import local_world_size_from_env
+from overlap.base.mixed_precision import MixedPrecision
+from overlap.control.settings import StartupRequest
+from overlap.runtime.bound_params import apply_keeping_shards
+from overlap.sharded_module import ShardedModule
+
+# Kept in each marked module's __dict__ (not as submodules or parameters, so that neither
+# shows in its state dict or its module tree).
+_MARK = "_overlap_fully_shard"        # this call's arguments
+_RUNTIME = "_overlap_runtime"         # the ShardedModule that runs the whole model, once built
+_BUILDING = object()                  # in place of the runtime while it is being built
+
+
+class _Marked:
+    """One `fully_shard` call's arguments, checked."""
+
+    def __init__(self, mesh: Optional[DeviceMesh], reshard_after_forward: Union[bool, int],
+                 mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> None:
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
+
+    def same_runtime(self) -> tuple:
+        """What every unit of one model must share: one runtime runs them all."""
+        mesh = None if self.mesh is None else (tuple(self.mesh.mesh.flatten().tolist()), self.mesh.mesh_dim_names)
+        mp = (self.mp_policy.param_dtype, self.mp_policy.reduce_dtype, self.mp_policy.output_dtype,
+              self.mp_policy.cast_forward_inputs)
+        return mesh, mp, type(self.offload_policy)
+
+
+def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None,
+                reshard_after_forward: Union[bool, int] = True,
+                shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: Optional[set[nn.Parameter]] = None) -> nn.Module:
+    """Shard `module`'s parameters over `mesh` as torch's `fully_shard` does (see the module
+    note), and return it, now an `FSDPModule`. Every rank calls it, in the same order."""
+    _check_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                     ignored_params)
+    if _RUNTIME in module.__dict__:
+        raise ValueError(f"fully_shard: {type(module).__name__} is already sharded (its model was built when "
+                         "fully_shard was called on its root or when it was first used); call fully_shard on each "
+                         "module once, blocks before their root")
+    module.__dict__[_MARK] = _Marked(mesh, reshard_after_forward, mp_policy, offload_policy)
+    module.__class__ = _fsdp_class(type(module))
+    module.register_forward_pre_hook(_build_before_forward, prepend=True)
+    if any(_MARK in sub.__dict__ for sub in module.modules() if sub is not module):
+        _build(module)
+    return module
+
+
+def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_after_forward: Union[bool, int],
+                     shard_placement_fn: Optional[Callable], mp_policy: MixedPrecisionPolicy,
+                     offload_policy: OffloadPolicy, ignored_params: Optional[set]) -> None:
+    """Refuse what is not supported, by name (every rank calls with the same arguments)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard: expected an nn.Module, got {type(module).__name__} (a list of modules as one "
+                        "unit is not supported: call fully_shard on the module that holds them)")
+    if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2)):
+        raise ValueError(f"fully_shard: mesh must be a 1-D DeviceMesh (shard) or a 2-D one (replicate, shard), got "
+                         f"{mesh!r}")
+    if isinstance(reshard_after_forward, bool):
+        pass
+    elif isinstance(reshard_after_forward, int):
+        local = local_world_size_from_env()
+        if reshard_after_forward != local:
+            raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward}: resharding after forward "
+                             f"to a group of another size than the node's {local} ranks (LOCAL_WORLD_SIZE) is not "
+                             "supported; pass True, False or the node's size (a node-local copy, hpZ)")
+    else:
+        raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                        f"{type(mp_policy).__name__}")
+    if mp_policy.output_dtype is not None:
+        raise NotImplementedError("fully_shard: MixedPrecisionPolicy(output_dtype=...) is not supported; cast the "
+                                  "output where it is used")
+    if not mp_policy.cast_forward_inputs:
+        raise NotImplementedError("fully_shard: MixedPrecisionPolicy(cast_forward_inputs=False) is not supported: "
+                                  "floating-point inputs are cast to param_dtype at the root")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got "
+                        f"{type(offload_policy).__name__}")
+    if ignored_params:
+        raise NotImplementedError("fully_shard: ignored_params is not supported: every parameter of the module is "
+                                  "sharded; leave the parameters to keep whole outside the module")
+    if shard_placement_fn is not None:
+        for name, param in module.named_parameters():
+            placement = shard_placement_fn(param)
+            if placement is not None and placement != Shard(0):
+                raise NotImplementedError(f"fully_shard: shard_placement_fn gave {placement} for {name!r}; "
+                                          "parameters are sharded by whole rows (Shard(0)) only")
+
+
+def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupRequest:
+    """The runtime's settings from the root's call (every member's must agree with it)."""
+    marked = root.__dict__[_MARK]
+    for member in members:
+        if member.__dict__[_MARK].same_runtime() != marked.same_runtime():
+            raise ValueError(f"fully_shard: {type(member).__name__} was given another mesh, mp_policy or "
+                             f"offload_policy than its root {type(root).__name__}; one model is sharded with one "
+                             "of each")
+    node_copy = any(not isinstance(m.__dict__[_MARK].reshard_after_forward, bool) for m in [root, *members])
+    return StartupRequest(
+        mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy), unit_modules=tuple(members), dtensor_params=True,
+        initialise_meta=False, sharding="hpz" if node_copy else None,
+        offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None)
+
+
+def _build(root: nn.Module) -> ShardedModule:
+    """Build the runtime over `root` and every marked module inside it (collective)."""
+    members = [m for m in root.modules() if m is not root and _MARK in m.__dict__]
+    built = [m for m in members if isinstance(m.__dict__.get(_RUNTIME), ShardedModule)]
+    if built:
+        raise RuntimeError(f"fully_shard: {type(built[0]).__name__} inside {type(root).__name__} was already used "
+                           "(its forward, parameters or state dict) before fully_shard was called on its root; call "
+                           "fully_shard on the blocks, then on the root, then use the model")
+    request = _runtime_request(root, members)
+    for module in [root, *members]:
+        module.__dict__[_RUNTIME] = _BUILDING     # start-up reads the modules' parameters
+    try:
+        runtime = ShardedModule._for_request(root, request)
+    except BaseException:
+        for module in [root, *members]:
+            del module.__dict__[_RUNTIME]
+        raise
+    for module in [root, *members]:
+        module.__dict__[_RUNTIME] = runtime
+    for unit in runtime.scheduler.units:
+        wanted = unit.modules[0].__dict__[_MARK].reshard_after_forward
+        unit.reshard_after_forward = bool(wanted)
+    return runtime
+
+
+def _build_before_forward(module: nn.Module, args: tuple) -> None:
+    _runtime_of(module)
+
+
+def _runtime_of(module: nn.Module) -> Optional[ShardedModule]:
+    """The runtime that shards `module`, built now if `module` is a root not used before (None
+    while it is being built)."""
+    runtime = module.__dict__.get(_RUNTIME)
+    if runtime is _BUILDING:
+        return None
+    return runtime if runtime is not None else _build(module)
+
+
+def _required(module: nn.Module) -> ShardedModule:
+    runtime = _runtime_of(module)
+    if runtime is None:
+        raise RuntimeError(f"{type(module).__name__}: called while fully_shard builds its model")
+    return runtime
+
+
+def _unit_of(module: nn.Module, runtime: ShardedModule) -> Any:
+    if runtime.module is module:
+        return runtime.scheduler.root
+    return next(unit for unit in runtime.scheduler.units if unit.modules[0] is module)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    """`FSDP<cls>`: `cls` with FSDP2's module methods in front, made once per class."""
+    if issubclass(cls, OverlapFSDPModule):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (OverlapFSDPModule, cls), {})
+    return _CLASSES[cls]
+
+
+class OverlapFSDPModule(FSDPModule):
+    """FSDP2's module methods over the runtime (a `torch.distributed.fsdp.FSDPModule`)."""
+
+    # [FSDP<Orig>, OverlapFSDPModule, FSDPModule, Orig, ...]: where FSDPModule.__new__ finds the original class.
+    _orig_cls_mro_index = 3
+
+    # ---- what a training loop reaches ----------------------------------------------------
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        _runtime_of(self)
+        return super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        _runtime_of(self)
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Each parameter's value (a DTensor of any sharding of its full shape, FSDP2's
+        `distribute_tensor` result among them, or a full tensor) is written into this rank's
+        rows of the flat shard; with `assign=True` too, so the parameters stay bound to their
+        shards. A collective where values are sharded otherwise: every rank calls it."""
+        runtime = _required(self)
+        if runtime.module is not self:
+            raise NotImplementedError(f"load_state_dict on {type(self).__name__}, a unit inside a model sharded with "
+                                      "fully_shard: load the model's state dict at its root")
+        mine = set(super().state_dict().keys())
+        missing = sorted(mine - set(state_dict))
+        unexpected = sorted(set(state_dict) - mine)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        runtime.load_state_dict({key: value for key, value in state_dict.items() if key in mine}, strict=False)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "OverlapFSDPModule":
+        """`to_empty`, `.to(...)`, `.cuda()`: buffers move as asked; parameters stay bound to
+        their shards, which already live where the runtime computes: a change of their dtype or
+        device is refused by name."""
+        runtime = _required(self)
+        groups = [group for unit in runtime.scheduler.all_units for group in unit.groups]
+        apply_keeping_shards(self, fn, groups, "fully_shard")
+        return self
+
+    # ---- FSDPModule's calls ----------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> Optional["_Unsharded"]:
+        """Gather this module's unit now (collective); the next forward frees it and gathers as
+        it plans (a hint: its own prefetch already gathers ahead)."""
+        runtime = _required(self)
+        _hint(runtime, f"unshard() of {type(self).__name__}")
+        unit = _unit_of(self, runtime)
+        if unit is not None:
+            runtime.scheduler.unshard(unit)
+        handle = _Unsharded()
+        return handle if async_op else None
+
+    def reshard(self) -> None:
+        runtime = _required(self)
+        unit = _unit_of(self, runtime)
+        if unit is not None:
+            runtime.scheduler.reshard_now(unit)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False accumulates gradients locally until a backward with it True (the whole model)."""
+        _required(self).set_requires_gradient_sync(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        runtime = _required(self)
+        if not requires_all_reduce and runtime.collectives.replicate_group is not None:
+            raise NotImplementedError("set_requires_all_reduce(False) with replicas (a 2-D mesh): the all-reduce "
+                                      "across replicas runs with each reduction; use set_requires_gradient_sync(False)")
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"set_reshard_after_forward: expected a bool, got {reshard_after_forward!r}")
+        runtime = _required(self)
+        modules = [m for m in self.modules() if _MARK in m.__dict__] if recurse else [self]
+        for unit in runtime.scheduler.units:
+            if unit.modules[0] in modules:
+                unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        runtime = _required(self)
+        if not reshard_after_backward:
+            _hint(runtime, "set_reshard_after_backward(False): units are freed once their gradients are reduced")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Every backward that syncs waits for its reductions at its end: nothing to change."""
+        _required(self)
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        _hint(_required(self), f"set_modules_to_forward_prefetch({len(modules)} modules) on "
+                                 f"{type(self).__name__}: prefetch follows the learned forward order")
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        _hint(_required(self), f"set_modules_to_backward_prefetch({len(modules)} modules) on "
+                                 f"{type(self).__name__}: prefetch follows the learned backward order")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduced gradients are divided by `factor` instead of the ranks' count (the whole model)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: expected a number > 0, got {factor!r}")
+        _required(self).collectives.gradient_divide_factor = float(factor)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """The next gathers wait for the compute stream anyway (one event per collective)."""
+        _required(self)
+
+    def reset_iter_state(self) -> None:
+        _required(self).scheduler.reset_pass()
+
+    def _get_fsdp_state(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}: this FSDPModule method reaches FSDP2's internal state, "
+                                  "which overlap's fully_shard does not have; the supported calls are listed in "
+                                  "docs/fully_shard.md")
+
+
+class _Unsharded:
+    """What `unshard(async_op=True)` returns: the gather is complete when it returns."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _hint(runtime: ShardedModule, text: str) -> None:
+    hints = runtime.overlap_monitor.hints
+    if text not in hints:
+        hints.append(text)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>()` (a `generate`, say) run with the module's parameters
+    gathered, as its forward does (FSDP2's function of this name)."""
+    if not isinstance(module, OverlapFSDPModule):
+        raise TypeError(f"register_fsdp_forward_method: {type(module).__name__} was not passed to fully_shard")
+    runtime = _required(module)
+    runtime.register_forward_method(module, method_name)
+
+
+def mixed_precision_of(policy: MixedPrecisionPolicy) -> Optional[MixedPrecision]:
+    """torch's policy as the runtime's (the same two dtypes)."""
+    if policy.param_dtype is None and policy.reduce_dtype is None:
+        return None
+    return MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+
+
+__all__ = ["fully_shard", "register_fsdp_forward_method", "OverlapFSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+           "CPUOffloadPolicy", "FSDPModule"]
