@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from overlap.optim.paged import paged_of
 from overlap.runtime.param_identity import left_behind
-from overlap.runtime.row_dtensors import local_part, local_rows
+from overlap.runtime.row_dtensors import local_part, local_rows, same_layout
 from overlap.runtime.unpicklable_state import FULL_OPTIMIZER, RankPartStateDict
 
 # A flat group (overlap.runtime.flat_group imports this module: no import back). It answers
@@ -45,7 +45,7 @@ _GUARDED = "_overlap_guarded"
 def register_group(group: FlatGroup) -> None:
     """Make `group`'s parameters known to every optimizer's check (see the note)."""
     global _hook
-    for index, param in enumerate(group.params):
+    for index, param in enumerate(group.module_params):
         _places[param] = (group, index)
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_before_step)
@@ -77,32 +77,41 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             if place is None:
                 continue
             group, index = place
-            partial = partial or group.collectives.world_size > 1
+            # DTensor parameters (fully_shard) have DTensor state, saved as FSDP2's is.
+            partial = partial or (group.collectives.world_size > 1 and not group.dtensor_params)
             state = optimizer.state.get(param)
             if state:
-                _reshard(state, param, group, index)
-    if partial and not getattr(optimizer, _GUARDED, False):
-        optimizer.register_state_dict_post_hook(_sharded_form)
+                _reshard(state, group, index)
+    if not getattr(optimizer, _GUARDED, False):
+        if partial:
+            optimizer.register_state_dict_post_hook(_sharded_form)
         optimizer.register_load_state_dict_post_hook(check_optimizer)
         setattr(optimizer, _GUARDED, True)
 
 
-def _reshard(state: dict[str, Any], param: torch.Tensor, group: FlatGroup, index: int) -> None:
-    slot = group.slots[index]
+def _reshard(state: dict[str, Any], group: FlatGroup, index: int) -> None:
+    """Each state tensor of parameter `index` as this rank's rows, in the parameter's form (a
+    plain tensor shaped like its part, or a DTensor over such a tensor under fully_shard)."""
+    slot, part = group.slots[index], group.params[index]
+    like = group.dtensor(part, index)
     for key, value in state.items():
         if isinstance(value, DTensor):          # the sharded form of `optimizer.state_dict()`, loaded
             if value.shape != group.global_shape(index):
                 raise ValueError(f"optimizer state {key!r} of parameter {slot.name!r} is a DTensor of shape "
                                  f"{tuple(value.shape)}, the parameter's is {tuple(group.global_shape(index))}")
-            state[key] = local_rows(value, group.dtensor(param, index)).reshape(param.shape).clone()
+            if group.dtensor_params and same_layout(value, like):
+                continue
+            local = local_rows(value, like).reshape(part.shape).clone()
+        elif not isinstance(value, torch.Tensor) or value.dim() == 0 or \
+                (value.shape == part.shape and not group.dtensor_params):
             continue
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape == param.shape:
-            continue
-        if value.shape != slot.shape:
+        elif value.shape != slot.shape:
             raise ValueError(f"optimizer state {key!r} of parameter {slot.name!r} has shape {tuple(value.shape)}: "
-                             f"neither this rank's part {tuple(param.shape)} nor the whole parameter "
+                             f"neither this rank's part {tuple(part.shape)} nor the whole parameter "
                              f"{tuple(slot.shape)}")
-        state[key] = group.local_of_full(index, value).clone()
+        else:
+            local = group.local_of_full(index, value).clone()
+        state[key] = group.dtensor(local, index) if group.dtensor_params else local
 
 
 def _numbered(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

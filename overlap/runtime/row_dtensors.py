@@ -374,6 +374,13 @@ def local_part(value: DTensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return local, tuple(offset)
 
 
+def same_layout(value: DTensor, like: DTensor) -> bool:
+    """Whether two DTensors place their elements alike on the same mesh (a RowShard only
+    matches the same rows)."""
+    return value.device_mesh == like.device_mesh and len(value.placements) == len(like.placements) and all(
+        type(a) is type(b) and a == b for a, b in zip(value.placements, like.placements))
+
+
 def local_rows(value: DTensor, like: DTensor) -> torch.Tensor:
     """This rank's block of `value` as `like` (a RowDTensor of the same shape) places its rows.
     Where `value` is sharded otherwise (FSDP2's even chunks: `distribute_tensor` makes plain
@@ -382,8 +389,7 @@ def local_rows(value: DTensor, like: DTensor) -> torch.Tensor:
     if tuple(value.shape) != tuple(like.shape):
         raise ValueError(f"a DTensor of shape {tuple(value.shape)} cannot be loaded into one of shape "
                          f"{tuple(like.shape)}")
-    if value.device_mesh == like.device_mesh and len(value.placements) == len(like.placements) and all(
-            type(a) is type(b) and a == b for a, b in zip(value.placements, like.placements)):
+    if same_layout(value, like):
         return local_part(value)[0]
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

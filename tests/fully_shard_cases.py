@@ -1,0 +1,294 @@
+"""Code written for FSDP2, run twice in one launch: once with torch's `fully_shard`, once with
+`overlap.fully_shard` and nothing else changed. What tests/test_fully_shard.py compares.
+
+The flows follow what FSDP2's users write: PyTorch's FSDP2 example (a model built on the meta
+device, blocks then root sharded, `to_empty` and an init, Adam with torch's clip, explicit
+prefetch lists and `unshard()`, a full checkpoint saved through DTensors or torch's state-dict
+API and loaded back), torchtitan's `apply_fsdp` (bf16 gathers, fp32 reductions, the last block
+and the root kept gathered after forward) and torchtune's full-state load
+(`distribute_tensor` into the sharded parameters).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parity import _slice, token_batches
+from parity_cases import SMALL_GPT
+
+BATCHES = token_batches(SMALL_GPT.vocab_size, 12, steps=6)
+TRAIN_STEPS = 3
+
+
+def implementations() -> dict[str, Callable]:
+    from torch.distributed.fsdp import fully_shard as torchs
+
+    from overlap import fully_shard as ours
+
+    return {"fsdp2": torchs, "overlap": ours}
+
+
+def init_weights(model: nn.Module) -> None:
+    """torchtitan's `init_weights`: every module's own initialisation, in module order."""
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+def meta_gpt() -> nn.Module:
+    from overlap.models import GPT
+
+    with torch.device("meta"):
+        return GPT(SMALL_GPT)
+
+
+def shard_blocks_then_root(model: nn.Module, fully_shard: Callable, **kwargs: Any) -> nn.Module:
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def materialise(model: nn.Module, seed: int) -> None:
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        init_weights(model)
+
+
+def steps(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, last: int, rank: int, world: int,
+          unshard_first: bool = False) -> list[float]:
+    """Adam steps with torch's clip, as the example trains; each loss averaged over the ranks."""
+    losses = []
+    batches = BATCHES()
+    for step in range(first, last):
+        if unshard_first:
+            model.unshard()
+        loss = model(*_slice(batches[step], rank, world))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def _prefetch_lists(model: nn.Module, depth: int) -> None:
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
+
+
+def save_full(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, through_dcp_api: bool) -> None:
+    """A full checkpoint in one file per state dict, written by rank 0: gathered through each
+    DTensor's `full_tensor()`, or through torch's state-dict API."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    from torch.distributed.tensor import DTensor
+
+    if through_dcp_api:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=options)
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    else:
+        model_state = {key: value.full_tensor() for key, value in model.state_dict().items()}
+        packed = optimizer.state_dict()
+        optim_state = {"param_groups": packed["param_groups"],
+                       "state": {index: {name: value.full_tensor() if isinstance(value, DTensor) else value
+                                         for name, value in values.items()}
+                                 for index, values in packed["state"].items()}}
+    if dist.get_rank() == 0:
+        torch.save({"model": model_state, "optimizer": optim_state}, path)
+    dist.barrier()
+
+
+def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, through_dcp_api: bool) -> None:
+    """The checkpoint of `save_full` loaded back: through `distribute_tensor` into each sharded
+    parameter and optimizer state (then `load_state_dict(assign=True)`), or through torch's
+    state-dict API from rank 0."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_optim_state, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = torch.load(path, weights_only=True)
+    if through_dcp_api:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full["model"], options=options)
+        set_optimizer_state_dict(model, optimizer, full["optimizer"], options=options)
+        return
+    sharded = model.state_dict()
+    model.load_state_dict({key: nn.Parameter(distribute_tensor(value, sharded[key].device_mesh,
+                                                                 sharded[key].placements))
+                           for key, value in full["model"].items()}, strict=False, assign=True)
+    _init_optim_state(optimizer)
+    packed = optimizer.state_dict()
+    for number, values in packed["state"].items():
+        for name, value in values.items():
+            saved = full["optimizer"]["state"][number][name]
+            values[name] = distribute_tensor(saved, value.device_mesh, value.placements) \
+                if isinstance(value, DTensor) else saved
+    optimizer.load_state_dict(packed)
+
+
+def example_flow(rank: int, world: int, directory: str, mode: str) -> dict[str, Any]:
+    """The FSDP2 example's run, per implementation: losses of training, of resuming from its own
+    checkpoint, and of resuming from the other implementation's checkpoint."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
+        if mode == "mixed-precision" else {}
+    dcp_api = mode == "dcp-api"
+    out: dict[str, Any] = {}
+    for name, fully_shard in implementations().items():
+        model = shard_blocks_then_root(meta_gpt(), fully_shard, **kwargs)
+        if mode == "explicit-prefetching":
+            _prefetch_lists(model, 2)
+        materialise(model, seed=0)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = steps(model, optimizer, 0, TRAIN_STEPS, rank, world, unshard_first=mode == "explicit-prefetching")
+        save_full(model, optimizer, os.path.join(directory, f"{mode}-{name}.pt"), dcp_api)
+        out[name] = {"train": losses, "is_fsdp_module": _is_fsdp_module(model),
+                     "dtensors": all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())}
+    for name, fully_shard in implementations().items():
+        for source in ("fsdp2", "overlap"):
+            model = shard_blocks_then_root(meta_gpt(), fully_shard, **kwargs)
+            materialise(model, seed=123)                 # other values, then loaded over
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+            load_full(model, optimizer, os.path.join(directory, f"{mode}-{source}.pt"), dcp_api)
+            out[name][f"resumed-from-{source}"] = steps(model, optimizer, TRAIN_STEPS, TRAIN_STEPS + 2, rank, world)
+    out["one-process"] = {"train": one_process(0, TRAIN_STEPS)}
+    for source in ("fsdp2", "overlap"):
+        out["one-process"][f"resumed-from-{source}"] = one_process(
+            TRAIN_STEPS, TRAIN_STEPS + 2, os.path.join(directory, f"{mode}-{source}.pt"))
+    return out
+
+
+def one_process(first: int, last: int, checkpoint: str | None = None,
+                make_optimizer: Callable[[Any], torch.optim.Optimizer] = lambda params: torch.optim.Adam(
+                    params, lr=1e-2)) -> list[float]:
+    """The reference: one process training the same model on the global batch, from the same
+    meta-device init, or from a full checkpoint file (either implementation's)."""
+    from overlap.models import GPT
+
+    model = GPT(SMALL_GPT)
+    materialise(model, seed=0)
+    optimizer = make_optimizer(model.parameters())
+    if checkpoint is not None:
+        full = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(full["model"])
+        optimizer.load_state_dict(_numbered(full["optimizer"], [name for name, _ in model.named_parameters()]))
+    return steps(model, optimizer, first, last, 0, 1)
+
+
+def _numbered(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter names (torch's state-dict API) keyed by
+    their numbers, as `optimizer.load_state_dict` of a plain model takes it."""
+    number = {name: index for index, name in enumerate(names)}
+    return {"state": {number.get(key, key): value for key, value in state["state"].items()},
+            "param_groups": [{**group, "params": [number.get(p, p) for p in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _is_fsdp_module(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) and all(isinstance(block, FSDPModule) for block in model.blocks)
+
+
+def torchtitan_flow(rank: int, world: int) -> dict[str, list[float]]:
+    """torchtitan's `apply_fsdp`: bf16 parameters, fp32 reductions, every block but the last
+    resharded after forward, the root not; AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out = {}
+    for name, fully_shard in implementations().items():
+        model = meta_gpt()
+        mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for index, block in enumerate(model.blocks):
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(model.blocks) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        materialise(model, seed=0)
+        out[name] = steps(model, _adamw(model.parameters()), 0, TRAIN_STEPS, rank, world)
+    out["one-process"] = one_process(0, TRAIN_STEPS, make_optimizer=_adamw)
+    return out
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def torchtune_load(rank: int, world: int) -> dict[str, Any]:
+    """torchtune's full-state load: a one-process state dict distributed into the sharded
+    parameters of a meta model, then training; compared with one process."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from overlap.models import GPT
+
+    torch.manual_seed(7)
+    reference = GPT(SMALL_GPT)
+    full = {key: value.detach().clone() for key, value in reference.state_dict().items()}
+    out: dict[str, Any] = {}
+    for name, fully_shard in implementations().items():
+        model = shard_blocks_then_root(meta_gpt(), fully_shard)
+        sharded = model.state_dict()
+        model.load_state_dict({key: nn.Parameter(distribute_tensor(value, sharded[key].device_mesh,
+                                                                     sharded[key].placements))
+                               for key, value in full.items()}, strict=False, assign=True)
+        gathered = {key: value.full_tensor() for key, value in model.state_dict().items()}
+        out[name] = {"loaded": all(torch.equal(gathered[key], full[key]) for key in full),
+                     "losses": steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, rank, world)}
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    out["one-process"] = steps(reference, optimizer, 0, 2, 0, 1)
+    return out
+
+
+def module_calls(rank: int, world: int) -> dict[str, Any]:
+    """FSDPModule's calls against one process: gradient accumulation without sync, the gradient
+    divide factor (overlap's only: FSDP2's needs a reduce op gloo lacks), and unshard/reshard
+    outside a step followed by a forward."""
+    from overlap.models import GPT
+
+    out: dict[str, Any] = {}
+    batches = BATCHES()
+    for name, fully_shard in implementations().items():
+        model = shard_blocks_then_root(meta_gpt(), fully_shard)
+        materialise(model, seed=0)
+        model.set_requires_gradient_sync(False)
+        model(*_slice(_slice(batches[0], rank, world), 0, 2)).backward()
+        model.set_requires_gradient_sync(True)
+        model(*_slice(_slice(batches[0], rank, world), 1, 2)).backward()
+        out[name] = {"accumulated": {key: param.grad.full_tensor() for key, param in model.named_parameters()}}
+        model.zero_grad()
+        model.unshard()
+        model.reshard()
+        for block in model.blocks:
+            block.set_reshard_after_forward(False)
+        with torch.no_grad():
+            out[name]["after_unshard"] = float(model(*_slice(batches[2], rank, world)))
+        if name == "overlap":
+            model.set_gradient_divide_factor(1.0)        # sums instead of means
+            model(*_slice(batches[1], rank, world)).backward()
+            out[name]["summed"] = {key: param.grad.full_tensor() for key, param in model.named_parameters()}
+            out[name]["hints"] = model._overlap_runtime.overlap_report().hints
+    reference = GPT(SMALL_GPT)
+    materialise(reference, seed=0)
+    for part in range(world):                  # each rank's two micro-batches, averaged over the ranks
+        for micro in range(2):
+            reference(*_slice(_slice(batches[0], part, world), micro, 2)).div(world).backward()
+    accumulated = {key: param.grad.clone() for key, param in reference.named_parameters()}
+    reference.zero_grad()
+    reference(*batches[1]).backward()
+    with torch.no_grad():
+        loss = float(reference(*_slice(batches[2], rank, world)))
+    out["one-process"] = {"accumulated": accumulated, "after_unshard": loss,
+                          "summed": {key: param.grad * world for key, param in reference.named_parameters()}}
+    return out
