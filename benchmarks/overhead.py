@@ -57,6 +57,9 @@ PROFILE_ENTRIES = 40            # rows of each table in the profile
 SHARDINGS = ("full", "hybrid", "hpz")
 COMPRESSIONS = ("none", "int8", "int8-int4")
 OVERLAP, FSDP2, FSDP2_TUNED, DEEPSPEED = "overlap", peers.FSDP2, peers.FSDP2_TUNED, peers.DEEPSPEED
+# The same runtime through `from overlap import fully_shard`: DTensor parameters, the optimizer
+# stepping DTensors as under FSDP2.
+OVERLAP_FULLY_SHARD = "overlap-fully-shard"
 REFERENCES = (FSDP2_TUNED, FSDP2)       # every row's ratios are taken against these
 BASELINE_SUFFIX = "-base"
 
@@ -89,7 +92,8 @@ def all_rows(world: int, baseline: bool) -> list[Row]:
     ours = overlap_rows(world)
     theirs = [Row(row.name + BASELINE_SUFFIX, OVERLAP, row.sharding, row.compression, baseline=True)
               for row in ours if row.order_check == "collective"] if baseline else []
-    return [*ours, Row(FSDP2, FSDP2), Row(FSDP2_TUNED, FSDP2_TUNED), Row(DEEPSPEED, DEEPSPEED), *theirs]
+    return [*ours, Row(OVERLAP_FULLY_SHARD, OVERLAP_FULLY_SHARD), Row(FSDP2, FSDP2), Row(FSDP2_TUNED, FSDP2_TUNED),
+            Row(DEEPSPEED, DEEPSPEED), *theirs]
 
 
 # ---- worker: one launch of one row --------------------------------------------------------
@@ -153,6 +157,12 @@ def _wrap(args: argparse.Namespace, model: Chain):
         return engine, _deepspeed_step(engine)
     if args.worker in (FSDP2, FSDP2_TUNED):
         wrapped = peers.fsdp2(model, args.worker == FSDP2_TUNED, args.fsdp2_prefetch)
+    elif args.worker == OVERLAP_FULLY_SHARD:
+        from overlap import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        wrapped = fully_shard(model)
     else:
         from overlap import ShardedModule
 
@@ -246,7 +256,8 @@ def run_worker(args: argparse.Namespace) -> None:
         raise RuntimeError(f"rank {rank}: {args.worker} has a non-finite loss: {[float(loss) for loss in losses]}")
     mine = dict(wrapped_s=wrapped_s, plain_s=plain_s, loss=[float(loss) for loss in losses],
                 cpu_s=time.process_time() - cpu_start, wall_s=time.perf_counter() - wall_start)
-    facts = _overlap_facts(model) if args.worker == OVERLAP else {}
+    facts = _overlap_facts(model) if args.worker == OVERLAP else \
+        _overlap_facts(model._overlap_runtime) if args.worker == OVERLAP_FULLY_SHARD else {}
     if args.profile_out:
         write_text(args.profile_out, _profile(wrapped_step, batch, args.steps, facts["package_root"]))
     ranks = [None] * world
@@ -456,7 +467,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, metavar="TXT",
                         help=f"write a cProfile of the {PROFILE_UNITS}-unit 1-rank ShardedModule row here")
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds one launch may take")
-    parser.add_argument("--worker", choices=(OVERLAP, FSDP2, FSDP2_TUNED, DEEPSPEED), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(OVERLAP, OVERLAP_FULLY_SHARD, FSDP2, FSDP2_TUNED, DEEPSPEED),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--sharding", default="full", choices=SHARDINGS, help=argparse.SUPPRESS)
     parser.add_argument("--compression", default="none", choices=COMPRESSIONS, help=argparse.SUPPRESS)
