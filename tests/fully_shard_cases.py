@@ -292,3 +292,47 @@ def module_calls(rank: int, world: int) -> dict[str, Any]:
     out["one-process"] = {"accumulated": accumulated, "after_unshard": loss,
                           "summed": {key: param.grad * world for key, param in reference.named_parameters()}}
     return out
+
+
+# Each mode a user reaches through fully_shard's arguments (or the environment), and the
+# tolerance against one fp32 process.
+COMBINATIONS: dict[str, dict[str, Any]] = {
+    "cpu-offload": {"offload_policy": "cpu"},
+    "bf16-cpu-offload": {"offload_policy": "cpu", "mp_policy": "bf16"},
+    "hybrid-2d-mesh": {"mesh": ("replicate", "shard")},
+    "hpz": {"reshard_after_forward": 1, "env": {"LOCAL_WORLD_SIZE": "1"}},
+    "int8-compression": {"env": {"OVERLAP_COMPRESS": "int8"}},
+    "compiled": {"env": {"OVERLAP_COMPILE": "1"}},
+}
+
+
+def combination(rank: int, world: int, name: str) -> dict[str, list[float]]:
+    """Two Adam steps of the example's model sharded with fully_shard in one mode, and one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    from overlap import fully_shard
+
+    how = COMBINATIONS[name]
+    kwargs: dict[str, Any] = {}
+    if how.get("offload_policy") == "cpu":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if how.get("mp_policy") == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if "mesh" in how:
+        kwargs["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=how["mesh"])
+    if "reshard_after_forward" in how:
+        kwargs["reshard_after_forward"] = how["reshard_after_forward"]
+    saved = {key: os.environ.get(key) for key in how.get("env", {})}
+    os.environ.update(how.get("env", {}))
+    try:
+        model = shard_blocks_then_root(meta_gpt(), fully_shard, **kwargs)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+    materialise(model, seed=0)
+    losses = steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, rank, world)
+    return {"overlap": losses, "one-process": one_process(0, 2)}

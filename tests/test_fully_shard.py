@@ -22,6 +22,7 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     two = {f"example-{mode}": RankCase(cases.example_flow, (directory, mode)) for mode in MODES}
     two.update({"torchtitan": RankCase(cases.torchtitan_flow), "torchtune": RankCase(cases.torchtune_load),
                 "calls": RankCase(cases.module_calls)})
+    two.update({f"combination-{name}": RankCase(cases.combination, (name,)) for name in cases.COMBINATIONS})
     three = {"example-default": RankCase(cases.example_flow, (directory + "-3", "default"))}
     import os
 
@@ -84,3 +85,15 @@ def test_fsdpmodule_calls_act_as_in_one_process(launches) -> None:
                 torch.testing.assert_close(ours[kind][key], value, **FP32, msg=lambda m: f"{kind} {key}: {m}")
         assert math.isclose(ours["after_unshard"], reference["after_unshard"], rel_tol=1e-5)
         assert any("unshard()" in hint for hint in ours["hints"]), ours["hints"]
+
+
+LOSSY = {"rtol": 5e-2, "atol": 5e-3}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(cases.COMBINATIONS))
+def test_every_mode_reached_through_fully_shard_trains_like_one_process(launches, name: str) -> None:
+    tol = LOSSY if "bf16" in name or "int8" in name else FP32
+    for outcome in launches[2][f"combination-{name}"]:
+        result = outcome.result()
+        _close(result["overlap"], result["one-process"], tol)
