@@ -31,6 +31,7 @@ those calls are kept as hints, listed in `overlap_report()` and in docs/fully_sh
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
@@ -44,12 +45,13 @@ from overlap.base.config import local_world_size_from_env
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
 from overlap.runtime.bound_params import apply_keeping_shards
-from overlap.sharded_module import ShardedModule
+from overlap.sharded_module import ShardedModule, register_forward_method, strict_load_error
 
 # Kept in each marked module's __dict__ (not as submodules or parameters, so that neither
 # shows in its state dict or its module tree).
 _MARK = "_overlap_fully_shard"        # this call's arguments
 _RUNTIME = "_overlap_runtime"         # the ShardedModule that runs the whole model, once built
+_OWNER = "_overlap_owner"             # the marked module this one is inside, for the root's build
 _BUILDING = object()                  # in place of the runtime while it is being built
 
 
@@ -71,25 +73,33 @@ class _Marked:
         return mesh, mp, type(self.offload_policy)
 
 
-def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None,
+def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
                 reshard_after_forward: Union[bool, int] = True,
                 shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: Optional[set[nn.Parameter]] = None) -> nn.Module:
+                ignored_params: Optional[set[nn.Parameter]] = None) -> Union[nn.Module, list[nn.Module]]:
     """Shard `module`'s parameters over `mesh` as torch's `fully_shard` does (see the module
-    note), and return it, now an `FSDPModule`. Every rank calls it, in the same order."""
-    _check_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                     ignored_params)
-    if _RUNTIME in module.__dict__:
-        raise ValueError(f"fully_shard: {type(module).__name__} is already sharded (its model was built when "
-                         "fully_shard was called on its root or when it was first used); call fully_shard on each "
-                         "module once, blocks before their root")
-    module.__dict__[_MARK] = _Marked(mesh, reshard_after_forward, mp_policy, offload_policy)
-    module.__class__ = _fsdp_class(type(module))
-    module.register_forward_pre_hook(_build_before_forward, prepend=True)
-    if any(_MARK in sub.__dict__ for sub in module.modules() if sub is not module):
-        _build(module)
+    note), and return it, now an `FSDPModule`; a list of modules is one unit. Every rank calls
+    it, in the same order: blocks, then the module that holds them."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    for each in modules:
+        _check_arguments(each, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                         ignored_params)
+        if _RUNTIME in each.__dict__:
+            raise ValueError(f"fully_shard: {type(each).__name__} is already sharded (its model was built when it "
+                             "was first used); call fully_shard on each module once, blocks before their root, "
+                             "then use the model")
+    marked = _Marked(mesh, reshard_after_forward, mp_policy, offload_policy)
+    for each in modules:
+        # The marked modules inside become this call's: the outermost call is the root, whose
+        # runtime is built when any of them is first used.
+        for inner in each.modules():
+            if inner is not each and _MARK in inner.__dict__:
+                inner.__dict__[_OWNER] = each
+        each.__dict__[_MARK] = marked
+        each.__class__ = _fsdp_class(type(each))
+        each.register_forward_pre_hook(_build_before_forward, prepend=True, with_kwargs=True)
     return module
 
 
@@ -136,6 +146,14 @@ def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_afte
                                           "parameters are sharded by whole rows (Shard(0)) only")
 
 
+def _unit_groups(members: list[nn.Module]) -> tuple[tuple[nn.Module, ...], ...]:
+    """The members grouped by the call that marked them (a list is one unit), in module order."""
+    groups: dict[int, list[nn.Module]] = {}
+    for member in members:
+        groups.setdefault(id(member.__dict__[_MARK]), []).append(member)
+    return tuple(tuple(group) for group in groups.values())
+
+
 def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupRequest:
     """The runtime's settings from the root's call (every member's must agree with it)."""
     marked = root.__dict__[_MARK]
@@ -146,7 +164,8 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
                              "of each")
     node_copy = any(not isinstance(m.__dict__[_MARK].reshard_after_forward, bool) for m in [root, *members])
     return StartupRequest(
-        mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy), unit_modules=tuple(members), dtensor_params=True,
+        mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy), unit_modules=_unit_groups(members),
+        dtensor_params=True,
         initialise_meta=False, sharding="hpz" if node_copy else None,
         offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None)
 
@@ -155,6 +174,9 @@ def _build(root: nn.Module) -> ShardedModule:
     """Build the runtime over `root` and every marked module inside it (collective)."""
     members = [m for m in root.modules() if m is not root and _MARK in m.__dict__]
     built = [m for m in members if isinstance(m.__dict__.get(_RUNTIME), ShardedModule)]
+    if id(root.__dict__[_MARK]) in {id(m.__dict__[_MARK]) for m in members}:
+        raise ValueError(f"fully_shard: a list passed to fully_shard holds {type(root).__name__} and modules inside "
+                         "it; a unit's modules must be apart")
     if built:
         raise RuntimeError(f"fully_shard: {type(built[0]).__name__} inside {type(root).__name__} was already used "
                            "(its forward, parameters or state dict) before fully_shard was called on its root; call "
@@ -176,17 +198,30 @@ def _build(root: nn.Module) -> ShardedModule:
     return runtime
 
 
-def _build_before_forward(module: nn.Module, args: tuple) -> None:
-    _runtime_of(module)
+def _build_before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """A model first used by a forward builds its runtime now; the runtime's own pre-hook on
+    this module, registered meanwhile, misses this call (the module read its hooks before),
+    so it runs here."""
+    if _RUNTIME in module.__dict__:
+        return None
+    runtime = _runtime_of(module)
+    if runtime is not None and runtime.module is module:
+        return runtime._root_pre_forward(module, args, kwargs)
+    return None
 
 
 def _runtime_of(module: nn.Module) -> Optional[ShardedModule]:
-    """The runtime that shards `module`, built now if `module` is a root not used before (None
-    while it is being built)."""
+    """The runtime that shards `module`, built now over its outermost marked module if none
+    is yet (None while it is being built)."""
     runtime = module.__dict__.get(_RUNTIME)
     if runtime is _BUILDING:
         return None
-    return runtime if runtime is not None else _build(module)
+    if runtime is not None:
+        return runtime
+    root = module
+    while _OWNER in root.__dict__:
+        root = root.__dict__[_OWNER]
+    return _build(root)
 
 
 def _required(module: nn.Module) -> ShardedModule:
@@ -199,7 +234,7 @@ def _required(module: nn.Module) -> ShardedModule:
 def _unit_of(module: nn.Module, runtime: ShardedModule) -> Any:
     if runtime.module is module:
         return runtime.scheduler.root
-    return next(unit for unit in runtime.scheduler.units if unit.modules[0] is module)
+    return next((unit for unit in runtime.scheduler.units if any(m is module for m in unit.modules)), None)
 
 
 _CLASSES: dict[type, type] = {}
@@ -228,8 +263,13 @@ class OverlapFSDPModule(FSDPModule):
         return super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        _runtime_of(self)
-        return super().state_dict(*args, **kwargs)
+        """The DTensor parameters, also while units are gathered (their gathered values are
+        the registered parameters then, as FSDP2's unsharded ones)."""
+        runtime = _runtime_of(self)
+        if runtime is None:
+            return super().state_dict(*args, **kwargs)
+        with _sharded_registration(runtime):
+            return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Each parameter's value (a DTensor of any sharding of its full shape, FSDP2's
@@ -244,7 +284,7 @@ class OverlapFSDPModule(FSDPModule):
         missing = sorted(mine - set(state_dict))
         unexpected = sorted(set(state_dict) - mine)
         if strict and (missing or unexpected):
-            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+            raise RuntimeError(strict_load_error("load_state_dict", missing, unexpected))
         runtime.load_state_dict({key: value for key, value in state_dict.items() if key in mine}, strict=False)
         return _IncompatibleKeys(missing, unexpected)
 
@@ -331,6 +371,24 @@ class OverlapFSDPModule(FSDPModule):
                                   "docs/fully_shard.md")
 
 
+@contextlib.contextmanager
+def _sharded_registration(runtime: ShardedModule) -> Iterator[None]:
+    """The DTensor parameters registered on their modules for the duration, whatever is gathered."""
+    replaced = []
+    for unit in runtime.scheduler.all_units:
+        for group in unit.groups:
+            for slot, param in zip(group.slots, group.module_params):
+                for module, attr in slot.owners:
+                    if module._parameters.get(attr) is not param:
+                        replaced.append((module, attr, module._parameters[attr]))
+                        module._parameters[attr] = param
+    try:
+        yield
+    finally:
+        for module, attr, value in replaced:
+            module._parameters[attr] = value
+
+
 class _Unsharded:
     """What `unshard(async_op=True)` returns: the gather is complete when it returns."""
 
@@ -348,7 +406,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make `module.<method_name>()` (a `generate`, say) run with the module's parameters
     gathered, as its forward does (FSDP2's function of this name)."""
     if not isinstance(module, OverlapFSDPModule):
-        raise TypeError(f"register_fsdp_forward_method: {type(module).__name__} was not passed to fully_shard")
+        # A ShardedModule, the module it wraps or a unit's module; for any other module nothing,
+        # as FSDP2's own does for a module it did not shard.
+        register_forward_method(module, method_name)
+        return
     runtime = _required(module)
     runtime.register_forward_method(module, method_name)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
 from overlap.base.config import Config
@@ -17,11 +19,13 @@ from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
 from overlap.control.startup import start_up
 from overlap.observe.report import OverlapReport
+from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident, wait_for_saves
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.optimizer_state import full_optimizer_state
 from overlap.runtime.row_dtensors import local_part, local_rows, shard_mesh
+from overlap.runtime.scheduler import Scheduler
 from overlap.runtime.shard_grad import plain
 from overlap.runtime.unpicklable_state import FULL_MODEL, SHARDED, PartialStateError
 
@@ -104,10 +108,10 @@ class ShardedModule(nn.Module):
         self.step_end, self.overlap_monitor = started.step_end, started.monitor
         # key -> (group, slot index) for parameters, None for buffers and extra state.
         self._state_dict_layout = started.state_dict_layout
-        module.register_forward_pre_hook(eager_hook(self._root_pre_forward), with_kwargs=True)
+        module.register_forward_pre_hook(eager_hook(self._root_pre_forward), with_kwargs=True, prepend=True)
         module.register_forward_hook(eager_hook(self._root_post_forward))
-        # `model.module.state_dict()` gives the sharded form, never the parameters' local parts
-        # as if they were whole ([Note: a one-rank save of a sharded state]).
+        # `model.module.state_dict()` refuses at the call, never giving the parameters' local
+        # parts as if they were whole ([Note: a one-rank save of a sharded state]).
         self._raw_module_state = False
         if not request.dtensor_params:          # with DTensor parameters, the module's own is the sharded form
             module._register_state_dict_hook(self._module_state_dict_hook)
@@ -166,7 +170,8 @@ class ShardedModule(nn.Module):
         return self.module(*args, **kwargs)
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.scheduler.begin_forward()
+        if not self.scheduler.root_methods_running:         # else part of the method's pass
+            self.scheduler.begin_forward()
         param_dtype = self.mixed_precision.param_dtype
         if param_dtype is None:
             return args, kwargs
@@ -177,7 +182,61 @@ class ShardedModule(nn.Module):
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.scheduler.end_forward(output)
+        if not self.scheduler.root_methods_running:
+            self.scheduler.end_forward(output)
+
+    def register_forward_method(self, module: nn.Module, method_name: str) -> None:
+        """Make `module.<method_name>()` (a method other than `forward`: `generate`, a decoding
+        step) gather the parameters it computes with as `module`'s forward does, and free them
+        after (FSDP2's `register_fsdp_forward_method`; `overlap.register_fsdp_forward_method`
+        takes FSDP2's arguments). `module` is this ShardedModule or any module inside it: a
+        method of the wrapped module (or of a module that belongs to no unit) runs as one
+        forward of the whole model, its own forward calls inside included; a method of a
+        unit's module (or of a module inside one) runs between that unit's forward hooks.
+
+        Outside forward, the modules' parameters are not gathered, so an unregistered method
+        that computes with them directly does not compute with the whole parameters; register
+        it."""
+        target = self.module if module is self else module
+        method = _method(target, method_name)
+        if not any(sub is target for sub in self.module.modules()):
+            raise ValueError(f"register_forward_method: {type(target).__name__} is not a module of this ShardedModule")
+        member = self._unit_member_holding(target)
+        if member is None:
+            target.__dict__[method_name] = functools.wraps(method)(self._as_root_forward(method))
+        else:
+            _run_in_unit(target, method_name, self.scheduler, member)
+
+    def _unit_member_holding(self, module: nn.Module) -> Optional[nn.Module]:
+        """The innermost unit's member module that is `module` or holds it; None if none does."""
+        holders = [member for unit in self.scheduler.units for member in unit.modules
+                   if any(sub is module for sub in member.modules())]
+        # The innermost holder has the fewest modules under it.
+        return min(holders, key=lambda member: sum(1 for _ in member.modules()), default=None)
+
+    def _as_root_forward(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.scheduler.root_methods_running or self.scheduler.in_forward:     # inside a pass
+                return method(*args, **kwargs)
+            args, kwargs = self._root_pre_forward(self.module, args, kwargs)
+            self.scheduler.root_methods_running += 1
+            try:
+                output = method(*args, **kwargs)
+            finally:
+                self.scheduler.root_methods_running -= 1
+            self._root_post_forward(self.module, args, output)
+            return output
+
+        return run
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedModule":
+        """`.to(...)`, `.cuda()`, `to_empty`: buffers move as asked; parameters stay bound to
+        their shards, a change of their dtype or device is refused by name
+        (overlap.runtime.bound_params)."""
+        groups = [group for unit in self.scheduler.all_units for group in unit.groups]
+        apply_keeping_shards(self.module, fn, groups,
+                             f"ShardedModule (rank {self.collectives.rank} of {self.collectives.world_size})")
+        return self
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -226,14 +285,16 @@ class ShardedModule(nn.Module):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         device = self.collectives.device
         group = self.collectives.group
-        # This rank's parts' norms, summed over the ranks below ([Note: norms of sharded gradients]).
-        norms = torch._foreach_norm([plain(grad) for grad in grads], norm_type) if grads else []
+        # This rank's parts' norms, combined over the ranks below ([Note: norms of sharded
+        # gradients]); an empty part adds nothing (torch refuses its infinity norm).
+        parts = [plain(grad) for grad in grads if grad.numel()]
+        norms = torch._foreach_norm(parts, norm_type) if parts else []
         # Offloaded gradients are host tensors; their norm crosses the group on its device.
         if norm_type == math.inf:
-            total = torch.stack(norms).max().float().to(device) if grads else torch.zeros((), device=device)
+            total = torch.stack(norms).max().float().to(device) if parts else torch.zeros((), device=device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         else:
-            local = torch.stack(norms).float().pow(norm_type).sum().to(device) if grads \
+            local = torch.stack(norms).float().pow(norm_type).sum().to(device) if parts \
                 else torch.zeros((), device=device)
             dist.all_reduce(local, group=group)
             total = local.pow(1.0 / norm_type)
@@ -367,13 +428,14 @@ class ShardedModule(nn.Module):
         (as `full_state_dict()` gives it); every rank calls it."""
         if assign:
             raise ValueError("ShardedModule.load_state_dict: assign=True would replace the views of the flat shards")
-        if not any(isinstance(value, DTensor) for value in state_dict.values()):
-            return self.load_full_state_dict(state_dict)
+        if strict and not any(isinstance(value, DTensor) for value in state_dict.values()):
+            self.load_full_state_dict(state_dict)
+            return _IncompatibleKeys([], [])
         mine = self.state_dict()
         missing = [key for key in mine if key not in state_dict]
         unexpected = [key for key in state_dict if key not in mine]
         if strict and (missing or unexpected):
-            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+            raise RuntimeError(strict_load_error("load_state_dict", missing, unexpected))
         slots = dict(self._state_dict_layout)
         parts = {}
         for key, value in state_dict.items():
@@ -393,6 +455,7 @@ class ShardedModule(nn.Module):
         others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}
         if others:
             self.module.load_state_dict(others, strict=False)
+        return _IncompatibleKeys(missing, unexpected)
 
     def _write_parts(self, mine: dict[str, Any], parts: dict[str, torch.Tensor]) -> None:
         """Write this rank's part of each parameter in `parts` into its shard (`mine`: `state_dict()`)."""
@@ -412,7 +475,7 @@ class ShardedModule(nn.Module):
         missing = [key for key in expected if key not in state_dict]
         unexpected = sorted(set(state_dict) - set(expected))
         if missing or unexpected:
-            raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+            raise RuntimeError(strict_load_error("load_full_state_dict", missing, unexpected))
         per_group: dict[FlatGroup, list[Optional[torch.Tensor]]] = {}
         others = {}
         for key, where in self._state_dict_layout:
@@ -435,3 +498,57 @@ class ShardedModule(nn.Module):
                 group.load_full(tensors)
         if others:
             self.module.load_state_dict(others, strict=False)
+
+
+def strict_load_error(call: str, missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """The error of a strict load, worded as `nn.Module.load_state_dict` words it."""
+    parts = [f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}." if missing else "",
+             f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}." if unexpected else ""]
+    return f"Error(s) in {call} of ShardedModule: " + " ".join(part for part in parts if part)
+
+
+def register_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's `register_fsdp_forward_method(module, method_name)`: `module` is a ShardedModule,
+    the module it wraps or a module of one of its units (see
+    `ShardedModule.register_forward_method`). As FSDP2's does for a module it did not shard,
+    it does nothing for any other module, so that the same script runs without wrapping."""
+    owner = module if isinstance(module, ShardedModule) else _owner_of(module)
+    if isinstance(owner, ShardedModule):
+        owner.register_forward_method(module, method_name)
+    elif owner is not None:
+        _run_in_unit(module, method_name, owner, module)
+
+
+def _owner_of(module: nn.Module) -> Any:
+    """The ShardedModule that wraps `module`, or the scheduler of the unit `module` is a
+    member of, found by the forward pre-hooks they registered on it; None for neither."""
+    for hook in module._forward_pre_hooks.values():
+        target = getattr(hook, "runtime_hook", None)
+        if isinstance(target, functools.partial):        # a unit's hook: the scheduler's method
+            target = target.func
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, ShardedModule) or (isinstance(owner, Scheduler) and owner.unit_of(module) is not None):
+            return owner
+    return None
+
+
+def _method(module: nn.Module, method_name: str) -> Callable[..., Any]:
+    if method_name == "forward":
+        raise ValueError(f"register_forward_method: {type(module).__name__}.forward gathers its parameters already "
+                         "(its hooks run at every call); register the other methods that compute with them")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise AttributeError(f"register_forward_method: {type(module).__name__} has no method {method_name!r}")
+    return method
+
+
+def _run_in_unit(module: nn.Module, method_name: str, scheduler: Scheduler, member: nn.Module) -> None:
+    """`module.<method_name>` made to run between the forward hooks of `member`'s unit
+    (`member` is `module` or holds it)."""
+    method = _method(module, method_name)
+    unit = scheduler.unit_of(member)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return scheduler.call_as_forward(unit, member, method, args, kwargs)
+
+    module.__dict__[method_name] = functools.wraps(method)(run)

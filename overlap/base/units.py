@@ -69,13 +69,16 @@ def unit_types_tuple(unit_types: Union[type, Sequence[type], None]) -> Optional[
 
 
 def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None],
-                   unit_modules: Optional[Sequence[nn.Module]] = None) -> tuple[UnitSpec, list[UnitSpec]]:
-    """Split `root`'s parameters into the root unit and the units (`unit_modules` where given,
-    else by `unit_types`), in module order."""
+                   unit_groups: Optional[Sequence[Sequence[nn.Module]]] = None) -> tuple[UnitSpec, list[UnitSpec]]:
+    """Split `root`'s parameters into the root unit and the units, in module order: one unit
+    per group of `unit_groups` where given (a group of several modules is one unit, as
+    FSDP2's `fully_shard([a, b])`), else by `unit_types`."""
     types = unit_types_tuple(unit_types)
-    if unit_modules is not None:
-        chosen = {id(m) for m in unit_modules}
-        unit_modules = [m for m in root.modules() if id(m) in chosen and m is not root and _has_params(m)]
+    # Each unit module -> the first module of its group, which names the unit.
+    group_of: dict[int, int] = {}
+    if unit_groups is not None:
+        group_of = {id(m): id(group[0]) for group in unit_groups for m in group}
+        unit_modules = [m for m in root.modules() if id(m) in group_of and m is not root and _has_params(m)]
     elif types is None:
         unit_modules = _auto_unit_modules(root)
     else:
@@ -90,8 +93,11 @@ def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None
     # `owner` is the id of the innermost unit module above (or at) each module; 0 is the root.
     def walk(module: nn.Module, prefix: str, owner: int) -> None:
         if id(module) in unit_ids:
-            owner = id(module)
-            specs.setdefault(owner, UnitSpec(prefix.rstrip("."), [module]))
+            owner = group_of.get(id(module), id(module))
+            if owner in specs:
+                specs[owner].modules.append(module)
+            else:
+                specs[owner] = UnitSpec(prefix.rstrip("."), [module])
         for attr, param in module._parameters.items():
             if param is not None:
                 occurrences[id(param)].append((prefix + attr, module, attr, owner))
@@ -106,7 +112,8 @@ def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None
         owners = {owner for *_, owner in places}
         owner = owners.pop() if len(owners) == 1 else 0
         by_owner[owner].params.append((places[0][0], params[key], [(m, a) for _, m, a, _ in places]))
-    units = [specs[id(m)] for m in unit_modules if id(m) in specs and specs[id(m)].params]
+    units = list({id(specs[key]): specs[key] for m in unit_modules
+                  if (key := group_of.get(id(m), id(m))) in specs and specs[key].params}.values())
     return root_spec, units
 
 

@@ -93,7 +93,7 @@ def load_pretrained(model: "ShardedModule", path: str | os.PathLike) -> None:
                 raise ValueError(f"load_pretrained: {key!r} has shape {tuple(stored.get_shape())} in {path} "
                                  f"and {shape} in the model")
             _read_part(stored, shape, group, index)
-        others = model.module.state_dict()
+        others = model._module_state_dict()
         with torch.no_grad():
             for key in buffers:
                 value = open_file(key).get_tensor(key)

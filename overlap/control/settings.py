@@ -41,9 +41,9 @@ class StartupRequest:
     compile: Optional[bool] = None
     offload: Optional[str] = None
     nested: bool = False                 # the module already contains a ShardedModule
-    # `fully_shard`: these modules are the units (none merged), and the modules hold DTensor
-    # parameters (FSDP2's form) instead of their own Parameter objects.
-    unit_modules: Optional[tuple[nn.Module, ...]] = None
+    # `fully_shard`: each group of modules is a unit (none merged), and the modules hold
+    # DTensor parameters (FSDP2's form) instead of their own Parameter objects.
+    unit_modules: Optional[tuple[tuple[nn.Module, ...], ...]] = None
     dtensor_params: bool = False
     # Give a meta-device model's parameters values at wrap (else they start at zero, for the
     # user's own `to_empty()` and initialisation after wrapping, as with FSDP2).

@@ -92,7 +92,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
                         tensor_parallel, merge=request.unit_modules is None, dtensor_params=request.dtensor_params,
                         initialise_meta=request.initialise_meta)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
-                          decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check)
+                          decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check,
+                          decision.mixed_precision.param_dtype)
     # Per-step timings of compute and communication for `overlap_report()`.
     monitor = OverlapMonitor()
     controllers = _controllers(decision, built, collectives, PrefetchDepths(scheduler), request.reshard_after_forward)

@@ -33,6 +33,13 @@ a version counter of its own (`set_`, not a view), so those updates do not look 
 like changes of tensors it saved. Gathering and freeing each unit twice a step would otherwise
 be most of the runtime's host work on one rank.
 
+[Note: post-accumulate-grad hooks of sharded parameters]
+Autograd accumulates into the gathered buffer, never into the module's parameters, so a hook
+a user registered on one with `register_post_accumulate_grad_hook` (an optimizer stepped
+inside backward) would never run. The runtime runs it itself, once per parameter per synced
+backward, right after it gives the parameter its reduced `.grad` (this rank's rows, or the
+DTensor over them), as FSDP2 runs it on the reduced shard.
+
 [Note: freeing `full` by resizing its storage]
 Tensors autograd saved in forward (a weight for a matmul's input gradient) are views of
 `full`. Freeing by `untyped_storage().resize_(0)` and re-gathering into the same storage
@@ -175,6 +182,9 @@ class FlatGroup:
         self.grad_shard: Optional[torch.Tensor] = None
         self._grad_views: list[torch.Tensor] = []
         self._grad_dtensors: list[DTensor] = []
+        # The gradient hook, until `full` requires a gradient and it is registered there.
+        self._on_grad: Optional[Callable[[torch.Tensor], None]] = None
+        self._views_installed = False          # on the modules since the last `remove_views`
         # Which parameters received a gradient in this rank's backward passes since the last
         # published gradients; only those (on any rank) get a `.grad`.
         self.got_grad = [False] * len(self.slots)
@@ -237,14 +247,16 @@ class FlatGroup:
 
     def free(self) -> None:
         """Release the gathered parameters. See [Note: freeing `full` by resizing its storage].
-        With DTensor parameters, the modules' attributes fall back to them (FSDP2's sharded
-        state) instead of reading views of freed storage."""
+        With DTensor parameters the modules' attributes fall back to them (FSDP2's sharded
+        state); otherwise they stay views, of freed storage until the next gather (a use
+        outside the hooks fails loudly instead of computing with this rank's rows)."""
         if not self.resident:
             self.full.untyped_storage().resize_(0)
             if self.dtensor_params:
-                for slot in self.slots:
+                for slot, param in zip(self.slots, self.module_params):
                     for module, attr in slot.owners:
                         module.__dict__.pop(attr, None)
+                        module._parameters[attr] = param
 
     def install_views(self) -> None:
         """Point every owner module's attribute at its parameter's view of `full`.
@@ -262,11 +274,42 @@ class FlatGroup:
         split, views = self._param_views(self.full)
         if split is not None:
             split.register_prehook(self._mark_grads)
+        self._views_installed = True
         for slot, view, tp in zip(self.slots, views, self.tensor_parallel):
             if tp is not None:
                 view = tp.wrap(view)
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
+                if self.dtensor_params and not self.resident:
+                    # FSDP2's unsharded state: while gathered, the gathered values are the
+                    # module's registered parameters too (what `named_parameters()` yields to a
+                    # pre-hook); freeing registers the DTensors again.
+                    module._parameters[attr] = view
+
+    def remove_views(self) -> None:
+        """At the end of a pass: the modules' attributes are their registered parameters again
+        (`module.weight.requires_grad_(False)` between steps reaches the parameter, as under
+        FSDP2), not views of released memory. Within a pass the views stay after a free:
+        backward re-gathers into the same memory, and a function recomputed by reentrant
+        checkpointing reads the attributes without a forward hook to install them."""
+        if self._views_installed and not self.resident:
+            for slot, param in zip(self.slots, self.module_params):
+                for module, attr in slot.owners:
+                    module.__dict__.pop(attr, None)
+                    module._parameters[attr] = param
+            self._views_installed = False
+
+    def refresh_requires_grad(self) -> bool:
+        """Whether any of the group's parameters trains now (read at each pass, so that
+        `requires_grad_()` after wrapping counts); the gathered buffer follows it."""
+        wanted = any([param.requires_grad for param in self.module_params])     # a list: no call per parameter
+        if wanted != self.full.requires_grad:
+            self.full.requires_grad_(wanted)
+            if wanted and self._on_grad is not None:
+                self.full.register_post_accumulate_grad_hook(self._on_grad)
+                self._on_grad = None
+        self.requires_grad = wanted
+        return wanted
 
     def _mark_grads(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
         got = self.got_grad
@@ -275,13 +318,17 @@ class FlatGroup:
                 got[index] = True
 
     def register_grad_hook(self, hook: Callable[["FlatGroup", torch.Tensor], None]) -> None:
-        """Call `hook(group, grad)` once the gradient of `full` is complete in a backward pass."""
+        """Call `hook(group, grad)` once the gradient of `full` is complete in a backward pass
+        (registered on `full` once it requires a gradient: a frozen group may train later)."""
 
         def on_grad(full: torch.Tensor) -> None:
             grad, full.grad = full.grad, None
             hook(self, grad)
 
-        self.full.register_post_accumulate_grad_hook(on_grad)
+        self._on_grad = on_grad
+        if self.full.requires_grad:
+            self.full.register_post_accumulate_grad_hook(on_grad)
+            self._on_grad = None
 
     def hold_unsynced(self, grad: torch.Tensor) -> None:
         """Sum `grad` into the local accumulator used while reduction is paused."""
@@ -333,10 +380,22 @@ class FlatGroup:
         self.place.grads_ready()
         if self.reduced:
             for param, grad, used in zip(self.module_params, self._published(), got_grad):
-                if used or param.grad is not None:
+                # A parameter frozen after wrapping is reduced with its group, but gets no `.grad`.
+                if param.requires_grad and (used or param.grad is not None):
                     param.grad = grad
+            if any([param._post_accumulate_grad_hooks for param in self.module_params]):   # no call per parameter
+                self._run_accumulate_hooks(got_grad)
         self.reduced = False
         self.got_grad = [False] * len(self.slots)
+
+    def _run_accumulate_hooks(self, got_grad: list[bool]) -> None:
+        """See [Note: post-accumulate-grad hooks of sharded parameters]: the hooks of each
+        parameter that trains and got a gradient in this backward, on any rank."""
+        for param, used in zip(self.module_params, got_grad):
+            hooks = param._post_accumulate_grad_hooks
+            if used and hooks and param.requires_grad:
+                for hook in list(hooks.values()):
+                    hook(param)
 
     def _published(self) -> list[torch.Tensor]:
         """The `.grad` each parameter gets: its view of the flat gradient shard, or a DTensor over it."""

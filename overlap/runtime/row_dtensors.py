@@ -23,6 +23,7 @@ are plain views of the gathered buffers; these objects exist only in state dicts
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import Placement
@@ -209,8 +210,10 @@ def _local_operand(value: Any, spec: DTensorSpec) -> Any:
     if value._spec.mesh == spec.mesh and tuple(value.shape) == tuple(spec.shape) and all(
             type(a) is type(b) and a == b for a, b in zip(value.placements, spec.placements)):
         return value._local_tensor
-    if value.numel() == 1 and all(p.is_replicate() for p in value.placements):
-        return value._local_tensor
+    if value.numel() == 1:
+        # A one-element operand (a clip's coefficient): its value, summed first where it is
+        # partial (every rank runs the same operator, so every rank takes part).
+        return value._local_tensor if all(p.is_replicate() for p in value.placements) else value.full_tensor()
     return None
 
 
@@ -229,10 +232,13 @@ class RowDTensor(DTensor):
         kwargs = kwargs or {}
         if func in _RANDOM_FILLS and isinstance(args[0], RowDTensor):
             return _random_fill(func, args, kwargs)
-        if func in _ELEMENTWISE:
-            done = _elementwise(func, args, kwargs)
-            if done is not None:
-                return done
+        if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
+            return _global_non_finite_check(args)
+        for ops, local_path in _LOCAL_PATHS:
+            if func in ops:
+                done = local_path(func, args, kwargs)
+                if done is not _ELSEWHERE:
+                    return done
         source = next((value for value in tree_flatten((args, kwargs))[0] if isinstance(value, RowDTensor)), None)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if source is None:
@@ -255,15 +261,19 @@ class RowDTensor(DTensor):
                                                     forward_dtype=forward_dtype, backward_dtype=backward_dtype))
 
 
+# What a local path returns where it does not apply (DTensor's dispatch then decides): an
+# in-place `_foreach_` operator's own result is None.
+_ELSEWHERE = object()
+
+
 def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
-    """`func` on the local rows, or None where an operand is laid out otherwise (DTensor's
-    dispatch then decides)."""
+    """`func` on the local rows, or `_ELSEWHERE` where an operand is laid out otherwise."""
     leaves, tree = tree_flatten((args, kwargs))
     source = next(value for value in leaves if isinstance(value, RowDTensor))
     spec = source._spec
     local = [_local_operand(value, spec) for value in leaves]
     if any(value is None and leaf is not None for value, leaf in zip(local, leaves)):
-        return None
+        return _ELSEWHERE
     local_args, local_kwargs = tree_unflatten(local, tree)
     out = func(*local_args, **local_kwargs)
     if func._schema.is_mutable and isinstance(args[0], DTensor) and out is local_args[0]:
@@ -275,6 +285,103 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
         return value
 
     return tree_map(wrap, out)
+
+
+def _foreach_ops() -> frozenset:
+    """In-place and out-of-place `_foreach_` operators of an elementwise kind (an optimizer's
+    foreach step, a clip's scaling): each list element is an elementwise operation."""
+    aten = torch.ops.aten
+    names = {schema.name.split("::")[1] for schema in torch._C._jit_get_all_schemas()
+             if schema.name.startswith("aten::_foreach_")}
+    ops = set()
+    for name in names - _FOREACH_REDUCTIONS:
+        packet = getattr(aten, name)
+        ops.update(getattr(packet, overload) for overload in packet.overloads())
+    return frozenset(ops)
+
+
+# `_foreach_` operators whose results are not shaped like their inputs.
+_FOREACH_REDUCTIONS = frozenset(["_foreach_norm", "_foreach_max", "_foreach_mm", "_foreach_powsum"])
+
+
+_FOREACH = _foreach_ops()
+_NORMS = frozenset([torch.ops.aten._foreach_norm.Scalar, torch.ops.aten.linalg_vector_norm.default])
+
+
+def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A `_foreach_` operator on the local rows, element by element; `_ELSEWHERE` where an
+    element's operands are laid out otherwise."""
+    lists = [arg for arg in args if isinstance(arg, (list, tuple))]
+    if not lists or any(len(values) != len(lists[0]) for values in lists):
+        return _ELSEWHERE
+    specs = [next((v._spec for v in items if isinstance(v, RowDTensor)), None) for items in zip(*lists)]
+    if any(spec is None for spec in specs):
+        return _ELSEWHERE
+
+    def local(arg: Any) -> Any:
+        if isinstance(arg, (list, tuple)):
+            values = [_local_operand(value, spec) for value, spec in zip(arg, specs)]
+            return None if any(v is None and a is not None for v, a in zip(values, arg)) else values
+        if isinstance(arg, DTensor):
+            return _local_operand(arg, specs[0]) if arg.numel() == 1 else None
+        return None if isinstance(arg, torch.Tensor) and arg.numel() > 1 else arg
+
+    local_args = [local(arg) for arg in args]
+    if any(value is None and arg is not None for value, arg in zip(local_args, args)):
+        return _ELSEWHERE
+    out = func(*local_args, **kwargs)
+    if out is None:                    # in place
+        return None
+    return [row_dtensor(value, spec.mesh, spec.placements, spec.shape, spec.stride) for value, spec in zip(out, specs)]
+
+
+def _norms(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Whole-tensor norms of row-sharded tensors: each rank's rows' norm (an empty block's is
+    0, where torch refuses an empty tensor's infinity norm), combined over the ranks when the
+    result is read (a partial DTensor, as DTensor's own norm gives)."""
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    if func is torch.ops.aten.linalg_vector_norm.default:
+        tensors, single = [args[0]], True
+        order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        if (len(args) > 2 and args[2] is not None) or kwargs.get("dim") is not None or kwargs.get("dtype"):
+            return _ELSEWHERE
+    else:
+        tensors, single = list(args[0]), False
+        order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    if not all(isinstance(t, RowDTensor) and len(t.placements) == 1 for t in tensors):
+        return _ELSEWHERE
+    order = float(order)
+    # How the ranks' norms combine: DTensor's own placements for these orders.
+    partial = Partial("max") if order == math.inf else Partial("min") if order == -math.inf else \
+        Partial("sum") if order == 0 else _NormPartial(norm_type=order)
+    out = []
+    for tensor in tensors:
+        local = tensor._local_tensor
+        norm = torch.linalg.vector_norm(local, order) if local.numel() else torch.full(
+            (), math.inf if order == -math.inf else 0.0, dtype=local.dtype, device=local.device)
+        spec = DTensorSpec(tensor._spec.mesh, (partial,),
+                           tensor_meta=TensorMeta(torch.Size([]), (), norm.dtype))
+        out.append(DTensor(norm, spec, requires_grad=False))
+    return out[0] if single else out
+
+
+# Operators answered on the local rows, in this order (see RowDTensor).
+_LOCAL_PATHS = ((_ELEMENTWISE, _elementwise), (_FOREACH, _foreach), (_NORMS, _norms))
+
+
+def _global_non_finite_check(args: tuple) -> None:
+    """GradScaler's unscale of row-sharded gradients: each rank checks and unscales its rows,
+    then `found_inf` is made the same on every rank of the mesh (MAX), as DTensor's own rule
+    makes it under FSDP2."""
+    grads, found_inf, inv_scale = args[0], args[1], args[2]
+    locals_ = [grad._local_tensor if isinstance(grad, DTensor) else grad for grad in grads]
+    torch._amp_foreach_non_finite_check_and_unscale_(locals_, found_inf, inv_scale)
+    mesh = next(grad.device_mesh for grad in grads if isinstance(grad, DTensor))
+    value = found_inf.to(torch.float32)
+    for dim in range(mesh.ndim):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    found_inf.copy_(value)
 
 
 def _random_fill(func: Any, args: tuple, kwargs: dict) -> "RowDTensor":

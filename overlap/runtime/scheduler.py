@@ -24,10 +24,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from overlap.base.profiling import phase
 from overlap.base.step_record import Mark, StepKind, StepRecord
+from overlap.runtime.activations import flatten
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.flat_group import FlatGroup
@@ -59,7 +59,7 @@ def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], None]) -> bool:
         if output.requires_grad:
             output.register_hook(hook)
         return output.requires_grad
-    leaves, _ = tree_flatten(output)
+    leaves, _ = flatten(output)
     hooked = False
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
@@ -71,8 +71,10 @@ def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], None]) -> bool:
 class Scheduler:
     def __init__(self, root: Optional[Unit], units: list[Unit], collectives: Collectives, prefetch_depth: int,
                  memory_budget_bytes: Optional[int], reshard_after_forward: bool,
-                 order_check: str = "collective") -> None:
+                 order_check: str = "collective", cast_dtype: Optional[torch.dtype] = None) -> None:
         self.root = root
+        # Mixed precision's compute dtype: floating-point inputs of every unit are cast to it.
+        self.cast_dtype = cast_dtype
         self.units = units
         self.reshard_after_forward = reshard_after_forward
         self.sync_grads = True
@@ -92,16 +94,32 @@ class Scheduler:
                                     before_each_collective=order_check == "collective")
             collectives.watch = self.order
 
+        # Units whose modules hold parameters of the root unit (a head tied to the embedding):
+        # one called outside the root's forward (a loss computed on chunks) gathers the root too.
+        root_owners = {id(module) for group in (root.groups if root is not None else [])
+                       for slot in group.slots for module, _ in slot.owners}
+        self._needs_root = {id(unit) for unit in units
+                            if any(id(sub) in root_owners for member in unit.modules for sub in member.modules())}
         # Per-unit callbacks made once, not at every forward.
         self._input_grads_callbacks = {unit: partial(self._on_input_grads, unit) for unit in units}
         self._pre_backward_hooks = {unit: partial(self._pre_backward, unit) for unit in units}
+        self._unit_of = {id(module): unit for unit in units for module in unit.modules}
+        # Calls of a method of the wrapped module registered to run as its forward
+        # (`ShardedModule.register_forward_method`) in progress: its own forward calls inside
+        # are part of that one pass.
+        self.root_methods_running = 0
+        # From the wrapped module's forward pre-hook to its forward hook.
+        self.in_forward = False
         for unit in units:
             for module in unit.modules:
                 # Eager under torch.compile; see [Note: compiling forward, not __call__].
-                module.register_forward_pre_hook(eager_hook(partial(self._pre_forward, unit)), with_kwargs=True)
+                # First of the module's pre-hooks: hooks registered before wrapping read its
+                # weights gathered.
+                module.register_forward_pre_hook(eager_hook(partial(self._pre_forward, unit)), with_kwargs=True,
+                                                 prepend=True)
                 module.register_forward_hook(eager_hook(partial(self._post_forward, unit)))
         for unit in self.all_units:
-            for group in unit.trainable_groups:
+            for group in unit.groups:          # a frozen group may train later (requires_grad_ after wrapping)
                 group.register_grad_hook(partial(self._on_grad, unit))
 
     # ---- read (and the depths set) by the planner, the report, benchmarks and tests -------
@@ -147,6 +165,10 @@ class Scheduler:
         """Steps begun; see [Note: what a step is]."""
         return self.steps.step
 
+    def unit_of(self, module: torch.nn.Module) -> Optional[Unit]:
+        """The unit `module` is a member of, or None."""
+        return self._unit_of.get(id(module))
+
     @property
     def last_step(self) -> Optional[StepRecord]:
         return self.steps.last_step
@@ -160,6 +182,7 @@ class Scheduler:
     def begin_forward(self) -> None:
         """Called before the wrapped module's forward: recover, gather the root, prefetch."""
         self._recover()
+        self.in_forward = True
         if self.steps.forward_begins(self.order):
             self.prefetch.gathered.reset_most()
         if self.order is not None:
@@ -180,24 +203,54 @@ class Scheduler:
         self.reduction.abandon(self.all_units)
         self._discard_all()
         self.in_backward = False
+        self.in_forward = False
 
     def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict
                      ) -> Optional[tuple[tuple, dict]]:
+        cast = self._cast_inputs(args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
         if self.in_backward:
             # Activation checkpointing re-runs forward inside backward: the unit is gathered
             # for its backward (or is gathered now); only the views need to be (re)made.
             unit.finish_gather()
             unit.install_views()
-            return None
+            return cast
         with phase(f"overlap::pre_forward::{unit.name}"):
             if self.order is not None:
                 self.order.ran(self._index[id(unit)], backward=False)
             self.prefetch.gather_for_forward(unit)
             unit.install_views()
+            if id(unit) in self._needs_root and self.root.gather_state is not GatherState.GATHERED:
+                self.root.finish_gather()
+                self.root.install_views()
             unit.enter_forward(module)
             self.log.mark(Mark.PRE_FORWARD, unit.name)
             unit.open_span("forward")
-            return self._after_input_grads(unit, args, kwargs)
+            return self._after_input_grads(unit, args, kwargs) or cast
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """Floating-point inputs in the compute dtype, as each of FSDP2's modules casts its
+        own: a tensor made inside forward (a mask, positions) reaches the unit in it too. None
+        where nothing is cast."""
+        dtype = self.cast_dtype
+        if dtype is None:
+            return None
+        leaves, rebuild = flatten((args, kwargs))
+        if not any(leaf.is_floating_point() and leaf.dtype != dtype for leaf in leaves):
+            return None
+        return rebuild([leaf.to(dtype) if leaf.is_floating_point() else leaf for leaf in leaves])
+
+    def call_as_forward(self, unit: Unit, module: torch.nn.Module, method: Callable[..., Any], args: tuple,
+                        kwargs: dict) -> Any:
+        """`method(*args, **kwargs)`, a method of `module` other than its forward, with the
+        unit's forward hooks around it (FSDP2's `register_fsdp_forward_method`)."""
+        replaced = self._pre_forward(unit, module, args, kwargs)
+        if replaced is not None:
+            args, kwargs = replaced
+        output = method(*args, **kwargs)
+        self._post_forward(unit, module, args, output)
+        return output
 
     def _after_input_grads(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         """The call's arguments with those that require a gradient passed through
@@ -205,7 +258,7 @@ class Scheduler:
         if unit.never_freed or not torch.is_grad_enabled():
             return None
         flat = not kwargs and all(isinstance(arg, torch.Tensor) for arg in args)   # no tree walk needed
-        leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))
+        leaves, rebuild = (list(args), None) if flat else flatten((args, kwargs))
         wanted = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if not wanted:
             return None
@@ -213,7 +266,7 @@ class Scheduler:
         outputs = _AfterInputGrads.apply(self._input_grads_callbacks[unit], *(leaves[i] for i in wanted))
         for i, tensor in zip(wanted, outputs):
             leaves[i] = tensor
-        return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)
+        return (tuple(leaves), kwargs) if flat else rebuild(leaves)
 
     def _post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.in_backward:
@@ -223,12 +276,17 @@ class Scheduler:
             self.log.mark(Mark.POST_FORWARD, unit.name)
             backward_follows = torch.is_grad_enabled() and _hook_outputs(output, self._pre_backward_hooks[unit])
             reshards = self.reshard_after_forward if unit.reshard_after_forward is None else unit.reshard_after_forward
-            if (reshards and unit.all_members_ran
+            # A member called inside another member's forward (nested units merged into one
+            # bucket, a registered method that calls forward) leaves the unit gathered for
+            # the outer call.
+            outermost = unit.leave_forward()
+            if (reshards and outermost and unit.all_members_ran
                     and not (backward_follows and self.prefetch.ends_forward(unit))):
                 self._reshard(unit)
 
     def end_forward(self, output: Any) -> None:
         """Called with the wrapped module's output."""
+        self.in_forward = False
         self.prefetch.end_forward()
         if self.root is not None:
             self.log.mark(Mark.POST_FORWARD, self.root.name)
@@ -237,8 +295,11 @@ class Scheduler:
         if torch.is_grad_enabled() and _hook_outputs(output, self._root_pre_backward):
             self.prefetch.prefetch_backward_start()
         else:
-            # No backward can follow: the step ends here (evaluation, generation).
-            self._end_pass()
+            # No backward can follow: the step ends here (evaluation, generation). The root
+            # stays gathered until the next forward, as FSDP2's root does: layers of the root
+            # called after the model returns (a tied output head on hidden states) compute
+            # with its parameters.
+            self._end_pass(keep=self.root)
             self.steps.close(StepKind.FORWARD, self.order)
 
     # ---- asked for outside a pass (`fully_shard`'s unshard / reshard) -----------------------
@@ -266,17 +327,20 @@ class Scheduler:
         unit.reshard()
         self.log.mark(Mark.FREE, unit.name)
 
-    def _discard_all(self) -> None:
+    def _discard_all(self, keep: Optional[Unit] = None) -> None:
         for unit in self.all_units:
-            if unit.gather_state is not GatherState.SHARDED:
+            if unit.gather_state is not GatherState.SHARDED and unit is not keep:
                 unit.discard()
                 self.log.mark(Mark.FREE, unit.name)
 
-    def _end_pass(self) -> None:
-        """Free everything and leave every unit idle until the next forward."""
-        self._discard_all()
+    def _end_pass(self, keep: Optional[Unit] = None) -> None:
+        """Free everything but `keep` and leave every unit idle until the next forward, the
+        modules holding their registered parameters until then."""
+        self._discard_all(keep)
         for unit in self.all_units:
             unit.end_pass()
+            if unit is not keep:
+                unit.remove_views()
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -291,6 +355,13 @@ class Scheduler:
     def _root_pre_backward(self, grad: torch.Tensor) -> None:
         self._begin_backward()
         if self.root is not None and self.root.enter_backward():
+            if self.root.gather_state is not GatherState.GATHERED:
+                # An earlier backward of this step (a head run on chunks outside the forward,
+                # each chunk its own backward) ended its pass and freed the root: gather again.
+                self.root.finish_gather()
+                if self.root.drops_views:
+                    with torch.enable_grad():
+                        self.root.install_views()
             self.log.mark(Mark.PRE_BACKWARD, self.root.name)
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -301,6 +372,12 @@ class Scheduler:
             if self.order is not None:
                 self.order.ran(self._index[id(unit)], backward=True, synced=self.sync_grads)
             self.prefetch.gather_for_backward(unit)
+            if unit.drops_views:
+                # Its views left the modules when it was freed; a recompute (activation
+                # checkpointing) may call its modules without their own pre-hook (a wrapper's
+                # inner module), so they are there again, connected to the gathered buffer.
+                with torch.enable_grad():
+                    unit.install_views()
             self.log.mark(Mark.PRE_BACKWARD, unit.name)
             unit.open_span("backward")
 

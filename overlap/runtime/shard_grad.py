@@ -53,6 +53,8 @@ class ShardGrad(torch.Tensor):
         if func in _IN_PLACE_MULS and _is_one(args[1] if len(args) > 1 else kwargs.get("other",
                                                                                       kwargs.get("scalar"))):
             return args[0] if func is torch.Tensor.mul_ else None     # see [Note: multiplying a gradient by one]
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            return _global_non_finite_check(args, kwargs)
         combine = _NORMS.get(func)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs) if combine is None else _local_norms(func, args, kwargs)
@@ -60,6 +62,20 @@ class ShardGrad(torch.Tensor):
 
 
 _IN_PLACE_MULS = (torch.Tensor.mul_, torch._foreach_mul_)
+
+
+def _global_non_finite_check(args: Sequence, kwargs: dict) -> None:
+    """GradScaler's unscale: each rank checks its rows, then `found_inf` is made the same on
+    every rank (MAX over every rank taking part), so all of them skip a step or none does, and
+    their scales stay equal. See [Note: norms of sharded gradients] for why `.grad` answers."""
+    grads, found_inf = args[0] if args else kwargs["self"], args[1] if len(args) > 1 else kwargs["found_inf"]
+    with torch._C.DisableTorchFunctionSubclass():
+        torch._amp_foreach_non_finite_check_and_unscale_(*args, **kwargs)
+    collectives = next(grad.collectives for grad in grads if isinstance(grad, ShardGrad))
+    group = getattr(collectives, "all_group", collectives.group)
+    value = found_inf.to(torch.float32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    found_inf.copy_(value)
 
 
 def _is_one(factor: Any) -> bool:

@@ -86,6 +86,8 @@ class Unit:
         # Fixed once the groups are built; read at every gather and step.
         self.gathered_nbytes = sum(g.gathered_nbytes for g in groups)
         self.trainable_groups = [g for g in groups if g.requires_grad]
+        # Freeing takes the views off the modules (DTensor parameters stand in): see FlatGroup.free.
+        self.drops_views = any(g.dtensor_params for g in groups)
         # Nothing of the unit is ever freed (one rank, see flat_group.py): no need to learn
         # when its input gradients are complete.
         self.never_freed = all(g.resident for g in groups)
@@ -98,6 +100,7 @@ class Unit:
         self._members_run: set[int] = set()      # id() of member modules that ran forward
         self._grads_pending = 0                  # trainable groups whose gradient has not arrived
         self._input_grads_pending = 0            # forward calls whose input gradients are not complete
+        self._forwards_running = 0               # member forwards begun and not ended (nested calls)
         self.span: Optional[Span] = None         # the profiler range of the unit's compute
         # Whether to free the unit after its forward; None follows the scheduler's setting
         # (`fully_shard`'s reshard_after_forward is per unit).
@@ -157,6 +160,10 @@ class Unit:
         for group in self.groups:
             group.install_views()
 
+    def remove_views(self) -> None:
+        for group in self.groups:
+            group.remove_views()
+
     def reshard(self) -> None:
         """Drop the gathered parameters once the unit has computed with them."""
         self._move(GatherState.SHARDED, (GatherState.GATHERED,), "reshard")
@@ -185,8 +192,11 @@ class Unit:
                 group.node_copy.drop()          # made before the optimizer last wrote the shards
         self._move(TrainingState.IDLE, ANY_TRAINING_STATE, "begin a pass")
         self._members_run.clear()
+        # Which parameters train is read at each pass: `requires_grad_()` after wrapping counts.
+        self.trainable_groups = [g for g in self.groups if g.refresh_requires_grad()]
         self._grads_pending = len(self.trainable_groups)
         self._input_grads_pending = 0
+        self._forwards_running = 0
 
     def end_pass(self) -> None:
         """The backward pass ended, or a forward that no backward follows."""
@@ -197,6 +207,12 @@ class Unit:
         self._move(TrainingState.FORWARD, (TrainingState.IDLE, TrainingState.FORWARD), "run forward")
         if module is not None:
             self._members_run.add(id(module))
+            self._forwards_running += 1
+
+    def leave_forward(self) -> bool:
+        """A member's forward ended; True unless it ran inside another member's forward."""
+        self._forwards_running = max(self._forwards_running - 1, 0)
+        return self._forwards_running == 0
 
     @property
     def all_members_ran(self) -> bool:
