@@ -1,5 +1,6 @@
-"""Write docs/conformance.md: every ported FSDP2 test behaviour under FSDP2 and under
-ShardedModule, at 2 and 3 gloo ranks, through the same launches as the tests.
+"""Write docs/conformance.md: every ported FSDP2 test behaviour under FSDP2, under
+ShardedModule and under overlap's fully_shard, at 2 and 3 gloo ranks, through the same
+launches as the tests.
 
     python tests/conformance_table.py                # every case; writes docs/conformance.md
     python tests/conformance_table.py --print-only --worlds 2 --cases name,name
@@ -15,11 +16,12 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conformance_cases import CASES, REGISTRY, SKIPPED, WORLDS, launch_cases  # noqa: E402
+from conformance_cases import CASES, OURS, REGISTRY, SKIPPED, WORLDS, launch_cases  # noqa: E402
 from distributed import CaseLaunch  # noqa: E402
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "conformance.md")
-IMPLS = ("fsdp2", "overlap")
+IMPLS = ("fsdp2", *OURS)
+LABELS = {"fsdp2": "FSDP2", "overlap": "ShardedModule", "overlap-fully-shard": "overlap fully_shard"}
 Outcomes = dict[str, dict[str, str]]          # case -> implementation -> outcome
 
 
@@ -34,13 +36,15 @@ def collect(run: CaseLaunch, names: Sequence[str]) -> Outcomes:
 
 
 def counts(outcomes: Outcomes) -> dict[str, int]:
-    """Among the cases FSDP2 passes: how many ShardedModule passes, refuses by name, or fails."""
+    """Among the cases FSDP2 passes: how many each of ours passes, refuses by name, or fails."""
     controls = [o for o in outcomes.values() if o["fsdp2"] == "pass"]
-    return {"cases": len(outcomes),
-            "FSDP2 passes": len(controls),
-            "of those, ShardedModule passes": sum(o["overlap"] == "pass" for o in controls),
-            "of those, ShardedModule refuses by name": sum(o["overlap"].startswith("refused:") for o in controls),
-            "of those, ShardedModule fails": sum(o["overlap"].startswith("fail:") for o in controls)}
+    out = {"cases": len(outcomes), "FSDP2 passes": len(controls)}
+    for impl in OURS:
+        label = LABELS[impl]
+        out[f"of those, {label} passes"] = sum(o[impl] == "pass" for o in controls)
+        out[f"of those, {label} refuses by name"] = sum(o[impl].startswith("refused:") for o in controls)
+        out[f"of those, {label} fails"] = sum(o[impl].startswith("fail:") for o in controls)
+    return out
 
 
 def _cell(text: str) -> str:
@@ -54,8 +58,9 @@ def render(per_world: dict[int, Outcomes]) -> str:
              "Behaviours that PyTorch's own FSDP2 tests check (`test/distributed/_composable/fsdp/` and the FSDP2 "
              "paths of `test/distributed/checkpoint/test_state_dict.py`), ported case by case to "
              "`tests/conformance_cases.py`. Each case runs the same model, seed and global batch under "
-             "`fully_shard` (blocks, then the root, on a 1-D CPU mesh) and under `ShardedModule` (the same blocks "
-             "as units) on gloo ranks, against one process on the whole global batch where the behaviour is "
+             "torch's `fully_shard` (blocks, then the root, on a 1-D CPU mesh), under `ShardedModule` (the same "
+             "blocks as units) and under `overlap.fully_shard` (called as torch's) on gloo ranks, against one "
+             "process on the whole global batch where the behaviour is "
              "numeric. FSDP2 is the control: a case it does not pass is a port to fix. "
              "`tests/test_fsdp2_conformance.py` checks every case; `python tests/conformance_table.py` writes "
              "this page.", "",
@@ -68,9 +73,9 @@ def render(per_world: dict[int, Outcomes]) -> str:
     for key in tallies[worlds[0]]:
         lines.append(f"| {key} | " + " | ".join(str(tallies[w][key]) for w in worlds) + " |")
     lines += ["", "## Cases", "",
-              "| case | behaviour | ports | " + " | ".join(f"FSDP2, {w} ranks | ShardedModule, {w} ranks"
-                                                       for w in worlds) + " |",
-              "|---|---|---|" + "---|---|" * len(worlds)]
+              "| case | behaviour | ports | " + " | ".join(f"{LABELS[impl]}, {w} ranks" for w in worlds
+                                                       for impl in IMPLS) + " |",
+              "|---|---|---|" + "---|" * (len(worlds) * len(IMPLS))]
     for case in REGISTRY:
         if case.name in per_world[worlds[0]]:
             cells = [_cell(per_world[w][case.name][impl]) for w in worlds for impl in IMPLS]
@@ -78,7 +83,7 @@ def render(per_world: dict[int, Outcomes]) -> str:
                          + " | " + " | ".join(cells) + " |")
     accepted = [f"- `{case.name}`: `{prefix}`: {reason}"
                 for case in REGISTRY for prefix, reason in case.refusals.items()]
-    lines += ["", "## Refusals accepted", "", *(accepted or ["None: every case expects ShardedModule to pass."])]
+    lines += ["", "## Refusals accepted", "", *(accepted or ["None: every case expects ours to pass."])]
     lines += ["", "## Not ported", "", *(f"- `{test}`: {reason}." for test, reason in SKIPPED)]
     return "\n".join(lines) + "\n"
 

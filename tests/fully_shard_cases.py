@@ -22,6 +22,9 @@ from parity_cases import SMALL_GPT
 
 BATCHES = token_batches(SMALL_GPT.vocab_size, 12, steps=6)
 TRAIN_STEPS = 3
+# The modes that save and resume (through DTensors, through torch's state-dict API); the
+# others train only: their checkpoints go the same way as the default mode's.
+CHECKPOINT_MODES = ("default", "dcp-api")
 
 
 def implementations() -> dict[str, Callable]:
@@ -156,6 +159,9 @@ def example_flow(rank: int, world: int, directory: str, mode: str) -> dict[str, 
         save_full(model, optimizer, os.path.join(directory, f"{mode}-{name}.pt"), dcp_api)
         out[name] = {"train": losses, "is_fsdp_module": _is_fsdp_module(model),
                      "dtensors": all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())}
+    if mode not in CHECKPOINT_MODES:
+        out["one-process"] = {"train": one_process(0, TRAIN_STEPS)}
+        return out
     for name, fully_shard in implementations().items():
         for source in ("fsdp2", "overlap"):
             model = shard_blocks_then_root(meta_gpt(), fully_shard, **kwargs)

@@ -50,7 +50,7 @@ def test_the_fsdp2_example_trains_resumes_and_interchanges_like_one_process(laun
         ours, theirs, reference = result["overlap"], result["fsdp2"], result["one-process"]
         assert ours["is_fsdp_module"] and ours["dtensors"]
         _close(ours["train"], reference["train"], tol)
-        for source in ("fsdp2", "overlap"):
+        for source in ("fsdp2", "overlap") if mode in cases.CHECKPOINT_MODES else ():
             _close(ours[f"resumed-from-{source}"], reference[f"resumed-from-{source}"], tol)
             if mode == "dcp-api":
                 _close(theirs[f"resumed-from-{source}"], reference[f"resumed-from-{source}"], tol)

@@ -6,7 +6,7 @@ run there from a directory outside the checkout. The README's Install section is
 against what this test does.
 
 The tests that build and install are the slow tier (marked `slow`, minutes of building):
-`make test` leaves them out, `make test-all` and CI run them.
+`make test` and CI leave them out, `make test-all` runs them.
 """
 from __future__ import annotations
 
