@@ -49,7 +49,7 @@ its version counter so autograd does not mistake the re-gather for an in-place c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from overlap.base.layout import FlatLayout
-from overlap.runtime.row_dtensors import RowShard, as_block_dtensor, as_dtensor, row_dtensor, shard_mesh, tp_dp_mesh
+from overlap.runtime.row_dtensors import (RowDTensor, RowShard, as_block_dtensor, as_dtensor, row_dtensor, shard_mesh,
+                                         tp_dp_mesh)
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
 from overlap.runtime.pending import COMPLETED
 from overlap.runtime.host_tier import ShardPlace
@@ -125,6 +126,8 @@ class FlatGroup:
         self._split_sizes = self.layout.split_sizes
         self.parts = self.layout.parts_on(rank)
         self.local_shapes = [self.layout.local_shape(index, rank, slot.shape) for index, slot in enumerate(self.slots)]
+        # Each parameter's DTensor spec by dtype (see `dtensor`).
+        self._specs: dict[tuple[int, torch.dtype], Any] = {}
         # The (tp, dp) mesh of tensor-parallel parameters' state-dict DTensors, made when first asked for.
         self._tp_plane: Optional[tuple[Optional[DeviceMesh]]] = None
         # Each parameter's rows on every rank: its state-dict DTensor's placement
@@ -408,7 +411,13 @@ class FlatGroup:
         mesh = shard_mesh(self.collectives.group, self.collectives.device.type)
         tp = self.tensor_parallel[index]
         if tp is None:
-            return as_dtensor(part, slot.shape, self.rows_by_rank[index], mesh)
+            # One spec per parameter and dtype, shared by the parameter, its gradient and its
+            # optimizer state: operators on them find their layouts equal by identity.
+            key = (index, part.dtype)
+            spec = self._specs.get(key)
+            if spec is None:
+                spec = self._specs[key] = as_dtensor(part, slot.shape, self.rows_by_rank[index], mesh)._spec
+            return RowDTensor(part.detach().view(-1, *spec.shape[1:]), spec, requires_grad=False)
         if self._tp_plane is None:
             self._tp_plane = (tp_dp_mesh(tp.root, tp.mesh, self.collectives.group, self.collectives.device.type),)
         plane = self._tp_plane[0]

@@ -207,6 +207,8 @@ def _local_operand(value: Any, spec: DTensorSpec) -> Any:
         # A plain tensor of more than one element would broadcast against the rows: DTensor's
         # dispatch refuses mixing it in, and so does this.
         return None if isinstance(value, torch.Tensor) and value.numel() > 1 else value
+    if value._spec is spec:
+        return value._local_tensor
     if value._spec.mesh == spec.mesh and tuple(value.shape) == tuple(spec.shape) and all(
             type(a) is type(b) and a == b for a, b in zip(value.placements, spec.placements)):
         return value._local_tensor
@@ -268,23 +270,30 @@ _ELSEWHERE = object()
 
 def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
     """`func` on the local rows, or `_ELSEWHERE` where an operand is laid out otherwise."""
-    leaves, tree = tree_flatten((args, kwargs))
+    # Operands and keyword values side by side, without a tree walk when none is a container.
+    flat = not any(isinstance(value, (list, tuple, dict)) for value in (*args, *kwargs.values()))
+    leaves, tree = ([*args, *kwargs.values()], None) if flat else tree_flatten((args, kwargs))
     source = next(value for value in leaves if isinstance(value, RowDTensor))
     spec = source._spec
     local = [_local_operand(value, spec) for value in leaves]
     if any(value is None and leaf is not None for value, leaf in zip(local, leaves)):
         return _ELSEWHERE
-    local_args, local_kwargs = tree_unflatten(local, tree)
+    if flat:
+        local_args, local_kwargs = local[:len(args)], dict(zip(kwargs, local[len(args):]))
+    else:
+        local_args, local_kwargs = tree_unflatten(local, tree)
     out = func(*local_args, **local_kwargs)
     if func._schema.is_mutable and isinstance(args[0], DTensor) and out is local_args[0]:
         return args[0]
 
     def wrap(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.shape == source._local_tensor.shape:
+            if value.dtype == spec.tensor_meta.dtype:          # the source's spec serves the result
+                return RowDTensor(value, spec, requires_grad=value.requires_grad)
             return row_dtensor(value, spec.mesh, spec.placements, spec.shape, spec.stride)
         return value
 
-    return tree_map(wrap, out)
+    return wrap(out) if isinstance(out, torch.Tensor) else tree_map(wrap, out)
 
 
 def _foreach_ops() -> frozenset:
