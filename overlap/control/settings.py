@@ -5,6 +5,7 @@ what is wrong with any of them, kept as text so that every rank can report it
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from overlap.base.config import (Config, config_from_env, local_rank_from_env, local_world_size_from_env,
                                  validate_bucket_mb, validate_compress, validate_flag, validate_offload,
@@ -49,10 +51,27 @@ class StartupRequest:
     # user's own `to_empty()` and initialisation after wrapping, as with FSDP2).
     initialise_meta: bool = True
 
+    # Every rank taking part, where neither the process group nor the world is it: a 1-D
+    # mesh's ranks (a pipeline stage's data-parallel ranks; see `for_module`).
+    participants: Optional[dist.ProcessGroup] = None
+
     @property
     def all_group(self) -> dist.ProcessGroup:
-        """Every rank taking part: the process group, or the world."""
-        return self.process_group if self.process_group is not None else dist.group.WORLD
+        """Every rank taking part: the process group, the participants, or the world."""
+        if self.process_group is not None:
+            return self.process_group
+        return self.participants if self.participants is not None else dist.group.WORLD
+
+    def for_module(self, module: nn.Module) -> "StartupRequest":
+        """This request with its participants set: a 1-D mesh shards over its own ranks, which
+        are all that take part (several stages of a pipeline wrap different models on
+        different ranks); a model split by tensor parallelism spans the tp ranks too."""
+        if self.process_group is not None or self.mesh is None or self.mesh.ndim != 1 or \
+                self.participants is not None:
+            return self
+        if any(isinstance(param, DTensor) for param in module.parameters()):
+            return self
+        return dataclasses.replace(self, participants=self.mesh.get_group())
 
 
 @dataclass(frozen=True)

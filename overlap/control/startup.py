@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch import nn
 
 from overlap.base.mixed_precision import MixedPrecision
@@ -67,6 +68,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     if not dist.is_initialized():
         raise RuntimeError("ShardedModule needs torch.distributed to be initialised "
                            "(dist.init_process_group(), launched with torchrun)")
+    if isinstance(request.mesh, DeviceMesh):
+        request = request.for_module(module)
     settings = resolve_settings(request)
     root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules)
     error = settings.error or tensor_parallel_error(module, request.mesh, request.process_group, settings.config)
