@@ -32,7 +32,7 @@ MODES: dict[str, dict[str, Any]] = {
     "hpz": {"sharding": "hpz"},
 }
 NODE_MODES = ("hybrid", "hpz")        # two nodes of LOCAL_WORLD_SIZE ranks, at world 4
-RANDOM_MODELS = 12
+RANDOM_MODELS = 8
 
 
 class Net(nn.Module):
