@@ -809,6 +809,17 @@ FIGURES: list[Figure] = [
     Figure("docs/compile.md", "| narrow MLP | overlap-compiled | {0:.1f} s | {1:.1f}, {2:.1f} s |",
            "compile_compare_mlp_loopback.json",
            tuple(at("results", "loopback", "overlap-compiled", "first_step_s", i) for i in range(3))),
+    # docs/fully_shard.md: the runtime through fully_shard, ShardedModule and FSDP2.
+    *[Figure("docs/fully_shard.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_fully_shard.json",
+             _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2"))
+      for ranks in ("1", "2") for impl, label in (("overlap-fully-shard", "`fully_shard`"),
+                                                  ("overlap-full", "`ShardedModule`"))],
+    *[Figure("docs/fully_shard.md", f"| {ranks} | FSDP2 / tuned FSDP2 | {{0:.0f}} / {{1:.0f}} |",
+             "overhead_fully_shard.json", (at("results", ranks, "16", "fsdp2", "host_us_per_unit", "median"),
+                                           at("results", ranks, "16", "fsdp2-tuned", "host_us_per_unit", "median")))
+      for ranks in ("1", "2")],
+    Figure("docs/fully_shard.md", "is not met ({0:.0f} µs)", "overhead_fully_shard.json",
+           (at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", "median"),)),
     # docs/host_cost.md
     *[Figure("docs/host_cost.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_current.json",
              _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2")) for ranks, impl, label in _HOST_CURRENT],
