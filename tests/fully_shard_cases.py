@@ -229,7 +229,8 @@ def torchtitan_flow(rank: int, world: int) -> dict[str, list[float]]:
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    # foreach=True: the multi-tensor step GPUs take by default, over the DTensor parameters.
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
 
 
 def torchtune_load(rank: int, world: int) -> dict[str, Any]:

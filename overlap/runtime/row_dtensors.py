@@ -404,6 +404,22 @@ def _random_fill(func: Any, args: tuple, kwargs: dict) -> "RowDTensor":
     return target
 
 
+def _register_for_foreach() -> None:
+    """Let torch's optimizers and clip take their `_foreach_` paths over RowDTensors, as they do
+    over DTensors (which torch registers the same way): on devices that have those kernels, an
+    optimizer would otherwise step each parameter in a Python loop. The `_foreach_` operators
+    then run on the local rows (`_foreach`)."""
+    from torch.optim.optimizer import _foreach_supported_types as optimizer_types
+    from torch.utils._foreach_utils import _foreach_supported_types as utility_types
+
+    for types in (optimizer_types, utility_types):
+        if RowDTensor not in types:
+            types.append(RowDTensor)
+
+
+_register_for_foreach()
+
+
 def _plain(value: DTensor) -> DTensor:
     """The same local tensor and spec as a base DTensor (DTensor's own methods on it)."""
     return DTensor(value._local_tensor, value._spec, requires_grad=value.requires_grad)
