@@ -28,9 +28,6 @@ KNOWN_FAILING: dict[str, dict[str, str]] = {
         "pre_hook_reads_weights": "named_parameters() in a pre-hook yields the registered parameters, this rank's "
                                   "rows (attributes read the gathered views; fully_shard registers them)",
         "pre_hook_reads_weights_grad_mode": "as pre_hook_reads_weights",
-        "tied_head_outside_forward": "a tied head run on chunks, each chunk its own backward, then the hidden "
-                                     "states' backward: a saved view of the root's freed buffer (fully_shard "
-                                     "passes)",
     },
     "overlap-fully-shard": {},
 }

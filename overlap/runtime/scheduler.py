@@ -100,6 +100,14 @@ class Scheduler:
                        for slot in group.slots for module, _ in slot.owners}
         self._needs_root = {id(unit) for unit in units
                             if any(id(sub) in root_owners for member in unit.modules for sub in member.modules())}
+        # A module that holds only root parameters is in no unit (a tied head): it gathers the
+        # root itself when called outside the root's forward.
+        in_units = {id(sub) for unit in units for member in unit.modules for sub in member.modules()}
+        owners = {id(module): module for group in (root.groups if root is not None else [])
+                  for slot in group.slots for module, _ in slot.owners}
+        for key, module in owners.items():
+            if key not in in_units:
+                module.register_forward_pre_hook(eager_hook(self._gather_root), prepend=True)
         # Per-unit callbacks made once, not at every forward.
         self._input_grads_callbacks = {unit: partial(self._on_input_grads, unit) for unit in units}
         self._pre_backward_hooks = {unit: partial(self._pre_backward, unit) for unit in units}
@@ -221,13 +229,19 @@ class Scheduler:
                 self.order.ran(self._index[id(unit)], backward=False)
             self.prefetch.gather_for_forward(unit)
             unit.install_views()
-            if id(unit) in self._needs_root and self.root.gather_state is not GatherState.GATHERED:
-                self.root.finish_gather()
-                self.root.install_views()
+            if id(unit) in self._needs_root:
+                self._gather_root()
             unit.enter_forward(module)
             self.log.mark(Mark.PRE_FORWARD, unit.name)
             unit.open_span("forward")
             return self._after_input_grads(unit, args, kwargs) or cast
+
+    def _gather_root(self, *_: Any) -> None:
+        """The root's parameters gathered and on their modules, for a module that holds some
+        of them called outside the root's forward (an earlier backward may have freed them)."""
+        if self.root.gather_state is not GatherState.GATHERED:
+            self.root.finish_gather()
+            self.root.install_views()
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         """Floating-point inputs in the compute dtype, as each of FSDP2's modules casts its
