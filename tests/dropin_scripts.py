@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlap import MixedPrecision, ShardedModule
 from overlap.models import GPT, GPTConfig
+from overlap.runtime import unpicklable_state
 
 Wrap = Callable[[nn.Module], nn.Module]
 CONFIG = GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_head=2, n_embd=32)
@@ -79,7 +80,7 @@ def nanogpt_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 6, accum: int
             with torch.no_grad():
                 evals.append(model(*_batch(99, 0, rank, CONFIG.vocab_size)).item())
             model.train()
-    save_error, kept = None, None
+    save_error, kept, optimizer_save_error, optimizer_file_kept = None, None, None, None
     if rank == 0:
         # nanoGPT's save, over a checkpoint an earlier run left there: a refused save must
         # leave that file as it was.
@@ -94,10 +95,22 @@ def nanogpt_loop(rank: int, wrap: Wrap, out_dir: str, iters: int = 6, accum: int
             save_error = f"{type(exc).__name__}: {exc}"
         with open(path, "rb") as f:
             kept = f.read() == before
+        # The optimizer's state alone, saved to its own file over an earlier one.
+        optimizer_path = os.path.join(out_dir, f"optim_{type(model).__name__}.pt")
+        torch.save({"earlier": torch.arange(1000)}, optimizer_path)
+        deadline, unpicklable_state.ARRIVAL_DEADLINE_S = unpicklable_state.ARRIVAL_DEADLINE_S, 2.0  # the wait, shortened
+        try:
+            torch.save(optimizer.state_dict(), optimizer_path)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            optimizer_save_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            unpicklable_state.ARRIVAL_DEADLINE_S = deadline
+        optimizer_file_kept = torch.load(optimizer_path, weights_only=True).keys() == {"earlier"}
     dist.barrier()
     state = _full_state(model, optimizer, out_dir, rank)
     return {"losses": losses, "norms": norms, "evals": evals, "counted": counted, "save_error": save_error,
-            "earlier_file_kept": kept,
+            "earlier_file_kept": kept, "optimizer_save_error": optimizer_save_error,
+            "optimizer_file_kept": optimizer_file_kept,
             "state": state, "resumed": nanogpt_resume(rank, wrap, state, grad_clip)}
 
 

@@ -82,6 +82,16 @@ def test_a_one_rank_save_of_the_parts_fails_naming_the_full_state_calls_and_keep
     assert results[0]["nanogpt"]["sharded"]["earlier_file_kept"] is True
 
 
+def test_a_one_rank_save_of_the_optimizer_alone_fails_at_the_call_and_keeps_the_earlier_file(runs) -> None:
+    results, _ = runs
+    assert results[0]["nanogpt"]["ddp"]["optimizer_save_error"] is None
+    assert results[0]["nanogpt"]["ddp"]["optimizer_file_kept"] is False        # DDP's save replaced it
+    error = results[0]["nanogpt"]["sharded"]["optimizer_save_error"]
+    assert error is not None and error.startswith("PartialStateError") and "did not call it" in error, error
+    assert "full_optim_state_dict" in error
+    assert results[0]["nanogpt"]["sharded"]["optimizer_file_kept"] is True
+
+
 def test_parameter_count_is_this_ranks_part(runs) -> None:
     results, _ = runs
     whole = results[0]["nanogpt"]["ddp"]["counted"]

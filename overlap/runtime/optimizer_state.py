@@ -17,6 +17,7 @@ sharded state]).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional
 
 import torch
@@ -27,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from overlap.optim.paged import paged_of
 from overlap.runtime.param_identity import left_behind
 from overlap.runtime.row_dtensors import local_part, local_rows, same_layout
-from overlap.runtime.unpicklable_state import FULL_OPTIMIZER, RankPartStateDict
+from overlap.runtime.unpicklable_state import FULL_OPTIMIZER, PartialStateError, RankPartStateDict, every_rank_asks
 
 # A flat group (overlap.runtime.flat_group imports this module: no import back). It answers
 # `params`, `slots`, `layout`, `collectives`, `local_of_full`, `dtensor` and `gather_parts`.
@@ -40,6 +41,13 @@ _hook: Optional[Any] = None
 # whether its state_dict() is guarded.
 _CHECKED = "_overlap_checked"
 _GUARDED = "_overlap_guarded"
+# On a guarded optimizer: its number among guarded optimizers and how often its state dict was
+# asked for, the key under which every rank's arrival is counted (see unpicklable_state.py).
+_ASKED = "_overlap_state_dict_asked"
+_guarded_numbers = itertools.count(1)
+# Flat groups a backward reached and left without their gradients, with the unit's
+# name: see [Note: a backward over inputs only].
+_lost_grads = WeakIdKeyDictionary()
 
 
 def register_group(group: FlatGroup) -> None:
@@ -51,11 +59,47 @@ def register_group(group: FlatGroup) -> None:
         _hook = register_optimizer_step_pre_hook(_before_step)
 
 
+# [Note: a backward over inputs only]
+# `torch.autograd.grad(outputs, inputs, retain_graph=True)` reaches a unit's outputs and ends
+# without its weights' gradients; the unit is freed at the end of that backward, as after any
+# other, so a later weight-only step over the kept graph (after the input step of the zero-
+# bubble pipeline schedules, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and
+# DualPipeV) finds no weights in it, and the gradients of that microbatch are lost whatever
+# later microbatches compute. The optimizer's next step over such a unit's parameters is
+# refused. The refusal waits for the step: raised inside the schedule, it would leave the
+# other stages' ranks waiting on their sends; at the step, every rank has finished its
+# schedule. A backward over inputs that keeps no graph (a probe of shapes, as a pipeline
+# stage's first step runs) or builds its own (`create_graph=True`, a gradient penalty) is not
+# one of these; a kept graph that a full backward of the same forward then uses is refused
+# with them, since the two cannot be told apart from inside backward.
+
+
+def note_lost_grads(group: FlatGroup, unit_name: str) -> None:
+    """`group`'s unit ended a backward without `group`'s gradient (see the note)."""
+    _lost_grads[group] = unit_name
+
+
+def _refuse_lost_grads(optimizer: torch.optim.Optimizer) -> None:
+    lost = sorted({_lost_grads[place[0]] for param_group in optimizer.param_groups
+                   for param in param_group["params"]
+                   if (place := _places.get(param)) is not None and place[0] in _lost_grads})
+    if lost:
+        raise RuntimeError(
+            f"a backward reached the outputs of units {lost} and ended without computing their parameters' "
+            "gradients (a backward over inputs only, torch.autograd.grad(outputs, inputs), as the input step of "
+            "torch.distributed.pipelining's zero-bubble schedules runs: ScheduleInterleavedZeroBubble, "
+            "ScheduleZBVZeroBubble, ScheduleDualPipeV): those gradients are lost. ShardedModule "
+            "reduces a unit's gradients in the backward that computes them and frees its gathered weights at its "
+            "end: use a schedule with a full backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)")
+
+
 def _signature(optimizer: torch.optim.Optimizer) -> tuple:
     return id(optimizer.state), tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _lost_grads:
+        _refuse_lost_grads(optimizer)
     signature = _signature(optimizer)
     if getattr(optimizer, _CHECKED, None) != signature:
         check_optimizer(optimizer)
@@ -84,6 +128,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 _reshard(state, group, index)
     if not getattr(optimizer, _GUARDED, False):
         if partial:
+            setattr(optimizer, _ASKED, [next(_guarded_numbers), 0])
+            optimizer.register_state_dict_pre_hook(_arrivals)
             optimizer.register_state_dict_post_hook(_sharded_form)
         optimizer.register_load_state_dict_post_hook(check_optimizer)
         setattr(optimizer, _GUARDED, True)
@@ -117,6 +163,21 @@ def _reshard(state: dict[str, Any], group: FlatGroup, index: int) -> None:
 def _numbered(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's parameters in the order of its state dict's numbers (one in two groups once)."""
     return list({id(param): param for group in optimizer.param_groups for param in group["params"]}.values())
+
+
+def _arrivals(optimizer: torch.optim.Optimizer) -> None:
+    """Before `optimizer.state_dict()` builds anything: refuse a call made on one rank alone."""
+    number_and_calls = getattr(optimizer, _ASKED)
+    number_and_calls[1] += 1
+    place = next((_places.get(param) for group in optimizer.param_groups for param in group["params"]
+                  if _places.get(param) is not None), None)
+    if place is not None:
+        try:
+            every_rank_asks(place[0].collectives.group, f"{number_and_calls[0]}/{number_and_calls[1]}",
+                            "optimizer.state_dict()", FULL_OPTIMIZER)
+        except PartialStateError:
+            number_and_calls[1] -= 1
+            raise
 
 
 def _sharded_form(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> RankPartStateDict:
