@@ -12,11 +12,14 @@ from distributed import CaseLaunch, RankCase
 
 WIDTH, LAYERS, MICROBATCHES, STEPS = 12, 4, 4, 3
 PER_DP_RANK = 8                      # samples per data-parallel rank and step
-# The zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) split backward into
-# input and weight gradients through `torch.autograd.grad` over the stage's parameters, which
-# are not in the graph under ShardedModule (views of the gathered buffer are): not supported yet.
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS")           # two stages per rank: r and r + pp
+# The zero-bubble schedules split backward into an input step (`torch.autograd.grad` over the
+# stage's inputs) and a later weight step; ShardedModule reduces gradients in the backward that
+# computes them, and the optimizer's step refuses the lost ones on every rank (each holds a
+# non-first stage).
+ZERO_BUBBLE = ("DualPipeV", "InterleavedZeroBubble", "ZBVZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")                # rank r holds stages r and 2 pp - 1 - r
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble") + V_SHAPED  # two stages per rank
 
 
 def _model() -> nn.Sequential:
@@ -65,7 +68,8 @@ def train_stages(rank: int, world: int, schedule: str) -> dict[str, torch.Tensor
     stage_count = 2 * pp if multi else pp
     per_stage = LAYERS // stage_count
     model = _model()
-    indices = [pp_rank, pp_rank + pp] if multi else [pp_rank]
+    indices = ([pp_rank, 2 * pp - 1 - pp_rank] if schedule in V_SHAPED else
+               [pp_rank, pp_rank + pp] if multi else [pp_rank])
     stages, wrapped = [], {}
     for index in indices:
         layers = nn.Sequential(*list(model)[index * per_stage:(index + 1) * per_stage])
@@ -92,7 +96,8 @@ def train_stages(rank: int, world: int, schedule: str) -> dict[str, torch.Tensor
 
 @pytest.fixture(scope="module")
 def launches() -> dict[int, CaseLaunch]:
-    return {world: CaseLaunch({schedule: RankCase(train_stages, (schedule,)) for schedule in SCHEDULES},
+    # The refused schedules run last: a refusal leaves the pipeline's sends behind it.
+    return {world: CaseLaunch({schedule: RankCase(train_stages, (schedule,)) for schedule in SCHEDULES + ZERO_BUBBLE},
                               world_size=world, timeout=300) for world in (2, 4)}
 
 
@@ -107,3 +112,13 @@ def test_each_schedule_trains_like_one_process(launches, world: int, schedule: s
             torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
             seen.add(key)
     assert seen == set(reference)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", (2, 4), ids=["pp2-dp1", "pp2-dp2"])
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_zero_bubble_schedules_are_refused_on_every_rank(launches, world: int, schedule: str) -> None:
+    for outcome in launches[world][schedule]:
+        error = outcome.error()
+        assert "zero-bubble" in error and "ended without computing their parameters' gradients" in error, error
+        assert "optimizer" in outcome.trace or "_before_step" in outcome.trace

@@ -32,6 +32,7 @@ from overlap.runtime.collectives import Collectives
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.grad_reduction import GradReduction
+from overlap.runtime.optimizer_state import note_lost_grads
 from overlap.runtime.order_check import BEGIN_FORWARD, END_BACKWARD, END_FORWARD, OrderCheck
 from overlap.runtime.prefetch import Prefetcher
 from overlap.runtime.step_counter import StepCounter
@@ -82,6 +83,11 @@ class Scheduler:
         # forward that runs meanwhile is activation checkpointing's recompute; the unit's own
         # state cannot tell (under reentrant checkpointing it is still FORWARD).
         self.in_backward = False
+        # Whether this backward keeps its graph and builds none, and then which units it
+        # reached and which got their gradients: see [Note: a backward over inputs only].
+        self._graph_kept = False
+        self._reached: set[Unit] = set()
+        self._grads_came: set[Unit] = set()
         self.log = collectives.log
         self.prefetch = Prefetcher(units, self.log, prefetch_depth, memory_budget_bytes)
         self.reduction = GradReduction(collectives)
@@ -211,6 +217,8 @@ class Scheduler:
         self.reduction.abandon(self.all_units)
         self._discard_all()
         self.in_backward = False
+        self._reached.clear()
+        self._grads_came.clear()
         self.in_forward = False
 
     def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict
@@ -362,6 +370,9 @@ class Scheduler:
         if self.in_backward:
             return
         self.in_backward = True
+        # A backward that keeps its graph for a later one and builds none of its own (the input
+        # step of a zero-bubble schedule): see [Note: a backward over inputs only].
+        self._graph_kept = torch._C._autograd._get_current_graph_task_keep_graph() and not torch.is_grad_enabled()
         self.steps.backward_begins()
         self.prefetch.begin_backward()
         Variable._execution_engine.queue_callback(self._end_backward)
@@ -380,6 +391,8 @@ class Scheduler:
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._begin_backward()
+        if self._graph_kept:
+            self._reached.add(unit)
         if not unit.enter_backward():
             return
         with phase(f"overlap::pre_backward::{unit.name}"):
@@ -396,6 +409,8 @@ class Scheduler:
             unit.open_span("backward")
 
     def _on_grad(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
+        if self._graph_kept:
+            self._grads_came.add(unit)
         unit.close_span()
         with phase(f"overlap::post_backward::{unit.name}"):
             if unit.trainable_grad_arrived():
@@ -419,6 +434,12 @@ class Scheduler:
         """Runs once when the backward pass finishes: every gradient is reduced and every
         gathered buffer freed before `backward()` returns."""
         with phase("overlap::end_backward"):
+            for unit in self._reached:
+                if unit.trainable_groups and unit not in self._grads_came:
+                    for group in unit.trainable_groups:
+                        note_lost_grads(group, unit.name)
+            self._reached.clear()
+            self._grads_came.clear()
             if self.order is not None:
                 self.order.boundary(END_BACKWARD)
             self.reduction.end_backward(self.all_units, self.sync_grads, self.order)
