@@ -22,6 +22,7 @@ from overlap.observe.report import OverlapReport
 from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident, wait_for_saves
+from overlap.runtime.expert_parallel import all_experts
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.optimizer_state import full_optimizer_state
 from overlap.runtime.row_dtensors import local_part, local_rows, shard_mesh
@@ -72,6 +73,11 @@ class ShardedModule(nn.Module):
         offload: where this rank's master shards, gradient shards and optimizer state live:
             "none" (on the device it computes on), "cpu" (host memory; the optimizer steps
             host tensors) or "disk": argument > OVERLAP_OFFLOAD > "none". See docs/offload.md.
+        expert_parallel: E, ranks per expert-parallel group: each MoE layer's experts are split
+            across E ranks, tokens reach them by all-to-all, and they shard over the world/E
+            ranks holding the same experts. Expert modules of Hugging Face's MoE models and
+            `overlap.models.moe` are found by class; `expert_types` names others. See
+            docs/moe.md.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
@@ -81,13 +87,15 @@ class ShardedModule(nn.Module):
                  param_init_fn: Optional[Callable[[nn.Module], None]] = None,
                  mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None,
                  compression: Optional[str] = None, compile: Optional[bool] = None,
-                 offload: Optional[str] = None) -> None:
+                 offload: Optional[str] = None, expert_parallel: Optional[int] = None,
+                 expert_types: Sequence[type] = ()) -> None:
         super().__init__()
         self._start(module, StartupRequest(
             unit_types=unit_types, process_group=process_group, mixed_precision=mixed_precision,
             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, reshard_after_forward=reshard_after_forward,
             param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression, compile=compile,
-            offload=offload, nested=any(isinstance(m, ShardedModule) for m in module.modules())))
+            offload=offload, nested=any(isinstance(m, ShardedModule) for m in module.modules()),
+            expert_parallel=expert_parallel, expert_types=tuple(expert_types)))
 
     @classmethod
     def _for_request(cls, module: nn.Module, request: StartupRequest) -> "ShardedModule":
@@ -108,6 +116,8 @@ class ShardedModule(nn.Module):
         self.step_end, self.overlap_monitor = started.step_end, started.monitor
         # key -> (group, slot index) for parameters, None for buffers and extra state.
         self._state_dict_layout = started.state_dict_layout
+        # Expert parallelism: expert slots hold this rank's experts only (see full_state_dict).
+        self._expert_groups = started.expert_groups
         module.register_forward_pre_hook(eager_hook(self._root_pre_forward), with_kwargs=True, prepend=True)
         module.register_forward_hook(eager_hook(self._root_post_forward))
         # `model.module.state_dict()` refuses at the call, never giving the parameters' local
@@ -320,10 +330,14 @@ class ShardedModule(nn.Module):
                             parts[(group, index)] = whole.cpu().clone()
                     continue
                 flat = group.full_values()
-                if keep:
-                    flat = flat.cpu()
+                experts = self._expert_groups is not None and group.collectives is not self.collectives
+                if keep or experts:
                     for index, slot in enumerate(group.slots):
-                        parts[(group, index)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+                        value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                        if experts:         # every expert-parallel rank's experts, in order
+                            value = all_experts(value, self._expert_groups)
+                        if keep:
+                            parts[(group, index)] = value.cpu().clone()
                 del flat
         if not keep:
             return {}
@@ -397,12 +411,20 @@ class ShardedModule(nn.Module):
             save(save_directory, state_dict=state, **kwargs)
         dist.barrier(group=self.collectives.all_group)
 
+    def _refuse_with_experts(self, what: str) -> None:
+        if self._expert_groups is not None:
+            raise NotImplementedError(
+                f"{what} with expert_parallel is not supported yet (its expert parameters hold this rank's experts "
+                "only); save the whole model with model.full_state_dict(rank0_only=True), which gathers every "
+                "expert, and load it into the plain model")
+
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict[str, Any]:
         """`optimizer.state_dict()` as one process would have it: state of each parameter's
         shape gathered whole (CPU tensors), on every rank, or with `rank0_only` on rank 0
         alone (the others return {}). Called on every rank; loads into an optimizer of the
         plain model, or into this one at any world size (resharded: see [Note: optimizers
         built before wrapping])."""
+        self._refuse_with_experts("full_optim_state_dict")
         return full_optimizer_state(optimizer, keep=not rank0_only or self.collectives.rank == 0)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -411,6 +433,7 @@ class ShardedModule(nn.Module):
         `overlap.runtime.row_dtensors`), buffers as they are. `torch.distributed.checkpoint`
         saves it without gathering and loads into it in place, at any world size and from
         FSDP2's checkpoints; `overlap.checkpoint` does both, with the optimizer."""
+        self._refuse_with_experts("state_dict()")
         others = self._module_state_dict()
         out: dict[str, Any] = {}
         for key, where in self._state_dict_layout:
@@ -426,6 +449,7 @@ class ShardedModule(nn.Module):
         """Load a state dict: each parameter a DTensor of its full shape (as `state_dict()`
         gives it, FSDP2's, or any other sharding: resharded, a collective) or a full tensor
         (as `full_state_dict()` gives it); every rank calls it."""
+        self._refuse_with_experts("load_state_dict")
         if assign:
             raise ValueError("ShardedModule.load_state_dict: assign=True would replace the views of the flat shards")
         if strict and not any(isinstance(value, DTensor) for value in state_dict.values()):
@@ -471,6 +495,7 @@ class ShardedModule(nn.Module):
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load full tensors (as `full_state_dict` returns them); every rank passes the same."""
+        self._refuse_with_experts("load_full_state_dict")
         expected = [key for key, _ in self._state_dict_layout]
         missing = [key for key in expected if key not in state_dict]
         unexpected = sorted(set(state_dict) - set(expected))

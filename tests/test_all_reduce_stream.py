@@ -91,7 +91,7 @@ def _reductions(use_streams: bool) -> tuple[list[str], list[str], list[int]]:
         reduce_scatter=lambda grad, shard, dtype, unit, home: FakePending(f"rs {unit}", FakePending(f"ar {unit}")))
     reduction = GradReduction(collectives)
     group = SimpleNamespace(grad_for_reduce=lambda: None, reduce_dtype=torch.float32, grad_shard=None,
-                            place=SimpleNamespace(reduction_issued=lambda pending: None))
+                            place=SimpleNamespace(reduction_issued=lambda pending: None), collectives=collectives)
     all_reduces_in_flight = []
     for index in range(6):
         reduction.reduce(SimpleNamespace(name=f"u{index}"), group, None)

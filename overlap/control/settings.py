@@ -22,6 +22,7 @@ from overlap.base.mixed_precision import MixedPrecision
 from overlap.kernels import BackendUnavailable, KernelBackend, get_backend
 from overlap.runtime.disk_tier import disk_offload_error
 from overlap.runtime.host_tier import offload_error
+from overlap.runtime.expert_parallel import expert_parallel_error
 from overlap.runtime.mesh import sharding_error
 from overlap.runtime.process_group import device_backend
 
@@ -50,6 +51,10 @@ class StartupRequest:
     # Give a meta-device model's parameters values at wrap (else they start at zero, for the
     # user's own `to_empty()` and initialisation after wrapping, as with FSDP2).
     initialise_meta: bool = True
+    # Expert parallelism: ranks per expert-parallel group, and expert module classes to
+    # recognise besides the known ones (overlap.runtime.expert_parallel).
+    expert_parallel: Optional[int] = None
+    expert_types: tuple[type, ...] = ()
 
     # Every rank taking part, where neither the process group nor the world is it: a 1-D
     # mesh's ranks (a pipeline stage's data-parallel ranks; see `for_module`).
@@ -126,7 +131,8 @@ def resolve_settings(request: StartupRequest) -> RankSettings:
         local_world_size = local_world_size_from_env()
         error = (sharding_error(request.process_group, request.mesh, config.sharding, local_world_size)
                  or offload_error(config.offload)
-                 or disk_offload_error(config, request.mixed_precision, device))
+                 or disk_offload_error(config, request.mixed_precision, device)
+                 or expert_parallel_error(request.expert_parallel, config, request))
         kernels = get_backend(config.kernels, device)
     except (ValueError, BackendUnavailable) as exc:
         error = str(exc)

@@ -16,6 +16,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -27,6 +29,8 @@ from torch import nn
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.base.profiling import enable_nvtx
 from overlap.base.units import UnitSpec, discover_units
+from overlap.runtime.expert_parallel import (EXPERT_CLASS_NAMES, ExpertGroups, expert_collectives, expert_modules,
+                                              make_groups, split_experts, units_with_experts)
 from overlap.control.agreement import check_ranks_agree, decided_by_rank0, model_signature
 from overlap.control.auto_sharding import AutoSharding, choose_at_startup, wants_auto_sharding
 from overlap.control.compression_auto import chooser_for
@@ -61,6 +65,7 @@ class Started:
     step_end: StepEndControllers            # the controllers and observers, in the order called
     monitor: OverlapMonitor                 # the overlap report's measurements
     state_dict_layout: StateDictLayout
+    expert_groups: Optional[ExpertGroups] = None         # expert parallelism's groups, if any
 
 
 def start_up(module: nn.Module, request: StartupRequest) -> Started:
@@ -74,6 +79,19 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules)
     error = settings.error or tensor_parallel_error(module, request.mesh, request.process_group, settings.config)
     check_ranks_agree(request.all_group, error, model_signature(root_spec, unit_specs), settings.config)
+    # Expert parallelism: this rank's experts kept, each expert module a unit sharded over the
+    # ranks holding the same experts; see overlap.runtime.expert_parallel.
+    expert_groups, experts = None, []
+    if request.expert_parallel is not None:
+        experts = expert_modules(module, request.expert_types)
+        if not experts:
+            raise ValueError(f"expert_parallel={request.expert_parallel}: the model has no expert module (known: "
+                             f"{', '.join(EXPERT_CLASS_NAMES)}); name its class with expert_types=(MyExperts,)")
+        expert_groups = make_groups(request.expert_parallel, request.all_group)
+        split_experts(experts, expert_groups)
+        request = dataclasses.replace(request, unit_modules=units_with_experts(
+            module, [spec.modules for spec in unit_specs], experts))
+        root_spec, unit_specs = discover_units(module, None, request.unit_modules)
     # DTensor parameters of torch's tensor parallelism become their local tensors, the units'
     # parameters from here on; see overlap.runtime.tensor_parallel.
     tensor_parallel = take_tensor_parallel(module, request.mesh, settings.device)
@@ -91,9 +109,11 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         # The 16-bit shard's copies to the device and the gradients' to the host are offload="cpu"'s.
         host = DiskTier(decision.config.offload_dir, dist.get_rank(),
                         HostTier(decision.device, decision.kernels, collectives.all_gather_stream))
+    by_experts = None if expert_groups is None else \
+        (expert_collectives(collectives, expert_groups, request.all_group), {id(m) for m in experts})
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host,
                         tensor_parallel, merge=request.unit_modules is None, dtensor_params=request.dtensor_params,
-                        initialise_meta=request.initialise_meta)
+                        initialise_meta=request.initialise_meta, experts=by_experts)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check,
                           decision.mixed_precision.param_dtype)
@@ -108,7 +128,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     if to_compile:
         compile_modules(to_compile)
         scheduler.step_end_callbacks.append(CompileTimeLog(dist.get_rank()))
-    return Started(decision, collectives, scheduler, step_end, monitor, built.state_dict_layout)
+    return Started(decision, collectives, scheduler, step_end, monitor, built.state_dict_layout, expert_groups)
 
 
 def decide(request: StartupRequest, settings: RankSettings, unit_specs: list[UnitSpec]) -> StartupDecision:

@@ -39,8 +39,11 @@ class _FlatGroups:
     """Packs units' parameters into flat groups, remembering each parameter's slot."""
 
     def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier],
-                 tensor_parallel: Optional[TensorParallel], dtensor_params: bool) -> None:
+                 tensor_parallel: Optional[TensorParallel], dtensor_params: bool,
+                 experts: Optional[tuple[Collectives, set[int]]]) -> None:
         self.collectives = collectives
+        # Expert parallelism: the expert modules' collectives and the modules (by id).
+        self.experts = experts
         self.dtensor_params = dtensor_params
         self.tensor_parallel = tensor_parallel
         self.host = host
@@ -51,7 +54,7 @@ class _FlatGroups:
     def unit(self, spec: UnitSpec, modules: list[nn.Module]) -> Unit:
         groups = []
         for (dtype, _), entries in group_by_kind(spec.params, lambda entry: entry[1]).items():
-            group = FlatGroup(entries, self.collectives, self.mixed_precision.gather_dtype(dtype),
+            group = FlatGroup(entries, self._collectives_of(modules), self.mixed_precision.gather_dtype(dtype),
                               self.mixed_precision.grad_reduce_dtype(dtype), self.node,
                               None if self.host is None else self.host.place(),
                               None if self.tensor_parallel is None else
@@ -62,17 +65,24 @@ class _FlatGroups:
             groups.append(group)
         return Unit(spec.name or "<root>", modules, groups)
 
+    def _collectives_of(self, modules: list[nn.Module]) -> Collectives:
+        if self.experts is not None and modules and all(id(m) in self.experts[1] for m in modules):
+            return self.experts[0]
+        return self.collectives
+
 
 def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpec], collectives: Collectives,
                 decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]],
                 host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None,
-                merge: bool = True, dtensor_params: bool = False, initialise_meta: bool = True) -> BuiltUnits:
+                merge: bool = True, dtensor_params: bool = False, initialise_meta: bool = True,
+                experts: Optional[tuple[Collectives, set[int]]] = None) -> BuiltUnits:
     """Units over `module`'s parameters, which become views of this rank's flat shards (in host
     memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors. With
     `merge`, consecutive small units are merged into buckets; with `dtensor_params`, the
     modules hold DTensor parameters over those views. Without `initialise_meta`, a meta model's
     parameters start at zero and its meta buffers stay on the meta device (the caller's
-    `to_empty()` and initialisation come later)."""
+    `to_empty()` and initialisation come later). With `experts` (collectives, module ids), the
+    expert modules' units shard over those collectives' group (expert parallelism)."""
     device = decision.device
     for sub in module.modules():
         for name, buf in sub._buffers.items():
@@ -81,7 +91,7 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     on_meta = meta_places(module)
     # State-dict keys in the module's own order, read before parameters leave their modules.
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
-    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params)
+    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts)
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
     specs = merge_into_buckets(unit_specs, decision.bucket_bytes) if merge else unit_specs
     units = [flat.unit(spec, spec.modules) for spec in specs]

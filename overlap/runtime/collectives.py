@@ -88,6 +88,10 @@ class Collectives:
         self.replicate_group = replicate_group
         self.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.all_group = all_group if all_group is not None else group       # every rank taking part
+        # Whose group combines the norms of gradients sharded here ([Note: norms of sharded
+        # gradients]): these collectives', or the whole model's where the shards of several
+        # groups partition one set of ranks' parameters (expert parallelism's experts).
+        self.norm_collectives: Collectives = self
         self.world_size = dist.get_world_size(group)
         # What the summed gradients are divided by; None: every rank taking part (the mean).
         self.gradient_divide_factor: Optional[float] = None

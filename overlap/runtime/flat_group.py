@@ -359,7 +359,8 @@ class FlatGroup:
             self.grad_shard = self.place.zeros_like(self.shard)
             # See [Note: norms of sharded gradients].
             self._grad_views = [shard_grad(self._shard_view(self.grad_shard, index),
-                                           self.collectives if tp is None or tp.norm_group is None else tp.norm_group)
+                                           self.collectives.norm_collectives if tp is None or tp.norm_group is None
+                                           else tp.norm_group)
                                 for index, tp in enumerate(self.tensor_parallel)]
             if self.dtensor_params:
                 self._grad_dtensors = [self.dtensor(plain(view), index) for index, view in enumerate(self._grad_views)]

@@ -33,7 +33,8 @@ class GradReduction:
         """Issue the reduce-scatter of `group`'s full gradient into its shard gradient."""
         target = group.grad_for_reduce()
         self.collectives.log.mark(Mark.REDUCE, unit.name)
-        pending = self.collectives.reduce_scatter(grad, target, group.reduce_dtype, unit.name, group.grad_shard)
+        # The group's own collectives: an expert unit's shard over fewer ranks (expert parallelism).
+        pending = group.collectives.reduce_scatter(grad, target, group.reduce_dtype, unit.name, group.grad_shard)
         # Offloaded: the sum goes home to the host gradient shard once it is complete.
         group.place.reduction_issued(pending)
         self._reduce_scatters.append(pending)

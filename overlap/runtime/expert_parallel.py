@@ -1,0 +1,196 @@
+"""Expert parallelism under ZeRO-3: each MoE layer's experts split across groups of E ranks,
+tokens sent to the rank that owns their expert and back by all-to-all.
+
+[Note: expert parallelism's groups]
+Ranks r = g·E + e form the expert-parallel group g (E consecutive ranks: the all-to-all stays
+inside a node where E divides the node's size) and the expert-sharding group e (the world/E
+ranks holding the same experts, one in each expert-parallel group). Rank r keeps experts
+[e·n/E, (e+1)·n/E) of each layer's n; those parameters are ZeRO-3-sharded over its
+expert-sharding group, every other parameter over all ranks (torchtitan's "efsdp" and "dp"
+meshes). Every element of every expert lives on exactly one rank, so norms summed over all
+ranks count each once. Each rank's loss covers its own tokens; a local expert's gradient sums
+what the tokens of its expert-parallel group sent it, and the reduction over its
+expert-sharding group adds the other groups' tokens: the sum over all ranks' losses, divided by
+the world size as every other parameter's (DDP's mean).
+
+[Note: routing that cannot hang]
+Each layer's dispatch is two all-to-alls over the expert-parallel group, issued by every rank
+whatever its routing: first the pair counts (one int per rank), then the tokens with those
+counts as uneven splits, zero where a rank sends or receives nothing. A rank with no tokens at
+all, an expert no token chose and every token on one expert all take the same calls. The
+combine is the dispatch's reverse, and autograd runs both backwards in the same order on every
+rank: a rank whose experts got no token keeps both in its graph with zero terms, and gives its
+experts a zero gradient, so the reductions over the ranks holding the same experts match too. Nothing is kept between calls, so a recompute under activation checkpointing or another
+microbatch in flight reissues its own.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# Expert modules recognised by class name: Hugging Face's (transformers 5 layout: 3-D expert
+# weights, forward(hidden_states, top_k_index, top_k_weights)) and overlap.models.moe's.
+EXPERT_CLASS_NAMES = ("Experts", "Qwen3MoeExperts", "Qwen2MoeExperts", "MixtralExperts", "OlmoeExperts",
+                      "GptOssExperts", "DeepseekV3NaiveMoe", "Qwen3NextExperts")
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    size: int                                # E, ranks per expert-parallel group
+    ep_group: dist.ProcessGroup              # this rank's expert-parallel group
+    shard_group: dist.ProcessGroup           # the ranks holding this rank's experts
+    ep_rank: int
+
+
+def expert_modules(module: nn.Module, named: Sequence[type] = ()) -> list[nn.Module]:
+    """The expert modules of `module`, in module order: those of a recognised class or of a
+    class in `named`."""
+    return [m for m in module.modules()
+            if (type(m).__name__ in EXPERT_CLASS_NAMES or isinstance(m, tuple(named))) and hasattr(m, "num_experts")]
+
+
+def make_groups(size: int, all_group: dist.ProcessGroup) -> ExpertGroups:
+    """Both families of groups (see the note); every rank calls it, creating every group."""
+    world, rank = dist.get_world_size(all_group), dist.get_rank(all_group)
+    if size < 1 or world % size:
+        raise ValueError(f"expert_parallel={size} must divide the world size {world}")
+    ranks = dist.get_process_group_ranks(all_group)
+    ep_group = shard_group = None
+    for g in range(world // size):
+        members = [ranks[g * size + e] for e in range(size)]
+        made = dist.new_group(members)
+        if rank // size == g:
+            ep_group = made
+    for e in range(size):
+        members = [ranks[g * size + e] for g in range(world // size)]
+        made = dist.new_group(members)
+        if rank % size == e:
+            shard_group = made
+    return ExpertGroups(size, ep_group, shard_group, rank % size)
+
+
+def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
+    """Keep this rank's experts of each module and route its calls through the all-to-all."""
+    for module in modules:
+        total = int(module.num_experts)
+        if total % groups.size:
+            raise ValueError(f"expert_parallel={groups.size} must divide the number of experts, {total}, "
+                             f"of {type(module).__name__}")
+        local = total // groups.size
+        first = groups.ep_rank * local
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0 or param.shape[0] != total:
+                raise ValueError(f"{type(module).__name__}.{name} of shape {tuple(param.shape)} is not one row per "
+                                 f"expert ({total}): expert parallelism cannot split it")
+            # The same Parameter object, holding this rank's experts: an optimizer built before
+            # wrapping keeps stepping it (parameters keep their identity).
+            param.data = param.data[first:first + local].clone()
+        module.num_experts = local
+        module.forward = types.MethodType(_dispatched(type(module).forward, total, local, groups), module)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `rows` sent in `send_sizes` to each rank of `group`, `received_sizes` from each;
+    backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, received_sizes: list[int], send_sizes: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.sizes, ctx.group = (received_sizes, send_sizes), group
+        out = rows.new_empty((sum(received_sizes), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), received_sizes, send_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        received_sizes, send_sizes = ctx.sizes
+        out = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), send_sizes, received_sizes, group=ctx.group)
+        return out, None, None, None
+
+
+def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, groups: ExpertGroups) -> Callable:
+    """The expert module's forward over all `total` experts: each token-expert pair goes to the
+    rank owning the expert, `compute` (the module's own forward over its `local` experts) runs
+    there, and the results come back weighted (see [Note: routing that cannot hang])."""
+    size, group = groups.size, groups.ep_group
+
+    def forward(self: nn.Module, hidden_ND: torch.Tensor, top_k_index_NK: torch.Tensor,
+                top_k_weights_NK: torch.Tensor) -> torch.Tensor:
+        N = hidden_ND.shape[0]
+        expert_P = top_k_index_NK.reshape(-1)
+        token_P = torch.arange(N, device=hidden_ND.device).repeat_interleave(top_k_index_NK.shape[1])
+        weight_P = top_k_weights_NK.reshape(-1)
+        kept = expert_P < total                       # an index of `total` or more is a dropped choice
+        order = torch.argsort(torch.where(kept, expert_P, total), stable=True)[:int(kept.sum())]
+        expert_P, token_P, weight_P = expert_P[order], token_P[order], weight_P[order]
+        owner_P = torch.div(expert_P, local, rounding_mode="floor")
+        send = torch.bincount(owner_P, minlength=size).to(torch.int64).cpu()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        send_sizes, received_sizes = send.tolist(), received.tolist()
+        local_expert = torch.empty(sum(received_sizes), dtype=torch.int64, device=hidden_ND.device)
+        dist.all_to_all_single(local_expert, expert_P - owner_P * local, received_sizes, send_sizes, group=group)
+        tokens_MD = _AllToAll.apply(hidden_ND[token_P], received_sizes, send_sizes, group)
+        ones_M1 = torch.ones(len(local_expert), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
+        out_MD = compute(self, tokens_MD, local_expert[:, None], ones_M1)
+        if len(local_expert) == 0 and torch.is_grad_enabled():
+            # No token reached this rank's experts: zero terms keep it in the dispatch's backward
+            # all-to-all and give its experts the (zero) gradient whose reduction the ranks
+            # holding the same experts issue.
+            touched = sum(param.reshape(-1)[:1].sum() for param in self.parameters(recurse=False))
+            out_MD = out_MD + (tokens_MD.sum() + touched) * 0
+        back_PD = _AllToAll.apply(out_MD, send_sizes, received_sizes, group)
+        return torch.zeros_like(hidden_ND).index_add(0, token_P, back_PD * weight_P[:, None].to(back_PD.dtype))
+
+    return forward
+
+
+def all_experts(mine: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """A parameter of this rank's experts (one row each) joined with the other expert-parallel
+    ranks' into the parameter of every expert (a collective over the expert-parallel group)."""
+    parts = [torch.empty_like(mine) for _ in range(groups.size)]
+    dist.all_gather(parts, mine.contiguous(), group=groups.ep_group)
+    return torch.cat(parts)
+
+
+def units_with_experts(module: nn.Module, unit_modules: list[list[nn.Module]],
+                       experts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], ...]:
+    """The units as groups of modules, each expert module a unit of its own (inside its block's
+    unit), in module order: an expert unit's parameters shard over another group."""
+    first = {id(group[0]): tuple(group) for group in unit_modules}
+    first.update({id(m): (m,) for m in experts})
+    return tuple(first[id(m)] for m in module.modules() if id(m) in first)
+
+
+def expert_collectives(collectives: Any, groups: ExpertGroups, all_group: dist.ProcessGroup) -> Any:
+    """Collectives over this rank's expert-sharding group, dividing the summed gradients by
+    the world size and combining norms over every rank (see [Note: expert parallelism's
+    groups]), logging with `collectives`."""
+    made = type(collectives)(groups.shard_group, collectives.device, collectives.kernels, None, all_group)
+    made.gradient_divide_factor = float(dist.get_world_size(all_group))
+    made.log = collectives.log
+    made.norm_collectives = collectives           # every element of every expert on one rank of the world
+    return made
+
+
+def expert_parallel_error(size: Optional[int], config: Any, request: Any) -> Optional[str]:
+    """Why `expert_parallel=size` cannot run with the rest of the request, or None."""
+    if size is None:
+        return None
+    refused = [(config.offload != "none", f"offload={config.offload!r}"),
+               (config.compress != "none", f"compression={config.compress!r}"),
+               (config.sharding != "full", f"sharding={config.sharding!r}"),
+               (bool(config.compile), "compile=True"),
+               (request.mesh is not None, "mesh= (tensor or pipeline parallelism)"),
+               (request.dtensor_params, "fully_shard")]
+    for wanted, what in refused:
+        if wanted:
+            return (f"expert_parallel with {what} is not supported yet: expert parallelism runs with full "
+                    "sharding, without offload, compression, compile or another parallel axis")
+    return None
