@@ -32,12 +32,15 @@ those calls are kept as hints, listed in `overlap_report()` and in docs/fully_sh
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
+from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 from torch.nn.modules.module import _IncompatibleKeys
 
@@ -190,8 +193,11 @@ def _build(root: nn.Module) -> ShardedModule:
         for module in [root, *members]:
             del module.__dict__[_RUNTIME]
         raise
+    final_step = _PipelineGradStep(runtime)
     for module in [root, *members]:
         module.__dict__[_RUNTIME] = runtime
+        # Keyed as torch's `fully_shard.state` reads it: by the function its decorator wraps.
+        module.__dict__.setdefault(STATE_KEY, {})[getattr(torch_fully_shard, "__wrapped__", torch_fully_shard)] = final_step
     for unit in runtime.scheduler.units:
         wanted = unit.modules[0].__dict__[_MARK].reshard_after_forward
         unit.reshard_after_forward = bool(wanted)
@@ -369,6 +375,20 @@ class OverlapFSDPModule(FSDPModule):
         raise NotImplementedError(f"{type(self).__name__}: this FSDPModule method reaches FSDP2's internal state, "
                                   "which overlap's fully_shard does not have; the supported calls are listed in "
                                   "docs/fully_shard.md")
+
+
+class _PipelineGradStep:
+    """What `torch.distributed.pipelining` reads of FSDP2's state (`fully_shard.state(stage)`)
+    at a stage's final gradient step, after every microbatch's backward ran without gradient
+    sync: no per-group work, then the root callback, which reduces the held gradients once."""
+
+    def __init__(self, runtime: ShardedModule) -> None:
+        self._runtime = runtime
+        self._state_ctx = types.SimpleNamespace(all_states=[self])
+        self._fsdp_param_groups: tuple = ()
+
+    def _root_post_backward_final_callback(self) -> None:
+        self._runtime.scheduler.reduce_held_grads()
 
 
 @contextlib.contextmanager

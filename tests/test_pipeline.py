@@ -52,13 +52,19 @@ def _one_process(dp: int) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
-def train_stages(rank: int, world: int, schedule: str) -> dict[str, torch.Tensor]:
-    """This rank's stages after STEPS steps, as the whole model's state-dict keys and values."""
+def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded") -> dict[str, torch.Tensor]:
+    """This rank's stages after STEPS steps, as the whole model's state-dict keys and values.
+    `wrap`: "sharded" (`ShardedModule(stage, mesh=...)`) or "fully_shard" (FSDP2's pattern:
+    each block, then the stage), where the gradients are reduced once per step: the
+    reduce-scatters issued are counted too (under "reductions")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
 
-    from overlap import ShardedModule
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from overlap import ShardedModule, fully_shard
+    from overlap.runtime.collectives import Collectives
 
     pp = 2
     dp = world // pp
@@ -73,22 +79,42 @@ def train_stages(rank: int, world: int, schedule: str) -> dict[str, torch.Tensor
     stages, wrapped = [], {}
     for index in indices:
         layers = nn.Sequential(*list(model)[index * per_stage:(index + 1) * per_stage])
-        sharded = ShardedModule(layers, mesh=mesh["dp"])
+        if wrap == "fully_shard":
+            for block in layers:
+                fully_shard(block, mesh=mesh["dp"])
+            sharded = fully_shard(layers, mesh=mesh["dp"])
+        else:
+            sharded = ShardedModule(layers, mesh=mesh["dp"])
         wrapped[index] = sharded
         stages.append(PipelineStage(sharded, index, stage_count, torch.device("cpu"), group=mesh["pp"].get_group()))
     kind = getattr(pipelining, f"Schedule{schedule}")
     runner = kind(stages if multi else stages[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
     optimizer = torch.optim.SGD([p for sharded in wrapped.values() for p in sharded.parameters()], lr=0.1)
-    for x, y in _batches(dp):
-        x, y = x[dp_rank * PER_DP_RANK:(dp_rank + 1) * PER_DP_RANK], y[dp_rank * PER_DP_RANK:(dp_rank + 1) * PER_DP_RANK]
-        firsts = [stage.is_first for stage in stages]
-        lasts = [stage.is_last for stage in stages]
-        runner.step(*((x,) if any(firsts) else ()), **({"target": y} if any(lasts) else {}))
-        optimizer.step()
-        optimizer.zero_grad()
-    out = {}
+    reductions, issue = [0], Collectives.reduce_scatter
+
+    def counted(self, *args, **kwargs):
+        reductions[0] += 1
+        return issue(self, *args, **kwargs)
+
+    Collectives.reduce_scatter = counted
+    try:
+        for x, y in _batches(dp):
+            x, y = x[dp_rank * PER_DP_RANK:(dp_rank + 1) * PER_DP_RANK], y[dp_rank * PER_DP_RANK:(dp_rank + 1) * PER_DP_RANK]
+            firsts = [stage.is_first for stage in stages]
+            lasts = [stage.is_last for stage in stages]
+            runner.step(*((x,) if any(firsts) else ()), **({"target": y} if any(lasts) else {}))
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        Collectives.reduce_scatter = issue
+    # fully_shard's units are the blocks; ShardedModule may merge them into buckets.
+    units = per_stage * len(indices) if wrap == "fully_shard" else \
+        sum(len(sharded.scheduler.all_units) for sharded in wrapped.values())
+    out = {"reductions": reductions[0], "units": units}
     for index, sharded in wrapped.items():
-        for key, value in sharded.full_state_dict().items():
+        full = sharded.full_state_dict() if wrap == "sharded" else \
+            get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
+        for key, value in full.items():
             layer, rest = key.split(".", 1)
             out[f"{index * per_stage + int(layer)}.{rest}"] = value
     return out
@@ -97,18 +123,27 @@ def train_stages(rank: int, world: int, schedule: str) -> dict[str, torch.Tensor
 @pytest.fixture(scope="module")
 def launches() -> dict[int, CaseLaunch]:
     # The refused schedules run last: a refusal leaves the pipeline's sends behind it.
-    return {world: CaseLaunch({schedule: RankCase(train_stages, (schedule,)) for schedule in SCHEDULES + ZERO_BUBBLE},
+    cases = {schedule: RankCase(train_stages, (schedule,)) for schedule in SCHEDULES}
+    cases.update({f"fully_shard:{schedule}": RankCase(train_stages, (schedule, "fully_shard")) for schedule in SCHEDULES})
+    cases.update({schedule: RankCase(train_stages, (schedule,)) for schedule in ZERO_BUBBLE})
+    return {world: CaseLaunch(cases,
                               world_size=world, timeout=300) for world in (2, 4)}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", (2, 4), ids=["pp2-dp1", "pp2-dp2"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_each_schedule_trains_like_one_process(launches, world: int, schedule: str) -> None:
+@pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
+def test_each_schedule_trains_like_one_process(launches, world: int, schedule: str, wrap: str) -> None:
     reference = _one_process(world // 2)
     seen: set[str] = set()
-    for outcome in launches[world][schedule]:
-        for key, value in outcome.result().items():
+    for outcome in launches[world][schedule if wrap == "sharded" else f"fully_shard:{schedule}"]:
+        result = dict(outcome.result())
+        reductions, units = result.pop("reductions"), result.pop("units")
+        # ShardedModule stages reduce after each microbatch's backward; fully_shard stages,
+        # told by the schedule, once per step after the last.
+        assert reductions == STEPS * units * (MICROBATCHES if wrap == "sharded" else 1), (reductions, units)
+        for key, value in result.items():
             torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
             seen.add(key)
     assert seen == set(reference)

@@ -430,6 +430,14 @@ class Scheduler:
         if unit.backward_complete and unit.gather_state is not GatherState.SHARDED:
             self._reshard(unit)
 
+    def reduce_held_grads(self) -> None:
+        """Reduce what backward passes without gradient sync held back and publish `.grad`, as
+        the end of a backward that syncs does: for loops whose microbatches all run without
+        sync and reduce once after the last (a pipeline schedule's final gradient step)."""
+        with phase("overlap::reduce_held_grads"):
+            self.reduction.end_backward(self.all_units, True, self.order)
+            self.steps.close(StepKind.TRAIN, self.order)
+
     def _end_backward(self) -> None:
         """Runs once when the backward pass finishes: every gradient is reduced and every
         gathered buffer freed before `backward()` returns."""
