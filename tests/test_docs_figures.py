@@ -541,14 +541,14 @@ FIGURES: list[Figure] = [
            (at("variants", "lightning-fsdp2", "ratio_to_loop_median"),)),
     Figure("README.md", "1-min load average {0:.2f} before, {1:.2f} after", "integrations.json",
            (at("loadavg_before", 0), at("loadavg_after", 0))),
-    # README.md: the order check and gloo's reduce-scatter.
-    Figure("README.md", "a step makes {0:d} order words of {1:.2f} ms each, {2:.0f} ms against a {3:.1f} s step",
+    # ARCHITECTURE.md: the order check and gloo's reduce-scatter.
+    Figure("ARCHITECTURE.md", "a step makes {0:d} order words of {1:.2f} ms each, {2:.0f} ms against a {3:.1f} s step",
            "order_check.json", (at("summary", "words_per_step"), lambda d: d["summary"]["word_us"] / 1e3,
                                 at("summary", "words_ms_per_step"), lambda d: d["summary"]["step_ms_without"] / 1e3)),
-    Figure("README.md", "has median {0:.2f} and range {1:.2f} to {2:.2f} over {3:d} rounds", "order_check.json",
+    Figure("ARCHITECTURE.md", "has median {0:.2f} and range {1:.2f} to {2:.2f} over {3:d} rounds", "order_check.json",
            (at("summary", "ratio_median"), at("summary", "ratio_min"), at("summary", "ratio_max"), at("rounds"))),
-    Figure("README.md", "the bookkeeping is {0:.0f} µs a step", "order_check.json", (at("summary", "bookkeeping_us"),)),
-    Figure("README.md", "measured {0:.1f}–{1:.1f}× faster than gloo's `reduce_scatter_tensor` on loopback and "
+    Figure("ARCHITECTURE.md", "the bookkeeping is {0:.0f} µs a step", "order_check.json", (at("summary", "bookkeeping_us"),)),
+    Figure("ARCHITECTURE.md", "{0:.1f}–{1:.1f}× faster than gloo's `reduce_scatter_tensor` on loopback and "
                         "{2:.2f}–{3:.2f}× on an emulated 2 Gbit/s link", "collectives.json",
            (extreme(min, _collective_ratios("loopback")), extreme(max, _collective_ratios("loopback")),
             extreme(min, _collective_ratios("2gbit")), extreme(max, _collective_ratios("2gbit")))),
