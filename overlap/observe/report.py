@@ -5,7 +5,7 @@ What each number means and how it is measured
 ---------------------------------------------
 Every time is measured by the runtime; nothing is modelled. On CPU a time is a host clock
 reading; on CUDA it is a CUDA event on the stream that did the work (see [Note: clocks] in
-overlap/step_record.py), so "compute" is when the device computed, not when the host
+overlap/base/step_record.py), so "compute" is when the device computed, not when the host
 launched. A training step runs from its first event or collective to the end of its
 backward (the optimizer step is not part of it). Evaluation forwards are steps too (see
 [Note: what a step is]) but the report counts training steps only.

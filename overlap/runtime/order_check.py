@@ -29,10 +29,9 @@ issued. The check therefore runs before each one. Three ways were weighed:
   collective (the benchmark GPT: 20 words a step, against 21 hooks: 7 units' forward,
   backward and gradient). The price is a round trip per collective, and that a rank ahead
   waits there for the others instead of at the wait. Measured on the benchmark GPT, two gloo
-  ranks (benchmarks/order_check.py, docs/results/order_check.json, on a machine loaded far
-  past its two cores): one exchange takes 0.96 ms, 19 ms a step against a 3.9 s step (0.5 %);
-  the paired per-round step ratio, with / without, has median 0.99 (0.68 to 1.40 over 11
-  rounds): below what that machine's noise resolves.
+  ranks (benchmarks/order_check.py, docs/results/order_check.json): one exchange takes
+  0.72 ms, 14 ms a step against a 1.3 s step (1.1 %); the paired per-round step ratio, with /
+  without, has median 1.03 (0.88 to 1.32 over 5 rounds): below what the host's noise resolves.
 
 [Note: order words only where ranks could part]
 A word costs a host round trip per collective: on two gloo ranks sharing two cores it was a

@@ -1,5 +1,5 @@
 """The record of the step in progress: marks and collectives with raw time stamps, turned
-into a `StepRecord` when the step ends. See [Note: clocks] in overlap/step_record.py.
+into a `StepRecord` when the step ends. See [Note: clocks] in overlap/base/step_record.py.
 
 [Note: reading CUDA times one step late]
 A CUDA event can be read only once it has completed. Reading a step's events when it closes
