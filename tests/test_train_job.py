@@ -152,17 +152,24 @@ def _flag_combinations(rank: int, world: int, directory: str) -> dict:
     return out
 
 
+def _trained_and_refused(results: list[dict], accepted: list, refused: list) -> None:
+    """Every rank trained each accepted combination to finite losses and refused each other
+    one with its reason."""
+    for rank, out in enumerate(results):
+        for flags, losses in zip(accepted, out["accepted"]):
+            assert isinstance(losses, tuple) and all(math.isfinite(x) and 0 < x < 6 for x in losses), (rank, flags,
+                                                                                                      losses)
+        for (flags, reason), error in zip(refused, out["refused"]):
+            assert error.startswith("JobError: ") and reason in error, (rank, flags, error)
+
+
 @pytest.mark.timeout(400)
 def test_every_accepted_flag_combination_trains_and_the_rest_are_refused_on_every_rank(tmp_path):
     from distributed import run_distributed
 
     results = run_distributed(_flag_combinations, 2, str(tmp_path), timeout=360)
-    for rank, out in enumerate(results):
-        for flags, losses in zip(ACCEPTED, out["accepted"]):
-            assert isinstance(losses, tuple) and all(math.isfinite(x) and 0 < x < 6 for x in losses), (rank, flags,
-                                                                                                      losses)
-        for (flags, reason), refused in zip(REFUSED, out["refused"]):
-            assert refused.startswith("JobError: ") and reason in refused, (rank, flags, refused)
+    _trained_and_refused(results, ACCEPTED, REFUSED)
+    for out in results:
         assert out["other model"].startswith(f"JobError: --checkpoint-dir {tmp_path}/accepted-0: "), out
         assert "transformer" in out["other model"] or "shape" in out["other model"], out["other model"]
         assert out["past steps"] == (f"JobError: the newest checkpoint in --checkpoint-dir {tmp_path}/accepted-0 "
@@ -170,6 +177,53 @@ def test_every_accepted_flag_combination_trains_and_the_rest_are_refused_on_ever
         assert out["world size"].startswith("JobError: --world-size 3 but torchrun started 2 ranks"), out
         assert out["done"] is None
     assert results[0]["accepted"] == results[1]["accepted"]        # the losses are means over ranks
+
+
+# --moe with every tier (the experts sharded with the rest), and --expert-parallel with what
+# it composes with; the rest is refused on every rank.
+MOE_ACCEPTED = [
+    ["--moe", "--mixed-precision", "bf16", "--offload", "cpu", "--compress", "int8"],
+    ["--moe", "--mixed-precision", "bf16", "--offload", "disk", "--eager-init"],
+    ["--moe", "--expert-parallel", "2"],
+    ["--moe", "--expert-parallel", "2", "--mixed-precision", "bf16", "--prefetch-depth", "0", "--experts", "4",
+     "--top-k", "1", "--sample", "1", "--sample-len", "4"],
+]
+MOE_REFUSED = [
+    (["--moe", "--expert-parallel", "2", "--offload", "cpu"], "expert_parallel with offload='cpu'"),
+    (["--moe", "--expert-parallel", "2", "--compress", "int8"], "expert_parallel with compression='int8'"),
+    (["--moe", "--expert-parallel", "2", "--mixed-precision", "bf16", "--compile"], "expert_parallel with compile=True"),
+]
+
+
+def _moe_flags(rank: int, world: int, directory: str) -> dict:
+    # FEW ends with --checkpoint-every 1: expert parallelism runs without checkpoints.
+    accepted = [_try_train([*FEW[:-2], *flags] if "--expert-parallel" in flags else
+                           [*FEW, *flags, "--checkpoint-dir", f"{directory}/moe-{index}"])
+                for index, flags in enumerate(MOE_ACCEPTED)]
+    return {"accepted": accepted,
+            "refused": [_try_train([*FEW[:-2], *flags]) for flags, _ in MOE_REFUSED]}
+
+
+@pytest.mark.timeout(400)
+def test_moe_and_expert_parallel_train_with_what_they_compose_with_and_refuse_the_rest(tmp_path):
+    from distributed import run_distributed
+
+    results = run_distributed(_moe_flags, 2, str(tmp_path), timeout=360)
+    _trained_and_refused(results, MOE_ACCEPTED, MOE_REFUSED)
+    assert results[0]["accepted"] == results[1]["accepted"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--expert-parallel", "2"], "--expert-parallel 2 needs --moe"),
+    (["--moe", "--experts", "8", "--expert-parallel", "3"], "--expert-parallel 3 must divide --experts 8"),
+    (["--moe", "--experts", "2", "--top-k", "3"], "--top-k 3 exceeds --experts 2"),
+    (["--moe", "--expert-parallel", "2", "--checkpoint-dir", "ckpt"], "--checkpoint-dir with --expert-parallel"),
+])
+def test_moe_settings_that_cannot_work_are_named_before_any_rank_starts(argv, message, capsys, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option, value", [("--lr", "0"), ("--lr", "-1e-3"), ("--lr", "nan"), ("--batch", "0"),

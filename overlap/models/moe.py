@@ -20,6 +20,13 @@ class MoEConfig(GPTConfig):
     expert_hidden: int = 256             # F, each expert's SwiGLU width
     aux_loss_weight: float = 0.01        # the router's load-balancing loss (Switch Transformer's)
 
+    @property
+    def num_params(self) -> int:
+        """Parameters of `GPTMoE(self)`, the tied head counted once."""
+        d, v, t, n, e, f = self.n_embd, self.vocab_size, self.block_size, self.n_layer, self.n_expert, self.expert_hidden
+        per_block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + d * e + e * 3 * f * d
+        return v * d + t * d + n * per_block + 2 * d
+
 
 class Experts(nn.Module):
     """`num_experts` SwiGLU experts; `forward` sums each token's chosen experts' outputs
@@ -90,8 +97,7 @@ class GPTMoE(GPT):
     routers' load-balancing loss."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__(config)
-        self.blocks = nn.ModuleList(MoEBlock(config) for _ in range(config.n_layer))
+        super().__init__(config, block=MoEBlock)
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None):
         out = super().forward(idx_BT, targets_BT)

@@ -57,6 +57,13 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     model.add_argument("--hidden", type=_positive_int, default=128, help="embedding width (default 128)")
     model.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
     model.add_argument("--seq", type=_positive_int, default=64, help="context length in bytes (default 64)")
+    model.add_argument("--moe", action="store_true",
+                       help="mixture-of-experts MLPs (overlap.models.moe: top-k router, SwiGLU experts)")
+    model.add_argument("--experts", type=_positive_int, default=8, help="experts per MoE layer (default 8)")
+    model.add_argument("--top-k", type=_positive_int, default=2, help="experts each token goes to (default 2)")
+    model.add_argument("--expert-parallel", type=_positive_int, default=None, metavar="E",
+                       help="split each MoE layer's experts across E ranks (tokens reach them by all-to-all); "
+                            "needs --moe")
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
     train.add_argument("--schedule-steps", type=_positive_int, default=None, metavar="N",
@@ -137,6 +144,15 @@ def check_options(args: argparse.Namespace) -> None:
     if offload_tier(args) == "disk" and args.mixed_precision != "bf16":
         raise JobError("--offload disk keeps the fp32 masters in a file and only the 16-bit copy the gathers send "
                        f"in memory: it needs --mixed-precision bf16 (got {args.mixed_precision})")
+    if not args.moe and args.expert_parallel is not None:
+        raise JobError(f"--expert-parallel {args.expert_parallel} needs --moe")
+    if args.moe and args.top_k > args.experts:
+        raise JobError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    if args.expert_parallel is not None and args.experts % args.expert_parallel:
+        raise JobError(f"--expert-parallel {args.expert_parallel} must divide --experts {args.experts}")
+    if args.expert_parallel is not None and args.checkpoint_dir is not None:
+        raise JobError("--checkpoint-dir with --expert-parallel is not supported yet: the sharded checkpoint "
+                       "holds each parameter's rows, and an expert-parallel rank holds only its experts")
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
         raise JobError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir")
     if args.checkpoint_dir is not None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from overlap import MixedPrecision, ShardedModule
 from overlap.base.config import local_world_size_from_env
 from overlap.models import GPT, Block, GPTConfig
+from overlap.models.moe import GPTMoE, MoEBlock, MoEConfig
 from overlap.observe.timeline import TraceRecorder
 from overlap import optim as overlap_optim
 from overlap.train.batches import ByteBatches, shards_of_rank
@@ -93,17 +94,22 @@ def _device() -> torch.device:
 
 def build_model(args: argparse.Namespace) -> tuple[ShardedModule, GPTConfig]:
     torch.manual_seed(args.seed)
-    config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                       n_embd=args.hidden)
+    sizes = dict(vocab_size=VOCAB_SIZE, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                 n_embd=args.hidden)
+    config = MoEConfig(**sizes, n_expert=args.experts, top_k=args.top_k, expert_hidden=2 * args.hidden) \
+        if args.moe else GPTConfig(**sizes)
     precision = MixedPrecision(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16" else None
     # On the meta device no rank ever holds the whole model; the values are the same as an
-    # eager build's (the GPT initialises in construction order).
-    with contextlib.nullcontext() if args.eager_init else torch.device("meta"):
-        gpt = GPT(config)
+    # eager build's (the GPT initialises in construction order). Expert parallelism keeps each
+    # rank's experts of an eager build: on the meta device every rank would draw the same
+    # values for its experts.
+    with contextlib.nullcontext() if args.eager_init or args.expert_parallel else torch.device("meta"):
+        gpt = GPTMoE(config) if args.moe else GPT(config)
     try:
-        model = ShardedModule(gpt, unit_types=(Block,), mixed_precision=precision,
+        model = ShardedModule(gpt, unit_types=(MoEBlock if args.moe else Block,), mixed_precision=precision,
                               prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb,
-                              compression=args.compress, compile=args.compile, offload=args.offload)
+                              compression=args.compress, compile=args.compile, offload=args.offload,
+                              expert_parallel=args.expert_parallel)
     except ValueError as exc:       # settings the runtime refuses together, raised on every rank
         raise JobError(str(exc)) from None
     return model, config
@@ -121,7 +127,10 @@ def _header(args: argparse.Namespace, model: ShardedModule, config: GPTConfig,
             name: str, text: bytes, device: torch.device, progress: Progress) -> str:
     world = dist.get_world_size()
     per_rank = progress.shards // world
-    lines = [f"overlap train: GPT {args.layers} layers, d={args.hidden}, {args.heads} heads, seq {args.seq} "
+    moe = f", {args.experts} experts top-{args.top_k}" + \
+        (f" split over {args.expert_parallel} ranks" if args.expert_parallel else "") if args.moe else ""
+    lines = [f"overlap train: GPT{'-MoE' if args.moe else ''} {args.layers} layers, d={args.hidden}, "
+             f"{args.heads} heads{moe}, seq {args.seq} "
              f"({config.num_params / 1e6:.2f}M params, {args.mixed_precision}) on {world} "
              f"{'GPUs (nccl)' if device.type == 'cuda' else 'CPU ranks (gloo)'}; {name}, {len(text) / 1e3:.1f} kB; "
              f"batch {args.batch}/rank" + (f" x {per_rank} accumulated" if per_rank > 1 else "") +
