@@ -13,6 +13,15 @@ what the tokens of its expert-parallel group sent it, and the reduction over its
 expert-sharding group adds the other groups' tokens: the sum over all ranks' losses, divided by
 the world size as every other parameter's (DDP's mean).
 
+[Note: dispatch behind compute]
+A layer's token-expert pairs, sorted by expert, are split into two halves, each with its own
+dispatch and combine on its own copy of the expert-parallel group. Both halves' dispatches are
+issued before any expert computes, so the second half's all-to-all runs while the first half's
+experts compute, and the first half's combine while the second half's compute (dual-batch
+overlap: gloo's work runs on its own threads, NCCL's on its own stream). The two groups keep
+each half's collectives in one order on every rank whatever order autograd runs the halves'
+backwards in, and those backwards wait for their all-to-all.
+
 [Note: routing that cannot hang]
 Each layer's dispatch is two all-to-alls over the expert-parallel group, issued by every rank
 whatever its routing: first the pair counts (one int per rank), then the tokens with those
@@ -42,7 +51,9 @@ EXPERT_CLASS_NAMES = ("Experts", "Qwen3MoeExperts", "Qwen2MoeExperts", "MixtralE
 @dataclass(frozen=True)
 class ExpertGroups:
     size: int                                # E, ranks per expert-parallel group
-    ep_group: dist.ProcessGroup              # this rank's expert-parallel group
+    # This rank's expert-parallel group, twice: one for each half of a layer's tokens (see
+    # [Note: dispatch behind compute]).
+    ep_groups: tuple[dist.ProcessGroup, dist.ProcessGroup]
     shard_group: dist.ProcessGroup           # the ranks holding this rank's experts
     ep_rank: int
 
@@ -60,18 +71,18 @@ def make_groups(size: int, all_group: dist.ProcessGroup) -> ExpertGroups:
     if size < 1 or world % size:
         raise ValueError(f"expert_parallel={size} must divide the world size {world}")
     ranks = dist.get_process_group_ranks(all_group)
-    ep_group = shard_group = None
+    ep_groups = shard_group = None
     for g in range(world // size):
         members = [ranks[g * size + e] for e in range(size)]
-        made = dist.new_group(members)
+        made = (dist.new_group(members), dist.new_group(members))
         if rank // size == g:
-            ep_group = made
+            ep_groups = made
     for e in range(size):
         members = [ranks[g * size + e] for g in range(world // size)]
         made = dist.new_group(members)
         if rank % size == e:
             shard_group = made
-    return ExpertGroups(size, ep_group, shard_group, rank % size)
+    return ExpertGroups(size, ep_groups, shard_group, rank % size)
 
 
 def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
@@ -95,15 +106,19 @@ def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows of `rows` sent in `send_sizes` to each rank of `group`, `received_sizes` from each;
-    backward sends the gradients back the same way."""
+    """Rows of `rows` sent in `send_sizes` to each rank of `group`, `received_sizes` from each,
+    issued without waiting: the work and the rows it reads are appended to `pending`, and the
+    caller waits before reading the result. Backward sends the gradients back the same way
+    (and waits)."""
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, received_sizes: list[int], send_sizes: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
+                group: dist.ProcessGroup, pending: list) -> torch.Tensor:
         ctx.sizes, ctx.group = (received_sizes, send_sizes), group
         out = rows.new_empty((sum(received_sizes), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), received_sizes, send_sizes, group=group)
+        rows = rows.contiguous()
+        pending.append((dist.all_to_all_single(out, rows, received_sizes, send_sizes, group=group, async_op=True),
+                        rows))
         return out
 
     @staticmethod
@@ -111,14 +126,21 @@ class _AllToAll(torch.autograd.Function):
         received_sizes, send_sizes = ctx.sizes
         out = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), send_sizes, received_sizes, group=ctx.group)
-        return out, None, None, None
+        return out, None, None, None, None
+
+
+def _wait(pending: list) -> None:
+    for work, _ in pending:
+        work.wait()
+    pending.clear()
 
 
 def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, groups: ExpertGroups) -> Callable:
     """The expert module's forward over all `total` experts: each token-expert pair goes to the
     rank owning the expert, `compute` (the module's own forward over its `local` experts) runs
-    there, and the results come back weighted (see [Note: routing that cannot hang])."""
-    size, group = groups.size, groups.ep_group
+    there, and the results come back weighted (see [Note: routing that cannot hang] and [Note:
+    dispatch behind compute])."""
+    size = groups.size
 
     def forward(self: nn.Module, hidden_ND: torch.Tensor, top_k_index_NK: torch.Tensor,
                 top_k_weights_NK: torch.Tensor) -> torch.Tensor:
@@ -130,22 +152,38 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
         order = torch.argsort(torch.where(kept, expert_P, total), stable=True)[:int(kept.sum())]
         expert_P, token_P, weight_P = expert_P[order], token_P[order], weight_P[order]
         owner_P = torch.div(expert_P, local, rounding_mode="floor")
-        send = torch.bincount(owner_P, minlength=size).to(torch.int64).cpu()
+        halves = (slice(0, len(expert_P) // 2), slice(len(expert_P) // 2, len(expert_P)))
+        # Pairs per owner rank, each half a column; one exchange carries both.
+        send = torch.stack([torch.bincount(owner_P[h], minlength=size) for h in halves], 1).to(torch.int64).cpu()
         received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
-        send_sizes, received_sizes = send.tolist(), received.tolist()
-        local_expert = torch.empty(sum(received_sizes), dtype=torch.int64, device=hidden_ND.device)
-        dist.all_to_all_single(local_expert, expert_P - owner_P * local, received_sizes, send_sizes, group=group)
-        tokens_MD = _AllToAll.apply(hidden_ND[token_P], received_sizes, send_sizes, group)
-        ones_M1 = torch.ones(len(local_expert), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
-        out_MD = compute(self, tokens_MD, local_expert[:, None], ones_M1)
-        if len(local_expert) == 0 and torch.is_grad_enabled():
-            # No token reached this rank's experts: zero terms keep it in the dispatch's backward
-            # all-to-all and give its experts the (zero) gradient whose reduction the ranks
-            # holding the same experts issue.
-            touched = sum(param.reshape(-1)[:1].sum() for param in self.parameters(recurse=False))
-            out_MD = out_MD + (tokens_MD.sum() + touched) * 0
-        back_PD = _AllToAll.apply(out_MD, send_sizes, received_sizes, group)
+        dist.all_to_all_single(received, send, group=groups.ep_groups[0])
+        sizes = [(received[:, c].tolist(), send[:, c].tolist()) for c in range(2)]
+        dispatches, experts_M = [[], []], []
+        tokens = []
+        for c, half in enumerate(halves):                      # both halves' dispatch in flight
+            received_sizes, send_sizes = sizes[c]
+            experts_M.append(torch.empty(sum(received_sizes), dtype=torch.int64, device=hidden_ND.device))
+            ids = (expert_P[half] - owner_P[half] * local).contiguous()
+            dispatches[c].append((dist.all_to_all_single(experts_M[c], ids, received_sizes, send_sizes,
+                                                         group=groups.ep_groups[c], async_op=True), ids))
+            tokens.append(_AllToAll.apply(hidden_ND[token_P[half]], received_sizes, send_sizes, groups.ep_groups[c],
+                                          dispatches[c]))
+        combines: list = []
+        backs = []
+        for c in range(2):                                     # half 1 arrives while half 0 computes
+            _wait(dispatches[c])
+            ones_M1 = torch.ones(len(experts_M[c]), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
+            out_MD = compute(self, tokens[c], experts_M[c][:, None], ones_M1)
+            if len(experts_M[c]) == 0 and torch.is_grad_enabled():
+                # No token of this half reached this rank's experts: zero terms keep it in the
+                # dispatch's backward all-to-all and give its experts the (zero) gradient whose
+                # reduction the ranks holding the same experts issue.
+                touched = sum(param.reshape(-1)[:1].sum() for param in self.parameters(recurse=False))
+                out_MD = out_MD + (tokens[c].sum() + touched) * 0
+            received_sizes, send_sizes = sizes[c]
+            backs.append(_AllToAll.apply(out_MD, send_sizes, received_sizes, groups.ep_groups[c], combines))
+        _wait(combines)
+        back_PD = torch.cat(backs)
         return torch.zeros_like(hidden_ND).index_add(0, token_P, back_PD * weight_P[:, None].to(back_PD.dtype))
 
     return forward
@@ -155,7 +193,7 @@ def all_experts(mine: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
     """A parameter of this rank's experts (one row each) joined with the other expert-parallel
     ranks' into the parameter of every expert (a collective over the expert-parallel group)."""
     parts = [torch.empty_like(mine) for _ in range(groups.size)]
-    dist.all_gather(parts, mine.contiguous(), group=groups.ep_group)
+    dist.all_gather(parts, mine.contiguous(), group=groups.ep_groups[0])
     return torch.cat(parts)
 
 

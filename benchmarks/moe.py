@@ -1,0 +1,211 @@
+"""Expert parallelism's step against ZeRO-3 without it and against FSDP2, on a GPT-MoE whose
+experts hold most of its parameters.
+
+Four gloo ranks train the same GPT-MoE (8 experts, top-2) built four ways in one launch:
+`ShardedModule(model)` (every expert gathered for every unit), `expert_parallel=2` and `=4`,
+and FSDP2 (`fully_shard` on each block, then the root), each with torch's AdamW. Rounds take
+turns over the variants (the first of each round rotating); each round keeps every variant's
+median step, and the summary gives each variant's per-round ratio to `ShardedModule(model)`
+(median and range). Per step, from the overlap report: bytes all-gathered and reduce-scattered;
+from the expert-parallel groups' calls: bytes sent by all-to-all and the time the step spent
+blocked in them (the dispatch's count exchange, waits for the halves' tokens and results, and
+backward's all-to-alls, which wait).
+
+    python benchmarks/moe.py --rounds 5 --steps 3 --link loopback
+    python benchmarks/moe.py --rounds 5 --steps 3 --link 2gbit      # a throttled network namespace
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Optional, Sequence
+
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on_link, read_json,
+                    run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
+
+WORLD_SIZE = 4
+VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
+
+
+def _config(args: argparse.Namespace):
+    from overlap.models.moe import MoEConfig
+    return MoEConfig(vocab_size=8192, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width,
+                     n_expert=8, top_k=2, expert_hidden=args.expert_hidden)
+
+
+def _build(variant: str, args: argparse.Namespace):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from overlap import ShardedModule
+    from overlap.models.moe import GPTMoE, MoEBlock
+
+    torch.manual_seed(0)
+    model = GPTMoE(_config(args))
+    if variant == "FSDP2":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = ShardedModule(model, unit_types=(MoEBlock,),
+                              expert_parallel=None if variant == "no EP" else int(variant.split()[1]))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+class _AllToAllMeter:
+    """Bytes sent and seconds blocked in the expert-parallel groups' all-to-alls (the sync
+    calls and the waits for the asynchronous ones)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        from overlap.runtime import expert_parallel
+
+        self.groups: set = set()
+        self.bytes = 0
+        self.blocked_s = 0.0
+        self._dist, self._module = dist, expert_parallel
+        self._all_to_all, self._wait = dist.all_to_all_single, expert_parallel._wait
+        dist.all_to_all_single = self._counted
+        expert_parallel._wait = self._timed_wait
+
+    def _counted(self, output, input, *args, group=None, async_op=False, **kwargs):
+        mine = group in self.groups
+        if mine:
+            self.bytes += input.numel() * input.element_size()
+        start = time.perf_counter()
+        work = self._all_to_all(output, input, *args, group=group, async_op=async_op, **kwargs)
+        if mine and not async_op:
+            self.blocked_s += time.perf_counter() - start
+        return work
+
+    def _timed_wait(self, pending: list) -> None:
+        start = time.perf_counter()
+        self._wait(pending)
+        self.blocked_s += time.perf_counter() - start
+
+    def take(self) -> tuple[int, float]:
+        out = (self.bytes, self.blocked_s)
+        self.bytes, self.blocked_s = 0, 0.0
+        return out
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank = dist.get_rank()
+    meter = _AllToAllMeter()
+    built = {variant: _build(variant, args) for variant in VARIANTS}
+    for variant, (model, _) in built.items():
+        groups = getattr(model, "_expert_groups", None)
+        if groups is not None:
+            meter.groups.update(groups.ep_groups)
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.randint(0, 8192, (args.batch, args.seq), generator=gen)
+
+    def steps(variant: str, count: int) -> list[float]:
+        model, optimizer = built[variant]
+        times = []
+        for _ in range(count):
+            dist.barrier()
+            start = time.perf_counter()
+            model(idx, idx).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        return times
+
+    for variant in VARIANTS:
+        steps(variant, 2)                                          # warm-up: the runtime learns its order
+    meter.take()
+    step_s: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    all_to_all: dict[str, list[tuple[int, float]]] = {variant: [] for variant in VARIANTS}
+    for round_index in range(args.rounds):
+        shift = round_index % len(VARIANTS)
+        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+            step_s[variant].append(median(steps(variant, args.steps)))
+            sent, blocked = meter.take()
+            all_to_all[variant].append((sent / args.steps, blocked / args.steps))
+    reports = {}
+    for variant, (model, _) in built.items():
+        if variant != "FSDP2":
+            mean = model.overlap_report().mean_step()
+            reports[variant] = dict(gathered_bytes=mean.gathered_bytes, reduced_bytes=mean.reduced_bytes,
+                                    comm_ms=mean.comm_s * 1e3, hidden_fraction=mean.hidden_fraction)
+    ranks: list[Optional[dict]] = [None] * WORLD_SIZE
+    dist.all_gather_object(ranks, dict(step_s=step_s, all_to_all=all_to_all, reports=reports))
+    if rank == 0:
+        write_json(args.result, dict(ranks=ranks))
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("moe.py", args.argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        result = os.path.join(scratch, "result.json")
+        worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                  "--width", str(args.width), "--layers", str(args.layers), "--seq", str(args.seq),
+                  "--batch", str(args.batch), "--expert-hidden", str(args.expert_hidden)]
+        with on_link(args.link) as prefix:
+            run_with_deadline([*prefix, *torchrun(os.path.abspath(__file__), WORLD_SIZE, worker)], args.timeout,
+                              env={**os.environ, **single_thread_env()})
+        data = read_json(result)
+    ranks = data["ranks"]
+    # A round's step takes as long as its slowest rank.
+    rounds = {v: [max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds)] for v in VARIANTS}
+    summary = {}
+    for variant in VARIANTS:
+        ratios = [mine / base for mine, base in zip(rounds[variant], rounds["no EP"])]
+        sent = median([sum(r["all_to_all"][variant][i][0] for r in ranks) for i in range(args.rounds)])
+        blocked = median([max(r["all_to_all"][variant][i][1] for r in ranks) for i in range(args.rounds)])
+        report = ranks[0]["reports"].get(variant)
+        summary[variant] = dict(
+            step_ms=round(median(rounds[variant]) * 1e3, 1),
+            ratio_median=round(median(ratios), 3), ratio_min=round(min(ratios), 3), ratio_max=round(max(ratios), 3),
+            all_to_all_mb_per_step=round(sent / 2**20, 2), all_to_all_blocked_ms=round(blocked * 1e3, 1),
+            gathered_mb_per_rank=None if report is None else round(report["gathered_bytes"] / 2**20, 2),
+            reduced_mb_per_rank=None if report is None else round(report["reduced_bytes"] / 2**20, 2))
+    write_json(os.path.join(args.out, f"moe_{args.link}.json"),
+               dict(**record.fields(), link=args.link, world=WORLD_SIZE, params=_config(args).num_params,
+                    summary=summary, **data))
+    table = markdown_table(
+        ["variant", "step ms", "÷ no EP, per round: median (range)", "gathered MB/rank", "reduced MB/rank",
+         "all-to-all MB (all ranks)", "blocked in all-to-all ms"],
+        [[v, s["step_ms"], f"{s['ratio_median']} ({s['ratio_min']}–{s['ratio_max']})",
+          "–" if s["gathered_mb_per_rank"] is None else s["gathered_mb_per_rank"],
+          "–" if s["reduced_mb_per_rank"] is None else s["reduced_mb_per_rank"],
+          s["all_to_all_mb_per_step"], s["all_to_all_blocked_ms"]] for v, s in summary.items()])
+    write_text(os.path.join(args.out, f"moe_{args.link}.md"), table + "\n")
+    print(table)
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round and variant")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--expert-hidden", type=int, default=1152, help="31.5M parameters at the defaults")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 2gbit")
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
