@@ -1,0 +1,124 @@
+"""Which result files the docs cite were measured on a runtime that has since moved on.
+
+A result file records the commit it was measured at. For every file under docs/results that
+README.md, ARCHITECTURE.md or docs/*.md links to, this counts the runtime's lines (overlap/, kernels/, csrc/)
+changed between that commit and HEAD (lines added plus lines removed, from `git diff
+--numstat`) against the runtime's lines at HEAD, and lists the files past the threshold: their
+figures describe code that is no longer there. Run it before stopping; rerun what it lists.
+
+    python benchmarks/stale.py                  # exit status 1 when a cited file is stale
+    python benchmarks/stale.py --threshold 10   # percent of the runtime's lines (default 5)
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNTIME = ("overlap", "kernels", "csrc")
+SOURCE_SUFFIXES = (".py", ".cu", ".cpp", ".h", ".cuh")
+CITATION = re.compile(r"results/([A-Za-z0-9_.-]+\.json)")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", REPOSITORY, *args], check=True, capture_output=True, text=True).stdout
+
+
+def cited_files() -> dict[str, list[str]]:
+    """Each cited result file (docs/results/NAME) -> the docs that cite it."""
+    cited: dict[str, list[str]] = {}
+    docs = [os.path.join(REPOSITORY, "README.md"), os.path.join(REPOSITORY, "ARCHITECTURE.md"),
+            *sorted(glob.glob(os.path.join(REPOSITORY, "docs", "*.md")))]
+    for doc in docs:
+        with open(doc, encoding="utf-8") as f:
+            for name in sorted(set(CITATION.findall(f.read()))):
+                path = os.path.join("docs", "results", name)
+                if os.path.exists(os.path.join(REPOSITORY, path)):
+                    cited.setdefault(path, []).append(os.path.relpath(doc, REPOSITORY))
+    return cited
+
+
+def runtime_lines() -> int:
+    """The runtime's source lines at HEAD."""
+    total = 0
+    for path in _git("ls-files", *RUNTIME).split():
+        if path.endswith(SOURCE_SUFFIXES):
+            total += _git("show", f"HEAD:{path}").count("\n")
+    return total
+
+
+def changed_lines(commit: str) -> Optional[int]:
+    """Runtime lines added plus removed from `commit` to HEAD; None for a commit git does not know."""
+    try:
+        _git("cat-file", "-e", f"{commit}^{{commit}}")
+    except subprocess.CalledProcessError:
+        return None
+    total = 0
+    for line in _git("diff", "--numstat", commit, "HEAD", "--", *RUNTIME).splitlines():
+        added, removed, path = line.split("\t", 2)
+        if path.endswith(SOURCE_SUFFIXES) and added != "-":
+            total += int(added) + int(removed)
+    return total
+
+
+def recorded_commits(data: object) -> list[str]:
+    """Every commit a result file records (at its top, under "meta", or per part of a file
+    that merges several runs), without the "+changes" mark."""
+    found: list[str] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key == "commit" and isinstance(value, str):
+                found.append(value.split("+")[0])
+            else:
+                found.extend(recorded_commits(value))
+    elif isinstance(data, list):
+        for value in data:
+            found.extend(recorded_commits(value))
+    return list(dict.fromkeys(found))
+
+
+def staleness(threshold: float) -> list[dict]:
+    """One row per cited result file: its oldest commit (the one with the most runtime lines
+    changed since), those lines, the share of the runtime's lines they are, and whether that
+    passes `threshold` percent."""
+    lines = runtime_lines()
+    rows = []
+    for path, docs in sorted(cited_files().items()):
+        with open(os.path.join(REPOSITORY, path), encoding="utf-8") as f:
+            commits = recorded_commits(json.load(f))
+        counted = [(changed_lines(commit), commit) for commit in commits]
+        known = [(changed, commit) for changed, commit in counted if changed is not None]
+        changed, recorded = max(known) if known and len(known) == len(counted) else (None, ",".join(commits) or None)
+        share = None if changed is None else 100.0 * changed / lines
+        rows.append(dict(file=path, cited_by=docs, commit=recorded, changed_lines=changed,
+                         percent=None if share is None else round(share, 1),
+                         stale=share is None or share > threshold))
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threshold", type=float, default=5.0, help="percent of the runtime's lines (default 5)")
+    parser.add_argument("--json", action="store_true", help="print every row as JSON instead of the stale list")
+    args = parser.parse_args(argv)
+    rows = staleness(args.threshold)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        stale = [row for row in rows if row["stale"]]
+        for row in stale:
+            why = ("no commit recorded, or one git does not know" if row["percent"] is None else
+                   f"{row['changed_lines']} runtime lines ({row['percent']}%) changed since {row['commit'][:12]}")
+            print(f"{row['file']}: {why}; cited by {', '.join(row['cited_by'])}")
+        print(f"{len(stale)} of {len(rows)} cited result files are past {args.threshold:g}% of the runtime's lines")
+    return 1 if any(row["stale"] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
