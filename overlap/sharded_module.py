@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -27,7 +26,6 @@ from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.optimizer_state import full_optimizer_state
 from overlap.runtime.row_dtensors import local_part, local_rows, shard_mesh
 from overlap.runtime.scheduler import Scheduler
-from overlap.runtime.shard_grad import plain
 from overlap.runtime.unpicklable_state import FULL_MODEL, SHARDED, PartialStateError
 
 if TYPE_CHECKING:
@@ -284,34 +282,10 @@ class ShardedModule(nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all parameters together; returns the total norm, the same on
-        every rank (as `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` does: see
-        [Note: norms of sharded gradients]), in one all-reduce for the whole model."""
-        if any(tp is not None for unit in self.scheduler.all_units for group in unit.groups
-               for tp in group.tensor_parallel):
-            # TP-split gradients' norms combine over dp and tp, the others' over dp
-            # ([Note: tensor-parallel parameters in flat shards]): torch's clip sums them right.
-            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
-        norm_type = float(norm_type)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        device = self.collectives.device
-        group = self.collectives.group
-        # This rank's parts' norms, combined over the ranks below ([Note: norms of sharded
-        # gradients]); an empty part adds nothing (torch refuses its infinity norm).
-        parts = [plain(grad) for grad in grads if grad.numel()]
-        norms = torch._foreach_norm(parts, norm_type) if parts else []
-        # Offloaded gradients are host tensors; their norm crosses the group on its device.
-        if norm_type == math.inf:
-            total = torch.stack(norms).max().float().to(device) if parts else torch.zeros((), device=device)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        else:
-            local = torch.stack(norms).float().pow(norm_type).sum().to(device) if parts \
-                else torch.zeros((), device=device)
-            dist.all_reduce(local, group=group)
-            total = local.pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
-        return total
+        every rank. The one way a norm of sharded gradients is taken: torch's
+        `clip_grad_norm_` over the parameters, whose `.grad` combine their norms over the
+        ranks ([Note: norms of sharded gradients]) in one all-reduce per device and dtype."""
+        return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The wrapped module's state dict with full (unsharded) CPU tensors, on every rank,
