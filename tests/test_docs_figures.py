@@ -1029,6 +1029,23 @@ FIGURES: list[Figure] = [
       for impl in _TEN_IMPLS for rank in (0, 1)],
     Figure("docs/offload.md", '| step time, offload="cpu" / "none", paired per round | {0:.2f} | {1:.2f}–{2:.2f} |',
            "offload_cpu.json", tuple(at("summary", "step_cpu_over_none", k) for k in ("median", "min", "max"))),
+    # docs/moe.md: expert parallelism against ZeRO-3 without it and FSDP2, each link.
+    *[Figure("docs/moe.md", "| no EP | {0:.1f} | 1 | {1:.1f} | {2:.1f} | – |", f"moe_{link}.json",
+             (at("summary", "no EP", "step_ms"), at("summary", "no EP", "gathered_mb_per_rank"),
+              at("summary", "no EP", "reduced_mb_per_rank"))) for link in ("loopback", "2gbit")],
+    *[Figure("docs/moe.md", f"| {variant} | {{0:.1f}} | {{1:.3f}} ({{2:.3f}}–{{3:.3f}}) | {{4:.2f}} | {{5:.2f}} | "
+             "{6:.1f} |", f"moe_{link}.json",
+             tuple(at("summary", variant, key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max",
+                                                          "gathered_mb_per_rank", "reduced_mb_per_rank",
+                                                          "all_to_all_blocked_ms")))
+      for link in ("loopback", "2gbit") for variant in ("EP 2", "EP 4")],
+    *[Figure("docs/moe.md", "| FSDP2 | {0:.1f} | {1:.3f} ({2:.3f}–{3:.3f}) | – | – | – |", f"moe_{link}.json",
+             tuple(at("summary", "FSDP2", key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max")))
+      for link in ("loopback", "2gbit")],
+    Figure("docs/moe.md", "on the slow link: EP 2 {0:.3f}, EP 4\n{1:.3f}", "moe_2gbit.json",
+           (at("summary", "EP 2", "ratio_median"), at("summary", "EP 4", "ratio_median"))),
+    Figure("docs/moe.md", "The all-to-alls hand {0:.2f} MB a step to gloo", "moe_2gbit.json",
+           (at("summary", "EP 2", "all_to_all_mb_per_step"),)),
     Figure("README.md", "{0:.2f}× FSDP2 + TP's step with torch's defaults, {1:.2f}× the tuned one's", "tp.json",
            (at("paired", "overlap-tp/fsdp2-tp", "median"), at("paired", "overlap-tp/fsdp2-tp-tuned", "median"))),
     Figure("docs/tensor_parallel.md", "{0:.2f} ({1:.2f}-{2:.2f}, 3 rounds) against FSDP2 + TP with torch's defaults, "
