@@ -21,7 +21,7 @@ from overlap.observe.report import OverlapReport
 from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident, wait_for_saves
-from overlap.runtime.expert_parallel import all_experts
+from overlap.runtime.expert_parallel import all_experts, my_experts
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.optimizer_state import full_optimizer_state
 from overlap.runtime.row_dtensors import local_part, local_rows, shard_mesh
@@ -390,7 +390,8 @@ class ShardedModule(nn.Module):
             raise NotImplementedError(
                 f"{what} with expert_parallel is not supported yet (its expert parameters hold this rank's experts "
                 "only); save the whole model with model.full_state_dict(rank0_only=True), which gathers every "
-                "expert, and load it into the plain model")
+                "expert, and load it with model.load_full_state_dict, at any expert-parallel size, or into the "
+                "plain model")
 
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict[str, Any]:
         """`optimizer.state_dict()` as one process would have it: state of each parameter's
@@ -468,8 +469,9 @@ class ShardedModule(nn.Module):
             refresh_resident(groups)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load full tensors (as `full_state_dict` returns them); every rank passes the same."""
-        self._refuse_with_experts("load_full_state_dict")
+        """Load full tensors (as `full_state_dict` returns them); every rank passes the same.
+        Under expert parallelism each rank keeps its experts' rows of the experts' parameters,
+        so a state saved at one expert-parallel size (or by one process) loads at another."""
         expected = [key for key, _ in self._state_dict_layout]
         missing = [key for key in expected if key not in state_dict]
         unexpected = sorted(set(state_dict) - set(expected))
@@ -484,6 +486,8 @@ class ShardedModule(nn.Module):
                 continue
             group, index = where
             slot = group.slots[index]
+            if self._expert_groups is not None and group.collectives is not self.collectives:
+                value = my_experts(value, self._expert_groups, f"load_full_state_dict: {key}")
             if tuple(value.shape) != tuple(slot.shape):
                 raise ValueError(f"load_full_state_dict: {key} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(slot.shape)}")

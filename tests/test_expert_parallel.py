@@ -104,6 +104,28 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
     return {"losses": losses, "norms": norms, "state": model.full_state_dict(rank0_only=True)}
 
 
+def reshard(rank: int, world: int) -> dict:
+    """A full state saved at E = 2 after a step loads at E = 4 and without expert parallelism,
+    each giving back the same values."""
+    from overlap import ShardedModule
+
+    model = ShardedModule(_gpt_moe(), expert_parallel=2)
+    optimizer = _optimizer(model.parameters(), "sgd")
+    x, y = _batches(world)[0]
+    _loss(model, x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK],
+          "gpt_moe").backward()
+    optimizer.step()
+    saved = model.full_state_dict()
+    out = {}
+    for ep in (4, None):
+        other = ShardedModule(_gpt_moe(), expert_parallel=ep)
+        other.load_full_state_dict(saved)
+        back = other.full_state_dict()
+        out[ep] = max(float((back[key] - value).abs().max()) for key, value in saved.items())
+    out["moved"] = max(float((saved[key] - value).abs().max()) for key, value in _gpt_moe().state_dict().items())
+    return out
+
+
 def refusals(rank: int, world: int) -> dict:
     from torch import nn
 
@@ -142,6 +164,8 @@ def launches() -> dict[int, CaseLaunch]:
                  for name, (w, kind, ep, routing, opt, clip) in CASES.items() if w == world}
         if world == 2:
             cases["refusals"] = RankCase(refusals)
+        if world == 4:
+            cases["reshard"] = RankCase(reshard)
         out[world] = CaseLaunch(cases, world_size=world, timeout=300)
     return out
 
@@ -179,3 +203,10 @@ def test_what_does_not_compose_is_refused_on_every_rank(launches) -> None:
         assert "must divide the number of experts" in result["indivisible"] or \
             "must divide the world size" in result["indivisible"], result
         assert result["state_dict"].startswith("NotImplementedError"), result
+
+
+@pytest.mark.timeout(600)
+def test_a_full_state_saved_at_one_expert_parallel_size_loads_at_another(launches) -> None:
+    for outcome in launches[4]["reshard"]:
+        result = outcome.result()
+        assert result[4] == 0.0 and result[None] == 0.0 and result["moved"] > 0, result

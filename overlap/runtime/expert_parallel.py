@@ -197,6 +197,15 @@ def all_experts(mine: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def my_experts(whole: torch.Tensor, groups: ExpertGroups, what: str) -> torch.Tensor:
+    """This rank's experts' rows of a parameter of every expert (the reverse of `all_experts`)."""
+    if whole.dim() == 0 or whole.shape[0] % groups.size:
+        raise ValueError(f"{what} has shape {tuple(whole.shape)}: expected one row per expert, a multiple of "
+                         f"expert_parallel={groups.size}")
+    local = whole.shape[0] // groups.size
+    return whole[groups.ep_rank * local:(groups.ep_rank + 1) * local]
+
+
 def units_with_experts(module: nn.Module, unit_modules: list[list[nn.Module]],
                        experts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], ...]:
     """The units as groups of modules, each expert module a unit of its own (inside its block's
