@@ -1,0 +1,244 @@
+"""ZeRO-3 inside pipeline stages: overlap's two ways of sharding a stage against FSDP2's two
+settings, on torch's 1F1B schedule at (pp, dp) = (2, 2).
+
+Four gloo ranks train a GPT split into two stages (embeddings and the first half of the blocks;
+the second half, the final norm and an untied head), each stage sharded over its two dp ranks:
+`ShardedModule(stage, mesh=mesh["dp"])` (a reduction per microbatch), `overlap.fully_shard` on
+each block and the stage (one reduction per step, told by the schedule), and FSDP2 with
+`reshard_after_forward` True and False (its reduce-scatter by all-to-all, as
+benchmarks/peers.py tunes it for gloo). All four are built in one launch and alternate over the
+rounds, the first rotating; each round keeps every variant's median step. Per step: the bytes
+each rank all-gathers and reduce-scatters (counted at the collectives), and the step time as
+per-round ratios to FSDP2's faster setting of the round.
+
+    python benchmarks/pipeline.py --rounds 3 --steps 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Optional, Sequence
+
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, read_json, run_with_deadline,
+                    script_main, single_thread_env, torchrun, write_json, write_text)
+
+WORLD_SIZE, PP = 4, 2
+VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2 reshard", "FSDP2 no reshard")
+
+
+def _stage(index: int, args: argparse.Namespace):
+    """Stage `index` of the GPT (the same values on every rank)."""
+    import torch
+    from torch import nn
+
+    from overlap.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=8192, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width))
+    half = args.layers // 2
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe, self.blocks = gpt.wte, gpt.wpe, nn.ModuleList(gpt.blocks[:half])
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks, self.ln_f = nn.ModuleList(gpt.blocks[half:]), gpt.ln_f
+            self.head = nn.Linear(args.width, 8192, bias=False)
+            self.head.weight = nn.Parameter(gpt.wte.weight.detach().clone())     # untied across stages
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    return First() if index == 0 else Last()
+
+
+def _wrap(variant: str, stage, mesh):
+    from overlap import ShardedModule
+    from overlap import fully_shard as overlap_fully_shard
+
+    if variant == "overlap ShardedModule":
+        return ShardedModule(stage, mesh=mesh)
+    if variant == "overlap fully_shard":
+        for block in stage.blocks:
+            overlap_fully_shard(block, mesh=mesh)
+        return overlap_fully_shard(stage, mesh=mesh)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    from peers import AllToAllReduceScatter
+    reshard = variant == "FSDP2 reshard"
+    for block in stage.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    root = fully_shard(stage, mesh=mesh, reshard_after_forward=reshard)
+    comm = type("AllToAllReduceScatterComm", (AllToAllReduceScatter, ReduceScatter), {})()
+    for module in (root, *stage.blocks):
+        module.set_custom_reduce_scatter(comm)
+    return root
+
+
+class _Bytes:
+    """Bytes this rank all-gathers and reduce-scatters, counted at overlap's collectives and at
+    the calls FSDP2 makes."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        from peers import AllToAllReduceScatter
+
+        from overlap.runtime.collectives import Collectives
+
+        self.gathered = self.reduced = 0
+        gather, reduce = Collectives.all_gather, Collectives.reduce_scatter
+        fsdp_gather, fsdp_reduce = dist.all_gather_single, AllToAllReduceScatter.__call__
+
+        def counted_gather(collectives, out, *args, **kwargs):
+            self.gathered += out.numel() * out.element_size()
+            return gather(collectives, out, *args, **kwargs)
+
+        def counted_reduce(collectives, grad_full, *args, **kwargs):
+            self.reduced += grad_full.numel() * grad_full.element_size()
+            return reduce(collectives, grad_full, *args, **kwargs)
+
+        def counted_fsdp_gather(output_tensor, *args, **kwargs):
+            self.gathered += output_tensor.numel() * output_tensor.element_size()
+            return fsdp_gather(output_tensor, *args, **kwargs)
+
+        def counted_fsdp_reduce(comm, output_tensor, input_tensor, *args, **kwargs):
+            self.reduced += input_tensor.numel() * input_tensor.element_size()
+            return fsdp_reduce(comm, output_tensor, input_tensor, *args, **kwargs)
+
+        Collectives.all_gather, Collectives.reduce_scatter = counted_gather, counted_reduce
+        # FSDP2 calls dist.all_gather_single; overlap's gathers bound it at import and are counted above.
+        dist.all_gather_single, AllToAllReduceScatter.__call__ = counted_fsdp_gather, counted_fsdp_reduce
+
+    def take(self) -> tuple[int, int]:
+        out = (self.gathered, self.reduced)
+        self.gathered = self.reduced = 0
+        return out
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn import functional as F
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    rank = dist.get_rank()
+    counter = _Bytes()
+    mesh = init_device_mesh("cpu", (PP, WORLD_SIZE // PP), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    built = {}
+    for variant in VARIANTS:
+        module = _wrap(variant, _stage(pp_rank, args), mesh["dp"])
+        stage = PipelineStage(module, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+        built[variant] = (Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn),
+                          torch.optim.AdamW(module.parameters(), lr=1e-4))
+    gen = torch.Generator().manual_seed(dp_rank)
+    idx = torch.randint(0, 8192, (args.microbatches, args.seq), generator=gen)
+
+    def steps(variant: str, count: int) -> list[float]:
+        schedule, optimizer = built[variant]
+        times = []
+        for _ in range(count):
+            dist.barrier()
+            start = time.perf_counter()
+            schedule.step(*((idx,) if pp_rank == 0 else ()), **({"target": idx} if pp_rank == PP - 1 else {}))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        return times
+
+    for variant in VARIANTS:
+        steps(variant, 1)                                          # warm-up
+    counter.take()
+    step_s = {variant: [] for variant in VARIANTS}
+    moved = {variant: [] for variant in VARIANTS}
+    for round_index in range(args.rounds):
+        shift = round_index % len(VARIANTS)
+        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+            step_s[variant].append(median(steps(variant, args.steps)))
+            gathered, reduced = counter.take()
+            moved[variant].append((gathered / args.steps, reduced / args.steps))
+    ranks: list[Optional[dict]] = [None] * WORLD_SIZE
+    dist.all_gather_object(ranks, dict(step_s=step_s, moved=moved, pp_rank=pp_rank))
+    if rank == 0:
+        write_json(args.result, dict(ranks=ranks))
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("pipeline.py", args.argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        result = os.path.join(scratch, "result.json")
+        worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                  "--width", str(args.width), "--layers", str(args.layers), "--seq", str(args.seq),
+                  "--microbatches", str(args.microbatches)]
+        run_with_deadline(torchrun(os.path.abspath(__file__), WORLD_SIZE, worker), args.timeout,
+                          env={**os.environ, **single_thread_env()})
+        data = read_json(result)
+    ranks = data["ranks"]
+    rounds = {v: [max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds)] for v in VARIANTS}
+    best_fsdp2 = [min(a, b) for a, b in zip(rounds["FSDP2 reshard"], rounds["FSDP2 no reshard"])]
+    summary = {}
+    for variant in VARIANTS:
+        ratios = [mine / best for mine, best in zip(rounds[variant], best_fsdp2)]
+        summary[variant] = dict(
+            step_ms=round(median(rounds[variant]) * 1e3, 1),
+            ratio_to_best_fsdp2_median=round(median(ratios), 3), ratio_min=round(min(ratios), 3),
+            ratio_max=round(max(ratios), 3),
+            gathered_mb_per_rank=round(max(median([m[0] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
+            reduced_mb_per_rank=round(max(median([m[1] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1))
+    write_json(os.path.join(args.out, "pipeline.json"), dict(**record.fields(), world=WORLD_SIZE, pp=PP,
+                                                             schedule="1F1B", summary=summary, **data))
+    table = markdown_table(
+        ["variant", "step ms", "÷ FSDP2's faster, per round: median (range)", "gathered MB/rank/step",
+         "reduced MB/rank/step"],
+        [[v, s["step_ms"], f"{s['ratio_to_best_fsdp2_median']} ({s['ratio_min']}–{s['ratio_max']})",
+          s["gathered_mb_per_rank"], s["reduced_mb_per_rank"]] for v, s in summary.items()])
+    write_text(os.path.join(args.out, "pipeline.md"), table + "\n")
+    print(table)
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per round and variant")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8, help="blocks, half per stage (29M parameters at d=512)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (one sequence each)")
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
