@@ -77,13 +77,13 @@ class _AllToAllMeter:
             self.bytes += input.numel() * input.element_size()
         start = time.perf_counter()
         work = self._all_to_all(output, input, *args, group=group, async_op=async_op, **kwargs)
-        if mine and not async_op:
+        if mine and not async_op:          # none now: every all-to-all is waited for in `_wait`
             self.blocked_s += time.perf_counter() - start
         return work
 
-    def _timed_wait(self, pending: list) -> None:
+    def _timed_wait(self, pending: list, check=None) -> None:
         start = time.perf_counter()
-        self._wait(pending)
+        self._wait(pending, check)
         self.blocked_s += time.perf_counter() - start
 
     def take(self) -> tuple[int, float]:

@@ -144,6 +144,19 @@ def refusals(rank: int, world: int) -> dict:
     return out
 
 
+def diverge(rank: int, world: int) -> str:
+    """Rank 1 skips a MoE layer in the second step: a named error on every rank, not a hang."""
+    from overlap import ShardedModule
+
+    model = ShardedModule(_gpt_moe(), expert_parallel=2)
+    for step, (x, y) in enumerate(_batches(world)[:2]):
+        if step == 1 and rank == 1:
+            model.module.blocks = type(model.module.blocks)(list(model.module.blocks)[:1])
+        _loss(model, x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK],
+              "gpt_moe").backward()
+    return "returned"
+
+
 # (world, kind, expert_parallel, routing, optimizer, clip)
 CASES = {
     "w2-ep2-normal-adamw-clip": (2, "gpt_moe", 2, "normal", "adamw", 0.05),
@@ -164,6 +177,7 @@ def launches() -> dict[int, CaseLaunch]:
                  for name, (w, kind, ep, routing, opt, clip) in CASES.items() if w == world}
         if world == 2:
             cases["refusals"] = RankCase(refusals)
+            cases["diverge"] = RankCase(diverge)          # last: the ranks part
         if world == 4:
             cases["reshard"] = RankCase(reshard)
         out[world] = CaseLaunch(cases, world_size=world, timeout=300)
@@ -210,3 +224,10 @@ def test_a_full_state_saved_at_one_expert_parallel_size_loads_at_another(launche
     for outcome in launches[4]["reshard"]:
         result = outcome.result()
         assert result[4] == 0.0 and result[None] == 0.0 and result["moved"] > 0, result
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_that_skips_a_moe_layer_is_a_named_error_on_every_rank(launches) -> None:
+    for outcome in launches[2]["diverge"]:
+        error = outcome.error()
+        assert error.startswith("DivergenceError") and "ran different units" in error, error

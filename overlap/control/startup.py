@@ -111,6 +111,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
                         HostTier(decision.device, decision.kernels, collectives.all_gather_stream))
     by_experts = None if expert_groups is None else \
         (expert_collectives(collectives, expert_groups, request.all_group), {id(m) for m in experts})
+    if expert_groups is not None:
+        expert_groups.watched.collectives = collectives     # their all-to-alls go through its order check
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host,
                         tensor_parallel, merge=request.unit_modules is None, dtensor_params=request.dtensor_params,
                         initialise_meta=request.initialise_meta, experts=by_experts)

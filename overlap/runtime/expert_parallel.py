@@ -22,6 +22,14 @@ overlap: gloo's work runs on its own threads, NCCL's on its own stream). The two
 each half's collectives in one order on every rank whatever order autograd runs the halves'
 backwards in, and those backwards wait for their all-to-all.
 
+[Note: ranks that part in a mixture of experts]
+A rank that runs another number of MoE layers than the others (a layer skipped under a
+condition) would leave its expert-parallel peers in an all-to-all no other rank joins, where
+gloo waits out the group's timeout. Each layer's all-to-alls therefore go through the order
+check the other collectives use (overlap/runtime/order_check.py): its word before the count
+exchange where ranks could part, and every wait watched, so that a wait past a few seconds
+compares the units each rank ran and raises DivergenceError on every rank.
+
 [Note: routing that cannot hang]
 Each layer's dispatch is two all-to-alls over the expert-parallel group, issued by every rank
 whatever its routing: first the pair counts (one int per rank), then the tokens with those
@@ -29,13 +37,15 @@ counts as uneven splits, zero where a rank sends or receives nothing. A rank wit
 all, an expert no token chose and every token on one expert all take the same calls. The
 combine is the dispatch's reverse, and autograd runs both backwards in the same order on every
 rank: a rank whose experts got no token keeps both in its graph with zero terms, and gives its
-experts a zero gradient, so the reductions over the ranks holding the same experts match too. Nothing is kept between calls, so a recompute under activation checkpointing or another
+experts a zero gradient, so the reductions over the ranks holding the same experts match
+too. Nothing is kept between calls, so a recompute under activation checkpointing or another
 microbatch in flight reissues its own.
 """
 from __future__ import annotations
 
+import threading
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -48,6 +58,17 @@ EXPERT_CLASS_NAMES = ("Experts", "Qwen3MoeExperts", "Qwen2MoeExperts", "MixtralE
                       "GptOssExperts", "DeepseekV3NaiveMoe", "Qwen3NextExperts")
 
 
+class _Watched:
+    """The runtime's collectives, whose order check (`watch`) the all-to-alls go through; set
+    once the runtime is built, before the first forward."""
+
+    collectives: Any = None
+
+    @property
+    def check(self) -> Any:
+        return None if self.collectives is None else self.collectives.watch
+
+
 @dataclass(frozen=True)
 class ExpertGroups:
     size: int                                # E, ranks per expert-parallel group
@@ -56,6 +77,8 @@ class ExpertGroups:
     ep_groups: tuple[dist.ProcessGroup, dist.ProcessGroup]
     shard_group: dist.ProcessGroup           # the ranks holding this rank's experts
     ep_rank: int
+    # See [Note: ranks that part in a mixture of experts].
+    watched: _Watched = field(default_factory=_Watched)
 
 
 def expert_modules(module: nn.Module, named: Sequence[type] = ()) -> list[nn.Module]:
@@ -87,7 +110,7 @@ def make_groups(size: int, all_group: dist.ProcessGroup) -> ExpertGroups:
 
 def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
     """Keep this rank's experts of each module and route its calls through the all-to-all."""
-    for module in modules:
+    for number, module in enumerate(modules):
         total = int(module.num_experts)
         if total % groups.size:
             raise ValueError(f"expert_parallel={groups.size} must divide the number of experts, {total}, "
@@ -102,19 +125,20 @@ def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
             # wrapping keeps stepping it (parameters keep their identity).
             param.data = param.data[first:first + local].clone()
         module.num_experts = local
-        module.forward = types.MethodType(_dispatched(type(module).forward, total, local, groups), module)
+        module.forward = types.MethodType(_dispatched(type(module).forward, total, local, groups,
+                                                      f"experts {number}"), module)
 
 
 class _AllToAll(torch.autograd.Function):
     """Rows of `rows` sent in `send_sizes` to each rank of `group`, `received_sizes` from each,
     issued without waiting: the work and the rows it reads are appended to `pending`, and the
     caller waits before reading the result. Backward sends the gradients back the same way
-    (and waits)."""
+    and waits, watched by `watched`'s order check."""
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, received_sizes: list[int], send_sizes: list[int],
-                group: dist.ProcessGroup, pending: list) -> torch.Tensor:
-        ctx.sizes, ctx.group = (received_sizes, send_sizes), group
+                group: dist.ProcessGroup, pending: list, watched: _Watched) -> torch.Tensor:
+        ctx.sizes, ctx.group, ctx.watched = (received_sizes, send_sizes), group, watched
         out = rows.new_empty((sum(received_sizes), *rows.shape[1:]))
         rows = rows.contiguous()
         pending.append((dist.all_to_all_single(out, rows, received_sizes, send_sizes, group=group, async_op=True),
@@ -125,17 +149,32 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         received_sizes, send_sizes = ctx.sizes
         out = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), send_sizes, received_sizes, group=ctx.group)
-        return out, None, None, None, None
+        grad = grad.contiguous()
+        _wait([(dist.all_to_all_single(out, grad, send_sizes, received_sizes, group=ctx.group, async_op=True),
+                grad)], ctx.watched.check)
+        return out, None, None, None, None, None
 
 
-def _wait(pending: list) -> None:
+def _wait(pending: list, check: Any = None) -> None:
+    """Wait for each pending all-to-all; with the order check `check`, a wait that lasts
+    looks for ranks that parted (see [Note: ranks that part in a mixture of experts])."""
     for work, _ in pending:
-        work.wait()
+        if check is None:
+            work.wait()
+            continue
+        finished = threading.Event()
+        work.get_future().add_done_callback(lambda _future, done=finished: done.set())
+        check.block(finished.is_set, finished.wait)
+        try:
+            work.wait()
+        except RuntimeError:
+            check.after_error()
+            raise
     pending.clear()
 
 
-def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, groups: ExpertGroups) -> Callable:
+def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, groups: ExpertGroups,
+                label: str) -> Callable:
     """The expert module's forward over all `total` experts: each token-expert pair goes to the
     rank owning the expert, `compute` (the module's own forward over its `local` experts) runs
     there, and the results come back weighted (see [Note: routing that cannot hang] and [Note:
@@ -156,7 +195,10 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
         # Pairs per owner rank, each half a column; one exchange carries both.
         send = torch.stack([torch.bincount(owner_P[h], minlength=size) for h in halves], 1).to(torch.int64).cpu()
         received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=groups.ep_groups[0])
+        check = groups.watched.check
+        if check is not None:
+            check.before_issue("all_to_all", label, 0)     # the sizes differ between ranks: not in the word
+        _wait([(dist.all_to_all_single(received, send, group=groups.ep_groups[0], async_op=True), send)], check)
         sizes = [(received[:, c].tolist(), send[:, c].tolist()) for c in range(2)]
         dispatches, experts_M = [[], []], []
         tokens = []
@@ -167,11 +209,11 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
             dispatches[c].append((dist.all_to_all_single(experts_M[c], ids, received_sizes, send_sizes,
                                                          group=groups.ep_groups[c], async_op=True), ids))
             tokens.append(_AllToAll.apply(hidden_ND[token_P[half]], received_sizes, send_sizes, groups.ep_groups[c],
-                                          dispatches[c]))
+                                          dispatches[c], groups.watched))
         combines: list = []
         backs = []
         for c in range(2):                                     # half 1 arrives while half 0 computes
-            _wait(dispatches[c])
+            _wait(dispatches[c], check)
             ones_M1 = torch.ones(len(experts_M[c]), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
             out_MD = compute(self, tokens[c], experts_M[c][:, None], ones_M1)
             if len(experts_M[c]) == 0 and torch.is_grad_enabled():
@@ -181,8 +223,9 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
                 touched = sum(param.reshape(-1)[:1].sum() for param in self.parameters(recurse=False))
                 out_MD = out_MD + (tokens[c].sum() + touched) * 0
             received_sizes, send_sizes = sizes[c]
-            backs.append(_AllToAll.apply(out_MD, send_sizes, received_sizes, groups.ep_groups[c], combines))
-        _wait(combines)
+            backs.append(_AllToAll.apply(out_MD, send_sizes, received_sizes, groups.ep_groups[c], combines,
+                                         groups.watched))
+        _wait(combines, check)
         back_PD = torch.cat(backs)
         return torch.zeros_like(hidden_ND).index_add(0, token_P, back_PD * weight_P[:, None].to(back_PD.dtype))
 
