@@ -6,6 +6,8 @@ The benchmark scripts run as `python benchmarks/<name>.py`, so this directory is
 """
 from __future__ import annotations
 
+import argparse
+
 import contextlib
 import datetime
 import json
@@ -160,6 +162,16 @@ def script_main(argv: Optional[Sequence[str]], parse_args: Callable[[Sequence[st
         _exit_worker()
     _exit_cleanly_on_sigterm()
     return run_driver(args)
+
+
+def parse_with_worker_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`parser`'s arguments plus the hidden ones a launched rank gets (--worker, --result),
+    with the command line kept as `argv` for the result file's record."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
 
 
 def _exit_cleanly_on_sigterm() -> None:

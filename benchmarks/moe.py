@@ -22,8 +22,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on_link, read_json,
-                    run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on_link, parse_with_worker_options,
+                    read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
 
 WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
@@ -196,11 +196,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 2gbit")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
-    return args
+    return parse_with_worker_options(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

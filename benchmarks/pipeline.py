@@ -21,8 +21,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, read_json, run_with_deadline,
-                    script_main, single_thread_env, torchrun, write_json, write_text)
+from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, parse_with_worker_options, read_json,
+                    run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
 
 WORLD_SIZE, PP = 4, 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2 reshard", "FSDP2 no reshard")
@@ -229,11 +229,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (one sequence each)")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
-    return args
+    return parse_with_worker_options(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
