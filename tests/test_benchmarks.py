@@ -117,6 +117,7 @@ def test_collectives_tiny(tmp_path):
     assert all(entry["ms"] > 0 and len(entry["samples_s"]) == 2 for entry in results.values())
 
 
+@pytest.mark.slow          # four ranks launched (about 15 s under CI's load): in `make test-all`
 @pytest.mark.timeout(120)
 def test_moe_tiny(tmp_path):
     """Every variant timed in its round, expert parallelism's all-to-alls counted, the others' not."""
