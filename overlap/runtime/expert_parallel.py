@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from overlap.runtime.pending import wait_watched
+
 # Expert modules recognised by class name: Hugging Face's (transformers 5 layout: 3-D expert
 # weights, forward(hidden_states, top_k_index, top_k_weights)) and overlap.models.moe's.
 EXPERT_CLASS_NAMES = ("Experts", "Qwen3MoeExperts", "Qwen2MoeExperts", "MixtralExperts", "OlmoeExperts",
@@ -164,12 +166,7 @@ def _wait(pending: list, check: Any = None) -> None:
             continue
         finished = threading.Event()
         work.get_future().add_done_callback(lambda _future, done=finished: done.set())
-        check.block(finished.is_set, finished.wait)
-        try:
-            work.wait()
-        except RuntimeError:
-            check.after_error()
-            raise
+        wait_watched(work, check, finished.is_set, finished.wait)
     pending.clear()
 
 
