@@ -1,15 +1,21 @@
-"""ZeRO-3 inside pipeline stages: overlap's two ways of sharding a stage against FSDP2's two
+"""ZeRO-3 inside pipeline stages: overlap's ways of sharding a stage against FSDP2's two
 settings, on torch's 1F1B schedule at (pp, dp) = (2, 2).
 
 Four gloo ranks train a GPT split into two stages (embeddings and the first half of the blocks;
 the second half, the final norm and an untied head), each stage sharded over its two dp ranks:
-`ShardedModule(stage, mesh=mesh["dp"])` (a reduction per microbatch), `overlap.fully_shard` on
-each block and the stage (one reduction per step, told by the schedule), and FSDP2 with
-`reshard_after_forward` True and False (its reduce-scatter by all-to-all, as
-benchmarks/peers.py tunes it for gloo). All four are built in one launch and alternate over the
-rounds, the first rotating; each round keeps every variant's median step. Per step: the bytes
-each rank all-gathers and reduce-scatters (counted at the collectives), and the step time as
-per-round ratios to FSDP2's faster setting of the round.
+- `ShardedModule(stage, mesh=mesh["dp"])`: a reduction per microbatch, units gathered again
+  for each microbatch;
+- `overlap.fully_shard` on each block and the stage: one reduction per step (told by the
+  schedule), units kept gathered across the step's microbatches as the planner chooses under
+  the memory budget, and the same forced to gather again per microbatch (`keep_units = 0`,
+  OVERLAP_KEEP_UNITS=0's setting);
+- FSDP2 with `reshard_after_forward` True and False (its reduce-scatter by all-to-all, as
+  benchmarks/peers.py tunes it for gloo).
+All are built in one launch and alternate over the rounds, the first rotating; each round keeps
+every variant's median step. Per step: the bytes each rank all-gathers and reduce-scatters
+(counted at the collectives), the peak rise of the rank's resident memory over what it held
+before the step (Linux's VmHWM, reset before each step), and the step time as per-round ratios
+to FSDP2's faster setting of the round.
 
     python benchmarks/pipeline.py --rounds 3 --steps 2
 """
@@ -25,7 +31,8 @@ from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, pa
                     run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
 
 WORLD_SIZE, PP = 4, 2
-VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2 reshard", "FSDP2 no reshard")
+VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather", "FSDP2 reshard",
+            "FSDP2 no reshard")
 
 
 def _stage(index: int, args: argparse.Namespace):
@@ -71,7 +78,7 @@ def _wrap(variant: str, stage, mesh):
 
     if variant == "overlap ShardedModule":
         return ShardedModule(stage, mesh=mesh)
-    if variant == "overlap fully_shard":
+    if variant.startswith("overlap fully_shard"):
         for block in stage.blocks:
             overlap_fully_shard(block, mesh=mesh)
         return overlap_fully_shard(stage, mesh=mesh)
@@ -87,6 +94,14 @@ def _wrap(variant: str, stage, mesh):
     for module in (root, *stage.blocks):
         module.set_custom_reduce_scatter(comm)
     return root
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 class _Bytes:
@@ -152,12 +167,12 @@ def run_worker(args: argparse.Namespace) -> None:
         module = _wrap(variant, _stage(pp_rank, args), mesh["dp"])
         stage = PipelineStage(module, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
         built[variant] = (Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn),
-                          torch.optim.AdamW(module.parameters(), lr=1e-4))
+                          torch.optim.AdamW(module.parameters(), lr=1e-4), module)
     gen = torch.Generator().manual_seed(dp_rank)
     idx = torch.randint(0, 8192, (args.microbatches, args.seq), generator=gen)
 
     def steps(variant: str, count: int) -> list[float]:
-        schedule, optimizer = built[variant]
+        schedule, optimizer, _ = built[variant]
         times = []
         for _ in range(count):
             dist.barrier()
@@ -168,8 +183,19 @@ def run_worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - start)
         return times
 
+    def rise_mb(variant: str) -> float:
+        """One step's peak resident memory over what the rank held before it."""
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")                      # resets VmHWM to the current resident size
+        before = _status_kb("VmRSS")
+        steps(variant, 1)
+        return (_status_kb("VmHWM") - before) / 1024
+
     for variant in VARIANTS:
-        steps(variant, 1)                                          # warm-up
+        steps(variant, 1)                                          # warm-up: builds the runtimes
+        if variant == "overlap fully_shard, regather":
+            built[variant][2].overlap_runtime.scheduler.keep_units = 0
+    decided = built["overlap fully_shard"][2].overlap_report().decisions
     counter.take()
     step_s = {variant: [] for variant in VARIANTS}
     moved = {variant: [] for variant in VARIANTS}
@@ -179,8 +205,13 @@ def run_worker(args: argparse.Namespace) -> None:
             step_s[variant].append(median(steps(variant, args.steps)))
             gathered, reduced = counter.take()
             moved[variant].append((gathered / args.steps, reduced / args.steps))
+    peak = {variant: [] for variant in VARIANTS}
+    for round_index in range(args.rounds):                          # memory apart from the timed steps
+        for variant in VARIANTS:
+            peak[variant].append(rise_mb(variant))
     ranks: list[Optional[dict]] = [None] * WORLD_SIZE
-    dist.all_gather_object(ranks, dict(step_s=step_s, moved=moved, pp_rank=pp_rank))
+    dist.all_gather_object(ranks, dict(step_s=step_s, moved=moved, peak_rise_mb=peak, pp_rank=pp_rank,
+                                       decided=decided))
     if rank == 0:
         write_json(args.result, dict(ranks=ranks))
 
@@ -206,16 +237,20 @@ def run_driver(args: argparse.Namespace) -> int:
             ratio_to_best_fsdp2_median=round(median(ratios), 3), ratio_min=round(min(ratios), 3),
             ratio_max=round(max(ratios), 3),
             gathered_mb_per_rank=round(max(median([m[0] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
-            reduced_mb_per_rank=round(max(median([m[1] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1))
+            reduced_mb_per_rank=round(max(median([m[1] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
+            peak_rise_mb_per_rank=round(max(median(r["peak_rise_mb"][variant]) for r in ranks), 1))
     write_json(os.path.join(args.out, "pipeline.json"), dict(**record.fields(), world=WORLD_SIZE, pp=PP,
                                                              schedule="1F1B", summary=summary, **data))
     table = markdown_table(
         ["variant", "step ms", "÷ FSDP2's faster, per round: median (range)", "gathered MB/rank/step",
-         "reduced MB/rank/step"],
+         "reduced MB/rank/step", "peak memory rise MB/rank"],
         [[v, s["step_ms"], f"{s['ratio_to_best_fsdp2_median']} ({s['ratio_min']}–{s['ratio_max']})",
-          s["gathered_mb_per_rank"], s["reduced_mb_per_rank"]] for v, s in summary.items()])
-    write_text(os.path.join(args.out, "pipeline.md"), table + "\n")
+          s["gathered_mb_per_rank"], s["reduced_mb_per_rank"], s["peak_rise_mb_per_rank"]]
+         for v, s in summary.items()])
+    decided = sorted({d for r in ranks for d in r["decided"]})
+    write_text(os.path.join(args.out, "pipeline.md"), table + "\n\n" + "\n".join(decided) + "\n")
     print(table)
+    print("\n".join(decided))
     return 0
 
 

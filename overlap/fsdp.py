@@ -26,8 +26,9 @@ gathered buffers, as under `ShardedModule`. `ShardedModule` keeps the module's o
 objects instead, for scripts written for DDP (an optimizer built before wrapping).
 
 Where FSDP2 lets its user schedule by hand (explicit prefetch lists, `unshard()` ahead of a
-forward, `set_reshard_after_backward(False)`) the runtime's learned order and planner decide;
-those calls are kept as hints, listed in `overlap_report()` and in docs/fully_shard.md.
+forward) the runtime's learned order and planner decide; those calls are kept as hints,
+listed in `overlap_report()` and in docs/fully_shard.md. `set_reshard_after_backward(False)`
+keeps units gathered across the step's passes, as many as the memory budget allows.
 """
 from __future__ import annotations
 
@@ -303,6 +304,17 @@ class OverlapFSDPModule(FSDPModule):
         apply_keeping_shards(self, fn, groups, "fully_shard")
         return self
 
+    @property
+    def overlap_runtime(self) -> ShardedModule:
+        """The `ShardedModule` that runs the whole model (its scheduler's settings, say
+        `scheduler.keep_units`)."""
+        return _required(self)
+
+    def overlap_report(self) -> Any:
+        """The runtime's `OverlapReport` (communication hidden, its choices, the calls taken
+        as hints), as `ShardedModule.overlap_report()`."""
+        return _required(self).overlap_report()
+
     # ---- FSDPModule's calls ----------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> Optional["_Unsharded"]:
@@ -342,9 +354,9 @@ class OverlapFSDPModule(FSDPModule):
                 unit.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        runtime = _required(self)
-        if not reshard_after_backward:
-            _hint(runtime, "set_reshard_after_backward(False): units are freed once their gradients are reduced")
+        """False keeps units gathered across the step's passes (the whole model: see
+        `ShardedModule.set_reshard_after_backward`)."""
+        _required(self).set_reshard_after_backward(reshard_after_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Every backward that syncs waits for its reductions at its end: nothing to change."""

@@ -18,6 +18,7 @@ from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
 from overlap.control.startup import start_up
 from overlap.observe.report import OverlapReport
+from overlap.plan.microbatch_keep import units_to_keep
 from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident, wait_for_saves
@@ -30,6 +31,7 @@ from overlap.runtime.unpicklable_state import FULL_MODEL, SHARDED, PartialStateE
 
 if TYPE_CHECKING:
     from overlap.observe.memory import MemoryReport
+    from overlap.runtime.unit import Unit
     from overlap.plan.memory import ActivationShape
     from overlap.plan.sharding import ShardingChoice
     from overlap.runtime.mesh import ShardingGroups
@@ -273,6 +275,30 @@ class ShardedModule(nn.Module):
         whole model at once: `recurse` is accepted for FSDP2's signature)."""
         self.require_backward_grad_sync = requires_gradient_sync
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch: False keeps units gathered after backward, and across the passes
+        of the step until its gradients are reduced (a pipeline schedule's microbatches,
+        gradient accumulation under `set_requires_gradient_sync(False)`). Which units: as many
+        as fit the memory budget, first in forward order, or OVERLAP_KEEP_UNITS of them; the
+        overlap report says which. True takes effect when the step's gradients are reduced
+        (see [Note: gathers kept across microbatches] in overlap/runtime/scheduler.py)."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"set_reshard_after_backward: expected a bool, got {reshard_after_backward!r}")
+        if reshard_after_backward:
+            return
+        self.scheduler.keep_gathered(self._choose_kept)
+
+    def _choose_kept(self, order: list["Unit"]) -> tuple[int, str]:
+        """How many of the units (in forward order) to keep gathered across microbatches, and why."""
+        scheduler = self.scheduler
+        wanted, budget = scheduler.keep_units, scheduler.memory_budget_bytes
+        count = units_to_keep([unit.gathered_nbytes for unit in order], budget, scheduler.prefetch_depth, wanted)
+        by = ("OVERLAP_KEEP_UNITS" if wanted is not None else "the planner: all fit the memory budget"
+              if count == len(order) else f"the planner: the first {count} fit the memory budget of "
+              f"{budget / 2**20:.0f} MB")
+        rest = "" if count == len(order) else "; the others are gathered again for each microbatch"
+        return count, f"kept gathered across a step's microbatches: {count} of {len(order)} units (by {by}){rest}"
+
     def parameter_count(self, trainable_only: bool = False) -> int:
         """The model's parameters counted whole (a tied one once), the same on every rank;
         `sum(p.numel() for p in model.parameters())` counts this rank's parts."""
@@ -332,8 +358,10 @@ class ShardedModule(nn.Module):
         self.collectives.reset_compression_errors()
 
     def overlap_report(self) -> OverlapReport:
-        """How much communication ran under compute, per step and per unit, measured so far."""
-        return self.overlap_monitor.report()
+        """How much communication ran under compute, per step and per unit, measured so far,
+        with the runtime's choices that a user can override."""
+        decision = self.scheduler.keep_decision
+        return self.overlap_monitor.report([] if decision is None else [decision])
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None,
                       step_fn: Optional[Callable[[], object]] = None, *,

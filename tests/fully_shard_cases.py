@@ -259,7 +259,8 @@ def torchtune_load(rank: int, world: int) -> dict[str, Any]:
 
 
 def module_calls(rank: int, world: int) -> dict[str, Any]:
-    """FSDPModule's calls against one process: gradient accumulation without sync, the gradient
+    """FSDPModule's calls against one process: gradient accumulation without sync (units kept
+    gathered between microbatches), the gradient
     divide factor (overlap's only: FSDP2's needs a reduce op gloo lacks), and unshard/reshard
     outside a step followed by a forward."""
     from overlap.models import GPT
@@ -269,9 +270,12 @@ def module_calls(rank: int, world: int) -> dict[str, Any]:
     for name, fully_shard in implementations().items():
         model = shard_blocks_then_root(meta_gpt(), fully_shard)
         materialise(model, seed=0)
+        # FSDP2's accumulation without sync, the units kept gathered between the two.
         model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
         model(*_slice(_slice(batches[0], rank, world), 0, 2)).backward()
         model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
         model(*_slice(_slice(batches[0], rank, world), 1, 2)).backward()
         out[name] = {"accumulated": {key: param.grad.full_tensor() for key, param in model.named_parameters()}}
         model.zero_grad()
@@ -285,7 +289,8 @@ def module_calls(rank: int, world: int) -> dict[str, Any]:
             model.set_gradient_divide_factor(1.0)        # sums instead of means
             model(*_slice(batches[1], rank, world)).backward()
             out[name]["summed"] = {key: param.grad.full_tensor() for key, param in model.named_parameters()}
-            out[name]["hints"] = model._overlap_runtime.overlap_report().hints
+            report = model.overlap_report()
+            out[name]["hints"], out[name]["decided"] = report.hints, report.decisions
     reference = GPT(SMALL_GPT)
     materialise(reference, seed=0)
     for part in range(world):                  # each rank's two micro-batches, averaged over the ranks

@@ -85,6 +85,7 @@ def test_fsdpmodule_calls_act_as_in_one_process(launches) -> None:
                 torch.testing.assert_close(ours[kind][key], value, **FP32, msg=lambda m: f"{kind} {key}: {m}")
         assert math.isclose(ours["after_unshard"], reference["after_unshard"], rel_tol=1e-5)
         assert any("unshard()" in hint for hint in ours["hints"]), ours["hints"]
+        assert any("kept gathered across a step's microbatches" in d for d in ours["decided"]), ours["decided"]
 
 
 LOSSY = {"rtol": 5e-2, "atol": 5e-3}

@@ -91,26 +91,33 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded") ->
     runner = kind(stages if multi else stages[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
     optimizer = torch.optim.SGD([p for sharded in wrapped.values() for p in sharded.parameters()], lr=0.1)
     reductions, issue = [0], Collectives.reduce_scatter
+    gathers, gather, per_step = [0], Collectives.all_gather, []
 
     def counted(self, *args, **kwargs):
         reductions[0] += 1
         return issue(self, *args, **kwargs)
 
-    Collectives.reduce_scatter = counted
+    def counted_gather(self, *args, **kwargs):
+        gathers[0] += 1
+        return gather(self, *args, **kwargs)
+
+    Collectives.reduce_scatter, Collectives.all_gather = counted, counted_gather
     try:
         for x, y in _batches(dp):
             x, y = x[dp_rank * PER_DP_RANK:(dp_rank + 1) * PER_DP_RANK], y[dp_rank * PER_DP_RANK:(dp_rank + 1) * PER_DP_RANK]
             firsts = [stage.is_first for stage in stages]
             lasts = [stage.is_last for stage in stages]
             runner.step(*((x,) if any(firsts) else ()), **({"target": y} if any(lasts) else {}))
+            per_step.append(gathers[0] - sum(per_step))
             optimizer.step()
             optimizer.zero_grad()
     finally:
-        Collectives.reduce_scatter = issue
+        Collectives.reduce_scatter, Collectives.all_gather = issue, gather
     # fully_shard's units are the blocks; ShardedModule may merge them into buckets.
     units = per_stage * len(indices) if wrap == "fully_shard" else \
         sum(len(sharded.scheduler.all_units) for sharded in wrapped.values())
-    out = {"reductions": reductions[0], "units": units}
+    out = {"reductions": reductions[0], "gathers": per_step, "units": units,
+           "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions]}
     for index, sharded in wrapped.items():
         full = sharded.full_state_dict() if wrap == "sharded" else \
             get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
@@ -122,12 +129,19 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded") ->
 
 @pytest.fixture(scope="module")
 def launches() -> dict[int, CaseLaunch]:
-    # The refused schedules run last: a refusal leaves the pipeline's sends behind it.
-    cases = {schedule: RankCase(train_stages, (schedule,)) for schedule in SCHEDULES}
-    cases.update({f"fully_shard:{schedule}": RankCase(train_stages, (schedule, "fully_shard")) for schedule in SCHEDULES})
-    cases.update({schedule: RankCase(train_stages, (schedule,)) for schedule in ZERO_BUBBLE})
-    return {world: CaseLaunch(cases,
-                              world_size=world, timeout=300) for world in (2, 4)}
+    def cases(world: int) -> dict[str, RankCase]:
+        cases = {schedule: RankCase(train_stages, (schedule,)) for schedule in SCHEDULES}
+        cases.update({f"fully_shard:{schedule}": RankCase(train_stages, (schedule, "fully_shard"))
+                      for schedule in SCHEDULES})
+        if world == 4:
+            # The forced policy: every unit gathered again for each microbatch.
+            cases.update({f"fully_shard:{schedule}:regather": RankCase(train_stages, (schedule, "fully_shard"),
+                                                                        env={"OVERLAP_KEEP_UNITS": "0"})
+                          for schedule in ("1F1B", "Interleaved1F1B")})
+        # The refused schedules run last: a refusal leaves the pipeline's sends behind it.
+        cases.update({schedule: RankCase(train_stages, (schedule,)) for schedule in ZERO_BUBBLE})
+        return cases
+    return {world: CaseLaunch(cases(world), world_size=world, timeout=300) for world in (2, 4)}
 
 
 @pytest.mark.timeout(600)
@@ -135,18 +149,38 @@ def launches() -> dict[int, CaseLaunch]:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
 def test_each_schedule_trains_like_one_process(launches, world: int, schedule: str, wrap: str) -> None:
+    _check_parity(launches, world, schedule if wrap == "sharded" else f"fully_shard:{schedule}")
+
+
+def _check_parity(launches, world: int, case: str) -> None:
     reference = _one_process(world // 2)
     seen: set[str] = set()
-    for outcome in launches[world][schedule if wrap == "sharded" else f"fully_shard:{schedule}"]:
+    fully_shard, regather = case.startswith("fully_shard:"), case.endswith(":regather")
+    for outcome in launches[world][case]:
         result = dict(outcome.result())
         reductions, units = result.pop("reductions"), result.pop("units")
+        gathers, decided = result.pop("gathers"), result.pop("decided")
         # ShardedModule stages reduce after each microbatch's backward; fully_shard stages,
         # told by the schedule, once per step after the last.
-        assert reductions == STEPS * units * (MICROBATCHES if wrap == "sharded" else 1), (reductions, units)
+        assert reductions == STEPS * units * (1 if fully_shard else MICROBATCHES), (reductions, units)
+        if world == 4:
+            # After the first step (whose shape inference and first forwards run before the
+            # schedule asks), fully_shard stages gather each unit once per step; forced to
+            # regather, or as ShardedModule stages, at least once per microbatch.
+            for count in gathers[1:]:
+                assert count == units if fully_shard and not regather else count >= units * MICROBATCHES, gathers
+        if fully_shard:
+            assert decided and all(("by OVERLAP_KEEP_UNITS" if regather else "by the planner") in d for d in decided)
         for key, value in result.items():
             torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
             seen.add(key)
     assert seen == set(reference)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", ("1F1B", "Interleaved1F1B"))
+def test_stages_forced_to_regather_per_microbatch_train_alike(launches, schedule: str) -> None:
+    _check_parity(launches, 4, f"fully_shard:{schedule}:regather")
 
 
 @pytest.mark.timeout(600)

@@ -28,6 +28,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_LINK": ("|".join(LINK_CHOICES) + ", or two of them as INSIDE,ACROSS (e.g. nvlink,infiniband)",
                      "force the link class the planner assumes, one for all ranks or one per level"),
     "OVERLAP_MEMORY_BUDGET_MB": ("number > 0 or 'auto'", "cap on gathered parameter bytes in flight"),
+    "OVERLAP_KEEP_UNITS": ("integer >= 0 or 'auto'", "units kept gathered across a step's microbatches under a "
+                           "pipeline schedule (docs/pipeline.md)"),
     "OVERLAP_PROBE": ("0|1", "time a few collectives at start-up to fit the link model"),
     "OVERLAP_PROBE_CACHE": ("file path", "JSON file where probe results are kept and reused"),
     "OVERLAP_SHARDING": ("|".join(SHARDING_CHOICES),
@@ -58,6 +60,7 @@ class Config:
     log_level: Optional[str] = None
     link: str = "auto"
     memory_budget_mb: Optional[float] = None
+    keep_units: Optional[int] = None       # None: the planner's (overlap.plan.microbatch_keep)
     probe: bool = True
     probe_cache: Optional[str] = None
     sharding: str = "full"
@@ -206,6 +209,9 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
             raise ValueError(f"OVERLAP_LINK={env['OVERLAP_LINK']!r} is invalid; accepted values: "
                              f"{ENV_VARS['OVERLAP_LINK'][0]}")
         fields["link"] = ",".join(_parse_choice("OVERLAP_LINK", v, LINK_CHOICES) for v in levels)
+    if "OVERLAP_KEEP_UNITS" in env:
+        fields["keep_units"] = _parse_auto_number(
+            "OVERLAP_KEEP_UNITS", env["OVERLAP_KEEP_UNITS"], integer=True, minimum=0, strict=False)
     if "OVERLAP_MEMORY_BUDGET_MB" in env:
         fields["memory_budget_mb"] = _parse_auto_number(
             "OVERLAP_MEMORY_BUDGET_MB", env["OVERLAP_MEMORY_BUDGET_MB"], integer=False, minimum=0, strict=True)

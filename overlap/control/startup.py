@@ -118,7 +118,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
                         initialise_meta=request.initialise_meta, experts=by_experts)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check,
-                          decision.mixed_precision.param_dtype)
+                          decision.mixed_precision.param_dtype, decision.config.keep_units)
     # Per-step timings of compute and communication for `overlap_report()`.
     monitor = OverlapMonitor()
     controllers = _controllers(decision, built, collectives, PrefetchDepths(scheduler), request.reshard_after_forward)

@@ -324,6 +324,9 @@ class OverlapReport:
     warmup_steps: int = 1
     # Explicit schedule requests the runtime took as hints (`fully_shard`'s prefetch lists, say).
     hints: list[str] = field(default_factory=list)
+    # Choices the runtime made that a user can override (which units stay gathered across
+    # microbatches, say), each with how it was made.
+    decisions: list[str] = field(default_factory=list)
 
     @property
     def steady_steps(self) -> list[StepStats]:
@@ -385,6 +388,8 @@ class OverlapReport:
         for s in self.steps[-last_steps:]:
             lines.append(f"{s.step:>6}{ms(s.span_s):>10}{ms(s.compute_s):>10}{ms(s.comm_s):>10}{ms(s.hidden_s):>10}"
                          f"{ms(s.exposed_s):>10}{100 * s.hidden_fraction:>9.0f}%")
+        if self.decisions:
+            lines += ["", "decided:", *(f"  {d}" for d in self.decisions)]
         if self.hints:
             lines += ["", "taken as hints (the runtime's own schedule decides):", *(f"  {h}" for h in self.hints)]
         return "\n".join(lines)
@@ -412,7 +417,7 @@ class OverlapMonitor:
         """The last training step's statistics (None before the first)."""
         return self._steps[-1].stats if self._steps else None
 
-    def report(self) -> OverlapReport:
+    def report(self, decisions: Sequence[str] = ()) -> OverlapReport:
         dropped = self._seen - len(self._steps)
         return OverlapReport([step.stats for step in self._steps], max(self.warmup_steps - dropped, 0),
-                             list(self.hints))
+                             list(self.hints), list(decisions))

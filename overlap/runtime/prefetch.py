@@ -104,7 +104,7 @@ class Prefetcher:
     def begin_forward(self, root: Optional[Unit]) -> None:
         """Start the root's gather, then prefetch the first units of forward under it."""
         self._this_forward = []
-        if root is not None:
+        if root is not None and root.gather_state is GatherState.SHARDED:   # else kept from the last pass
             self.start_gather(root, Mark.GATHER)
         self._prefetch_after(self.forward_order, -1, None, self.prefetch_depth)
 

@@ -16,11 +16,22 @@ the unit that leads to them (FSDP2 does the same). A unit is freed in backward o
 trainable gradients and its input gradients are complete; a unit that never gets both is
 freed when the backward pass ends. A unit that is never freed (one rank computing in the
 master dtype) needs no identity.
+
+[Note: gathers kept across microbatches]
+A pipeline schedule runs each microbatch's forward and backward as passes of their own, all
+with the same weights, and reduces the gradients once after the last. A unit freed after
+each pass is gathered twice per microbatch. Once asked (`keep_gathered`, FSDP2's
+`set_reshard_after_backward(False)`, which the schedule calls), the chosen units are freed
+neither after their forward or backward nor at the end of a pass, only when the step's
+gradients are reduced, before the optimizer writes their shards (`_close_step`). The next
+step keeps them again if the schedule asked in this one, its first forwards included. A
+kept unit whose shards changed since its gather anyway (a step taken without reducing) is
+gathered again at the next forward. Which units: overlap.plan.microbatch_keep.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.autograd import Variable
@@ -72,13 +83,19 @@ def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], None]) -> bool:
 class Scheduler:
     def __init__(self, root: Optional[Unit], units: list[Unit], collectives: Collectives, prefetch_depth: int,
                  memory_budget_bytes: Optional[int], reshard_after_forward: bool,
-                 order_check: str = "collective", cast_dtype: Optional[torch.dtype] = None) -> None:
+                 order_check: str = "collective", cast_dtype: Optional[torch.dtype] = None,
+                 keep_units: Optional[int] = None) -> None:
         self.root = root
         # Mixed precision's compute dtype: floating-point inputs of every unit are cast to it.
         self.cast_dtype = cast_dtype
         self.units = units
         self.reshard_after_forward = reshard_after_forward
         self.sync_grads = True
+        # See [Note: gathers kept across microbatches].
+        self._keep_units = keep_units
+        self._keeping = False              # keeping now: asked in this step or the last
+        self._keep_asked = False           # set_reshard_after_backward(False) since the step began
+        self.keep_decision: Optional[str] = None
         # From the first backward hook of a pass to its end-of-backward callback. A unit's
         # forward that runs meanwhile is activation checkpointing's recompute; the unit's own
         # state cannot tell (under reentrant checkpointing it is still FORWARD).
@@ -196,6 +213,11 @@ class Scheduler:
     def begin_forward(self) -> None:
         """Called before the wrapped module's forward: recover, gather the root, prefetch."""
         self._recover()
+        if self._keeping:
+            for unit in self.all_units:
+                if unit.kept and unit.gather_state is GatherState.GATHERED and unit.gathered_is_stale:
+                    unit.discard()
+                    self.log.mark(Mark.FREE, unit.name)
         self.in_forward = True
         if self.steps.forward_begins(self.order):
             self.prefetch.gathered.reset_most()
@@ -302,7 +324,7 @@ class Scheduler:
             # bucket, a registered method that calls forward) leaves the unit gathered for
             # the outer call.
             outermost = unit.leave_forward()
-            if (reshards and outermost and unit.all_members_ran
+            if (reshards and outermost and unit.all_members_ran and not self._keeps(unit)
                     and not (backward_follows and self.prefetch.ends_forward(unit))):
                 self._reshard(unit)
 
@@ -351,9 +373,59 @@ class Scheduler:
 
     def _discard_all(self, keep: Optional[Unit] = None) -> None:
         for unit in self.all_units:
-            if unit.gather_state is not GatherState.SHARDED and unit is not keep:
+            if unit.gather_state is not GatherState.SHARDED and unit is not keep and not self._keeps(unit):
                 unit.discard()
                 self.log.mark(Mark.FREE, unit.name)
+
+    # ---- gathers kept across microbatches ---------------------------------------------------
+
+    def _keeps(self, unit: Unit) -> bool:
+        return self._keeping and unit.kept
+
+    @property
+    def keep_units(self) -> Optional[int]:
+        """The user's count of units to keep gathered across microbatches (OVERLAP_KEEP_UNITS),
+        None for the planner's choice."""
+        return self._keep_units
+
+    @keep_units.setter
+    def keep_units(self, count: Optional[int]) -> None:
+        """Chosen again when keeping next starts: from the next step a schedule asks in."""
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise ValueError(f"keep_units={count!r} is invalid; expected an integer >= 0 or None")
+        self._keep_units = count
+        self._keeping = False
+
+    def keep_gathered(self, choose: Callable[[list[Unit]], tuple[int, str]]) -> None:
+        """Keep units gathered after backward, and from then on across the passes of this
+        step and of each later step that asks again (FSDP2's `set_reshard_after_backward(False)`,
+        which a pipeline schedule calls before each microbatch's backward). When keeping
+        starts, `choose(units in forward order)` says how many of the first to keep, and how
+        that was decided (for the report)."""
+        self._keep_asked = True
+        if self._keeping:
+            return
+        order = self.prefetch.forward_order
+        if set(order) != set(self.units):
+            order = list(self.units)             # no forward yet: their build order
+        if self.root is not None:
+            order = [self.root, *order]          # the first to compute and the last
+        count, self.keep_decision = choose(order)
+        chosen = set(order[:count])
+        for unit in self.all_units:
+            unit.kept = unit in chosen
+        self._keeping = True
+
+    def _close_step(self) -> None:
+        """The step's gradients are reduced: free the kept units before the optimizer writes
+        their shards, and keep again next step only if this one asked."""
+        for unit in self.all_units:
+            if unit.gather_state is not GatherState.SHARDED:    # kept, or kept until re-chosen
+                unit.discard()
+                self.log.mark(Mark.FREE, unit.name)
+                unit.remove_views()
+        self._keeping, self._keep_asked = self._keep_asked, False
+        self.steps.close(StepKind.TRAIN, self.order)
 
     def _end_pass(self, keep: Optional[Unit] = None) -> None:
         """Free everything but `keep` and leave every unit idle until the next forward, the
@@ -427,7 +499,7 @@ class Scheduler:
 
     def _free_after_backward(self, unit: Unit) -> None:
         """See [Note: when a unit is freed in backward]."""
-        if unit.backward_complete and unit.gather_state is not GatherState.SHARDED:
+        if unit.backward_complete and unit.gather_state is not GatherState.SHARDED and not self._keeps(unit):
             self._reshard(unit)
 
     def reduce_held_grads(self) -> None:
@@ -436,7 +508,7 @@ class Scheduler:
         sync and reduce once after the last (a pipeline schedule's final gradient step)."""
         with phase("overlap::reduce_held_grads"):
             self.reduction.end_backward(self.all_units, True, self.order)
-            self.steps.close(StepKind.TRAIN, self.order)
+            self._close_step()
 
     def _end_backward(self) -> None:
         """Runs once when the backward pass finishes: every gradient is reduced and every
@@ -456,4 +528,4 @@ class Scheduler:
             self.in_backward = False
             self.log.mark(Mark.END_BACKWARD, "")
             if self.sync_grads:
-                self.steps.close(StepKind.TRAIN, self.order)
+                self._close_step()

@@ -105,6 +105,11 @@ class Unit:
         # Whether to free the unit after its forward; None follows the scheduler's setting
         # (`fully_shard`'s reshard_after_forward is per unit).
         self.reshard_after_forward: Optional[bool] = None
+        # Kept gathered from one pass to the next within a step of several microbatches, and
+        # the versions of its shards it was gathered from (see [Note: gathers kept across
+        # microbatches] in overlap/runtime/scheduler.py).
+        self.kept = False
+        self._gathered_from: tuple[int, ...] = ()
 
     def _require(self, sources: tuple[State, ...], action: str) -> None:
         """Raise unless the unit is in one of `sources` (all of one kind)."""
@@ -154,6 +159,16 @@ class Unit:
                 pending.wait()
         self._gathers = []
         self._move(GatherState.GATHERED, (GatherState.GATHERING,), "finish a gather")
+        if self.kept:
+            self._gathered_from = self._shard_versions()
+
+    def _shard_versions(self) -> tuple[int, ...]:
+        return tuple(group.shard._version for group in self.groups)
+
+    @property
+    def gathered_is_stale(self) -> bool:
+        """Whether a shard was written (an optimizer step) since this kept unit was gathered."""
+        return self._shard_versions() != self._gathered_from
 
     def install_views(self) -> None:
         self._require((GatherState.GATHERED,), "install parameter views")
