@@ -14,8 +14,9 @@ the second half, the final norm and an untied head), each stage sharded over its
 All are built in one launch and alternate over the rounds, the first rotating; each round keeps
 every variant's median step. Per step: the bytes each rank all-gathers and reduce-scatters
 (counted at the collectives), the peak rise of the rank's resident memory over what it held
-before the step (Linux's VmHWM, reset before each step), and the step time as per-round ratios
-to FSDP2's faster setting of the round.
+before the step with every variant's parameters resharded (Linux's VmHWM, reset before each
+step; steps apart from the timed ones), and the step time as per-round ratios to FSDP2's faster
+setting of the round.
 
     python benchmarks/pipeline.py --rounds 3 --steps 2
 """
@@ -149,6 +150,7 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.nn import functional as F
 
@@ -184,7 +186,12 @@ def run_worker(args: argparse.Namespace) -> None:
         return times
 
     def rise_mb(variant: str) -> float:
-        """One step's peak resident memory over what the rank held before it."""
+        """One step's peak resident memory over what the rank held before it, every variant's
+        gathered parameters freed first: FSDP2 without resharding keeps its own from one step
+        to the next, which would otherwise count as held before the step."""
+        for module in built[variant][2].modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")                      # resets VmHWM to the current resident size
         before = _status_kb("VmRSS")
