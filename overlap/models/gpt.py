@@ -111,8 +111,8 @@ class GPT(nn.Module):
             return logits_BTV
         return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
 
-    def optimizer_groups(self, named_parameters: Iterable[tuple[str, nn.Parameter]],
-                         weight_decay: float) -> list[dict]:
+    @staticmethod
+    def optimizer_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
         """nanoGPT's two optimizer groups: weight decay on every parameter of two or more
         dimensions (the embeddings and linear weights), none on norms and biases. The rule
         reads `p.dim()`, which a sharded model's parameters keep (docs/parameters.md)."""

@@ -15,6 +15,11 @@ from overlap.base.config import config_from_env
 
 DEFAULT_TEXT = "coriolanus.txt"
 VAL_FRACTION = 0.1
+PP_SCHEDULES = ("1F1B", "GPipe")          # torch.distributed.pipelining's Schedule<name>
+# The job's options that set the runtime's arguments, and the variable each stands for: under
+# --pp the stages are sharded with overlap.fully_shard, whose arguments are FSDP2's.
+RUNTIME_OPTIONS = {"compress": "OVERLAP_COMPRESS=<mode>", "compile": "OVERLAP_COMPILE=1",
+                   "prefetch_depth": "OVERLAP_PREFETCH_DEPTH=<n>", "bucket_mb": "OVERLAP_BUCKET_MB=<mb>"}
 
 
 class JobError(ValueError):
@@ -101,6 +106,14 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                          help="units gathered ahead (default: the planner's choice)")
     runtime.add_argument("--bucket-mb", type=_positive_float, default=None,
                          help="merge consecutive units up to this size (default: the planner's choice)")
+    pipeline = parser.add_argument_group("pipeline parallel")
+    pipeline.add_argument("--pp", type=_int_at_least(2), default=None, metavar="N",
+                          help="cut the model into N pipeline stages, each sharded over world/N ranks with "
+                               "overlap.fully_shard and driven by torch's pipeline schedule (docs/pipeline.md)")
+    pipeline.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
+                          help=f"the schedule under --pp (default {PP_SCHEDULES[0]})")
+    pipeline.add_argument("--microbatches", type=_positive_int, default=None, metavar="M",
+                          help="microbatches of each --batch under --pp (default: N); M must divide --batch")
     checkpoints = parser.add_argument_group("checkpoints")
     checkpoints.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                              help="resume from the newest complete checkpoint in DIR, if any, and save "
@@ -153,6 +166,7 @@ def check_options(args: argparse.Namespace) -> None:
     if args.expert_parallel is not None and args.checkpoint_dir is not None:
         raise JobError("--checkpoint-dir with --expert-parallel is not supported yet: the sharded checkpoint "
                        "holds each parameter's rows, and an expert-parallel rank holds only its experts")
+    check_pipeline(args)
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
         raise JobError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir")
     if args.checkpoint_dir is not None:
@@ -166,8 +180,42 @@ def check_options(args: argparse.Namespace) -> None:
         raise JobError(f"--world-size {args.world_size} exceeds the {torch.cuda.device_count()} local GPUs")
 
 
+def check_pipeline(args: argparse.Namespace) -> None:
+    """--pp's settings, their defaults filled in, and the options it does not take yet, each
+    named (before the ranks start, and again by each rank)."""
+    if args.pp is None:
+        for name, value in (("--pp-schedule", args.pp_schedule), ("--microbatches", args.microbatches)):
+            if value is not None:
+                raise JobError(f"{name} needs --pp")
+        return
+    args.pp_schedule = args.pp_schedule or PP_SCHEDULES[0]
+    args.microbatches = args.microbatches or args.pp
+    if args.layers < args.pp:
+        raise JobError(f"--pp {args.pp} needs at least as many --layers (got {args.layers}): every stage holds a block")
+    if args.batch % args.microbatches:
+        raise JobError(f"--microbatches {args.microbatches} must divide --batch {args.batch}")
+    if args.pp_schedule == "1F1B" and args.microbatches < args.pp:
+        raise JobError(f"--pp-schedule 1F1B needs --microbatches >= --pp {args.pp} (got {args.microbatches})")
+    unsupported = {"--moe": args.moe, "--sample": args.sample, "--checkpoint-dir": args.checkpoint_dir,
+                   "--trace": args.trace}
+    for name, value in unsupported.items():
+        if value:
+            raise JobError(f"{name} with --pp is not supported yet (docs/pipeline.md)")
+    for option, variable in RUNTIME_OPTIONS.items():
+        if getattr(args, option) is not None:
+            flag = "--" + option.replace("_", "-")
+            raise JobError(f"{flag} with --pp: the stages are sharded with overlap.fully_shard, which takes FSDP2's "
+                           f"arguments; set {variable} instead")
+    if offload_tier(args) == "disk":
+        raise JobError("offload disk with --pp is not supported yet: the disk tier steps with overlap.optim.AdamW "
+                       "over a ShardedModule's parameters; use --offload cpu")
+
+
 def check_world_size(args: argparse.Namespace, world: int) -> None:
-    """Under torchrun, --world-size (if given) must be the world torchrun started."""
+    """Under torchrun, --world-size (if given) must be the world torchrun started; --pp must
+    divide the world."""
     if args.world_size is not None and args.world_size != world:
         raise JobError(f"--world-size {args.world_size} but torchrun started {world} ranks; leave --world-size "
                        "out under torchrun, or make it match")
+    if args.pp is not None and world % args.pp:
+        raise JobError(f"--pp {args.pp} must divide the world size {world}: each stage runs on world/pp ranks")

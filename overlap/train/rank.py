@@ -20,8 +20,8 @@ from overlap.observe.timeline import TraceRecorder
 from overlap import optim as overlap_optim
 from overlap.train.batches import ByteBatches, shards_of_rank
 from overlap.train.checkpoints import Progress, Saver, resume
-from overlap.train.loop import Losses, train_loop
-from overlap.train.options import JobError, check_world_size, read_text
+from overlap.train.loop import DataParallelSteps, Losses, train_loop
+from overlap.train.options import JobError, check_pipeline, check_world_size, read_text
 from overlap.train.process_group import init_process_group
 
 VOCAB_SIZE = 256          # byte-level tokens: any text works, nothing to download
@@ -48,11 +48,15 @@ def train(args: argparse.Namespace, device: torch.device) -> Optional[Losses]:
     already done."""
     world = dist.get_world_size()
     check_world_size(args, world)
+    check_pipeline(args)
     if device.type == "cpu":
         torch.set_num_threads(_threads_per_rank(world))
+    name, text = read_text(args.data)
+    batches = ByteBatches(text, args.seq, device, seed=args.seed)
+    if args.pp is not None:
+        return _train_pipeline(args, device, name, text, batches)
     model, config = build_model(args)
     optimizer = build_optimizer(model, args)
-    name, text = read_text(args.data)
     progress = resume(args, model, optimizer, name)
     shards = shards_of_rank(progress.shards, dist.get_rank(), world)
     if dist.get_rank() == 0:
@@ -63,16 +67,41 @@ def train(args: argparse.Namespace, device: torch.device) -> Optional[Losses]:
         return None
     tracer = _tracer(args, model, progress, device)
     saver = Saver(args, model, optimizer, name) if args.checkpoint_dir is not None else None
-    batches = ByteBatches(text, args.seq, device, seed=args.seed)
 
     def on_first_step(bar) -> None:
         if model.overlap_config.compile:
             _print_compile_seconds(bar)
 
-    losses = train_loop(model, optimizer, batches, shards, progress, args, device, saver, tracer, on_first_step)
+    steps = DataParallelSteps(model, batches, shards, args)
+    losses = train_loop(steps, optimizer, progress, args, device, saver, tracer, on_first_step)
     _report(args, model, losses, saver, tracer)
     if args.sample:
         _print_samples(model, args, device)
+    return losses
+
+
+def _train_pipeline(args: argparse.Namespace, device: torch.device, name: str, text: bytes,
+                    batches: ByteBatches) -> Losses:
+    """--pp: this rank's stage (overlap.train.pipeline), the same loop and lines; the report is
+    the first stage's (rank 0's)."""
+    from overlap.train.pipeline import PipelineSteps
+
+    data_parallel = dist.get_world_size() // args.pp
+    progress = Progress(step=0, shards=data_parallel)
+    config = model_config(args)
+    steps = PipelineSteps(args, config, device, batches,
+                          shards_of_rank(progress.shards, dist.get_rank() % data_parallel, data_parallel))
+    runtime = steps.runtime
+    optimizer = torch.optim.AdamW(steps.parameter_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    if dist.get_rank() == 0:
+        print(_header(args, runtime, config, name, text, device, progress), flush=True)
+
+    def on_first_step(bar) -> None:
+        if runtime.overlap_config.compile:
+            _print_compile_seconds(bar)
+
+    losses = train_loop(steps, optimizer, progress, args, device, None, None, on_first_step)
+    _report(args, runtime, losses, None, None)
     return losses
 
 
@@ -92,12 +121,16 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(args: argparse.Namespace) -> tuple[ShardedModule, GPTConfig]:
-    torch.manual_seed(args.seed)
+def model_config(args: argparse.Namespace) -> GPTConfig:
     sizes = dict(vocab_size=VOCAB_SIZE, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                  n_embd=args.hidden)
-    config = MoEConfig(**sizes, n_expert=args.experts, top_k=args.top_k, expert_hidden=2 * args.hidden) \
+    return MoEConfig(**sizes, n_expert=args.experts, top_k=args.top_k, expert_hidden=2 * args.hidden) \
         if args.moe else GPTConfig(**sizes)
+
+
+def build_model(args: argparse.Namespace) -> tuple[ShardedModule, GPTConfig]:
+    torch.manual_seed(args.seed)
+    config = model_config(args)
     precision = MixedPrecision(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16" else None
     # On the meta device no rank ever holds the whole model; the values are the same as an
     # eager build's (the GPT initialises in construction order). Expert parallelism keeps each
@@ -136,6 +169,10 @@ def _header(args: argparse.Namespace, model: ShardedModule, config: GPTConfig,
              f"batch {args.batch}/rank" + (f" x {per_rank} accumulated" if per_rank > 1 else "") +
              f"; {len(model.scheduler.units)} units, prefetch depth {model.overlap_config.prefetch_depth}, "
              f"bucket {model.overlap_config.bucket_mb:.3g} MB"]
+    if args.pp is not None:
+        lines.append(f"pipeline: {args.pp} stages of {world // args.pp} ranks each (overlap.fully_shard), "
+                     f"{args.pp_schedule} over {args.microbatches} microbatches per batch; the units and report "
+                     "above and below are the first stage's")
     if model.overlap_config.offload == "disk":
         lines.append("optimizer: overlap.optim.AdamW (offload disk: it steps the masters and moments in the state file)")
     if progress.resumed_from is not None:

@@ -1,0 +1,172 @@
+"""`overlap train --pp N`: the GPT cut into N pipeline stages, each sharded over its
+data-parallel ranks with `overlap.fully_shard` (blocks, then the stage) and driven by torch's
+pipeline schedule: one reduction per step, units kept gathered across the step's microbatches
+(docs/pipeline.md).
+
+[Note: the tied head across stages]
+The GPT's output head shares the embedding's weight. Cut into stages, the embedding lives on
+the first stage and the head on the last, each a copy, equal at the start. After the step's
+gradients are reduced, the two copies' gradients are summed across the first and last stage
+(Megatron's embedding group does the same), so both take the same optimizer steps and stay
+equal: the stages train as the tied model does, and the gradient norm counts the weight once.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn import functional as F
+
+from overlap import fully_shard
+from overlap.models import GPT, GPTConfig
+from overlap.observe.report import OverlapMonitor
+from overlap.train.batches import ByteBatches
+from overlap.train.schedule import learning_rate
+
+
+class _Stage(nn.Module):
+    """Blocks of the GPT, named by their index in the whole model, with the embeddings on the
+    first stage and the final norm and head on the last."""
+
+    def __init__(self, gpt: GPT, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        if first:
+            self.wte, self.wpe = gpt.wte, gpt.wpe
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in blocks})
+        if last:
+            self.ln_f = gpt.ln_f
+            self.lm_head = nn.Linear(gpt.config.n_embd, gpt.config.vocab_size, bias=False)
+            self.lm_head.weight = nn.Parameter(gpt.wte.weight.detach().clone())   # the tied copy
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def stage_blocks(layers: int, stages: int, index: int) -> range:
+    """The blocks of stage `index`: consecutive, as even as the count allows (the first
+    stages take one more)."""
+    size, extra = divmod(layers, stages)
+    start = index * size + min(index, extra)
+    return range(start, start + size + (index < extra))
+
+
+class PipelineSteps:
+    """One rank's stage of the pipeline job: its training step and its validation loss."""
+
+    def __init__(self, args: argparse.Namespace, config: GPTConfig, device: torch.device,
+                 batches: ByteBatches, shards: range) -> None:
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        world, pp = dist.get_world_size(), args.pp
+        mesh = init_device_mesh(device.type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
+        self.pp_group = mesh["pp"].get_group()
+        index = mesh.get_local_rank("pp")
+        self.first, self.last = index == 0, index == pp - 1
+        # Every rank builds the whole model from the seed (the values of the job's own meta
+        # build) and keeps its stage.
+        torch.manual_seed(args.seed)
+        stage = _Stage(GPT(config), stage_blocks(args.layers, pp, index), self.first, self.last)
+        policy = dict(mesh=mesh["dp"], offload_policy=CPUOffloadPolicy() if args.offload == "cpu" else OffloadPolicy(),
+                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16"
+                      else MixedPrecisionPolicy())
+        for block in stage.blocks.values():
+            fully_shard(block, **policy)
+        self.module = fully_shard(stage, **policy)
+        kind = getattr(pipelining, f"Schedule{args.pp_schedule}")
+        self.schedule = kind(PipelineStage(self.module, index, pp, device, group=self.pp_group),
+                             n_microbatches=args.microbatches, loss_fn=_loss)
+        # The first and last stage's ranks of each data-parallel index: see [Note: the tied
+        # head across stages]. Every rank makes every group, in the same order.
+        self.tie_group = None
+        for column in range(world // pp):
+            ranks = [int(mesh.mesh[0, column]), int(mesh.mesh[pp - 1, column])]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                self.tie_group = group
+        # Built now, on every rank (a collective over the stage's ranks): the parameters are
+        # the runtime's DTensors from here on.
+        self.runtime = self.module.overlap_runtime
+        self.tied = self.module.wte.weight if self.first else self.module.lm_head.weight if self.last else None
+        # One shard of the global batch per data-parallel rank: a run resumed at another world
+        # size (several shards per rank) needs --checkpoint-dir, which --pp refuses.
+        (self.shard,) = shards
+        self.args, self.batches = args, batches
+
+    @property
+    def monitor(self) -> OverlapMonitor:
+        return self.runtime.overlap_monitor
+
+    def parameter_groups(self, weight_decay: float) -> list[dict]:
+        return GPT.optimizer_groups(self.module.named_parameters(), weight_decay)
+
+    def train(self, optimizer: torch.optim.Optimizer, step: int, clip_norm: float) -> Optional[float]:
+        """One optimizer step over this rank's shard of the global batch (--batch sequences in
+        --microbatches): this rank's mean loss on the last stage, else None."""
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, self.args)
+        losses: list[torch.Tensor] = []
+        inputs, targets = self.batches.get("train", self.args.batch, step, self.shard)
+        self.schedule.step(*((inputs,) if self.first else ()),
+                           **({"target": targets, "losses": losses} if self.last else {}))
+        self._sum_tied_grads()
+        self._clip(clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).detach().mean()) if self.last else None
+
+    def _sum_tied_grads(self) -> None:
+        """See [Note: the tied head across stages]."""
+        if self.tied is None or self.tie_group is None:
+            return
+        grad = self.tied.grad
+        full = grad.full_tensor()
+        dist.all_reduce(full, group=self.tie_group)
+        # The two copies' rows split alike only if their stages' flat layouts do: each takes
+        # its own rows of the sum, where its placement puts them.
+        shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+        grad.to_local().copy_(full[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+
+    def _clip(self, max_norm: float) -> None:
+        """torch's clip over the whole model: each stage's squared norm summed over the stages
+        (the tied weight counted once, on the first stage)."""
+        grads = [p.grad for name, p in self.module.named_parameters()
+                 if p.grad is not None and not (self.last and not self.first and name == "lm_head.weight")]
+        norm = torch.nn.utils.get_total_norm(grads)
+        square = (norm.full_tensor() if isinstance(norm, DTensor) else norm).double().square()
+        dist.all_reduce(square, group=self.pp_group)
+        total = square.sqrt().float()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in self.module.parameters():
+            if param.grad is not None:
+                param.grad.mul_(float(coefficient))
+
+    @torch.no_grad()
+    def val_loss(self, draws: int) -> Optional[float]:
+        """This rank's mean loss over `draws` validation batches, on the last stage."""
+        self.module.eval()
+        losses: list[torch.Tensor] = []
+        for draw in range(draws):
+            inputs, targets = self.batches.get("val", self.args.batch, draw, self.shard)
+            these: list[torch.Tensor] = []              # the schedule clears the list it is given
+            self.schedule.eval(*((inputs,) if self.first else ()),
+                               **({"target": targets, "losses": these} if self.last else {}))
+            losses += these
+        self.module.train()
+        return float(torch.stack(losses).mean()) if self.last else None

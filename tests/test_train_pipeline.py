@@ -1,0 +1,128 @@
+"""`overlap train --pp N`: the job's GPT cut into pipeline stages trains as the job without
+stages does on the same global batch, composes with precision and offload, and refuses by
+name what it does not take."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distributed import CaseLaunch, RankCase
+from overlap.train.job import main
+
+FEW = ["--steps", "4", "--eval-every", "2", "--layers", "4", "--hidden", "32", "--heads", "2", "--seq", "16",
+       "--batch", "4", "--lr", "1e-2"]
+# Each trains FEW's steps at (pp 2, dp 2); the first is the parity case.
+ACCEPTED = [
+    ["--pp", "2"],
+    ["--pp", "2", "--pp-schedule", "GPipe", "--microbatches", "4", "--mixed-precision", "bf16"],
+    ["--pp", "2", "--offload", "cpu", "--eager-init"],
+    ["--pp", "4", "--microbatches", "4"],
+]
+
+
+def _losses_per_step(argv: list[str]):
+    """Each step's train loss (mean over ranks) and the final validation loss, or the
+    JobError's text."""
+    from overlap.train.options import JobError, build_parser
+    from overlap.train.rank import train
+
+    seen: list[float] = []
+    try:
+        with _recording(seen):
+            losses = train(build_parser().parse_args(argv), torch.device("cpu"))
+    except JobError as exc:
+        return f"JobError: {exc}"
+    return seen, losses.val
+
+
+class _recording:
+    """Records each step's mean loss as the loop computes it."""
+
+    def __init__(self, seen: list[float]) -> None:
+        self.seen = seen
+
+    def __enter__(self) -> None:
+        from overlap.train import loop
+        self.original = loop.mean_over_ranks
+
+        def recorded(values, device):
+            out = self.original(values, device)
+            if len(values) == 2:                    # [loss, peak memory]: once per step
+                self.seen.append(out[0])
+            return out
+
+        loop.mean_over_ranks = recorded
+
+    def __exit__(self, *exc) -> None:
+        from overlap.train import loop
+        loop.mean_over_ranks = self.original
+
+
+def _pipeline_runs(rank: int, world: int) -> dict:
+    return {"accepted": [_losses_per_step([*FEW, *flags]) for flags in ACCEPTED],
+            "uneven": _losses_per_step([*FEW, "--pp", "3"])}
+
+
+def _data_parallel_run(rank: int, world: int) -> dict:
+    return {"reference": _losses_per_step([*FEW, "--eager-init"])}
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict[int, CaseLaunch]:
+    return {4: CaseLaunch({"pipeline": RankCase(_pipeline_runs)}, world_size=4, timeout=400),
+            2: CaseLaunch({"reference": RankCase(_data_parallel_run)}, world_size=2, timeout=200)}
+
+
+@pytest.mark.timeout(600)
+def test_two_stages_train_as_the_job_without_stages_on_the_same_global_batch(launches) -> None:
+    """(pp 2, dp 2) against dp 2: the global batch is the data-parallel ranks' shards in both;
+    the tied head is summed across the stages, the clip's norm taken over both."""
+    reference, reference_val = launches[2]["reference"][0].result()["reference"]
+    for outcome in launches[4]["pipeline"]:
+        losses, val = outcome.result()["accepted"][0]
+        assert len(losses) == len(reference) == 4
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
+        assert math.isclose(val, reference_val, rel_tol=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_each_accepted_combination_trains_on_every_rank(launches) -> None:
+    results = [outcome.result() for outcome in launches[4]["pipeline"]]
+    for rank, out in enumerate(results):
+        for flags, (losses, val) in zip(ACCEPTED, out["accepted"]):
+            assert all(math.isfinite(x) and 0 < x < 6 for x in [*losses, val]), (rank, flags, losses, val)
+            assert losses[-1] < losses[0], (rank, flags, losses)
+        assert out["uneven"] == "JobError: --pp 3 must divide the world size 4: each stage runs on world/pp ranks"
+    assert all(out["accepted"] == results[0]["accepted"] for out in results)     # means over ranks
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "2", "--moe"], "--moe with --pp is not supported yet"),
+    (["--pp", "2", "--sample", "1"], "--sample with --pp is not supported yet"),
+    (["--pp", "2", "--checkpoint-dir", "ckpt"], "--checkpoint-dir with --pp is not supported yet"),
+    (["--pp", "2", "--trace", "trace"], "--trace with --pp is not supported yet"),
+    (["--pp", "2", "--compress", "int8"], "--compress with --pp: the stages are sharded with overlap.fully_shard, "
+                                          "which takes FSDP2's arguments; set OVERLAP_COMPRESS=<mode> instead"),
+    (["--pp", "2", "--compile"], "set OVERLAP_COMPILE=1 instead"),
+    (["--pp", "2", "--prefetch-depth", "1"], "set OVERLAP_PREFETCH_DEPTH=<n> instead"),
+    (["--pp", "2", "--bucket-mb", "1"], "set OVERLAP_BUCKET_MB=<mb> instead"),
+    (["--pp", "2", "--offload", "disk", "--mixed-precision", "bf16"], "offload disk with --pp is not supported yet"),
+    (["--microbatches", "2"], "--microbatches needs --pp"),
+    (["--pp-schedule", "GPipe"], "--pp-schedule needs --pp"),
+    (["--pp", "4", "--layers", "2"], "--pp 4 needs at least as many --layers (got 2)"),
+    (["--pp", "2", "--microbatches", "3", "--batch", "8"], "--microbatches 3 must divide --batch 8"),
+    (["--pp", "2", "--microbatches", "1"], "--pp-schedule 1F1B needs --microbatches >= --pp 2 (got 1)"),
+])
+def test_pipeline_settings_that_cannot_work_are_named_before_any_rank_starts(argv, message, capsys, tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pp_must_be_at_least_two(capsys):
+    with pytest.raises(SystemExit):
+        main(["--pp", "1"])
+    assert "argument --pp: '1' must be >= 2" in capsys.readouterr().err
