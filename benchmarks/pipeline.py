@@ -230,8 +230,10 @@ def run_driver(args: argparse.Namespace) -> int:
         worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--steps", str(args.steps),
                   "--width", str(args.width), "--layers", str(args.layers), "--seq", str(args.seq),
                   "--microbatches", str(args.microbatches)]
+        # Allocations above 128 kB go straight to the kernel and back when freed: resident
+        # memory then follows what the ranks hold, not what glibc's heap kept from earlier.
         run_with_deadline(torchrun(os.path.abspath(__file__), WORLD_SIZE, worker), args.timeout,
-                          env={**os.environ, **single_thread_env()})
+                          env={**os.environ, **single_thread_env(), "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
         data = read_json(result)
     ranks = data["ranks"]
     rounds = {v: [max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds)] for v in VARIANTS}
