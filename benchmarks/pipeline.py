@@ -97,6 +97,17 @@ def _wrap(variant: str, stage, mesh):
     return root
 
 
+def _allocations_through_mmap() -> None:
+    """From now on allocations above 128 kB go straight to the kernel and back when freed, so
+    resident memory follows what the rank holds, not what glibc's heap kept from earlier (set
+    after the timed steps: mapping each allocation costs time)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 * 1024)                  # M_MMAP_THRESHOLD
+    libc.malloc_trim(0)
+
+
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -213,6 +224,7 @@ def run_worker(args: argparse.Namespace) -> None:
             gathered, reduced = counter.take()
             moved[variant].append((gathered / args.steps, reduced / args.steps))
     peak = {variant: [] for variant in VARIANTS}
+    _allocations_through_mmap()
     for round_index in range(args.rounds):                          # memory apart from the timed steps
         for variant in VARIANTS:
             peak[variant].append(rise_mb(variant))
@@ -230,10 +242,8 @@ def run_driver(args: argparse.Namespace) -> int:
         worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--steps", str(args.steps),
                   "--width", str(args.width), "--layers", str(args.layers), "--seq", str(args.seq),
                   "--microbatches", str(args.microbatches)]
-        # Allocations above 128 kB go straight to the kernel and back when freed: resident
-        # memory then follows what the ranks hold, not what glibc's heap kept from earlier.
         run_with_deadline(torchrun(os.path.abspath(__file__), WORLD_SIZE, worker), args.timeout,
-                          env={**os.environ, **single_thread_env(), "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
+                          env={**os.environ, **single_thread_env()})
         data = read_json(result)
     ranks = data["ranks"]
     rounds = {v: [max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds)] for v in VARIANTS}
