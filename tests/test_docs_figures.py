@@ -1030,11 +1030,12 @@ FIGURES: list[Figure] = [
     Figure("docs/offload.md", '| step time, offload="cpu" / "none", paired per round | {0:.2f} | {1:.2f}–{2:.2f} |',
            "offload_cpu.json", tuple(at("summary", "step_cpu_over_none", k) for k in ("median", "min", "max"))),
     # docs/pipeline.md: ZeRO-3 inside 1F1B stages against FSDP2.
-    *[Figure("docs/pipeline.md", f"| {variant} | {{0:.1f}} | {{1}} ({{2}}–{{3}}) | {{4:.1f}} | {{5:.1f}} |",
+    *[Figure("docs/pipeline.md", f"| {variant} | {{0:.1f}} | {{1}} ({{2}}–{{3}}) | {{4:.1f}} | {{5:.1f}} | {{6:.1f}} |",
              "pipeline.json", tuple(at("summary", variant, key) for key in (
                  "step_ms", "ratio_to_best_fsdp2_median", "ratio_min", "ratio_max", "gathered_mb_per_rank",
-                 "reduced_mb_per_rank")))
-      for variant in ("overlap ShardedModule", "overlap fully_shard", "FSDP2 reshard", "FSDP2 no reshard")],
+                 "reduced_mb_per_rank", "peak_rise_mb_per_rank")))
+      for variant in ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather",
+                      "FSDP2 reshard", "FSDP2 no reshard")],
     # docs/moe.md: expert parallelism against ZeRO-3 without it and FSDP2, each link.
     *[Figure("docs/moe.md", "| no EP | {0:.1f} | 1 | {1:.1f} | {2:.1f} | – |", f"moe_{link}.json",
              (at("summary", "no EP", "step_ms"), at("summary", "no EP", "gathered_mb_per_rank"),
