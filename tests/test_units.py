@@ -62,3 +62,19 @@ def test_unit_types_that_are_not_module_classes_are_a_type_error() -> None:
         with pytest.raises(TypeError, match="(?s)unit_types=.*expected a module class") as info:
             discover_units(FeatureNet(), bad)
         assert named in str(info.value)
+
+
+def test_a_container_is_never_a_unit_its_elements_are() -> None:
+    """ModuleDict and ModuleList run none of their modules (no forward, so no hooks): a stack
+    held in a ModuleDict (torchtitan's, which pipeline stages cut by deleting entries), nested
+    containers, and a container that is the root's only child all give their elements."""
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({"3": nn.Linear(4, 4), "7": nn.Linear(4, 4)})
+            self.nested = nn.ModuleList([nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 4)])
+
+    _, units = discover_units(Stack(), None)
+    assert [u.name for u in units] == ["layers.3", "layers.7", "nested.0.0", "nested.1"]
+    _, units = discover_units(nn.Sequential(nn.ModuleDict({"a": nn.Linear(2, 2)}), nn.Linear(2, 2)), None)
+    assert [u.name for u in units] == ["0.a"]

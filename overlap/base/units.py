@@ -1,8 +1,8 @@
 """Which parameters form which unit, and how small units merge into buckets.
 
 Automatic policy (unit_types=None), the same on every rank because it depends on the
-module tree alone: every parameter-holding element of an `nn.ModuleList` (the usual stack
-of transformer blocks) is a unit, searching from the root down and not inside a unit; a
+module tree alone: every parameter-holding element of an `nn.ModuleList` or `nn.ModuleDict`
+(the usual stack of transformer blocks) is a unit, searching from the root down and not inside a unit; a
 model with no such list makes each parameter-holding child of the root a unit. Parameters
 outside every unit, and parameters shared by modules of different units (tied embeddings),
 belong to the root unit.
@@ -36,19 +36,36 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+# Containers hold modules and run none of them: their forward hooks never fire, so one is never
+# a unit; their elements are (a ModuleDict of blocks is torchtitan's stack, which pipeline
+# stages cut by deleting entries).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _elements(container: nn.Module) -> list[nn.Module]:
+    """The parameter-holding modules of a container, those inside nested containers too."""
+    found: list[nn.Module] = []
+    for child in container.children():
+        if isinstance(child, _CONTAINERS):
+            found.extend(_elements(child))
+        elif _has_params(child):
+            found.append(child)
+    return found
+
+
 def _auto_unit_modules(root: nn.Module) -> list[nn.Module]:
     found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if isinstance(child, nn.ModuleList):
-                found.extend(m for m in child if _has_params(m))
+            if isinstance(child, _CONTAINERS):
+                found.extend(_elements(child))
             else:
                 visit(child)
 
     visit(root)
     if not found:
-        found = [m for m in root.children() if _has_params(m)]
+        found = [m for m in root.children() if _has_params(m) and not isinstance(m, _CONTAINERS)]
     return found
 
 
