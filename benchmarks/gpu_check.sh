@@ -26,7 +26,7 @@
 #   kernel_tests    tests/test_kernels.py's CUDA cases
 #   kernel_memcheck, kernel_racecheck
 #                   compute-sanitizer's memcheck and racecheck over the extension's and CuPy's cases
-#   kernel_bandwidth benchmarks/kernels.py on CUDA: each backend's GB/s next to a copy
+#   kernel_bandwidth benchmarks/kernel_bandwidth.py on CUDA: each backend's GB/s next to a copy
 #
 # One GPU is one rank: NCCL's collectives are then local copies. What this cannot show
 # (it needs N > 1 ranks): transfers between GPUs and their overlap with compute, the link
@@ -315,7 +315,7 @@ step kernel_bandwidth
 if ! ready; then
     verdict SKIP kernel_bandwidth "$(not_ready_reason) (the CPU figures are in docs/kernels.md)"
 else
-    capped kernel_bandwidth "$PY" benchmarks/kernels.py --device cuda --repeats 10 \
+    capped kernel_bandwidth "$PY" benchmarks/kernel_bandwidth.py --device cuda --repeats 10 \
         --out "$OUT_DIR/kernels_cuda.json"
     rc=$?
     if [ "$rc" = 0 ]; then verdict PASS kernel_bandwidth "table above; $OUT_DIR/kernels_cuda.json"

@@ -269,7 +269,8 @@ def run_driver(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=1))
     if args.out:
         write_json(args.out, result)
-    return 0
+    # A variant that failed has no figure: the run fails too, naming it (above, and in the file).
+    return 1 if failed else 0
 
 
 def _versions() -> dict[str, str]:

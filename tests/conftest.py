@@ -19,12 +19,6 @@ except ImportError:
 # package as installed, and their helpers from tests/ (pytest puts that directory on the path).
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _ROOT]
-# Tests that use the benchmarks' helpers put benchmarks/ on the path, where kernels.py would be
-# found as that package too: the installed one is imported now, while neither is on the path.
-try:
-    import kernels  # noqa: F401
-except ImportError:
-    pass
 
 # Triton runs CPU tensors only through its interpreter, and `overlap.kernels.triton_backend`
 # builds its kernels for whichever mode is on when it is first imported: switched on here,

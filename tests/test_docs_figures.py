@@ -83,7 +83,7 @@ def _collective_row(size: str, op: str) -> Reader:
 
 
 def _block_row(index: int) -> Reader:
-    """Row `index` of the block-size sweep as kernels.py prints it: block, bytes per element,
+    """Row `index` of the block-size sweep as kernel_bandwidth.py prints it: block, bytes per element,
     the four round-trip errors, excess bits, then the two timings (median (IQR) CPU-median)."""
     def read(data: Any) -> str:
         r = data["block_sweep"][index]

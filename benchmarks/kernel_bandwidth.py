@@ -1,6 +1,6 @@
 """Bandwidth of the flat-buffer kernels per backend, next to torch's own ops and a plain copy.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--threads N] [--out bench_out/kernels_cpu.json]
+    python benchmarks/kernel_bandwidth.py [--device cpu|cuda] [--threads N] [--out bench_out/kernels_cpu.json]
 
 Shapes (GB/s counts bytes read + bytes written):
   llama7b_block   the 9 parameters of one Llama-7B decoder block (up to 4096 x 11008)
@@ -457,7 +457,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="comma-separated block sizes: error and speed of each, instead of the tables "
                              "(default out bench_out/quant_blocks_<device>.json)")
     args = parser.parse_args(argv)
-    record = RunRecord("kernels.py", sys.argv[1:] if argv is None else argv)
+    record = RunRecord("kernel_bandwidth.py", sys.argv[1:] if argv is None else argv)
     device = torch.device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
