@@ -269,8 +269,9 @@ def run_driver(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=1))
     if args.out:
         write_json(args.out, result)
-    # A variant that failed has no figure: the run fails too, naming it (above, and in the file).
-    return 1 if failed else 0
+    # A variant that fails is named (above, and under "failed" in the file: Lightning's FSDP1
+    # strategy refuses the CPU); without the loop every ratio is missing and the run fails.
+    return 1 if "loop" in failed else 0
 
 
 def _versions() -> dict[str, str]:
