@@ -66,7 +66,8 @@ def _pipeline_runs(rank: int, world: int) -> dict:
 
 
 def _data_parallel_run(rank: int, world: int) -> dict:
-    return {"reference": _losses_per_step([*FEW, "--eager-init"])}
+    return {"reference": _losses_per_step([*FEW, "--eager-init"]),
+            "offload cpu": _losses_per_step([*FEW, "--eager-init", "--offload", "cpu"])}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,15 @@ def test_two_stages_train_as_the_job_without_stages_on_the_same_global_batch(lau
     for outcome in launches[4]["pipeline"]:
         losses, val = outcome.result()["accepted"][0]
         assert len(losses) == len(reference) == 4
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
+        assert math.isclose(val, reference_val, rel_tol=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_two_stages_with_offload_train_as_the_job_with_offload(launches) -> None:
+    reference, reference_val = launches[2]["reference"][0].result()["offload cpu"]
+    for outcome in launches[4]["pipeline"]:
+        losses, val = outcome.result()["accepted"][2]           # --pp 2 --offload cpu --eager-init
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
         assert math.isclose(val, reference_val, rel_tol=1e-4)
 
