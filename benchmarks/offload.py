@@ -101,12 +101,16 @@ def run_worker(args: argparse.Namespace) -> None:
         # Per step: its wall time; forward and backward's wall and this process's CPU time
         # (all threads); the optimizer step's wall time (see [Note: what overlapping the
         # update could hide]).
-        seconds, compute, compute_cpu, update = [], [], [], []
+        seconds, compute, compute_cpu, update, clipped = [], [], [], [], []
         for batch in batches:
             start, cpu_start = time.perf_counter(), time.process_time()
             loss = model(batch[:, :-1], batch[:, 1:])
             loss.backward()
             computed, cpu_computed = time.perf_counter(), time.process_time()
+            if args.clip is not None:
+                # torch's clip over the whole model, as a training loop calls it; it binds when
+                # the norm exceeds the limit (every gradient then changes, after backward).
+                clipped.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)) > args.clip)
             optimizer.step()
             stepped = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
@@ -120,7 +124,7 @@ def run_worker(args: argparse.Namespace) -> None:
         times = torch.tensor(seconds, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         busy = [cpu / (wall * threads) for cpu, wall in zip(compute_cpu, compute)]
-        return dict(step=times.tolist(), compute=compute, update=update, busy_in_compute=busy)
+        return dict(step=times.tolist(), compute=compute, update=update, busy_in_compute=busy, clip_bound=clipped)
 
     rounds = []
     for index in range(args.rounds):
@@ -149,6 +153,8 @@ def run_driver_result(args: argparse.Namespace) -> dict:
                   "--model-layers", str(args.model_layers)]
         if args.model_params is not None:
             worker += ["--model-params", args.model_params]
+        if args.clip is not None:
+            worker += ["--clip", str(args.clip)]
         with tempfile.TemporaryDirectory(prefix="offload-", dir=".") as state_dir:
             env = {**single_thread_env(), "OVERLAP_OFFLOAD_DIR": state_dir}
             run_with_deadline(torchrun(os.path.abspath(__file__), 2, worker), args.timeout, env=env)
@@ -161,10 +167,14 @@ def run_driver_result(args: argparse.Namespace) -> dict:
                **{f"median_step_ms_{mode}": _spread([1e3 * median(r["step_s"][mode]) for r in counted])
                   for mode in args.modes},
                **{f"{figure}_{mode}": _spread([median(r["phases"][mode][key]) * scale for r in counted])
-                  for mode in args.modes for figure, key, scale in PHASE_FIGURES}}
+                  for mode in args.modes for figure, key, scale in PHASE_FIGURES},
+               **({f"clip_binding_share_{mode}": _spread([sum(r["phases"][mode]["clip_bound"]) /
+                                                          len(r["phases"][mode]["clip_bound"]) for r in counted])
+                   for mode in args.modes} if args.clip is not None else {})}
     meta = dict(command="python benchmarks/offload.py " + " ".join(args.argv), commit=git_commit(REPO),
                 world=2, backend="gloo", rounds=args.rounds, rounds_counted=len(counted), steps=args.steps,
-                precision=args.precision, modes=list(args.modes), optimizer=args.optimizer, model=measured["model"], time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                precision=args.precision, modes=list(args.modes), optimizer=args.optimizer, clip=args.clip,
+                model=measured["model"], time=time.strftime("%Y-%m-%d %H:%M:%S"),
                 host_load=dict(load_1_5_15min_before=list(load_before), load_1_5_15min_after=list(os.getloadavg()),
                                wall_s=time.time() - started))
     return dict(meta=meta, summary=summary, rounds=measured["rounds"])
@@ -192,6 +202,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--model-params", default=None, help="a GPT of about this many parameters, e.g. 300M "
                         "(default: overlap train's default model)")
     parser.add_argument("--model-layers", type=int, default=12, help="its blocks (with --model-params)")
+    parser.add_argument("--clip", type=float, default=None, metavar="MAX",
+                        help="clip the gradients' norm to MAX before each optimizer step (torch's clip_grad_norm_); "
+                             "the share of steps where it bound is recorded")
     parser.add_argument("--out", help="result JSON")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the launch may take")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
