@@ -913,6 +913,18 @@ FIGURES: list[Figure] = [
           ("docs/offload.md", "update takes {0:.0f} ms of a {1:.0f} ms step", ("median_update_ms_cpu",
                                                                                "median_step_ms_cpu")),
           ("docs/offload.md", "each rank's thread was on a CPU {0:.0%} of the time", ("busy_in_compute_cpu",)))],
+    Figure("docs/offload_disk.md", "| step, disk ÷ cpu, clip binding (paired per round) | {0:.3f} | {1:.3f}, {2:.3f}, "
+                                   "{3:.3f} |", "offload_disk_vs_cpu_clip.json",
+           (at("summary", "step_disk_over_cpu", "median"),
+            *[at("summary", "step_disk_over_cpu", "per_round", i) for i in range(3)])),
+    Figure("docs/offload_disk.md", "| step, cpu / disk | {0:.0f} / {1:.0f} ms |", "offload_disk_vs_cpu_clip.json",
+           (at("summary", "median_step_ms_cpu", "median"), at("summary", "median_step_ms_disk", "median"))),
+    Figure("docs/offload_disk.md", "| clip and `optimizer.step()`, cpu / disk | {0:.0f} / {1:.0f} ms |",
+           "offload_disk_vs_cpu_clip.json",
+           (at("summary", "median_update_ms_cpu", "median"), at("summary", "median_update_ms_disk", "median"))),
+    Figure("docs/offload_disk.md", "The clip bound in {0} of\nboth tiers", "offload_disk_vs_cpu_clip.json",
+           (lambda d: (lambda least: "every step" if least == 1 else f"{least:.0%} of the steps at least")(
+               min(d["summary"][f"clip_binding_share_{m}"]["min"] for m in ("cpu", "disk"))),)),
     Figure("docs/offload_disk.md", "The two ranks' peaks add up to {0:.1f} GiB", "offload_disk_model_large.json",
            (lambda d: sum(r["peak_rss_gib"] for r in d["ranks"]),)),
     *[Figure("docs/offload_disk.md", text, "offload_disk_model_large_speculation.json", values)
