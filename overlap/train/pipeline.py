@@ -151,11 +151,7 @@ class PipelineSteps:
         norm = torch.nn.utils.get_total_norm(grads)
         square = (norm.full_tensor() if isinstance(norm, DTensor) else norm).double().square()
         dist.all_reduce(square, group=self.pp_group)
-        total = square.sqrt().float()
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for param in self.module.parameters():
-            if param.grad is not None:
-                param.grad.mul_(float(coefficient))
+        torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, square.sqrt().float())
 
     @torch.no_grad()
     def val_loss(self, draws: int) -> Optional[float]:
