@@ -17,6 +17,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import time
 import sys
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -207,6 +208,26 @@ def single_rank_env() -> dict[str, str]:
         port = s.getsockname()[1]
     return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                 LOCAL_WORLD_SIZE="1")
+
+
+def timed_steps(step: Callable[[], object], count: int) -> list[float]:
+    """The seconds each of `count` calls of `step` took, every rank starting each call together
+    (a barrier first: a rank that ran ahead does not time its wait for the others)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(count):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def rotated(variants: Sequence[str], round_index: int) -> list[str]:
+    """Round `round_index`'s order of the variants: the first rotates, so none always runs first."""
+    shift = round_index % len(variants)
+    return [*variants[shift:], *variants[:shift]]
 
 
 def median(values: Sequence[float]) -> float:

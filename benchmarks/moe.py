@@ -23,7 +23,8 @@ import time
 from typing import Optional, Sequence
 
 from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on_link, parse_with_worker_options,
-                    read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
+                    read_json, rotated, run_with_deadline, script_main, single_thread_env, timed_steps, torchrun,
+                    write_json, write_text)
 
 WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
@@ -110,15 +111,13 @@ def run_worker(args: argparse.Namespace) -> None:
 
     def steps(variant: str, count: int) -> list[float]:
         model, optimizer = built[variant]
-        times = []
-        for _ in range(count):
-            dist.barrier()
-            start = time.perf_counter()
+
+        def step() -> None:
             model(idx, idx).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        return times
+
+        return timed_steps(step, count)
 
     for variant in VARIANTS:
         steps(variant, 2)                                          # warm-up: the runtime learns its order
@@ -126,8 +125,7 @@ def run_worker(args: argparse.Namespace) -> None:
     step_s: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     all_to_all: dict[str, list[tuple[int, float]]] = {variant: [] for variant in VARIANTS}
     for round_index in range(args.rounds):
-        shift = round_index % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+        for variant in rotated(VARIANTS, round_index):
             step_s[variant].append(median(steps(variant, args.steps)))
             sent, blocked = meter.take()
             all_to_all[variant].append((sent / args.steps, blocked / args.steps))

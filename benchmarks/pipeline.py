@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from typing import Optional, Sequence
 
 from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, parse_with_worker_options, read_json,
-                    run_with_deadline, script_main, single_thread_env, torchrun, write_json, write_text)
+                    rotated, run_with_deadline, script_main, single_thread_env, timed_steps, torchrun, write_json,
+                    write_text)
 
 WORLD_SIZE, PP = 4, 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather", "FSDP2 reshard",
@@ -186,15 +186,13 @@ def run_worker(args: argparse.Namespace) -> None:
 
     def steps(variant: str, count: int) -> list[float]:
         schedule, optimizer, _ = built[variant]
-        times = []
-        for _ in range(count):
-            dist.barrier()
-            start = time.perf_counter()
+
+        def step() -> None:
             schedule.step(*((idx,) if pp_rank == 0 else ()), **({"target": idx} if pp_rank == PP - 1 else {}))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        return times
+
+        return timed_steps(step, count)
 
     def rise_mb(variant: str) -> float:
         """One step's peak resident memory over what the rank held before it, every variant's
@@ -218,8 +216,7 @@ def run_worker(args: argparse.Namespace) -> None:
     step_s = {variant: [] for variant in VARIANTS}
     moved = {variant: [] for variant in VARIANTS}
     for round_index in range(args.rounds):
-        shift = round_index % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+        for variant in rotated(VARIANTS, round_index):
             step_s[variant].append(median(steps(variant, args.steps)))
             gathered, reduced = counter.take()
             moved[variant].append((gathered / args.steps, reduced / args.steps))
