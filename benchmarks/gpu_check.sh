@@ -216,7 +216,7 @@ else
     else
         if "$PY" - <<'EOF'; then
 import torch
-from overlap.kernels import available_backends
+from overlap.kernels.backends import available_backends
 import overlap._C  # noqa: F401
 print("kernel backends on cuda, in auto's order:", available_backends(torch.device("cuda")))
 for op in ("overlap::pack", "overlap::quantize"):

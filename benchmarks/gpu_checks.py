@@ -1057,7 +1057,7 @@ def check_sanitized(checks: Checks, rehearse: bool) -> None:
 # ---- kernels past 2**31 elements ---------------------------------------------------------------
 
 def check_large_index(checks: Checks, rehearse: bool) -> None:
-    from overlap.kernels import available_backends, get_backend
+    from overlap.kernels.backends import available_backends, get_backend
     from overlap.kernels.reference import TorchKernels
 
     device = _device(rehearse)
@@ -1195,7 +1195,7 @@ def _elapsed_ms(run: Callable[[], None], device: torch.device, repeats: int = 3)
 def _offload_copies(checks: Checks, device: torch.device) -> None:
     """The offload copies' bandwidth against a plain pinned copy, and how much of them runs
     hidden under compute on the compute stream."""
-    from overlap.kernels import get_backend
+    from overlap.kernels.backends import get_backend
     from overlap.runtime.host_tier import HostTier
     from overlap.runtime.pending import COMPLETED
 

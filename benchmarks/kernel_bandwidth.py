@@ -28,7 +28,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from common import RunRecord
-from overlap.kernels import DEFAULT_BLOCK, available_backends, get_backend
+from overlap.kernels.backends import available_backends, get_backend
+from overlap.kernels.quantized import DEFAULT_BLOCK
 
 LLAMA_BLOCK = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008), (4096,), (4096,)]
 
@@ -369,7 +370,7 @@ def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) ->
     heavy-tailed (Student-t, 3 degrees of freedom) values, the bytes sent per element, and the
     median and IQR time of the fastest backend's quantize_int8 and 2-chunk int8
     dequantize_accumulate; all block sizes take turns in every repeat."""
-    from overlap.kernels import empty_quantized
+    from overlap.kernels.quantized import empty_quantized
 
     gen = torch.Generator().manual_seed(0)
     chi2_3 = torch.randn(3, QUANT_NUMEL, generator=gen).square_().sum(0)

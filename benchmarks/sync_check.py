@@ -32,7 +32,7 @@ import overlap.kernels
 
 # Where the package's own code lives (overlap.kernels is installed from kernels/): a call is
 # counted when a frame there made it.
-_PACKAGE_DIRS = tuple(os.path.dirname(module.__file__) + os.sep for module in (overlap, overlap.kernels))
+_PACKAGE_DIRS = (os.path.dirname(overlap.__file__) + os.sep, list(overlap.kernels.__path__)[0] + os.sep)
 # (owner, method): each blocks the host until the device catches up when its tensor or
 # event is on the device.
 SYNC_CALLS: list[tuple[object, str]] = [

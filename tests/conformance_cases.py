@@ -1873,16 +1873,9 @@ def launch_cases(names: Sequence[str], worlds: Sequence[int] = WORLDS) -> dict[i
     runs = {world: CaseLaunch({name: RankCase(run_case, (name,)) for name in names}, world_size=world,
                               timeout=LAUNCH_TIMEOUT_S)
             for world in worlds}
-    # Each launch sets and restores PYTHONSAFEPATH around its start; two at once can restore
-    # each other's value, so this process's own is put back once both have started.
-    safe_path = os.environ.get("PYTHONSAFEPATH")
     threads = [threading.Thread(target=run.run_once) for run in runs.values()]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    if safe_path is None:
-        os.environ.pop("PYTHONSAFEPATH", None)
-    else:
-        os.environ["PYTHONSAFEPATH"] = safe_path
     return runs

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Iterator
 
 import pytest
@@ -12,13 +11,6 @@ try:
     import triton
 except ImportError:
     triton = None
-
-# The checkout's own root off the import path (`python -m pytest` puts the working directory on
-# it): its kernels/ directory, installed as `overlap.kernels`, would otherwise be found as the
-# top-level package `kernels` from PyPI, which transformers imports. The tests import the
-# package as installed, and their helpers from tests/ (pytest puts that directory on the path).
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _ROOT]
 
 # Triton runs CPU tensors only through its interpreter, and `overlap.kernels.triton_backend`
 # builds its kernels for whichever mode is on when it is first imported: switched on here,

@@ -23,7 +23,6 @@ unmatched (ranks that diverge, a rank that is killed) gets a launch of its own.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import pickle
@@ -31,7 +30,7 @@ import socket
 import tempfile
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch.multiprocessing as mp
 
@@ -83,23 +82,6 @@ class RankError(RuntimeError):
         super().__init__("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
 
 
-@contextlib.contextmanager
-def _server_off_the_checkout_root() -> Iterator[None]:
-    """The fork server, when this launch starts it, without the working directory (the checkout's
-    root) first on its import path, as `python -c` would put it: the checkout's kernels/ would
-    be imported as the PyPI package `kernels` that transformers imports (see tests/conftest.py).
-    Its ranks get the test's environment, without this setting."""
-    before = os.environ.get("PYTHONSAFEPATH")
-    os.environ["PYTHONSAFEPATH"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONSAFEPATH"]
-        else:
-            os.environ["PYTHONSAFEPATH"] = before
-
-
 def run_distributed(fn: Callable, world_size: int, *args: Any, env: dict | None = None,
                     timeout: float = DEFAULT_TIMEOUT_S, backend: str | None = "gloo") -> list[Any]:
     """`fn(rank, world_size, *args)` on every rank; returns the per-rank results.
@@ -110,7 +92,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, env: dict | None 
     port = _free_port()
     mp.set_forkserver_preload(PRELOAD)       # read once, when the first launch starts the server
     environment = {**os.environ, **(env or {})}
-    with tempfile.TemporaryDirectory() as out_dir, _server_off_the_checkout_root():
+    with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(fn, world_size, port, out_dir, environment, args, backend),
                                  nprocs=world_size, join=False, start_method="forkserver")
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlap.kernels import available_backends, get_backend
+from overlap.kernels.backends import available_backends, get_backend
 from overlap.runtime.compression import Compression, QuantizedCodec, RecordLayout
 
 REFERENCE = get_backend("torch", torch.device("cpu"))

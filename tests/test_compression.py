@@ -121,7 +121,7 @@ def _collectives(mode: str, block: int = 128):
 
     from overlap.runtime.collectives import Collectives
     from overlap.runtime.compression import Compression, QuantizedCodec
-    from overlap.kernels import get_backend
+    from overlap.kernels.backends import get_backend
 
     kernels = get_backend("torch", torch.device("cpu"))
     return Collectives(dist.group.WORLD, torch.device("cpu"), kernels, codec=QuantizedCodec(Compression(mode, block), kernels))
@@ -347,7 +347,7 @@ def test_auto_gives_up_after_a_bounded_number_of_asks(monkeypatch, caplog) -> No
     from overlap.base.step_record import StepKind
     from overlap.control import compression_auto
     from overlap.control.compression_auto import MAX_ASKS, CompressionChooser
-    from overlap.kernels import get_backend
+    from overlap.kernels.backends import get_backend
     from overlap.runtime.compression import Compression, QuantizedCodec
 
     asked: list[int] = []
@@ -409,7 +409,7 @@ def test_codec_kernels_are_warmed_for_the_dtypes_training_uses() -> None:
     """At start-up every rank runs each kernel once per dtype it will be given, so the first
     compressed step does not compile on some ranks while the others wait."""
     from overlap.control.compression_auto import warm_codec_kernels
-    from overlap.kernels import get_backend
+    from overlap.kernels.backends import get_backend
     from overlap.runtime.compression import Compression, QuantizedCodec
 
     backend = get_backend("torch", torch.device("cpu"))

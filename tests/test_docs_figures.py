@@ -1135,7 +1135,7 @@ def test_every_linked_result_file_is_checked_or_named() -> None:
 
 
 def test_the_kernel_backend_order_in_the_docs_is_the_codes() -> None:
-    from overlap.kernels import AUTO_ORDER
+    from overlap.kernels.backends import AUTO_ORDER
 
     kernels = _doc("docs/kernels.md")
     for device, label in (("cpu", "CPU"), ("cuda", "CUDA")):

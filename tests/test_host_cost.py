@@ -54,7 +54,9 @@ def _package_dirs() -> tuple[str, ...]:
     import overlap
     import overlap.kernels
 
-    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (overlap, overlap.kernels))
+    # overlap.kernels is a namespace package (kernels/, no __init__.py): its one directory.
+    return (os.path.dirname(os.path.abspath(overlap.__file__)) + os.sep,
+            os.path.abspath(list(overlap.kernels.__path__)[0]) + os.sep)
 
 
 def _count_calls(fn: Callable[[], object]) -> int:

@@ -41,12 +41,13 @@ BACKEND_CHECK = r"""
 import json
 import torch
 import overlap
-import overlap.kernels as kernels
+import overlap.kernels
+import overlap.kernels.backends as kernels
 
 srcs, offsets = [torch.arange(5.0), torch.arange(7.0)], [0, 8]
 expected = torch.zeros(16)
 kernels.get_backend("torch", "cpu").pack(srcs, expected, offsets, 0.5)
-found = {"overlap": overlap.__file__, "kernels": kernels.__file__, "backends": {}}
+found = {"overlap": overlap.__file__, "kernels": list(overlap.kernels.__path__)[0], "backends": {}}
 for name in kernels.BACKEND_NAMES:
     if name == "auto":
         continue

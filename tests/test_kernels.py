@@ -24,7 +24,7 @@ except ImportError:
 if triton is not None and not torch.cuda.is_available():
     triton.knobs.runtime.interpret = True
 
-from overlap.kernels import BACKEND_NAMES, BackendUnavailable, available_backends, get_backend  # noqa: E402
+from overlap.kernels.backends import BACKEND_NAMES, BackendUnavailable, available_backends, get_backend  # noqa: E402
 from overlap.kernels.reference import TorchKernels  # noqa: E402
 
 # Triton's interpreter warns where numpy overflows to fp16 infinity or adds opposite

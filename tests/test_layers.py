@@ -13,11 +13,12 @@ import pathlib
 import pkgutil
 
 import overlap
+import overlap.kernels
 
 # Package -> the packages it may import (besides itself). "api" is the public face:
 # overlap/__init__.py, overlap/sharded_module.py and overlap/fsdp.py.
 ALLOWED: dict[str, set[str]] = {
-    "kernels": set(),
+    "kernels": {"_C"},                  # the compiled extension the ext backend loads
     "models": set(),
     "base": {"kernels"},
     "optim": {"kernels"},
@@ -39,6 +40,9 @@ API_MODULES = {"overlap", "overlap.sharded_module", "overlap.fsdp"}
 def _modules() -> list[str]:
     names = ["overlap"]
     names += [m.name for m in pkgutil.walk_packages(overlap.__path__, "overlap.")]
+    # overlap.kernels is a namespace package (kernels/ has no __init__.py), which the walk
+    # above does not enter.
+    names += [m.name for m in pkgutil.walk_packages(overlap.kernels.__path__, "overlap.kernels.")]
     # Python source only: overlap._C is the compiled extension.
     return sorted(n for n in names if importlib.util.find_spec(n).origin.endswith(".py"))
 

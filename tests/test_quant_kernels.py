@@ -28,8 +28,8 @@ if triton is not None and not torch.cuda.is_available():
 from test_kernels import _assert_same  # noqa: E402
 from triton_aot import compile_for_cuda  # noqa: E402
 
-from overlap.kernels import DEFAULT_BLOCK, available_backends, get_backend  # noqa: E402
-from overlap.kernels.quantized import MAX_BLOCK, Q_DTYPES, num_blocks, quantized_bytes  # noqa: E402
+from overlap.kernels.backends import available_backends, get_backend  # noqa: E402
+from overlap.kernels.quantized import DEFAULT_BLOCK, MAX_BLOCK, Q_DTYPES, num_blocks, quantized_bytes  # noqa: E402
 from overlap.kernels.reference import TorchKernels  # noqa: E402
 
 # Triton's interpreter warns where numpy divides by a zero or NaN scale, as the kernels do

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from overlap.kernels import BACKEND_NAMES
+from overlap.kernels.backends import BACKEND_NAMES
 
 # Flat-buffer kernel backends; defined beside the backends themselves (overlap.kernels).
 KERNEL_CHOICES = BACKEND_NAMES

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from overlap.base.config import Config
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.startup_plan import StartupPlan
-from overlap.kernels import KernelBackend
+from overlap.kernels.backends import KernelBackend
 from overlap.plan.sharding import ShardingChoice
 from overlap.runtime.mesh import ShardingGroups
 

@@ -19,7 +19,7 @@ from overlap.base.config import (Config, config_from_env, local_rank_from_env, l
                                  validate_bucket_mb, validate_compress, validate_flag, validate_offload,
                                  validate_prefetch_depth, validate_sharding)
 from overlap.base.mixed_precision import MixedPrecision
-from overlap.kernels import BackendUnavailable, KernelBackend, get_backend
+from overlap.kernels.backends import BackendUnavailable, KernelBackend, get_backend
 from overlap.runtime.disk_tier import disk_offload_error
 from overlap.runtime.host_tier import offload_error
 from overlap.runtime.expert_parallel import expert_parallel_error

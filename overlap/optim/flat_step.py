@@ -18,7 +18,7 @@ from typing import Tuple
 
 import torch
 
-from overlap.kernels import load_extension
+from overlap.kernels.backends import load_extension
 
 from .reference import adamw_step_reference
 from .scalars import adamw_scalars

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from overlap.kernels import KernelBackend
+from overlap.kernels.backends import KernelBackend
 from overlap.runtime.codec import Codec, WireFormat
 from overlap.runtime.issue import CollectiveCall, issue
 from overlap.runtime.pending import COMPLETED, Pending, wait_watched

@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from overlap.kernels import KernelBackend
+from overlap.kernels.backends import KernelBackend
 from overlap.base.choices import COMPRESSION_BITS
 from overlap.kernels.quantized import DEFAULT_BLOCK, Q_DTYPES, num_blocks, quantized_bytes
 

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 import torch
 
 if TYPE_CHECKING:
-    from overlap.kernels import KernelBackend
+    from overlap.kernels.backends import KernelBackend
     from overlap.runtime.pending import Pending
 
 # The offload tiers this runtime can hold state in; a tier missing here is refused at start-up

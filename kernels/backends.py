@@ -1,4 +1,6 @@
-"""Flat-buffer kernels used by the sharding runtime, behind one small interface.
+"""The flat-buffer kernels' interface, its backends by name, and the choice among them.
+
+The kernels the sharding runtime uses sit behind one small interface.
 
 Two operations cover every copy the runtime makes between parameters, shards and
 collective buffers:
@@ -25,6 +27,12 @@ Backends: ``torch`` (reference), ``ext`` (the ``overlap._C`` C++/CUDA extension)
 ``triton`` and ``cupy`` (NVRTC); the compiled ones share ``kernels/flat_kernels.cu`` or its
 semantics and are tested element for element against the reference. The choice is made by
 name through :func:`get_backend`; ``auto`` picks the fastest backend available for a device.
+
+kernels/ has no ``__init__.py`` on purpose. It is reached as ``overlap.kernels`` (installed, and
+in the checkout through the link ``overlap/kernels``); from the checkout's root, on the import
+path whenever Python runs there, it is only a namespace portion named ``kernels``, and a regular
+package of that name (PyPI's ``kernels``, which transformers imports) takes precedence over it.
+So it shadows nothing.
 """
 from __future__ import annotations
 
@@ -32,7 +40,6 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from .quantized import DEFAULT_BLOCK, empty_quantized  # noqa: F401  (the package's public names)
 from .reference import TorchKernels
 
 BACKEND_NAMES = ("auto", "torch", "triton", "ext", "cupy")
