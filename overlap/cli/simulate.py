@@ -24,7 +24,9 @@ from overlap.plan.memory import MASTER_BYTES, ActivationShape, activation_bytes,
 from overlap.plan.prefetch import MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
 from overlap.plan.sharding import Levels, choose_sharding
 from overlap.plan.links import LinkModel
+from overlap.cli.published import PUBLISHED
 from overlap.plan.offload import offload_time
+from overlap.plan.pipeline import PipelineLayout, PipelineOption, choose_pipeline, evaluate_pipeline, pipeline_options
 from overlap.plan.tensor_parallel import ClusterShape, TransformerShape, choose_tp, tp_options
 
 GATHER_BYTES = 2       # bf16 parameters
@@ -223,6 +225,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tensor-parallel", action="store_true",
                         help="compare (dp, tp) splits of the cluster, ZeRO-3 over dp and TP inside a node, at the "
                              "global batch of --batch sequences per GPU (overlap.plan.tensor_parallel)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="compare (dp, tp, pp, microbatches, schedule) at one global batch, ZeRO-3 over dp "
+                             "inside each pipeline stage (overlap.plan.pipeline), beside published layouts")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per step for --pipeline and --tensor-parallel (default: --batch per GPU)")
+    parser.add_argument("--microbatch", type=int, default=1, help="sequences per pipeline microbatch")
     add_offload_arguments(parser)
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
@@ -235,6 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--bucket-mb {args.bucket_mb} is invalid; expected a number >= 0")
     if args.nodes is not None and args.nodes < 1:
         parser.error(f"--nodes {args.nodes} is invalid; expected an integer >= 1")
+    if (args.global_batch is not None and args.global_batch < 1) or args.microbatch < 1:
+        parser.error("--global-batch and --microbatch must be >= 1")
 
     model = MODELS[args.model]
     if args.seq is not None:
@@ -291,9 +301,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         for line in sharding_table(profile, cluster, model, args.batch, args.checkpointing):
             print(line)
+    global_batch = args.global_batch or args.batch * cluster.ranks
     if args.tensor_parallel:
         print()
-        for line in tensor_parallel_table(model, cluster, args.batch * cluster.ranks, args.mfu, args.checkpointing):
+        for line in tensor_parallel_table(model, cluster, global_batch, args.mfu, args.checkpointing):
+            print(line)
+    if args.pipeline:
+        print()
+        for line in pipeline_table(args.model, model, cluster, global_batch, args.microbatch, args.mfu,
+                                   args.checkpointing):
             print(line)
     return 0
 
@@ -340,15 +356,21 @@ def sharding_table(profile: Profile, cluster: ClusterPreset, model: ModelPreset,
     return lines
 
 
-def tensor_parallel_table(model: ModelPreset, cluster: ClusterPreset, global_batch: int, mfu: float,
-                          checkpointing: bool) -> list[str]:
-    """Each (dp, tp) split of the cluster at one global batch: TP's all-reduces per step, the
-    step with ZeRO-3's gathers over dp (prefetch depth 1), memory per rank, and the pick."""
+def _shapes(model: ModelPreset, cluster: ClusterPreset, mfu: float) -> tuple[TransformerShape, ClusterShape]:
+    """The model and cluster as overlap.plan.tensor_parallel and overlap.plan.pipeline see them."""
     shape = TransformerShape(model.layers, model.hidden, model.heads, model.kv_heads, model.vocab, model.seq,
                              model.layer_params, model.embedding_params)
     node = LinkModel("nvlink", cluster.step_latency_intra, cluster.node_bandwidth, "preset")
     machines = ClusterShape(cluster.nodes, cluster.gpus_per_node, cluster.peak_flops * mfu, cluster.memory_bytes, node,
                             cluster.step_latency_inter, cluster.bus_bandwidth, cluster.base_latency)
+    return shape, machines
+
+
+def tensor_parallel_table(model: ModelPreset, cluster: ClusterPreset, global_batch: int, mfu: float,
+                          checkpointing: bool) -> list[str]:
+    """Each (dp, tp) split of the cluster at one global batch: TP's all-reduces per step, the
+    step with ZeRO-3's gathers over dp (prefetch depth 1), memory per rank, and the pick."""
+    shape, machines = _shapes(model, cluster, mfu)
     options = tp_options(shape, machines, global_batch, depth=1, checkpointing=checkpointing)
     pick = choose_tp(options, cluster.memory_bytes)
     lines = [f"tensor parallel x ZeRO-3 at a global batch of {global_batch} sequences "
@@ -365,4 +387,55 @@ def tensor_parallel_table(model: ModelPreset, cluster: ClusterPreset, global_bat
         lines.append("no tp divides the node's GPUs and the heads with a whole batch per dp group")
     elif pick is None:
         lines.append("no split fits the memory; try --checkpointing or a smaller --batch")
+    return lines
+
+
+PIPELINE_ROWS = 10      # the fastest options that fit, shown
+
+
+def _pipeline_row(option: PipelineOption, tokens_per_step: float, ranks: int, mark: str) -> str:
+    layout = option.layout
+    schedule = layout.schedule + (f" v{layout.virtual}" if layout.virtual > 1 else "")
+    return (f"{layout.dp:>4} {layout.tp:>3} {layout.pp:>3} {option.microbatches:>4} {schedule:<18} "
+            f"{'kept' if option.kept else 'per mb':>7} {option.bubble:>6.1%} {option.p2p_s * 1e3:>8.0f} "
+            f"{option.zero_exposed_s * 1e3:>9.0f} {option.step_s:>8.2f} {option.memory_bytes / 1e9:>7.1f} "
+            f"{tokens_per_step / ranks / option.step_s:>9,.0f}{mark}")
+
+
+def pipeline_table(name: str, model: ModelPreset, cluster: ClusterPreset, global_batch: int, microbatch: int,
+                   mfu: float, checkpointing: bool) -> list[str]:
+    """The fastest (dp, tp, pp, microbatches, schedule) layouts that fit at one global batch,
+    the pick, and the published layouts for this model evaluated the same way."""
+    shape, machines = _shapes(model, cluster, mfu)
+    options = pipeline_options(shape, machines, global_batch, microbatch, checkpointing)
+    pick = choose_pipeline(options, cluster.memory_bytes)
+    tokens = global_batch * model.seq
+    flops_per_token = 6 * model.params + 12 * model.layers * model.hidden * model.seq
+    lines = [f"pipeline x tensor parallel x ZeRO-3 at a global batch of {global_batch} sequences, microbatches of "
+             f"{microbatch} ({'with' if checkpointing else 'without'} activation checkpointing):",
+             f"{'dp':>4} {'tp':>3} {'pp':>3} {'mbs':>4} {'schedule':<18} {'gathers':>7} {'bubble':>6} "
+             f"{'p2p ms':>8} {'ZeRO ms':>9} {'step s':>8} {'GB/rank':>7} {'tok/s/GPU':>9}"]
+    fitting = sorted((o for o in options if o.memory_bytes <= cluster.memory_bytes), key=lambda o: o.step_s)
+    for option in fitting[:PIPELINE_ROWS]:
+        lines.append(_pipeline_row(option, tokens, cluster.ranks, "  <- pick" if option is pick else ""))
+    if pick is None:
+        lines.append("no layout fits the memory; try --checkpointing or a smaller --microbatch")
+    for recipe in (r for r in PUBLISHED if r.model == name):
+        lines.append(f"published: {recipe.source}: tp {recipe.tp}, pp {recipe.pp}, {recipe.virtual} stage(s) per "
+                     f"rank, context parallel {recipe.context_parallel}, {recipe.gpus} GPUs, global batch "
+                     f"{recipe.global_batch}"
+                     + (f", {recipe.throughput_tflops:.0f} TFLOP/s per GPU"
+                        f" ({recipe.throughput_tflops * 1e12 / flops_per_token:,.0f} tok/s/GPU)"
+                        if recipe.throughput_tflops else ""))
+        dp = cluster.ranks // (recipe.tp * recipe.pp)
+        if dp < 1 or cluster.ranks % (recipe.tp * recipe.pp) or global_batch % (dp * microbatch):
+            lines.append(f"  its tp x pp does not divide this cluster's {cluster.ranks} GPUs and global batch")
+            continue
+        schedule = "Interleaved1F1B" if recipe.virtual > 1 else "1F1B"
+        option = evaluate_pipeline(shape, machines, global_batch,
+                                   PipelineLayout(dp, recipe.tp, recipe.pp, microbatch, schedule, recipe.virtual),
+                                   checkpointing)
+        fits = "" if option.memory_bytes <= cluster.memory_bytes else "  (does not fit)"
+        lines.append("  here: " + _pipeline_row(option, tokens, cluster.ranks, fits).lstrip()
+                     + ("  (context parallelism left out)" if recipe.context_parallel > 1 else ""))
     return lines
