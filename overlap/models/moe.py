@@ -1,10 +1,26 @@
 """A GPT whose MLPs are mixtures of experts: a top-k softmax router and experts held as 3-D
 tensors (`gate_up_proj` (E, 2F, D), `down_proj` (E, D, F)), called as Hugging Face's expert
 modules are, `experts(hidden (N, D), top_k_index (N, k), top_k_weights (N, k))`, so the same
-expert parallelism serves both (overlap.runtime.expert_parallel)."""
+expert parallelism serves both (overlap.runtime.expert_parallel).
+
+[Note: expert capacity]
+Routing is dropless by default. With `MoEConfig(capacity_factor=c)` (Megatron-Core's
+`moe_expert_capacity_factor`, applied by the router as there), each expert takes at most
+ceil(c · N · k / n_expert) of a forward's N tokens' (token, choice) pairs; the pairs past
+that get the index n_expert, which expert modules skip (Hugging Face's convention for a
+dropped choice) and expert parallelism sends nowhere. Which pairs stay is decided by
+position alone, as GShard's and Switch Transformer's dispatch does: every token's first
+choice before any token's second, and within a choice, tokens in order. The rule reads
+nothing but the forward's own indices, so it is the same in one process and on each rank:
+under data or expert parallelism each rank's forward applies it to its own tokens, and a
+one-process forward per rank's batch applies the same. The router's load-balancing loss is
+taken before the drop, as Switch Transformer's.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -19,6 +35,14 @@ class MoEConfig(GPTConfig):
     top_k: int = 2
     expert_hidden: int = 256             # F, each expert's SwiGLU width
     aux_loss_weight: float = 0.01        # the router's load-balancing loss (Switch Transformer's)
+    # Pairs an expert takes per forward, as a multiple of an even share (None: dropless); see
+    # [Note: expert capacity].
+    capacity_factor: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig: capacity_factor must be a positive number or None (dropless), "
+                             f"got {self.capacity_factor!r}")
 
     @property
     def num_params(self) -> int:
@@ -63,6 +87,7 @@ class MoE(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.top_k = config.top_k
+        self.capacity_factor = config.capacity_factor
         self.router = Linear(config.n_embd, config.n_expert, bias=False)
         self.experts = Experts(config.n_expert, config.n_embd, config.expert_hidden)
         self.aux_loss = torch.zeros(())
@@ -76,7 +101,20 @@ class MoE(nn.Module):
         E = probs_NE.shape[-1]
         chosen_E = F.one_hot(index_NK, E).sum(1).float().mean(0) / self.top_k
         self.aux_loss = E * (chosen_E * probs_NE.mean(0)).sum()
+        if self.capacity_factor is not None:
+            index_NK = drop_over_capacity(index_NK, E, self.capacity_factor)
         return self.experts(x_ND, index_NK, weights_NK).reshape(B, T, D)
+
+
+def drop_over_capacity(index_NK: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
+    """`index_NK` with each (token, choice) pair past its expert's capacity set to
+    `num_experts`, a dropped choice (see [Note: expert capacity])."""
+    N, K = index_NK.shape
+    capacity = math.ceil(capacity_factor * N * K / num_experts)
+    chosen_PE = F.one_hot(index_NK.t().reshape(-1), num_experts)     # choice-major: first choices first
+    place_P = (chosen_PE.cumsum(0) * chosen_PE).sum(1) - 1           # the pair's place in its expert's queue
+    kept_NK = (place_P < capacity).view(K, N).t()
+    return torch.where(kept_NK, index_NK, torch.full_like(index_NK, num_experts))
 
 
 class MoEBlock(nn.Module):
