@@ -330,12 +330,12 @@ class ShardedModule(nn.Module):
                             parts[(group, index)] = whole.cpu().clone()
                     continue
                 flat = group.full_values()
-                experts = self._expert_groups is not None and group.collectives is not self.collectives
+                experts = group.experts is not None
                 if keep or experts:
                     for index, slot in enumerate(group.slots):
                         value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
                         if experts:         # every expert-parallel rank's experts, in order
-                            value = all_experts(value, self._expert_groups)
+                            value = all_experts(value, group.experts)
                         if keep:
                             parts[(group, index)] = value.cpu().clone()
                 del flat
@@ -413,30 +413,22 @@ class ShardedModule(nn.Module):
             save(save_directory, state_dict=state, **kwargs)
         dist.barrier(group=self.collectives.all_group)
 
-    def _refuse_with_experts(self, what: str) -> None:
-        if self._expert_groups is not None:
-            raise NotImplementedError(
-                f"{what} with expert_parallel is not supported yet (its expert parameters hold this rank's experts "
-                "only); save the whole model with model.full_state_dict(rank0_only=True), which gathers every "
-                "expert, and load it with model.load_full_state_dict, at any expert-parallel size, or into the "
-                "plain model")
-
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict[str, Any]:
         """`optimizer.state_dict()` as one process would have it: state of each parameter's
         shape gathered whole (CPU tensors), on every rank, or with `rank0_only` on rank 0
         alone (the others return {}). Called on every rank; loads into an optimizer of the
         plain model, or into this one at any world size (resharded: see [Note: optimizers
         built before wrapping])."""
-        self._refuse_with_experts("full_optim_state_dict")
         return full_optimizer_state(optimizer, keep=not rank0_only or self.collectives.rank == 0)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict, sharded: each parameter a DTensor of its full shape
         whose local tensor is a view of this rank's rows (as FSDP2 gives them; see
-        `overlap.runtime.row_dtensors`), buffers as they are. `torch.distributed.checkpoint`
-        saves it without gathering and loads into it in place, at any world size and from
-        FSDP2's checkpoints; `overlap.checkpoint` does both, with the optimizer."""
-        self._refuse_with_experts("state_dict()")
+        `overlap.runtime.row_dtensors`), buffers as they are; under expert parallelism an expert
+        parameter's DTensor is of every expert ([Note: expert parameters in state dicts]).
+        `torch.distributed.checkpoint` saves it without gathering and loads into it in place, at
+        any world size (and expert-parallel size) and from FSDP2's checkpoints;
+        `overlap.checkpoint` does both, with the optimizer."""
         others = self._module_state_dict()
         out: dict[str, Any] = {}
         for key, where in self._state_dict_layout:
@@ -452,7 +444,6 @@ class ShardedModule(nn.Module):
         """Load a state dict: each parameter a DTensor of its full shape (as `state_dict()`
         gives it, FSDP2's, or any other sharding: resharded, a collective) or a full tensor
         (as `full_state_dict()` gives it); every rank calls it."""
-        self._refuse_with_experts("load_state_dict")
         if assign:
             raise ValueError("ShardedModule.load_state_dict: assign=True would replace the views of the flat shards")
         if strict and not any(isinstance(value, DTensor) for value in state_dict.values()):
@@ -477,7 +468,7 @@ class ShardedModule(nn.Module):
                 parts[key] = local_rows(value, target)
             else:
                 group, index = slots[key]
-                parts[key] = group.local_of_full(index, value)
+                parts[key] = group.local_of_global(index, value)
         self._write_parts(mine, parts)
         others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}
         if others:
@@ -514,8 +505,8 @@ class ShardedModule(nn.Module):
                 continue
             group, index = where
             slot = group.slots[index]
-            if self._expert_groups is not None and group.collectives is not self.collectives:
-                value = my_experts(value, self._expert_groups, f"load_full_state_dict: {key}")
+            if group.experts is not None:
+                value = my_experts(value, group.experts, f"load_full_state_dict: {key}")
             if tuple(value.shape) != tuple(slot.shape):
                 raise ValueError(f"load_full_state_dict: {key} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(slot.shape)}")

@@ -40,7 +40,7 @@ from overlap.control.settings import RankSettings, StartupRequest, resolve_setti
 from overlap.control.startup_plan import plan_at_startup
 from overlap.control.step_end import PrefetchDepths, StepEndController, StepEndControllers
 from overlap.control.topology import detect_link
-from overlap.control.unit_builder import BuiltUnits, StateDictLayout, build_units
+from overlap.control.unit_builder import BuiltUnits, ExpertUnits, StateDictLayout, build_units
 from overlap.observe.report import OverlapMonitor
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.compiled import CompileTimeLog, compile_modules, compiled_by_user
@@ -109,8 +109,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         # The 16-bit shard's copies to the device and the gradients' to the host are offload="cpu"'s.
         host = DiskTier(decision.config.offload_dir, dist.get_rank(),
                         HostTier(decision.device, decision.kernels, collectives.all_gather_stream))
-    by_experts = None if expert_groups is None else \
-        (expert_collectives(collectives, expert_groups, request.all_group), {id(m) for m in experts})
+    by_experts = None if expert_groups is None else ExpertUnits(
+        expert_collectives(collectives, expert_groups, request.all_group), {id(m) for m in experts}, expert_groups)
     if expert_groups is not None:
         expert_groups.watched.collectives = collectives     # their all-to-alls go through its order check
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host,

@@ -6,7 +6,7 @@ group's slot) recorded before parameters leave their modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from torch import nn
 
@@ -14,6 +14,7 @@ from overlap.base.units import UnitSpec, merge_into_buckets
 from overlap.base.layout import group_by_kind
 from overlap.control.decision import StartupDecision
 from overlap.runtime.collectives import Collectives
+from overlap.runtime.expert_parallel import ExpertGroups
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.host_tier import HostTier
 from overlap.runtime.materialize import check_same_values, materialize, meta_places
@@ -22,6 +23,15 @@ from overlap.runtime.unit import Unit
 
 # State-dict key -> (flat group, slot index) for a parameter, None for buffers and extra state.
 StateDictLayout = list[tuple[str, Optional[tuple[FlatGroup, int]]]]
+
+
+class ExpertUnits(NamedTuple):
+    """Expert parallelism's units: the expert modules (by id), their collectives (over the
+    ranks holding the same experts) and the groups their parameters' state dicts span."""
+
+    collectives: Collectives
+    modules: set[int]
+    groups: ExpertGroups
 
 
 @dataclass(frozen=True)
@@ -40,9 +50,8 @@ class _FlatGroups:
 
     def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier],
                  tensor_parallel: Optional[TensorParallel], dtensor_params: bool,
-                 experts: Optional[tuple[Collectives, set[int]]]) -> None:
+                 experts: Optional[ExpertUnits]) -> None:
         self.collectives = collectives
-        # Expert parallelism: the expert modules' collectives and the modules (by id).
         self.experts = experts
         self.dtensor_params = dtensor_params
         self.tensor_parallel = tensor_parallel
@@ -54,35 +63,38 @@ class _FlatGroups:
     def unit(self, spec: UnitSpec, modules: list[nn.Module]) -> Unit:
         groups = []
         for (dtype, _), entries in group_by_kind(spec.params, lambda entry: entry[1]).items():
-            group = FlatGroup(entries, self._collectives_of(modules), self.mixed_precision.gather_dtype(dtype),
+            experts = self._experts_of(modules)
+            group = FlatGroup(entries, self.collectives if experts is None else experts.collectives,
+                              self.mixed_precision.gather_dtype(dtype),
                               self.mixed_precision.grad_reduce_dtype(dtype), self.node,
                               None if self.host is None else self.host.place(),
                               None if self.tensor_parallel is None else
                               [self.tensor_parallel.spec_of(param) for _, param, _ in entries],
-                              self.dtensor_params)
+                              self.dtensor_params, None if experts is None else experts.groups)
             for index, (_, param, _) in enumerate(entries):
                 self.slot_of[id(param)] = (group, index)
             groups.append(group)
         return Unit(spec.name or "<root>", modules, groups)
 
-    def _collectives_of(self, modules: list[nn.Module]) -> Collectives:
-        if self.experts is not None and modules and all(id(m) in self.experts[1] for m in modules):
-            return self.experts[0]
-        return self.collectives
+    def _experts_of(self, modules: list[nn.Module]) -> Optional[ExpertUnits]:
+        """Expert parallelism's units where `modules` are expert modules, else None."""
+        if self.experts is not None and modules and all(id(m) in self.experts.modules for m in modules):
+            return self.experts
+        return None
 
 
 def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpec], collectives: Collectives,
                 decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]],
                 host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None,
                 merge: bool = True, dtensor_params: bool = False, initialise_meta: bool = True,
-                experts: Optional[tuple[Collectives, set[int]]] = None) -> BuiltUnits:
+                experts: Optional[ExpertUnits] = None) -> BuiltUnits:
     """Units over `module`'s parameters, which become views of this rank's flat shards (in host
     memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors. With
     `merge`, consecutive small units are merged into buckets; with `dtensor_params`, the
     modules hold DTensor parameters over those views. Without `initialise_meta`, a meta model's
     parameters start at zero and its meta buffers stay on the meta device (the caller's
-    `to_empty()` and initialisation come later). With `experts` (collectives, module ids), the
-    expert modules' units shard over those collectives' group (expert parallelism)."""
+    `to_empty()` and initialisation come later). With `experts`, the expert modules' units
+    shard over their collectives' group (expert parallelism)."""
     device = decision.device
     for sub in module.modules():
         for name, buf in sub._buffers.items():

@@ -79,6 +79,7 @@ class ExpertGroups:
     ep_groups: tuple[dist.ProcessGroup, dist.ProcessGroup]
     shard_group: dist.ProcessGroup           # the ranks holding this rank's experts
     ep_rank: int
+    ranks: tuple[int, ...]                   # the world's ranks in order: rank g·E + e is ranks[g·E + e]
     # See [Note: ranks that part in a mixture of experts].
     watched: _Watched = field(default_factory=_Watched)
 
@@ -107,7 +108,7 @@ def make_groups(size: int, all_group: dist.ProcessGroup) -> ExpertGroups:
         made = dist.new_group(members)
         if rank % size == e:
             shard_group = made
-    return ExpertGroups(size, ep_groups, shard_group, rank % size)
+    return ExpertGroups(size, ep_groups, shard_group, rank % size, tuple(ranks))
 
 
 def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:

@@ -61,6 +61,8 @@ from overlap.base.layout import FlatLayout
 from overlap.runtime.row_dtensors import (RowDTensor, RowShard, as_block_dtensor, as_dtensor, row_dtensor, shard_mesh,
                                          tp_dp_mesh)
 from overlap.runtime.collectives import Collectives, Pending, all_gather_flat
+from overlap.runtime.expert_dtensors import expert_dtensor, experts_shape
+from overlap.runtime.expert_parallel import ExpertGroups, all_experts, my_experts
 from overlap.runtime.pending import COMPLETED
 from overlap.runtime.host_tier import ShardPlace
 from overlap.runtime.node_copy import NodeCopy
@@ -87,8 +89,11 @@ class FlatGroup:
                  collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  node_group: Optional[dist.ProcessGroup] = None, place: Optional[ShardPlace] = None,
                  tensor_parallel: Optional[list[Optional[TensorParallelSpec]]] = None,
-                 dtensor_params: bool = False) -> None:
+                 dtensor_params: bool = False, experts: Optional[ExpertGroups] = None) -> None:
         self.collectives = collectives
+        # Expert parallelism: the parameters hold this rank's experts, and their DTensors,
+        # shapes and whole values are every expert's; see [Note: expert parameters in state dicts].
+        self.experts = experts
         # The modules hold DTensor parameters of the full shapes (`fully_shard`, FSDP2's form)
         # instead of the module's own Parameter objects as views; see [Note: DTensor parameters].
         self.dtensor_params = dtensor_params
@@ -417,7 +422,9 @@ class FlatGroup:
             key = (index, part.dtype)
             spec = self._specs.get(key)
             if spec is None:
-                spec = self._specs[key] = as_dtensor(part, slot.shape, self.rows_by_rank[index], mesh)._spec
+                spec = self._specs[key] = (
+                    as_dtensor(part, slot.shape, self.rows_by_rank[index], mesh) if self.experts is None else
+                    expert_dtensor(part, slot.shape, self.rows_by_rank[index], self.experts, mesh.device_type))._spec
             return RowDTensor(part.detach().view(-1, *spec.shape[1:]), spec, requires_grad=False)
         if self._tp_plane is None:
             self._tp_plane = (tp_dp_mesh(tp.root, tp.mesh, self.collectives.group, self.collectives.device.type),)
@@ -437,8 +444,11 @@ class FlatGroup:
         return as_block_dtensor(part, tp.shape, list(slot.shape)[1:], offset, mesh)
 
     def global_shape(self, index: int) -> torch.Size:
-        """Parameter `index`'s whole shape: its slot's, or its global one if split over tp."""
+        """Parameter `index`'s whole shape: its slot's, its global one if split over tp, or
+        every expert's under expert parallelism."""
         tp = self.tensor_parallel[index]
+        if self.experts is not None:
+            return experts_shape(self.slots[index].shape, self.experts)
         return self.slots[index].shape if tp is None else tp.shape
 
     def _refuse_tensor_parallel(self, what: str) -> None:
@@ -456,6 +466,13 @@ class FlatGroup:
         start, end = self.parts[index]
         return value.detach().reshape(-1)[start:end].view(self.local_shapes[index])
 
+    def local_of_global(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """`local_of_full` of a tensor of `global_shape(index)`: under expert parallelism, of
+        every expert's rows, this rank's experts' are taken first."""
+        if self.experts is not None:
+            value = my_experts(value, self.experts, self.slots[index].name)
+        return self.local_of_full(index, value)
+
     def write_part(self, index: int, value: torch.Tensor) -> None:
         """Set this rank's part of parameter `index` from its full value (any device)."""
         with torch.no_grad():
@@ -472,15 +489,17 @@ class FlatGroup:
 
     def gather_parts(self, parts: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
         """Whole tensors from every rank's `parts` (each shaped like this rank's part of
-        parameter `indices[i]`, all of one dtype): one all-gather in the flat layout."""
+        parameter `indices[i]`, all of one dtype): one all-gather in the flat layout, and under
+        expert parallelism one over the expert-parallel group per tensor, for every expert."""
         self._refuse_tensor_parallel("whole optimizer state")
         shard = torch.zeros(self.shard_numel, dtype=parts[0].dtype, device=self.collectives.device)
         for part, index in zip(parts, indices):
             self._shard_view(shard, index).copy_(part)
         flat = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
         all_gather_flat(flat, shard, group=self.collectives.group)
-        return [flat[self.slots[index].offset:self.slots[index].offset + self.slots[index].numel]
-                .view(self.slots[index].shape) for index in indices]
+        wholes = [flat[self.slots[index].offset:self.slots[index].offset + self.slots[index].numel]
+                  .view(self.slots[index].shape) for index in indices]
+        return wholes if self.experts is None else [all_experts(whole, self.experts) for whole in wholes]
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:
         """Set this rank's shard from full parameter values given in slot order (every rank has them)."""

@@ -31,7 +31,7 @@ from overlap.runtime.row_dtensors import local_part, local_rows, same_layout
 from overlap.runtime.unpicklable_state import FULL_OPTIMIZER, PartialStateError, RankPartStateDict, every_rank_asks
 
 # A flat group (overlap.runtime.flat_group imports this module: no import back). It answers
-# `params`, `slots`, `layout`, `collectives`, `local_of_full`, `dtensor` and `gather_parts`.
+# `params`, `slots`, `layout`, `collectives`, `global_shape`, `local_of_global`, `dtensor` and `gather_parts`.
 FlatGroup = Any
 
 # Each sharded parameter -> its flat group and slot.
@@ -151,12 +151,12 @@ def _reshard(state: dict[str, Any], group: FlatGroup, index: int) -> None:
         elif not isinstance(value, torch.Tensor) or value.dim() == 0 or \
                 (value.shape == part.shape and not group.dtensor_params):
             continue
-        elif value.shape != slot.shape:
+        elif value.shape != group.global_shape(index):
             raise ValueError(f"optimizer state {key!r} of parameter {slot.name!r} has shape {tuple(value.shape)}: "
                              f"neither this rank's part {tuple(part.shape)} nor the whole parameter "
-                             f"{tuple(slot.shape)}")
+                             f"{tuple(group.global_shape(index))}")
         else:
-            local = group.local_of_full(index, value).clone()
+            local = group.local_of_global(index, value).clone()
         state[key] = group.dtensor(local, index) if group.dtensor_params else local
 
 
