@@ -1,14 +1,19 @@
 """Expert parallelism under ZeRO-3 (`ShardedModule(model, expert_parallel=E)`) against one
 process training the whole model on the global batch with DDP's semantics (the mean of every
 rank's loss): the GPT-MoE of overlap.models.moe and Hugging Face's Qwen3-MoE, routing as the
-router chooses and skewed (experts and whole ranks that receive no token), SGD and AdamW,
-torch's clip over all experts; the full state dict gathers every expert."""
+router chooses and skewed (experts and whole ranks that receive no token), dropless and with
+an expert capacity, SGD and AdamW, torch's clip over all experts; the full state dict gathers
+every expert, and checkpoints (torch.distributed.checkpoint, overlap.checkpoint) load at
+another expert-parallel size, without it, and into one process (tests/expert_checkpoint_cases.py)."""
 from __future__ import annotations
+
+from typing import Optional
 
 import pytest
 import torch
 
 from distributed import CaseLaunch, RankCase
+from expert_checkpoint_cases import round_trips
 
 PER_RANK, SEQ, STEPS, VOCAB = 2, 8, 3, 64
 # Router logits added by a forward hook: "skewed" sends every token to experts 0 and 1 (the
@@ -16,11 +21,11 @@ PER_RANK, SEQ, STEPS, VOCAB = 2, 8, 3, 64
 SKEW = {"normal": None, "skewed": (20.0, 10.0, -10.0, -10.0)}
 
 
-def _gpt_moe() -> torch.nn.Module:
+def _gpt_moe(seed: int = 0, capacity: Optional[float] = None) -> torch.nn.Module:
     from overlap.models.moe import GPTMoE, MoEConfig
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return GPTMoE(MoEConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, n_expert=4,
-                            top_k=2, expert_hidden=8))
+                            top_k=2, expert_hidden=8, capacity_factor=capacity))
 
 
 def _qwen3_moe() -> torch.nn.Module:
@@ -33,7 +38,17 @@ def _qwen3_moe() -> torch.nn.Module:
     return Qwen3MoeForCausalLM(config)
 
 
-MODELS = {"gpt_moe": _gpt_moe, "qwen3_moe": _qwen3_moe}
+def _model(kind: str, capacity: Optional[float]) -> torch.nn.Module:
+    return _gpt_moe(capacity=capacity) if kind == "gpt_moe" else _qwen3_moe()
+
+
+def _count_dropped(model: torch.nn.Module, dropped: list[int]) -> None:
+    """Count the (token, choice) pairs each expert module is handed as dropped."""
+    from overlap.runtime.expert_parallel import expert_modules
+
+    for experts in expert_modules(model):
+        experts.register_forward_pre_hook(
+            lambda m, args: dropped.append(int((args[1] >= m.num_experts).sum())))
 
 
 def _skew(model: torch.nn.Module, routing: str) -> None:
@@ -61,9 +76,12 @@ def _optimizer(params, name: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5) if name == "sgd" else torch.optim.AdamW(params, lr=1e-2)
 
 
-def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float) -> dict:
-    model = MODELS[kind]()
+def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float,
+                capacity: Optional[float]) -> dict:
+    model = _model(kind, capacity)
     _skew(model, routing)
+    dropped: list[int] = []
+    _count_dropped(model, dropped)
     opt = _optimizer(model.parameters(), optimizer)
     losses, norms = [], []
     for x, y in _batches(world):
@@ -76,17 +94,17 @@ def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": norms,
+    return {"losses": losses, "norms": norms, "dropped": sum(dropped),
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, optimizer: str,
-          clip: float) -> dict:
+          clip: float, capacity: Optional[float]) -> dict:
     import torch.distributed as dist
 
     from overlap import ShardedModule
 
-    model = MODELS[kind]()
+    model = _model(kind, capacity)
     _skew(model, routing)
     opt = _optimizer(model.parameters(), optimizer)           # built before wrapping, as users do
     model = ShardedModule(model, expert_parallel=expert_parallel)
@@ -134,8 +152,7 @@ def refusals(rank: int, world: int) -> dict:
     out = {}
     for name, make in (("offload", lambda: ShardedModule(_gpt_moe(), expert_parallel=2, offload="cpu")),
                        ("no_experts", lambda: ShardedModule(nn.Sequential(nn.Linear(4, 4)), expert_parallel=2)),
-                       ("indivisible", lambda: ShardedModule(_gpt_moe(), expert_parallel=3)),
-                       ("state_dict", lambda: ShardedModule(_gpt_moe(), expert_parallel=2).state_dict())):
+                       ("indivisible", lambda: ShardedModule(_gpt_moe(), expert_parallel=3))):
         try:
             make()
             out[name] = "returned"
@@ -157,24 +174,31 @@ def diverge(rank: int, world: int) -> str:
     return "returned"
 
 
-# (world, kind, expert_parallel, routing, optimizer, clip)
+# (world, kind, expert_parallel, routing, optimizer, clip, capacity factor: None is dropless)
 CASES = {
-    "w2-ep2-normal-adamw-clip": (2, "gpt_moe", 2, "normal", "adamw", 0.05),
-    "w2-ep2-skewed-sgd": (2, "gpt_moe", 2, "skewed", "sgd", 0.0),
-    "w2-ep2-normal-sgd": (2, "gpt_moe", 2, "normal", "sgd", 0.0),
-    "w2-ep2-qwen3-adamw": (2, "qwen3_moe", 2, "normal", "adamw", 0.0),
-    "w4-ep2-normal-sgd-clip": (4, "gpt_moe", 2, "normal", "sgd", 0.05),
-    "w4-ep4-skewed-adamw": (4, "gpt_moe", 4, "skewed", "adamw", 0.0),
-    "w4-ep4-normal-sgd": (4, "gpt_moe", 4, "normal", "sgd", 0.0),
+    "w2-ep2-normal-adamw-clip": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None),
+    "w2-ep2-skewed-sgd": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None),
+    "w2-ep2-normal-sgd": (2, "gpt_moe", 2, "normal", "sgd", 0.0, None),
+    "w2-ep2-qwen3-adamw": (2, "qwen3_moe", 2, "normal", "adamw", 0.0, None),
+    "w2-ep2-skewed-sgd-capacity": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, 1.0),
+    "w2-ep2-normal-adamw-capacity": (2, "gpt_moe", 2, "normal", "adamw", 0.0, 0.5),
+    "w4-ep2-normal-sgd-clip": (4, "gpt_moe", 2, "normal", "sgd", 0.05, None),
+    "w4-ep2-normal-sgd-capacity": (4, "gpt_moe", 2, "normal", "sgd", 0.0, 0.5),
+    "w4-ep2-skewed-adamw-capacity": (4, "gpt_moe", 2, "skewed", "adamw", 0.0, 1.0),
+    "w4-ep4-skewed-adamw": (4, "gpt_moe", 4, "skewed", "adamw", 0.0, None),
+    "w4-ep4-normal-sgd": (4, "gpt_moe", 4, "normal", "sgd", 0.0, None),
 }
+# Checkpoints: (expert-parallel size saved at, the sizes it loads at), per world.
+CHECKPOINT_PLANS = {2: ((2, (2, None)),), 4: ((2, (4, None)), (4, (2,)))}
 
 
 @pytest.fixture(scope="module")
-def launches() -> dict[int, CaseLaunch]:
+def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, CaseLaunch]:
     out = {}
     for world in (2, 4):
-        cases = {name: RankCase(train, (kind, ep, routing, opt, clip))
-                 for name, (w, kind, ep, routing, opt, clip) in CASES.items() if w == world}
+        cases = {name: RankCase(train, case[1:]) for name, case in CASES.items() if case[0] == world}
+        cases["checkpoints"] = RankCase(round_trips, (str(tmp_path_factory.mktemp(f"ep-w{world}")),
+                                                      CHECKPOINT_PLANS[world]))
         if world == 2:
             cases["refusals"] = RankCase(refusals)
             cases["diverge"] = RankCase(diverge)          # last: the ranks part
@@ -187,8 +211,9 @@ def launches() -> dict[int, CaseLaunch]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES)
 def test_trains_like_one_process(launches, case: str) -> None:
-    world, kind, ep, routing, optimizer, clip = CASES[case]
-    reference = one_process(world, kind, routing, optimizer, clip)
+    world, kind, ep, routing, optimizer, clip, capacity = CASES[case]
+    reference = one_process(world, kind, routing, optimizer, clip, capacity)
+    assert (reference["dropped"] > 0) == (capacity is not None), reference["dropped"]     # the capacity binds
     outcomes = [outcome.result() for outcome in launches[world][case]]
     for result in outcomes:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
@@ -216,7 +241,6 @@ def test_what_does_not_compose_is_refused_on_every_rank(launches) -> None:
         assert "no expert module" in result["no_experts"], result
         assert "must divide the number of experts" in result["indivisible"] or \
             "must divide the world size" in result["indivisible"], result
-        assert result["state_dict"].startswith("NotImplementedError"), result
 
 
 @pytest.mark.timeout(600)
@@ -231,3 +255,33 @@ def test_a_rank_that_skips_a_moe_layer_is_a_named_error_on_every_rank(launches) 
     for outcome in launches[2]["diverge"]:
         error = outcome.error()
         assert error.startswith("DivergenceError") and "ran different units" in error, error
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", CHECKPOINT_PLANS)
+def test_a_checkpoint_loads_at_another_expert_parallel_size_and_into_one_process(launches, world: int) -> None:
+    """Saved sharded (each rank its rows of its experts, placed among every expert), loaded at
+    the same size, another and without expert parallelism, model and AdamW state equal; torch's
+    full state dict and the file converted for one process hold every expert whole."""
+    outcomes = [outcome.result() for outcome in launches[world]["checkpoints"]]
+    for rank, result in enumerate(outcomes):
+        for ep, targets in CHECKPOINT_PLANS[world]:
+            assert result[(ep, "torch full state dict")] == 0.0, result
+            for target in targets:
+                assert result[(ep, target, "moved")] > 0, result
+                assert result[(ep, target, "dcp")] == (0.0, 0.0), (ep, target, result)
+                assert result[(ep, target, "overlap.checkpoint")] == (0.0, 0.0), (ep, target, result)
+                assert result[(ep, target, "torch full state")] == (0.0, 0.0), (ep, target, result)
+            if rank == 0:
+                assert result[(ep, "one process")] == 0.0, result
+
+
+def test_capacity_keeps_first_choices_first_then_tokens_in_order() -> None:
+    from overlap.models.moe import MoEConfig, drop_over_capacity
+
+    index = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    # ceil(1.0 * 4 tokens * 2 / 4 experts) = 2 pairs per expert; 4 marks a dropped choice.
+    assert drop_over_capacity(index, 4, 1.0).tolist() == [[0, 1], [0, 2], [4, 4], [1, 4]]
+    assert drop_over_capacity(index, 4, 2.0).tolist() == index.tolist()
+    with pytest.raises(ValueError, match="capacity_factor must be a positive number"):
+        MoEConfig(capacity_factor=0.0)
