@@ -196,12 +196,14 @@ MOE_REFUSED = [
 
 
 def _moe_flags(rank: int, world: int, directory: str) -> dict:
-    # FEW ends with --checkpoint-every 1: expert parallelism runs without checkpoints.
-    accepted = [_try_train([*FEW[:-2], *flags] if "--expert-parallel" in flags else
-                           [*FEW, *flags, "--checkpoint-dir", f"{directory}/moe-{index}"])
+    accepted = [_try_train([*FEW, *flags, "--checkpoint-dir", f"{directory}/moe-{index}"])
                 for index, flags in enumerate(MOE_ACCEPTED)]
+    # Expert parallelism's checkpoint of step 2 resumed for a third step, and three steps at once.
+    expert_parallel = MOE_ACCEPTED[2]
     return {"accepted": accepted,
-            "refused": [_try_train([*FEW[:-2], *flags]) for flags, _ in MOE_REFUSED]}
+            "refused": [_try_train([*FEW[:-2], *flags]) for flags, _ in MOE_REFUSED],
+            "resumed": _try_train([*FEW, "--steps", "3", *expert_parallel, "--checkpoint-dir", f"{directory}/moe-2"]),
+            "uninterrupted": _try_train([*FEW[:-2], "--steps", "3", *expert_parallel])}
 
 
 @pytest.mark.timeout(400)
@@ -211,13 +213,14 @@ def test_moe_and_expert_parallel_train_with_what_they_compose_with_and_refuse_th
     results = run_distributed(_moe_flags, 2, str(tmp_path), timeout=360)
     _trained_and_refused(results, MOE_ACCEPTED, MOE_REFUSED)
     assert results[0]["accepted"] == results[1]["accepted"]
+    for out in results:
+        assert out["resumed"] == out["uninterrupted"], out
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--expert-parallel", "2"], "--expert-parallel 2 needs --moe"),
     (["--moe", "--experts", "8", "--expert-parallel", "3"], "--expert-parallel 3 must divide --experts 8"),
     (["--moe", "--experts", "2", "--top-k", "3"], "--top-k 3 exceeds --experts 2"),
-    (["--moe", "--expert-parallel", "2", "--checkpoint-dir", "ckpt"], "--checkpoint-dir with --expert-parallel"),
 ])
 def test_moe_settings_that_cannot_work_are_named_before_any_rank_starts(argv, message, capsys, tmp_path,
                                                                           monkeypatch):

@@ -163,9 +163,6 @@ def check_options(args: argparse.Namespace) -> None:
         raise JobError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
     if args.expert_parallel is not None and args.experts % args.expert_parallel:
         raise JobError(f"--expert-parallel {args.expert_parallel} must divide --experts {args.experts}")
-    if args.expert_parallel is not None and args.checkpoint_dir is not None:
-        raise JobError("--checkpoint-dir with --expert-parallel is not supported yet: the sharded checkpoint "
-                       "holds each parameter's rows, and an expert-parallel rank holds only its experts")
     check_pipeline(args)
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
         raise JobError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir")
