@@ -193,6 +193,7 @@ class FlatGroup:
         # The gradient hook, until `full` requires a gradient and it is registered there.
         self._on_grad: Optional[Callable[[torch.Tensor], None]] = None
         self._views_installed = False          # on the modules since the last `remove_views`
+        self._views_record_grads = False       # the views made last are connected to `full` where they train
         # Which parameters received a gradient in this rank's backward passes since the last
         # published gradients; only those (on any rank) get a `.grad`.
         self.got_grad = [False] * len(self.slots)
@@ -283,6 +284,7 @@ class FlatGroup:
         if split is not None:
             split.register_prehook(self._mark_grads)
         self._views_installed = True
+        self._views_record_grads = split is not None or not self.requires_grad
         for slot, view, tp in zip(self.slots, views, self.tensor_parallel):
             if tp is not None:
                 view = tp.wrap(view)
@@ -293,6 +295,13 @@ class FlatGroup:
                     # module's registered parameters too (what `named_parameters()` yields to a
                     # pre-hook); freeing registers the DTensors again.
                     module._parameters[attr] = view
+
+    @property
+    def views_lost_by_backward(self) -> bool:
+        """Whether backward must make this group's views again: a free took them off the
+        modules (DTensor parameters stand in), or they were made without autograd recording. A
+        resident group is never freed, so the views its forward made serve its backward too."""
+        return self.dtensor_params and not (self.resident and self._views_record_grads)
 
     def remove_views(self) -> None:
         """At the end of a pass: the modules' attributes are their registered parameters again
