@@ -232,6 +232,9 @@ class RowDTensor(DTensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        done = _on_one_spec(func, args, kwargs)
+        if done is not _ELSEWHERE:
+            return done
         if func in _RANDOM_FILLS and isinstance(args[0], RowDTensor):
             return _random_fill(func, args, kwargs)
         if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
@@ -285,15 +288,63 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*local_args, **local_kwargs)
     if func._schema.is_mutable and isinstance(args[0], DTensor) and out is local_args[0]:
         return args[0]
+    return _with_spec(out, source._local_tensor.shape, spec)
+
+
+def _with_spec(out: Any, local_shape: torch.Size, spec: DTensorSpec) -> Any:
+    """An elementwise operator's local result(s) as RowDTensors laid out as `spec` (a tensor
+    of another shape stays as it is)."""
 
     def wrap(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.shape == source._local_tensor.shape:
+        if isinstance(value, torch.Tensor) and value.shape == local_shape:
             if value.dtype == spec.tensor_meta.dtype:          # the source's spec serves the result
                 return RowDTensor(value, spec, requires_grad=value.requires_grad)
             return row_dtensor(value, spec.mesh, spec.placements, spec.shape, spec.stride)
         return value
 
     return wrap(out) if isinstance(out, torch.Tensor) else tree_map(wrap, out)
+
+
+# [Note: elementwise operators on one spec]
+# An optimizer's single-tensor step (torch's default on CPU) calls one in-place operator per
+# parameter and state tensor, say SGD's `param.add_(grad, alpha=-lr)`, and every tensor operand
+# is a RowDTensor of the parameter's one spec: FlatGroup shares it, by identity, among the
+# parameter, its gradient and its optimizer state. `_on_one_spec` serves exactly that case: it
+# unwraps the operands and calls the operator's C++ entry, the answer `_elementwise` gives
+# without its tree walk, its layout comparisons and `OpOverload`'s Python call. Operators are
+# looked up by `id()`: `OpOverload` hashes in Python, and each is one object for the process's
+# life, held by the table. Measured on SGD's `add_` of an 8x8 parameter (one core): 10 µs a call
+# through `_elementwise`, 6 µs here, of which 3 µs is the dispatcher's call into Python alone; 1.3
+# µs on plain tensors.
+_ONE_SPEC_OPS = {id(op): (op._op, op._schema.is_mutable) for op in _ELEMENTWISE - _RANDOM_FILLS
+                 if "foreach" not in op.name()}
+
+
+def _on_one_spec(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func` on the local rows where its first operand is a RowDTensor and every other tensor
+    operand a RowDTensor of the same spec object, keywords holding none; else `_ELSEWHERE`."""
+    entry = _ONE_SPEC_OPS.get(id(func))
+    if entry is None or not args or type(args[0]) is not RowDTensor:
+        return _ELSEWHERE
+    first = args[0]
+    spec = first._spec
+    local = [first._local_tensor]
+    for value in args[1:]:
+        if isinstance(value, torch.Tensor):
+            if type(value) is not RowDTensor or value._spec is not spec:
+                return _ELSEWHERE
+            value = value._local_tensor
+        elif isinstance(value, (list, tuple)):
+            return _ELSEWHERE
+        local.append(value)
+    for value in kwargs.values():
+        if isinstance(value, (torch.Tensor, list, tuple)):
+            return _ELSEWHERE
+    op, mutable = entry
+    out = op(*local, **kwargs)
+    if mutable and out is local[0]:
+        return first
+    return _with_spec(out, local[0].shape, spec)
 
 
 def _foreach_ops() -> frozenset:
