@@ -70,13 +70,30 @@ class StartupRequest:
     def for_module(self, module: nn.Module) -> "StartupRequest":
         """This request with its participants set: a 1-D mesh shards over its own ranks, which
         are all that take part (several stages of a pipeline wrap different models on
-        different ranks); a model split by tensor parallelism spans the tp ranks too."""
+        different ranks); a model split by tensor parallelism spans the tp ranks too: the world,
+        or the stage's (dp, tp) plane of a (pp, dp, tp) mesh."""
         if self.process_group is not None or self.mesh is None or self.mesh.ndim != 1 or \
                 self.participants is not None:
             return self
-        if any(isinstance(param, DTensor) for param in module.parameters()):
-            return self
-        return dataclasses.replace(self, participants=self.mesh.get_group())
+        tp_mesh = next((param.device_mesh for param in module.parameters() if isinstance(param, DTensor)), None)
+        if tp_mesh is None:
+            return dataclasses.replace(self, participants=self.mesh.get_group())
+        return dataclasses.replace(self, participants=_dp_tp_plane(self.mesh, tp_mesh))
+
+
+def _dp_tp_plane(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
+    """The ranks of the (dp, tp) plane holding this rank, where the two meshes are dimensions
+    of a larger mesh (a pipeline stage's of ('pp', 'dp', 'tp')); None where they make up the
+    whole mesh (every rank takes part) or are not named dimensions of one. Collective over
+    every rank: each plane's group is made on all of them."""
+    root = dp_mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    dp_name = (dp_mesh.mesh_dim_names or (None,))[0]
+    tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
+    if root.ndim <= 2 or dp_name not in names or tp_name not in names:
+        return None
+    plane = root[tuple(name for name in names if name in (dp_name, tp_name))]
+    return plane._flatten().get_group()
 
 
 @dataclass(frozen=True)

@@ -116,10 +116,11 @@ def tensor_parallel_error(module: nn.Module, mesh: Optional[DeviceMesh], process
         return f"{prefix}a {mesh.ndim}-D data-parallel mesh; pass mesh['dp'] (1-D) or mesh['replicate', 'shard']"
     dp_ranks = set(mesh.mesh.flatten().tolist())
     tp_ranks = set(tp_mesh.mesh.flatten().tolist())
-    if dp_ranks & tp_ranks != {dist.get_rank()} or len(dp_ranks) * len(tp_ranks) != dist.get_world_size():
+    # Every rank, or one pipeline stage's ranks: a (pp, dp, tp) mesh's mesh['dp'] and mesh['tp'].
+    if dp_ranks & tp_ranks != {dist.get_rank()} or dist.get_world_size() % (len(dp_ranks) * len(tp_ranks)):
         return f"{prefix}the dp mesh (ranks {sorted(dp_ranks)}) and the tp mesh (ranks {sorted(tp_ranks)}) must be " \
-               "the two dimensions of one mesh over every rank: init_device_mesh(device, (dp, tp), " \
-               "mesh_dim_names=('dp', 'tp'))"
+               "two dimensions of one mesh: init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), " \
+               "or (pp, dp, tp) with mesh_dim_names=('pp', 'dp', 'tp')"
     refused = [(config.offload == "disk", "offload='disk'"),
                (config.sharding not in ("full", "auto"),
                 f"sharding={config.sharding!r} (its groups span every rank, across the tp ranks; for hybrid sharding "
