@@ -63,15 +63,27 @@ def materialise(model: nn.Module, seed: int) -> None:
 
 
 def steps(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, last: int, rank: int, world: int,
-          unshard_first: bool = False) -> list[float]:
-    """Adam steps with torch's clip, as the example trains; each loss averaged over the ranks."""
+          unshard_first: bool = False, keep: bool = False) -> list[float]:
+    """Adam steps with torch's clip, as the example trains; each loss averaged over the ranks.
+    `keep`: each rank's batch in two microbatches under FSDP2's accumulation pattern, the units
+    kept gathered between them (`set_reshard_after_backward(False)`) and no sync until the last."""
     losses = []
     batches = BATCHES()
     for step in range(first, last):
         if unshard_first:
             model.unshard()
-        loss = model(*_slice(batches[step], rank, world))
-        loss.backward()
+        if keep:
+            halves = []
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                model.set_reshard_after_backward(micro == 1)
+                half = model(*_slice(_slice(batches[step], rank, world), micro, 2)) / 2
+                half.backward()
+                halves.append(half.detach())
+            loss = halves[0] + halves[1]
+        else:
+            loss = model(*_slice(batches[step], rank, world))
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -318,8 +330,10 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def combination(rank: int, world: int, name: str) -> dict[str, list[float]]:
-    """Two Adam steps of the example's model sharded with fully_shard in one mode, and one process's."""
+def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[str, Any]:
+    """Two Adam steps of the example's model sharded with fully_shard in one mode, and one
+    process's; with `keep`, each step as two microbatches with the units kept gathered between
+    them, and what the runtime decided to keep."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -346,5 +360,6 @@ def combination(rank: int, world: int, name: str) -> dict[str, list[float]]:
             else:
                 os.environ[key] = value
     materialise(model, seed=0)
-    losses = steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, rank, world)
-    return {"overlap": losses, "one-process": one_process(0, 2)}
+    losses = steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, rank, world, keep=keep)
+    decided = model.overlap_report().decisions if keep else []
+    return {"overlap": losses, "one-process": one_process(0, 2), "decided": decided}

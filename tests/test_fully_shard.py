@@ -13,6 +13,9 @@ from distributed import CaseLaunch, RankCase
 
 MODES = ("default", "mixed-precision", "explicit-prefetching", "dcp-api")
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
+# The modes units kept gathered across microbatches are tested with here (fp32, bf16, offload
+# cpu and int8 are in tests/test_pipeline.py and tests/test_train_pipeline.py).
+KEEP_MODES = ("hybrid-2d-mesh", "hpz", "compiled")
 BF16 = {"rtol": 2e-2, "atol": 2e-3}
 
 
@@ -23,6 +26,7 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     two.update({"torchtitan": RankCase(cases.torchtitan_flow), "torchtune": RankCase(cases.torchtune_load),
                 "calls": RankCase(cases.module_calls)})
     two.update({f"combination-{name}": RankCase(cases.combination, (name,)) for name in cases.COMBINATIONS})
+    two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES})
     three = {"example-default": RankCase(cases.example_flow, (directory + "-3", "default"))}
     import os
 
@@ -98,3 +102,14 @@ def test_every_mode_reached_through_fully_shard_trains_like_one_process(launches
     for outcome in launches[2][f"combination-{name}"]:
         result = outcome.result()
         _close(result["overlap"], result["one-process"], tol)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", KEEP_MODES)
+def test_units_kept_across_microbatches_in_each_mode_train_like_one_process(launches, name: str) -> None:
+    """FSDP2's accumulation pattern (no sync and no resharding after the first microbatch's
+    backward) in hybrid, hpZ and compiled modes: the units kept, the losses one process's."""
+    for outcome in launches[2][f"keep-{name}"]:
+        result = outcome.result()
+        assert any("kept gathered across a step's microbatches" in d for d in result["decided"]), result["decided"]
+        _close(result["overlap"], result["one-process"], FP32)
