@@ -671,26 +671,27 @@ def test_checkpoint_round_trips_with_hybrid_and_hpz_sharding(sharding: str, laun
 
 # ---- steps taken during backward (overlap.optim.speculation) ----------------------------------------
 
-# Each phase, and what it does to each paged group's speculation: (commits, recomputes, restores).
+# Each phase, and what it does to each paged group's step taken ahead: (commits, recomputes,
+# restores, steps from the buckets read ahead: [Note: choosing between them] in overlap.optim.paged).
 PHASES = [
-    ("plain", (1, 0, 0)),               # the first step speculates
-    ("clip-loose", (1, 0, 0)),          # torch's clip multiplies by exactly 1: kept
-    ("clip-tight", (0, 1, 0)),          # the clip binds: recomputed
-    ("scaled", (0, 1, 0)),              # the user scales the gradients after backward
-    ("lr-after-backward", (0, 1, 0)),   # the learning rate changed between backward and step
-    ("no_sync", (1, 0, 0)),             # a no_sync micro-batch reduces nothing: kept
-    ("accumulate", (0, 0, 1)),          # two reducing micro-batches: the second forward restores
-    ("accumulate", (0, 0, 0)),          # ... and the next step does not speculate
-    ("plain", (0, 0, 0)),               # nor the one after a step that followed two backwards
-    ("plain", (1, 0, 0)),
-    ("skipped", (0, 0, 1)),             # backward, zero_grad, backward, step
-    ("plain", (0, 0, 0)),
-    ("forward-between", (0, 0, 1)),     # a forward after backward, then the step
-    ("plain", (1, 0, 0)),
-    ("no-grads", (0, 0, 1)),            # backward, zero_grad, step: the step steps nothing
-    ("plain", (0, 0, 0)),               # (counts two reductions since the last step that stepped)
-    ("plain", (0, 0, 0)),
-    ("plain", (1, 0, 0)),
+    ("plain", (1, 0, 0, 0)),               # the first step speculates
+    ("clip-loose", (1, 0, 0, 0)),          # torch's clip multiplies by exactly 1: kept
+    ("clip-tight", (0, 1, 0, 0)),          # the clip binds: recomputed, and the next step reads ahead
+    ("scaled", (0, 0, 0, 1)),              # the user scales the gradients after backward
+    ("lr-after-backward", (0, 0, 0, 1)),   # the learning rate changed between backward and step
+    ("no_sync", (0, 0, 0, 1)),             # a no_sync micro-batch reduces nothing; unchanged: speculates again
+    ("accumulate", (0, 0, 1, 0)),          # two reducing micro-batches: the second forward restores
+    ("accumulate", (0, 0, 0, 0)),          # ... and the next step does not speculate
+    ("plain", (0, 0, 0, 0)),               # nor the one after a step that followed two backwards
+    ("plain", (1, 0, 0, 0)),
+    ("skipped", (0, 0, 1, 0)),             # backward, zero_grad, backward, step
+    ("plain", (0, 0, 0, 0)),
+    ("forward-between", (0, 0, 1, 0)),     # a forward after backward, then the step
+    ("plain", (1, 0, 0, 0)),
+    ("no-grads", (0, 0, 1, 0)),            # backward, zero_grad, step: the step steps nothing
+    ("plain", (0, 0, 0, 0)),               # (counts two reductions since the last step that stepped)
+    ("plain", (0, 0, 0, 0)),
+    ("plain", (1, 0, 0, 0)),
 ]
 
 
@@ -748,7 +749,7 @@ def _speculation_phases(rank: int, world: int, wrap: dict, local_world_size: int
             optimizer.zero_grad()
             scheduler.step()
             if engine is not None:
-                counts.append((engine.commits, engine.recomputes, engine.restores))
+                counts.append((engine.commits, engine.recomputes, engine.restores, engine.read_aheads))
         out[offload] = {"losses": losses, "state": model.full_state_dict(), "counts": counts,
                         "groups": sum(g.place.offloaded for unit in model.scheduler.all_units for g in unit.groups)}
     return out
@@ -767,7 +768,7 @@ def test_steps_taken_during_backward_train_as_without_offload(name: str, launche
         assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
         for key, value in ref["state"].items():
             assert torch.equal(got["state"][key], value), (rank, key)
-        groups, before = got["groups"], (0, 0, 0)
+        groups, before = got["groups"], (0, 0, 0, 0)
         assert groups >= 2
         for (phase, expected), after in zip(PHASES, got["counts"]):
             delta = tuple(a - b for a, b in zip(after, before))

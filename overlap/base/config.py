@@ -46,6 +46,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_OFFLOAD": ("|".join(OFFLOAD_CHOICES),
                         "where master shards, gradient shards and optimizer state live: the device, host memory "
                         "or local disk (docs/offload.md)"),
+    "OVERLAP_DISK_WINDOW_MB": ("number >= 0 or 'auto'", "host memory per rank that offload='disk' may hold its "
+                               "state in, read ahead during backward and written behind the step (0: none; "
+                               "docs/offload_disk.md)"),
     "OVERLAP_OFFLOAD_DIR": ("directory path", "where offload='disk' keeps each rank's state file (default: a fresh "
                             "temporary directory per rank, removed at exit)"),
 }
@@ -72,6 +75,7 @@ class Config:
     compile: bool = False
     offload: str = "none"
     offload_dir: Optional[str] = None      # None: a fresh temporary directory per rank
+    disk_window_mb: Optional[float] = None  # None: the planner's share of host memory (overlap.plan.budget)
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -236,6 +240,9 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         fields["compile"] = _parse_flag("OVERLAP_COMPILE", env["OVERLAP_COMPILE"])
     if "OVERLAP_OFFLOAD" in env:
         fields["offload"] = _parse_choice("OVERLAP_OFFLOAD", env["OVERLAP_OFFLOAD"], OFFLOAD_CHOICES)
+    if "OVERLAP_DISK_WINDOW_MB" in env:
+        fields["disk_window_mb"] = _parse_auto_number("OVERLAP_DISK_WINDOW_MB", env["OVERLAP_DISK_WINDOW_MB"],
+                                                      integer=False, minimum=0, strict=False)
     if "OVERLAP_OFFLOAD_DIR" in env:
         if not env["OVERLAP_OFFLOAD_DIR"].strip():
             raise ValueError(f"OVERLAP_OFFLOAD_DIR='' is invalid; accepted values: {ENV_VARS['OVERLAP_OFFLOAD_DIR'][0]}")

@@ -37,7 +37,7 @@ from overlap.control.compression_auto import chooser_for
 from overlap.control.decision import StartupDecision
 from overlap.control.replanner import base_profile, replanner_for
 from overlap.control.settings import RankSettings, StartupRequest, resolve_settings
-from overlap.control.startup_plan import plan_at_startup
+from overlap.control.startup_plan import disk_window_bytes, plan_at_startup
 from overlap.control.step_end import PrefetchDepths, StepEndController, StepEndControllers
 from overlap.control.topology import detect_link
 from overlap.control.unit_builder import BuiltUnits, ExpertUnits, StateDictLayout, build_units
@@ -108,7 +108,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         # offload="disk": fp32 masters and moments in a state file; see overlap.runtime.disk_tier.
         # The 16-bit shard's copies to the device and the gradients' to the host are offload="cpu"'s.
         host = DiskTier(decision.config.offload_dir, dist.get_rank(),
-                        HostTier(decision.device, decision.kernels, collectives.all_gather_stream))
+                        HostTier(decision.device, decision.kernels, collectives.all_gather_stream),
+                        disk_window_bytes(decision.config))
     by_experts = None if expert_groups is None else ExpertUnits(
         expert_collectives(collectives, expert_groups, request.all_group), {id(m) for m in experts}, expert_groups)
     if expert_groups is not None:

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap.base.config import Config
+from overlap.base.config import Config, local_world_size_from_env
 from overlap.plan.cost_model import CommLayout, UnitCost
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.base.device_memory import device_memory_bytes
-from overlap.plan.budget import gathered_budget
+from overlap.plan.budget import disk_window, gathered_budget
 from overlap.plan.prefetch import Plan, cost_of_spec, initial_plan
 from overlap.control.agreement import decided_by_rank0
 from overlap.control.probe import probe_link
@@ -28,6 +28,16 @@ if TYPE_CHECKING:
 def default_memory_budget(device: torch.device) -> int:
     """The gathered-parameter budget of `overlap.plan.budget` for this rank's memory."""
     return gathered_budget(device_memory_bytes(device))
+
+
+def disk_window_bytes(config: Config) -> int:
+    """Host bytes offload="disk" may hold its state in between backward and the write behind
+    the step: the setting, or the planner's share of the host memory available now to each of
+    this host's ranks."""
+    if config.disk_window_mb is not None:
+        return int(config.disk_window_mb * 2**20)
+    ranks = local_world_size_from_env() or 1
+    return disk_window(device_memory_bytes(torch.device("cpu"), ranks))
 
 
 def cost_of_unit(unit: "Unit") -> UnitCost:

@@ -118,6 +118,15 @@ class AdamW(torch.optim.Optimizer):
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
         self._register_paged()       # the groups are new dicts
 
+    def state_dict(self) -> dict[str, Any]:
+        # offload="disk": the moments are maps of the state file, whose last writes may still
+        # be in flight behind the step ([Note: reading ahead and writing behind] in
+        # overlap.optim.window): flushed first, so the state dict reads the step's values.
+        for engine in {id(w.engine): w.engine for g in self.param_groups
+                       for w in map(paged_of, g["params"]) if w is not None}.values():
+            engine.flush()
+        return super().state_dict()
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         loss = None

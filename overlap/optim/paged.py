@@ -30,6 +30,18 @@ recomputed at `step()` (`speculate`; see [Note: the speculative step] in specula
 Every step writes the spare slots and makes them current once all are written, so a step
 that fails leaves the file at the state before it.
 
+[Note: choosing between them]
+A shard's state can instead be read ahead during backward into the engine's window and
+written behind the step ([Note: reading ahead and writing behind] in window.py): its IO then
+hides whatever the step does to the gradient, at the cost of holding the state in host
+memory from backward to the write's end. A speculation costs no such memory and also hides
+the update, but only while the gradient is the one backward left. So each shard speculates
+until a step recomputes its speculation (a clip that binds, a scaled gradient), then reads
+ahead, and goes back to speculating once a step finds its gradient as backward left it (the
+speculation would have held). Under a clip that binds at every step, the first step
+recomputes and every later one steps from the window; with no window (`window_bytes=0`, the
+default of the engine alone) a shard always speculates.
+
 [Note: saves streamed from the state file]
 An asynchronous checkpoint save (overlap.checkpoint.async_save) writes the masters and
 moments from memory maps of each bucket's current slot, read by DCP's writer thread while
@@ -54,6 +66,7 @@ import torch
 from .flat_step import adamw_step
 from .speculation import Speculation, shard_segments
 from .state_file import STATE_NAMES, Bucket, StateFile, aligned_buffer, bucket_views, plan_buckets
+from .window import StateWindow
 
 # Defaults of the bucket size and the buffer count: the planner's (overlap/plan/offload.py),
 # repeated here because optim may not import plan; tests/test_offload_disk.py checks they agree.
@@ -89,7 +102,8 @@ class PagedAdamW:
     """AdamW for flat shards whose master weights and moments live in a state file.
 
     `shard_sizes`: elements of each flat shard of this rank; `param_starts`, where each
-    shard's parameters begin, to cut buckets on their boundaries (`plan_buckets`). The file is created under
+    shard's parameters begin, to cut buckets on their boundaries (`plan_buckets`); `window_bytes`,
+    the host memory the buckets read ahead may hold ([Note: choosing between them]). The file is created under
     `directory` (a fresh temporary one when None) and removed by `close()` or at exit. A new
     file reads as zeros (reserved or sparse space), so masters and moments start at zero
     without writing it; `load_masters` sets the masters.
@@ -97,7 +111,8 @@ class PagedAdamW:
 
     def __init__(self, shard_sizes: Sequence[int], *, directory: Optional[str] = None, rank: int = 0,
                  bucket_params: int = DEFAULT_BUCKET_PARAMS, buffers: int = DEFAULT_BUFFERS, direct: bool = True,
-                 backend: str = "auto", param_starts: Optional[Sequence[Sequence[int]]] = None) -> None:
+                 backend: str = "auto", param_starts: Optional[Sequence[Sequence[int]]] = None,
+                 window_bytes: int = 0) -> None:
         if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 3:
             raise ValueError(f"buffers={buffers!r} is invalid; the pipeline needs at least 3 (read ahead, "
                              "stepping, writing back)")
@@ -126,8 +141,15 @@ class PagedAdamW:
         # step; seconds the worker spent in speculative steps. The tests and the benchmark read them.
         self.commits = self.recomputes = self.restores = 0
         self.speculated_s = 0.0
+        # Shards a step took from the window instead (see [Note: choosing between them]).
+        self.read_aheads = 0
         # Slots an asynchronous save is reading (see [Note: saves streamed from the state file]).
         self._pins: list[Pin] = []
+        # Buckets read ahead during backward and written behind the step, up to `window_bytes`
+        # of host memory (see [Note: reading ahead and writing behind] in window.py); the
+        # shards that read ahead instead of speculating (see [Note: choosing between them]).
+        self.window = StateWindow(self.file, self._reader, self._writer, window_bytes)
+        self._reading_ahead: set[int] = set()
 
     def add_shard(self, size: int, param_starts: Optional[Sequence[int]] = None,
                   bucket_params: Optional[int] = None) -> int:
@@ -322,8 +344,9 @@ class PagedAdamW:
         file, each over those elements alone (`StateFile.map_elements`); None when they do not
         lie inside one bucket. Given also while the state is inconsistent: a checkpoint load
         writes through them to make it whole again. The current slot's: a step that commits a
-        speculation moves it (see [Note: two slots per bucket])."""
-        self.wait_speculation()
+        speculation moves it (see [Note: two slots per bucket]). It reads nothing: a reader of
+        the map flushes the writes behind first (`flush`)."""
+        self._wait_worker()
         self._check_open()
         for bucket in self.buckets:
             if bucket.shard == shard and bucket.start <= start and stop <= bucket.stop:
@@ -393,17 +416,39 @@ class PagedAdamW:
         start = _Clock.now()
         committed = self._settle(grads, segments, pieces)
         wanted = [k for k in range(len(self.buckets)) if pieces[k] and k not in committed]
+        held = [k for k in self.window.held() if k in set(wanted)]
+        streamed = [k for k in wanted if not self.window.holds(k)]
         clock = _Clock()
+        update = self._updater(pieces, grads, resident, on_bucket, clock)
         try:
-            self._run(wanted, self._updater(pieces, grads, resident, on_bucket, clock), spare=True)
+            self._run(streamed, update, spare=True)
+            streamed += self._step_held(held, update)
         except BaseException as e:
             # The file holds the state before the step, but `resident` is part new, part old.
             self._broken = f"{type(e).__name__}: {e}"
             raise
+        finally:
+            self.window.drop()            # buckets read ahead that this step did not step
         for k in wanted:
             self.file.flip(self.buckets[k])
         total = _Clock.now() - start
-        self.last_step = StepTimes(total, clock.seconds, sum(2 * self.buckets[k].nbytes for k in wanted))
+        self.last_step = StepTimes(total, clock.seconds, sum(2 * self.buckets[k].nbytes for k in streamed))
+
+    def _step_held(self, held: Sequence[int], update: Callable[[int, Bucket, torch.Tensor], None]) -> list[int]:
+        """Step the buckets read ahead into the window, in the order they were read, each
+        written behind into its spare slot (see [Note: reading ahead and writing behind] in
+        window.py); those whose read failed go through the pipeline. The buckets streamed."""
+        self._wait_for_pins([(k, 1 - self.file.slot(self.buckets[k])) for k in held])
+        streamed = []
+        for k in held:
+            bucket, buffer = self.buckets[k], self.window.take(k)
+            if buffer is None:
+                self._run([k], update, spare=True)
+                streamed.append(k)
+            else:
+                update(k, bucket, buffer)
+                self.window.write_behind(k, bucket, buffer, 1 - self.file.slot(bucket))
+        return streamed
 
     def _updater(self, pieces: list, grads: Sequence[Optional[torch.Tensor]],
                  resident: Optional[Sequence[Optional[torch.Tensor]]], on_bucket: Optional[Callable[[Bucket], None]],
@@ -442,17 +487,26 @@ class PagedAdamW:
         grads: list[Optional[torch.Tensor]] = [None] * len(self.shard_sizes)
         grads[shard] = grad
         pieces = self._pieces(own, grads)
-        record = Speculation(shard, own, grad, grad._version, [k for k, p in enumerate(pieces) if p], resident,
-                             before_write, restored)
-        record.future = self._worker.submit(self._speculative_step, record, pieces, grads, on_bucket, ready)
+        buckets = [k for k, p in enumerate(pieces) if p]
+        record = Speculation(shard, own, grad, grad._version, buckets, resident, before_write, restored)
+        if shard in self._reading_ahead and self.window.capacity > 0:
+            record.ahead = True
+            for k in buckets:
+                self.window.read_ahead(k, self.buckets[k])
+        else:
+            record.future = self._worker.submit(self._speculative_step, record, pieces, grads, on_bucket, ready,
+                                                self.window.pending(buckets))
         self._speculations[shard] = record
         return True
 
     def _speculative_step(self, record: Speculation, pieces: list, grads: list, on_bucket: Callable[[Bucket], None],
-                          ready: Optional[Callable[[], None]]) -> None:
-        """On the worker thread: one shard's step into its buckets' spare slots."""
+                          ready: Optional[Callable[[], None]], behind: Sequence[Future]) -> None:
+        """On the worker thread: one shard's step into its buckets' spare slots, once the
+        writes behind into their current slots (`behind`) finished."""
         start = _Clock.now()
         with torch.no_grad():
+            for write in behind:
+                write.result()
             if ready is not None:
                 ready()
             record.before_write()
@@ -467,7 +521,20 @@ class PagedAdamW:
 
     def wait_speculation(self) -> None:
         """Wait until the worker has finished every speculation started (their errors are kept:
-        a speculation that failed is recomputed by the step)."""
+        a speculation that failed is recomputed by the step), and flush the writes behind."""
+        self._wait_worker()
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait for the writes behind the last step (see [Note: reading ahead and writing
+        behind] in window.py), before anything reads the file; one that failed makes the state
+        inconsistent, as a failed step does."""
+        error = self.window.flush()
+        if error is not None and self._broken is None:
+            self._broken = f"a write behind the step failed: {type(error).__name__}: {error}"
+
+    def _wait_worker(self) -> None:
+        """Wait until the worker has finished every speculation started."""
         for record in self._speculations.values():
             if record.future is not None:
                 record.failed = record.future.exception()
@@ -483,10 +550,15 @@ class PagedAdamW:
             record = self._speculations.pop(index, None)
             if record is not None:
                 self._drop(record, record.buckets if restore and self._broken is None else ())
-                self.restores += 1
+                if not record.ahead:
+                    self.restores += 1
 
     def _drop(self, record: Speculation, restore: Sequence[int]) -> None:
-        """Restore the resident copy of buckets `restore` of a dropped speculation."""
+        """Restore the resident copy of buckets `restore` of a dropped speculation (one that
+        read ahead wrote nothing: its buckets leave the window)."""
+        if record.ahead:
+            self.window.drop(record.buckets)
+            return
         if restore and record.resident is not None:
             record.before_write()
             target = record.resident.reshape(-1)
@@ -503,7 +575,13 @@ class PagedAdamW:
         committed: set[int] = set()
         for shard, record in list(self._speculations.items()):
             del self._speculations[shard]
-            if record.holds_for(grads[shard], shard_segments(segments, shard)):
+            holds = record.holds_for(grads[shard], shard_segments(segments, shard))
+            if record.ahead:
+                # Its buckets stay in the window for this step; a speculation would have held.
+                if holds:
+                    self._reading_ahead.discard(shard)
+                self.read_aheads += 1
+            elif holds:
                 for k in record.buckets:
                     self.file.flip(self.buckets[k])
                 committed.update(record.buckets)
@@ -511,6 +589,7 @@ class PagedAdamW:
             else:
                 if any(pieces[k] for k in record.buckets):
                     self.recomputes += 1
+                    self._reading_ahead.add(shard)
                 else:
                     self.restores += 1
                 self._drop(record, [k for k in record.buckets if not pieces[k]])
@@ -561,7 +640,9 @@ class PagedAdamW:
         return pin
 
     def wait_pins(self) -> None:
-        """Block until every pin is released (before a load writes the current slots through maps)."""
+        """Block until every pin is released and the writes behind are flushed (before a load
+        writes the current slots through maps)."""
+        self.flush()
         self._wait_for_pins(None)
 
     def _wait_for_pins(self, targets: Optional[Sequence[tuple[int, int]]]) -> None:
@@ -577,6 +658,8 @@ class PagedAdamW:
     def close(self) -> None:
         """Stop the threads and remove the state file."""
         self._worker.shutdown(wait=True)
+        self.window.flush()
+        self.window.drop()
         self._speculations.clear()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
@@ -667,7 +750,8 @@ def next_hyper(param: torch.Tensor) -> Optional[Hyper]:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """The last step: wall seconds, seconds in the kernel (and resident copies), bytes moved."""
+    """The last step: wall seconds, seconds in the kernel (and resident copies), bytes it read
+    and wrote itself (not those read ahead or written behind it)."""
 
     total_s: float
     update_s: float

@@ -64,7 +64,9 @@ def shard_segments(segments: Iterable[Segment], shard: int) -> tuple[Segment, ..
 class Speculation:
     """One shard's speculative step: what it read (segments, the gradient and its version),
     the buckets it wrote into their spare slots, the resident shard it wrote and the disk
-    tier's callbacks; `future` while it runs on the worker, `failed` if it raised."""
+    tier's callbacks; `future` while it runs on the worker, `failed` if it raised. With
+    `ahead`, nothing was computed: the buckets were read ahead into the engine's window, and
+    the step computes them ([Note: choosing between them] in paged.py)."""
 
     shard: int
     segments: tuple[Segment, ...]
@@ -77,6 +79,7 @@ class Speculation:
     future: Optional[Future] = None
     failed: Optional[BaseException] = None
     seconds: float = field(default=0.0)
+    ahead: bool = False
 
     def holds_for(self, grad: Optional[torch.Tensor], segments: tuple[Segment, ...]) -> bool:
         """Whether this step would compute what the speculation computed."""

@@ -242,10 +242,12 @@ class StateFile:
         """Fill `buffer` (aligned, at least bucket.nbytes) with the bucket's current slot."""
         self._io(bucket.slot_offset(self.slot(bucket)), bucket.nbytes, buffer, os.preadv, "read")
 
-    def write(self, bucket: Bucket, buffer: torch.Tensor, *, spare: bool = False) -> None:
-        """Write the bucket's current slot (its spare one with `spare`) from `buffer`."""
-        slot = self.slot(bucket)
-        self._io(bucket.slot_offset(1 - slot if spare else slot), bucket.nbytes, buffer, os.pwritev, "write")
+    def write(self, bucket: Bucket, buffer: torch.Tensor, *, spare: bool = False, slot: Optional[int] = None) -> None:
+        """Write the bucket's current slot (its spare one with `spare`, or `slot` where given:
+        a write behind, which runs after the step flipped the slots) from `buffer`."""
+        if slot is None:
+            slot = 1 - self.slot(bucket) if spare else self.slot(bucket)
+        self._io(bucket.slot_offset(slot), bucket.nbytes, buffer, os.pwritev, "write")
 
     def _io(self, offset: int, nbytes: int, buffer: torch.Tensor, call, verb: str) -> None:
         if self.fd < 0:

@@ -11,11 +11,20 @@ from __future__ import annotations
 BUDGET_FRACTION = 0.10
 # Share of a rank's memory the model states, gathered units and node copies may take.
 MEMORY_SHARE = 0.5
+# Without a window set by the user: this share of a rank's host memory for offload="disk"'s
+# state read ahead during backward and written behind the step (overlap.optim.window).
+DISK_WINDOW_FRACTION = 0.25
 
 
 def gathered_budget(memory_bytes: float) -> int:
     """Default cap on gathered parameter bytes in flight on a rank with `memory_bytes`."""
     return int(BUDGET_FRACTION * memory_bytes)
+
+
+def disk_window(host_bytes: float) -> int:
+    """Default host bytes offload="disk" may hold its state in between backward and the write
+    behind the step, on a rank with `host_bytes` of host memory."""
+    return int(DISK_WINDOW_FRACTION * host_bytes)
 
 
 def memory_limit(memory_bytes: float) -> int:

@@ -53,7 +53,10 @@ gradient only if that is the first reduction since the group's last step and the
 followed exactly one reduction (the first step speculates): a loop that accumulates without
 no_sync would otherwise compute, then restore, a step per micro-batch. A speculation no
 step settled is dropped before the group's next gather (which then sends the restored
-shard, copied whole) and when a load writes the state.
+shard, copied whole) and when a load writes the state. Where the step recomputed a group's
+speculation (a clip that binds), the engine reads that group's state ahead at the same moment
+instead, and writes it behind the step ([Note: choosing between them] in overlap.optim.paged);
+the disk tier's part is the same call.
 
 Any other write of the 16-bit shard (another optimizer stepping the parameters, an
 in-place init) would part it from the master on disk, and the next step would overwrite it;
@@ -310,10 +313,12 @@ class DiskTier:
     """The state file of one `ShardedModule` on this rank, which its groups are paged into as
     they are built, and the copies between host and device (offload="cpu"'s `HostTier`)."""
 
-    def __init__(self, directory: Optional[str], rank: int, host: HostTier) -> None:
+    def __init__(self, directory: Optional[str], rank: int, host: HostTier, window_bytes: int = 0) -> None:
         # One state file per rank and model, each paged group one shard of it, so that one
         # optimizer step is one pipelined pass over the file; removed when the process exits.
-        self.engine = PagedAdamW([], directory=directory, rank=rank)
+        # `window_bytes` of host memory may hold buckets read ahead during backward and written
+        # behind the step ([Note: reading ahead and writing behind] in overlap.optim.window).
+        self.engine = PagedAdamW([], directory=directory, rank=rank, window_bytes=window_bytes)
         self.host = host
 
     def place(self) -> DiskShard:
@@ -338,6 +343,7 @@ def master_part(param: torch.Tensor) -> torch.Tensor:
     where = paged_of(param)
     if where is None:
         return param
+    where.engine.flush()                      # the map is read: the step's writes behind land first
     return where.engine.map_range(where.shard, where.start, where.stop)[0].view(param.shape)
 
 
