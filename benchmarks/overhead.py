@@ -12,7 +12,8 @@ model unwrapped; then
 merge into fewer buckets: the report table lists how many it ran). Rows: ShardedModule in every sharding and compression
 mode that means something at the world size (at 2 ranks, hybrid and hpZ on two emulated nodes
 of one rank each), FSDP2 as its defaults give it and tuned (benchmarks/peers.py), DeepSpeed
-ZeRO-3 where it is installed, and with --baseline the ShardedModule rows of another checkout.
+ZeRO-3 where it is installed, and with --baseline the ShardedModule and fully_shard rows of
+another checkout.
 Rows alternate within each round (A B C ... A B C ...); every ratio is taken per round
 between rows of that round (their median and range are reported, never a ratio of medians
 pooled over rounds).
@@ -92,6 +93,8 @@ def all_rows(world: int, baseline: bool) -> list[Row]:
     ours = overlap_rows(world)
     theirs = [Row(row.name + BASELINE_SUFFIX, OVERLAP, row.sharding, row.compression, baseline=True)
               for row in ours if row.order_check == "collective"] if baseline else []
+    if baseline:
+        theirs.append(Row(OVERLAP_FULLY_SHARD + BASELINE_SUFFIX, OVERLAP_FULLY_SHARD, baseline=True))
     return [*ours, Row(OVERLAP_FULLY_SHARD, OVERLAP_FULLY_SHARD), Row(FSDP2, FSDP2), Row(FSDP2_TUNED, FSDP2_TUNED),
             Row(DEEPSPEED, DEEPSPEED), *theirs]
 
@@ -462,7 +465,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--fsdp2-prefetch", type=int, default=2,
                         help=f"{FSDP2_TUNED}: blocks in each explicit forward/backward prefetch list")
     parser.add_argument("--baseline", help="another checkout with its environment in .venv (`make setup` there): "
-                        f"its ShardedModule rows ('<row>{BASELINE_SUFFIX}') run in the same rounds")
+                        f"its ShardedModule and fully_shard rows ('<row>{BASELINE_SUFFIX}') run in the same rounds")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--profile", default=None, metavar="TXT",
                         help=f"write a cProfile of the {PROFILE_UNITS}-unit 1-rank ShardedModule row here")
