@@ -1,0 +1,250 @@
+"""offload="cpu" and offload="disk" on one device: parity against offload="none" under injected
+races, the host<->device copies' bandwidth against a plain pinned copy, their overlap with
+compute, and the disk tier's 16-bit shard refresh."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable
+
+import torch
+
+from gpu_harness import Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on
+from gpu_injection import race_injection
+from gpu_training import parity_steps, small_gpt, token_batches
+
+# Bytes each copy of the bandwidth and overlap checks moves: 256 MiB, long enough (several ms
+# on PCIe) that a launch's few µs do not count.
+OFFLOAD_COPY_NUMEL = 64 * 2**20
+# offload="cpu" against "none": losses and parameters within this relative tolerance.
+OFFLOAD_RTOL = 1e-3
+# The offload copies must reach this share of a plain pinned copy's bandwidth, and hide this
+# share of their time under compute when they run beside it.
+OFFLOAD_BANDWIDTH_SHARE, OFFLOAD_HIDDEN_SHARE = 0.8, 0.5
+
+
+def _runs_against_none(device: torch.device, offload: str, wrap: dict, optimizer_class: type) -> dict:
+    """`parity_steps` steps of a GPT with offload "none" and `offload`, collectives issued as with
+    more ranks and `offload` under the race injection (delays on the collectives' streams and
+    before each upload and download on its stream); losses, states, where parameters and
+    gradients lived (device, pinned, dtype, grad device, grad dtype) and, for "disk", where the
+    gathered 16-bit shards lived ("disk": a state file in a fresh temporary directory)."""
+    from overlap import ShardedModule
+
+    out = {}
+    batches = token_batches(device, parity_steps(device))
+    for mode in ("none", offload):
+        torch.manual_seed(0)
+        with collectives_issued_alone():
+            model = ShardedModule(small_gpt(), offload=mode, **wrap)
+        optimizer = optimizer_class(model.parameters(), lr=1e-3)
+        losses = []
+        with race_injection(device.type != "cuda").active() if mode != "none" else contextlib.nullcontext():
+            for inputs, targets in batches:
+                loss = model(inputs, targets)
+                loss.backward()
+                places = {(p.device.type, p.is_pinned(), str(p.dtype), p.grad.device.type, str(p.grad.dtype))
+                          for p in model.parameters() if p.grad is not None}
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(float(loss.detach()))
+        groups = [g for unit in model.scheduler.all_units for g in unit.groups if g.place.offloaded]
+        sent = {g.place.sent.device.type for g in groups} if mode == "disk" else None
+        out[mode] = dict(losses=losses, state=model.full_state_dict(), places=places, sent=sent)
+    return out
+
+
+def _offload_parity(checks: Checks, device: torch.device) -> None:
+    for name, wrap in (("fp32", {}), ("bf16", dict(mixed_precision=bf16()))):
+        try:
+            runs = _runs_against_none(device, "cpu", wrap, torch.optim.AdamW)
+        except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+            checks.error(f"offload[parity_{name}]", exc)
+            continue
+        ref, got = runs["none"], runs["cpu"]
+        identical = ref["losses"] == got["losses"] and all(torch.equal(got["state"][k], v)
+                                                            for k, v in ref["state"].items())
+        # On CUDA "none" steps AdamW on the device and "cpu" on the host: the same arithmetic in
+        # another order (fused kernels, another sqrt), so close as the disk check's, not equal.
+        close = all(math.isclose(a, b, rel_tol=OFFLOAD_RTOL) for a, b in zip(ref["losses"], got["losses"]))
+        states = all(torch.allclose(got["state"][k].float(), v.float(), rtol=OFFLOAD_RTOL, atol=1e-5)
+                     for k, v in ref["state"].items())
+        pinned = torch.cuda.is_available()
+        places = {(where, pinned_, grad_where) for where, pinned_, _, grad_where, _ in got["places"]}
+        on_host = places == {("cpu", pinned, "cpu")}
+        checks.verdict(f"offload[parity_{name}]", close and states and on_host and all_finite(got["losses"]),
+                       f"offload=cpu (delays injected on the collectives' and the copies' streams) against none: "
+                       f"identical {identical}, losses and parameters within {OFFLOAD_RTOL:g}: {close}, {states}; "
+                       f"parameters and gradients (device, pinned, grad device): {sorted(places)}; "
+                       f"losses {['%.5f' % v for v in got['losses']]}")
+
+
+def elapsed_ms(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
+    """The fastest of `repeats` runs of `run`, timed by events on the compute stream (`run`
+    makes the compute stream wait for whatever it queued elsewhere)."""
+    best = math.inf
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
+def _offload_copies(checks: Checks, device: torch.device) -> None:
+    """The offload copies' bandwidth against a plain pinned copy, and how much of them runs
+    hidden under compute on the compute stream."""
+    from overlap.kernels.backends import get_backend
+    from overlap.runtime.host_tier import HostTier
+    from overlap.runtime.pending import COMPLETED
+
+    n = OFFLOAD_COPY_NUMEL
+    nbytes = 4 * n
+    gather_stream = torch.cuda.Stream(device=device, priority=-1)
+    tier = HostTier(device, get_backend("auto", device), gather_stream)
+    place = tier.place()
+    master = place.place_master(torch.randn(n))
+    grad_shard = place.zeros_like(master)
+    device_buffer = torch.empty(n, device=device)
+    compute = torch.cuda.current_stream(device)
+
+    def upload() -> None:                      # what a gather sends, as the runtime queues it
+        place.gather_source(master, torch.float32, encoded=False, local=False)
+        compute.wait_stream(gather_stream)
+
+    def download() -> None:                    # a reduced gradient going home
+        place.reduce_target(grad_shard, zeros=True)
+        place.reduction_issued(COMPLETED)
+        compute.wait_stream(tier.download_stream)
+        place.grads_ready()
+
+    plain_h2d = elapsed_ms(lambda: device_buffer.copy_(master, non_blocking=True), device)
+    plain_d2h = elapsed_ms(lambda: grad_shard.copy_(device_buffer, non_blocking=True), device)
+    ours_h2d, ours_d2h = elapsed_ms(upload, device), elapsed_ms(download, device)
+    gbps = {name: nbytes / (ms * 1e-3) / 1e9 for name, ms in
+            (("plain_h2d", plain_h2d), ("plain_d2h", plain_d2h), ("h2d", ours_h2d), ("d2h", ours_d2h))}
+    shares = {"h2d": gbps["h2d"] / gbps["plain_h2d"], "d2h": gbps["d2h"] / gbps["plain_d2h"]}
+    checks.verdict("offload[bandwidth]", min(shares.values()) >= OFFLOAD_BANDWIDTH_SHARE,
+                   f"{nbytes / 2**20:.0f} MiB: host->device {gbps['h2d']:.1f} GB/s ({shares['h2d']:.2f} of a plain "
+                   f"pinned copy's {gbps['plain_h2d']:.1f}), device->host {gbps['d2h']:.1f} GB/s ({shares['d2h']:.2f} of "
+                   f"{gbps['plain_d2h']:.1f}); pass at >= {OFFLOAD_BANDWIDTH_SHARE} each")
+
+    # Compute about three copies long: square bf16 matmuls on the compute stream.
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    one_ms = elapsed_ms(lambda: a @ a, device)
+    reps = max(1, int(3 * max(ours_h2d, ours_d2h) / max(one_ms, 1e-3)))
+
+    def matmuls() -> None:
+        for _ in range(reps):
+            a @ a
+
+    compute_ms = elapsed_ms(matmuls, device)
+    for name, copy_ms in (("h2d", ours_h2d), ("d2h", ours_d2h)):
+        # The copy is queued first (its stream waits only for what the compute stream queued
+        # before it), the matmuls after it on the compute stream; the end waits for both.
+        def both() -> None:
+            if name == "h2d":
+                place.gather_source(master, torch.float32, encoded=False, local=False)
+                matmuls()
+                compute.wait_stream(gather_stream)
+            else:
+                place.reduce_target(grad_shard, zeros=True)
+                place.reduction_issued(COMPLETED)
+                matmuls()
+                compute.wait_stream(tier.download_stream)
+
+        together_ms = elapsed_ms(both, device)
+        place.grads_ready()
+        hidden = (compute_ms + copy_ms - together_ms) / copy_ms
+        checks.verdict(f"offload[overlap_{name}]", hidden >= OFFLOAD_HIDDEN_SHARE,
+                       f"copy {copy_ms:.2f} ms, compute {compute_ms:.2f} ms, both {together_ms:.2f} ms: "
+                       f"{100 * hidden:.0f}% of the copy hidden (pass at >= {100 * OFFLOAD_HIDDEN_SHARE:.0f}%)")
+
+
+# ---- offload="disk": parity, the 16-bit shard's refresh -------------------------------------------
+
+# The refresh must reach this share of a plain pinned copy's bandwidth over the same bytes: it
+# is one copy per bucket, each a few MB, so launches cost a little more than in one big copy.
+DISK_REFRESH_SHARE = 0.7
+
+
+def _disk_parity(checks: Checks, device: torch.device) -> None:
+    try:
+        from overlap.optim import AdamW
+
+        runs = _runs_against_none(device, "disk", dict(mixed_precision=bf16()), AdamW)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error("offload[disk_parity_bf16]", exc)
+        return
+    ref, got = runs["none"], runs["disk"]
+    # The disk tier steps the masters with the CPU kernel, "none" on the device: the same
+    # arithmetic, not the same order of operations, so close rather than identical.
+    identical = ref["losses"] == got["losses"]
+    close = all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(ref["losses"], got["losses"]))
+    masters = all(torch.allclose(got["state"][k].float(), v.float(), rtol=1e-3, atol=1e-5)
+                  for k, v in ref["state"].items())
+    pinned = torch.cuda.is_available()
+    places_ok = got["places"] == {("cpu", pinned, "torch.bfloat16", "cpu", "torch.float32")}
+    sent_ok = bool(got["sent"]) and got["sent"] == {device.type}
+    checks.verdict("offload[disk_parity_bf16]",
+                   close and masters and places_ok and sent_ok and all_finite(got["losses"]),
+                   f"offload=disk against none: identical losses {identical}, within 1e-3: {close}, fp32 masters "
+                   f"within 1e-3: {masters}; parameters and gradients (device, pinned, dtype, grad device, grad "
+                   f"dtype): {sorted(got['places'])}; gathered shards on {sorted(got['sent'])}; "
+                   f"losses {['%.5f' % v for v in got['losses']]} (none: {['%.5f' % v for v in ref['losses']]})")
+
+
+def _disk_refresh(checks: Checks, device: torch.device) -> None:
+    """The bandwidth of the 16-bit shard's refresh (host -> device, one copy per bucket, as a
+    step queues it) against one plain pinned copy of the same bytes."""
+    from overlap import ShardedModule
+    from overlap.optim.paged import paged_of
+
+    torch.manual_seed(0)
+    model = ShardedModule(small_gpt(layers=4, width=512), offload="disk", mixed_precision=bf16())
+    groups = [g for unit in model.scheduler.all_units for g in unit.groups if g.place.offloaded]
+    engine = paged_of(next(model.parameters())).engine
+    buckets = [(g.place, b) for g in groups for b in engine.buckets if b.shard == g.place.index]
+    nbytes = sum(g.shard.nbytes for g in groups)
+    compute = torch.cuda.current_stream(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def refresh() -> None:                 # every bucket, as a step queues them
+        for place, bucket in buckets:
+            place.bucket_written(bucket)
+        for g in groups:
+            if g.place.refreshed is not None:
+                compute.wait_event(g.place.refreshed)
+
+    plain_ms = elapsed_ms(lambda: target.copy_(host, non_blocking=True), device)
+    ours_ms = elapsed_ms(refresh, device)
+    equal = all(torch.equal(g.place.sent.cpu(), g.shard) for g in groups)
+    plain, ours = nbytes / (plain_ms * 1e-3) / 1e9, nbytes / (ours_ms * 1e-3) / 1e9
+    checks.verdict("offload[disk_refresh]", equal and ours / plain >= DISK_REFRESH_SHARE,
+                   f"{nbytes / 2**20:.1f} MiB in {len(buckets)} bucket copies: host->device {ours:.1f} GB/s "
+                   f"({ours / plain:.2f} of one plain pinned copy's {plain:.1f}); device shards equal the host's: "
+                   f"{equal}; pass at >= {DISK_REFRESH_SHARE}")
+
+
+def check_offload(checks: Checks, rehearse: bool) -> None:
+    device = device_for(rehearse)
+    with one_rank_on(device):
+        _offload_parity(checks, device)
+        _disk_parity(checks, device)
+    if rehearse:
+        for name in ("bandwidth", "overlap", "disk_refresh"):
+            checks.report("SKIP", f"offload[{name}]", "CPU rehearsal: host and device are one memory, there is no "
+                                                      "copy engine to measure or overlap")
+        return
+    try:
+        _offload_copies(checks, device)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error("offload[copies]", exc)
+    try:
+        with one_rank_on(device):
+            _disk_refresh(checks, device)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error("offload[disk_refresh]", exc)

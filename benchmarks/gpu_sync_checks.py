@@ -1,0 +1,200 @@
+"""Host waits and the step record's clock: steady-state steps make no call that syncs the host
+with the device (those the runtime makes on purpose counted), and the record's time of the
+collectives in flight agrees with what CUPTI saw on the side streams."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import traceback
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+import torch
+
+from gpu_harness import ROOT, Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on, synchronize
+from gpu_training import flush_record, small_gpt, token_batches
+
+SYNC_WARMUP, SYNC_STEPS = 3, 3
+# The checks' own frames, passed over when naming where a sync was made.
+CHECKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+
+def _where(exc: BaseException) -> str:
+    """Where a flagged sync was made: the innermost frame in this repository's library code
+    (runtime, kernels, model) and the innermost frame of all."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "no traceback"
+    ours = [f for f in frames if f.filename.startswith(ROOT) and not f.filename.startswith(CHECKS_DIR)]
+
+    def place(frame: traceback.FrameSummary) -> str:
+        path = os.path.relpath(frame.filename, ROOT) if frame.filename.startswith(ROOT) else frame.filename
+        return f"{path}:{frame.lineno} in {frame.name}"
+
+    inner = place(frames[-1])
+    return f"{place(ours[-1])} (innermost: {inner})" if ours else inner
+
+
+@contextlib.contextmanager
+def counted_host_waits() -> Iterator[Counter]:
+    """Count, by caller, the host waits `set_sync_debug_mode` does not flag: an event's or a
+    stream's `synchronize()`, `torch.cuda.synchronize()` and the runtime's polling waits."""
+    seen: Counter = Counter()
+
+    def counting(label: str, fn: Callable) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            path = caller.f_code.co_filename
+            path = os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)
+            seen[f"{label} at {path}:{caller.f_lineno}"] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    from overlap.runtime import step_counter, timing
+
+    # `polling` makes the host wait for a CUDA event by querying it: the step record's read
+    # of a step not yet complete (overlap/runtime/timing.py).
+    targets = [(torch.cuda.Event, "synchronize", "Event.synchronize"),
+               (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
+               (torch.cuda, "synchronize", "torch.cuda.synchronize"),
+               (timing, "polling", "polling wait"), (step_counter, "polling", "polling wait")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for owner, name, label in targets:
+        setattr(owner, name, counting(label, getattr(owner, name)))
+    try:
+        yield seen
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
+def sync_debug_mode(device: torch.device) -> Iterator[None]:
+    """Every synchronizing CUDA call raises (nothing on CPU, which has no such mode)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def check_sync_free(checks: Checks, rehearse: bool) -> None:
+    """Steady-state training steps (inputs already on the device, losses kept on it) make no
+    call that synchronizes the host with the device, except the waits the runtime makes on
+    purpose, which are counted and printed."""
+    from overlap import ShardedModule
+
+    device = device_for(rehearse)
+    with one_rank_on(device):
+        for mode in ("none", "int8-int4"):
+            name = f"sync_free[{mode}]"
+            try:
+                torch.manual_seed(0)
+                # The side streams' gathers and reductions, as with more ranks: their waits are
+                # what this counts.
+                with collectives_issued_alone():
+                    model = ShardedModule(small_gpt(), prefetch_depth=1, mixed_precision=bf16(), compression=mode)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                batches = token_batches(device, SYNC_WARMUP + SYNC_STEPS)
+
+                def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                    loss = model(*batch)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    return loss.detach()
+
+                for batch in batches[:SYNC_WARMUP]:
+                    step(batch)
+                synchronize(device)
+                with counted_host_waits() as waits, sync_debug_mode(device):
+                    losses = [step(batch) for batch in batches[SYNC_WARMUP:]]
+                finite = all_finite([float(loss) for loss in losses])
+            except RuntimeError as exc:
+                if "synchronizing" not in str(exc):
+                    checks.error(name, exc)
+                    continue
+                checks.report("FAIL", name, f"a host sync in a steady-state step: {exc}; made at {_where(exc)}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+                checks.error(name, exc)
+                continue
+            kernels = type(model.collectives.kernels).__name__
+            unflagged = ", ".join(f"{n / SYNC_STEPS:.1f}/step {where}" for where, n in waits.most_common()) or "none"
+            detail = (f"{SYNC_STEPS} steps after {SYNC_WARMUP}, kernels {kernels}, finite: {finite}; host waits the "
+                      f"mode does not flag: {unflagged}")
+            if device.type != "cuda":
+                checks.report("SKIP" if finite else "FAIL", name,
+                              f"torch.cuda.set_sync_debug_mode needs CUDA; the steps ran on CPU: {detail}")
+            else:
+                checks.verdict(name, finite, f"no synchronizing call under set_sync_debug_mode('error'); {detail}")
+
+
+def check_report_timing(checks: Checks, rehearse: bool) -> None:
+    if rehearse:
+        checks.report("SKIP", "report_timing", "CUDA events against CUPTI kernel times: nothing to compare on CPU")
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    from overlap import ShardedModule
+    from overlap.base.intervals import length, union
+    from overlap.observe.report import analyse_step
+
+    device = device_for(False)
+    with one_rank_on(device):
+        torch.manual_seed(0)
+        with collectives_issued_alone():                 # one device: the collectives to time
+            model = ShardedModule(small_gpt(layers=6, width=1024), prefetch_depth=1, bucket_mb=1e-3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        batches = token_batches(device, 5)
+
+        def step(batch) -> None:
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for batch in batches[:4]:
+            step(batch)
+        torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as scratch:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(batches[4])
+                torch.cuda.synchronize()
+            flush_record(model)                                # the record of the profiled step
+            path = os.path.join(scratch, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)["traceEvents"]
+    record = model.scheduler.last_step
+    if record.step != 5:
+        checks.report("FAIL", "report_timing", f"the last record is step {record.step}'s, the profiled step is 5")
+        return
+    device_work = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    busy: dict[Any, float] = {}
+    for e in device_work:
+        busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e["dur"]
+    # The compute stream does the most work; the collectives' work runs on every other one:
+    # the all-gather and reduce-scatter streams (casts, accumulation) and NCCL's own.
+    compute_stream = max(busy, key=busy.get)
+    side = [(e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6) for e in device_work
+            if e["args"].get("stream") != compute_stream]
+    cupti_s = length(union(side))
+    recorded_s = length(union(c.in_flight for c in record.collectives))
+    stats = analyse_step(record)
+    # Events bracket each collective on its stream, so each adds a few µs of hand-over
+    # between streams that no kernel shows; at world size 1 NCCL's work is a local copy.
+    allowance = 0.25 * cupti_s + 30e-6 * len(record.collectives)
+    ok = bool(side) and abs(recorded_s - cupti_s) <= allowance
+    checks.verdict("report_timing", ok,
+                   f"{len(record.collectives)} collectives in flight {recorded_s * 1e3:.3f} ms by the step record's "
+                   f"CUDA events vs {cupti_s * 1e3:.3f} ms of device work on the side streams by CUPTI "
+                   f"({len(side)} kernels and copies on {len(busy) - 1} streams; pass within "
+                   f"{allowance * 1e3:.3f} ms); report: communication {stats.comm_s * 1e3:.3f} ms, "
+                   f"{100 * stats.hidden_fraction:.0f}% hidden, compute {stats.compute_s * 1e3:.2f} ms of a "
+                   f"{stats.span_s * 1e3:.2f} ms step")
