@@ -3,7 +3,8 @@ the ordinary way: a gradient changed after backward (as a binding clip changes i
 from buckets read ahead, written behind the step, with the same state bit for bit; the step
 itself reads and writes nothing; a state dict right after the step sees the new values; a
 shard goes back to speculating once its gradient stays as backward left it; a window too
-small for the state streams the rest; a failed write behind marks the state inconsistent."""
+small for the state streams the rest; a failed write behind marks the state inconsistent; a
+load drops what was read ahead."""
 from __future__ import annotations
 
 import errno
@@ -39,6 +40,16 @@ def _backward(engine, grads, segments, resident) -> None:
     for shard in (1, 0):
         engine.speculate(shard, grads[shard], segments, resident[shard], on_bucket=lambda b: None,
                          before_write=lambda: None, restored=lambda: None)
+
+
+def _clipped_step(engine, ref, step: int, resident) -> None:
+    """One step on both engines whose gradients change after backward, as a binding clip's do."""
+    grads = [torch.randn(n) for n in SIZES]
+    _backward(engine, grads, _segments(float(step)), resident)
+    for g in grads:
+        g.mul_(0.5)
+    engine.step(grads, _segments(float(step)), resident)
+    ref.step(grads, _segments(float(step)))
 
 
 def _state(engine) -> list[torch.Tensor]:
@@ -99,13 +110,7 @@ def test_a_window_smaller_than_the_state_streams_the_rest(tmp_path):
     try:
         resident = [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES]
         for step in range(1, 4):
-            grads = [torch.randn(n) for n in SIZES]
-            segments = _segments(float(step))
-            _backward(engine, grads, segments, resident)
-            for g in grads:
-                g.mul_(0.5)
-            engine.step(grads, segments, resident)
-            ref.step(grads, segments)
+            _clipped_step(engine, ref, step, resident)
             assert _equal(_state(engine), _state(ref)), step
         streamed = sum(2 * b.nbytes for b in engine.buckets) - 2 * engine.window.capacity
         assert engine.last_step.io_bytes == streamed and engine.window._allocated <= engine.window.capacity
@@ -132,5 +137,33 @@ def test_a_failed_write_behind_marks_the_state_inconsistent(tmp_path, monkeypatc
             engine.state_dict()
     finally:
         monkeypatch.undo()
+        engine.close()
+        ref.close()
+
+
+def test_a_load_drops_the_buckets_read_ahead(tmp_path):
+    """The first reduction reads every shard that reads ahead; a load before the step makes
+    those reads stale, and the step reads the loaded state again."""
+    engine, ref = _pair(tmp_path, window_bytes=1 << 20)
+    try:
+        resident = [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES]
+        for step in (1, 2):
+            _clipped_step(engine, ref, step, resident)
+        grads = [torch.randn(n) for n in SIZES]
+        engine.speculate(1, grads[1], _segments(3.0), resident[1], on_bucket=lambda b: None,
+                         before_write=lambda: None, restored=lambda: None)
+        assert all(engine.window.holds(k) for k in range(len(engine.buckets))), "shard 0 is read at shard 1's"
+        masters = [torch.randn(n) for n in SIZES]
+        engine.load_masters(masters)
+        ref.load_masters(masters)
+        assert not engine.window.held()
+        _backward(engine, grads, _segments(3.0), resident)
+        for g in grads:
+            g.mul_(0.5)
+        engine.step(grads, _segments(3.0), resident)
+        ref.step(grads, _segments(3.0))
+        assert _equal(_state(engine), _state(ref))
+        assert engine.last_step.io_bytes == 0
+    finally:
         engine.close()
         ref.close()

@@ -491,13 +491,20 @@ class PagedAdamW:
         record = Speculation(shard, own, grad, grad._version, buckets, resident, before_write, restored)
         if shard in self._reading_ahead and self.window.capacity > 0:
             record.ahead = True
-            for k in buckets:
-                self.window.read_ahead(k, self.buckets[k])
+            self._read_ahead(buckets)
         else:
             record.future = self._worker.submit(self._speculative_step, record, pieces, grads, on_bucket, ready,
                                                 self.window.pending(buckets))
         self._speculations[shard] = record
         return True
+
+    def _read_ahead(self, buckets: Sequence[int]) -> None:
+        """Read `buckets` ahead into the window, then every other bucket of the shards that read
+        ahead, last first (the order backward reduces them): the state does not wait for the
+        gradient, so the groups reduced at the end of backward need not be read after it."""
+        others = [k for k in reversed(range(len(self.buckets))) if self.buckets[k].shard in self._reading_ahead]
+        for k in [*buckets, *others]:
+            self.window.read_ahead(k, self.buckets[k])
 
     def _speculative_step(self, record: Speculation, pieces: list, grads: list, on_bucket: Callable[[Bucket], None],
                           ready: Optional[Callable[[], None]], behind: Sequence[Future]) -> None:
@@ -544,8 +551,9 @@ class PagedAdamW:
     def abandon(self, shard: Optional[int] = None, *, restore: bool = True) -> None:
         """Drop the speculation of `shard` (of every shard when None), restoring its resident
         copy from the current masters (with `restore`, and where the state is consistent), then
-        telling the disk tier (`restored`)."""
+        telling the disk tier (`restored`); its buckets read ahead leave the window."""
         self.wait_speculation()
+        self.window.drop([k for k, b in enumerate(self.buckets) if shard is None or b.shard == shard])
         for index in list(self._speculations) if shard is None else [shard]:
             record = self._speculations.pop(index, None)
             if record is not None:

@@ -8,9 +8,11 @@ only while the gradient stays as backward left it; a clip that binds changes eve
 after backward, and the step is then taken again in `optimizer.step()`, reading and writing
 the whole state with nothing to hide it behind. As ZeRO-Infinity does, the window splits the
 IO off the gradient instead:
-- reading ahead: during backward, as a shard's gradient is reduced, its buckets' current
-  slots are read into window buffers on the engine's reader thread (a bucket whose write
-  behind is still in flight is read once that write finished);
+- reading ahead: during backward, from the first reduction of a shard that reads ahead, its
+  buckets' current slots and then those of the other shards that read ahead (in the order
+  backward reduces them) are read into window buffers on the engine's reader thread: the
+  state does not wait for the gradient, so the groups reduced last are not read after
+  backward. A bucket whose write behind is still in flight is read once that write finished;
 - the step takes each bucket held, steps it in place with the final gradient (clipped or
   not), writes its 16-bit copy as any step does, and queues the bucket's write into its spare
   slot on the writer thread; the slot flips at the step, as every step's do, and the write
