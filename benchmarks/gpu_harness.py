@@ -101,7 +101,7 @@ def bf16() -> "MixedPrecision":
 
 
 def lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor],
-             context: Callable[[], Any]) -> Callable[[int], torch.Tensor]:
+            context: Callable[[], Any]) -> Callable[[int], torch.Tensor]:
     """One training step of a language model on batch `i` of `data` (inputs are the targets)."""
 
     def step(i: int) -> torch.Tensor:

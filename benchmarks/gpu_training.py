@@ -77,7 +77,7 @@ def parity_steps(device: torch.device) -> int:
 
 
 def train_sharded(config: dict, device: torch.device, injection: Optional[Injection],
-                   steps: Optional[int] = None) -> dict:
+                  steps: Optional[int] = None) -> dict:
     """`steps` (default `parity_steps`) steps of ShardedModule under `injection`; its losses, allocated bytes after
     each step, final state, and the collectives its step records hold (by kind, and the
     gathers sent compressed)."""
@@ -167,4 +167,4 @@ def worst_parameter(run: dict, reference: dict, rtol: float, atol: float) -> flo
 
 def finite_run(run: dict) -> bool:
     return all_finite(run["losses"]) and all(bool(t.isfinite().all()) for t in run["state"].values()
-                                          if t.is_floating_point())
+                                             if t.is_floating_point())
