@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on_link, parse_choices, parse_links,
-                    parse_sizes, read_json, run_with_deadline, script_main, single_thread_env, torchrun, write_json,
-                    write_text)
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, on_link, parse_choices,
+                    parse_links, parse_sizes, script_main, slower_rank, start_rank, write_json, write_text)
 
 WORLD_SIZE = 2
 REDUCE_SCATTER_WAYS = ("reduce_scatter", "all_to_all+sum", "all_reduce+slice")
@@ -82,9 +80,7 @@ def _expected(name: str, numel: int, rank: int, world: int) -> torch.Tensor:
 def run_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start_rank()
     times: dict[str, dict[str, list[float]]] = {}
     for size_mb in args.sizes_mb:
         numel = max(world, int(size_mb * MIB / 4) // world * world)
@@ -102,8 +98,7 @@ def run_worker(args: argparse.Namespace) -> None:
                 if repetition >= args.warmup:
                     samples.append(time.perf_counter() - start)
             times.setdefault(f"{size_mb:g}", {})[name] = samples
-    ranks: list[Optional[dict]] = [None] * world
-    dist.all_gather_object(ranks, times)
+    ranks = from_every_rank(times)
     if rank == 0:
         write_json(args.result, dict(world_size=world, ranks=ranks))
 
@@ -114,23 +109,18 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, dict]]]:
     """link -> size (MB) -> op -> {ms, gbps}: median over repetitions of the slower rank."""
     from tqdm import tqdm
 
-    script = os.path.abspath(__file__)
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for link in tqdm(args.links, unit="link"):
-            result = os.path.join(scratch, f"{link}.json")
-            worker = ["--worker", "--result", result, "--sizes-mb", ",".join(f"{s:g}" for s in args.sizes_mb),
-                      "--ops", ",".join(args.ops), "--iters", str(args.iters), "--warmup", str(args.warmup)]
-            with on_link(link) as prefix:
-                run_with_deadline(prefix + torchrun(script, WORLD_SIZE, worker), args.timeout,
-                                  env=single_thread_env())
-            ranks = read_json(result)["ranks"]
-            for size, by_op in ranks[0].items():
-                for name in by_op:
-                    slowest = [max(samples) for samples in zip(*(r[size][name] for r in ranks))]
-                    seconds = median(slowest)
-                    results.setdefault(link, {}).setdefault(size, {})[name] = dict(
-                        ms=seconds * 1e3, gbps=float(size) * MIB / seconds / 1e9, samples_s=slowest)
+    for link in tqdm(args.links, unit="link"):
+        worker = ["--worker", "--sizes-mb", ",".join(f"{s:g}" for s in args.sizes_mb), "--ops", ",".join(args.ops),
+                  *forwarded(args, ("iters", "warmup"))]
+        with on_link(link) as prefix:
+            ranks = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout, prefix)["ranks"]
+        for size, by_op in ranks[0].items():
+            for name in by_op:
+                slowest = slower_rank(r[size][name] for r in ranks)
+                seconds = median(slowest)
+                results.setdefault(link, {}).setdefault(size, {})[name] = dict(
+                    ms=seconds * 1e3, gbps=float(size) * MIB / seconds / 1e9, samples_s=slowest)
     return results
 
 

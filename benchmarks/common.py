@@ -17,9 +17,11 @@ import signal
 import socket
 import statistics
 import subprocess
-import time
 import sys
-from typing import Any, Callable, Iterator, Optional, Sequence
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from netns import throttled_namespace
 
@@ -120,6 +122,29 @@ class RunRecord:
                     cpus=os.cpu_count(), loadavg_before=self.loadavg_before, loadavg_after=list(os.getloadavg()))
 
 
+def launch(script: str, nproc: int, worker_args: Sequence[str], timeout_s: float, prefix: Sequence[str] = (),
+           python: str = sys.executable) -> Any:
+    """Run `script` on `nproc` local ranks (torchrun; each rank on one thread) with
+    `worker_args` and a `--result FILE` for rank 0 to write, behind the link's `prefix`, within
+    `timeout_s`; what rank 0 wrote there."""
+    with tempfile.TemporaryDirectory() as scratch:
+        result = os.path.join(scratch, "result.json")
+        command = [*prefix, *torchrun(script, nproc, [*worker_args, "--result", result], python)]
+        run_with_deadline(command, timeout_s, env=single_thread_env())
+        return read_json(result)
+
+
+def forwarded(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The options `names` of `args` as a command line again, for a launched rank: `--name
+    value`, a bare `--name` for True, nothing for None or False."""
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value is not False:
+            out += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return out
+
+
 def run_with_deadline(command: Sequence[str], timeout_s: float, env: Optional[dict] = None) -> str:
     """Run `command` in its own process group and return its output. On a timeout, or when
     this process is interrupted, the whole group (a launcher and its ranks) is killed. A
@@ -195,6 +220,46 @@ def _exit_worker() -> None:
     os._exit(0)
 
 
+def proc_status_kib(field: str) -> int:
+    """A memory figure of this process in KiB from /proc/self/status (VmRSS, VmHWM, RssAnon...)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class PeakMemory:
+    """The largest value (bytes) of each /proc/self/status field in `fields` while the `with`
+    block runs, sampled every `interval_s` on a thread of its own; `growth(field)` is the peak
+    over the value on entry."""
+
+    def __init__(self, fields: Sequence[str], interval_s: float) -> None:
+        self.fields, self.interval_s = tuple(fields), interval_s
+
+    def _read(self) -> dict[str, int]:
+        return {field: 1024 * proc_status_kib(field) for field in self.fields}
+
+    def __enter__(self) -> "PeakMemory":
+        self.start = self._read()
+        self.peak = dict(self.start)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = {field: max(self.peak[field], now) for field, now in self._read().items()}
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def growth(self, field: str) -> int:
+        return self.peak[field] - self.start[field]
+
+
 def single_thread_env() -> dict[str, str]:
     """Each rank (or the single process) computes on one thread, as the 2-core host allows."""
     return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -210,6 +275,26 @@ def single_rank_env() -> dict[str, str]:
                 LOCAL_WORLD_SIZE="1")
 
 
+def start_rank() -> tuple[int, int]:
+    """A launched rank's start: one compute thread (the ranks share the host's cores) and the
+    gloo process group, with PROCESS_GROUP_TIMEOUT; (rank, world size)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def from_every_rank(mine: Any) -> list[Any]:
+    """Every rank's `mine` (any picklable value), in rank order, on every rank."""
+    import torch.distributed as dist
+
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return ranks
+
+
 def timed_steps(step: Callable[[], object], count: int) -> list[float]:
     """The seconds each of `count` calls of `step` took, every rank starting each call together
     (a barrier first: a rank that ran ahead does not time its wait for the others)."""
@@ -222,6 +307,41 @@ def timed_steps(step: Callable[[], object], count: int) -> list[float]:
         step()
         times.append(time.perf_counter() - start)
     return times
+
+
+def slower_rank(per_rank: Iterable[Sequence[float]]) -> list[float]:
+    """Each step's (or repetition's) time as the slower rank's, from one list of times per rank."""
+    return [max(times) for times in zip(*per_rank)]
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Per-round values (paired ratios, shares) as a result file records them: each round's,
+    their median, smallest and largest."""
+    return dict(per_round=list(values), median=median(values), min=min(values), max=max(values))
+
+
+def paired_ratios(per_round: Sequence[dict[str, Sequence[float]]], pairs: Sequence[tuple[str, str]],
+                  label: str = "{row} / {peer}") -> dict[str, dict]:
+    """For each (row, peer) of `pairs` that ran: the ratio of their median steps in each round
+    of `per_round` (row -> step times) and its spread. Rows alternate within a round, so each
+    ratio pairs runs made under the same load, and load that drifts between rounds cancels."""
+    out = {}
+    for row, peer in pairs:
+        ratios = [median(r[row]) / median(r[peer]) for r in per_round if r.get(row) and r.get(peer)]
+        if ratios:
+            out[label.format(row=row, peer=peer)] = spread(ratios)
+    return out
+
+
+def slowest_of_ranks(times: Sequence[float]) -> list[float]:
+    """Each of this rank's `times` replaced by the largest any rank measured at that position
+    (a collective: every rank calls it with as many times)."""
+    import torch
+    import torch.distributed as dist
+
+    largest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.tolist()
 
 
 def rotated(variants: Sequence[str], round_index: int) -> list[str]:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from typing import Optional, Sequence
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, read_json, run_with_deadline, script_main,
-                    single_thread_env, torchrun, write_json, write_text)
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
+                    script_main, slower_rank, start_rank, write_json, write_text)
 
 WORLD_SIZE = 2
 
@@ -43,9 +42,7 @@ def run_worker(args: argparse.Namespace) -> None:
     from overlap import ShardedModule
     from overlap.models import GPT, Block, GPTConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank = dist.get_rank()
+    rank, _ = start_rank()
     torch.manual_seed(0)
     config = GPTConfig(n_layer=6, n_embd=args.width, n_head=8, vocab_size=8192, block_size=128)
     model = ShardedModule(GPT(config), unit_types=(Block,), prefetch_depth=1, bucket_mb=1e-3)
@@ -109,28 +106,18 @@ def run_worker(args: argparse.Namespace) -> None:
             collectives.any_rank(flags, words)()
             times[name].append(time.perf_counter() - start)
     all_reduce_s = {name: median(samples) for name, samples in times.items()}
-    ranks: list[Optional[dict]] = [None] * WORLD_SIZE
-    dist.all_gather_object(ranks, dict(step_s=step_s, bookkeeping_s=bookkeeping_s, all_reduce_s=all_reduce_s,
-                                       units=units, flags=len(flags), words_per_step=len(issued),
-                                       word_s=median(word_times)))
+    ranks = from_every_rank(dict(step_s=step_s, bookkeeping_s=bookkeeping_s, all_reduce_s=all_reduce_s, units=units,
+                                 flags=len(flags), words_per_step=len(issued), word_s=median(word_times)))
     if rank == 0:
         write_json(args.result, dict(ranks=ranks, width=args.width, rounds=args.rounds, steps=args.steps))
 
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("order_check.py", args.argv)
-    with tempfile.TemporaryDirectory() as scratch:
-        result = os.path.join(scratch, "result.json")
-        command = torchrun(os.path.abspath(__file__), WORLD_SIZE, ["--worker", "--result", result,
-                                                                   "--rounds", str(args.rounds),
-                                                                   "--steps", str(args.steps),
-                                                                   "--width", str(args.width)])
-        run_with_deadline(command, args.timeout, env={**os.environ, **single_thread_env()})
-        data = read_json(result)
+    data = launch(os.path.abspath(__file__), WORLD_SIZE, ["--worker", *forwarded(args, ("rounds", "steps", "width"))],
+                  args.timeout)
     ranks = data["ranks"]
-    # A round's step takes as long as its slower rank.
-    rounds = {name: [max(r["step_s"][name][i] for r in ranks) for i in range(args.rounds)]
-              for name in ranks[0]["step_s"]}
+    rounds = {name: slower_rank(r["step_s"][name] for r in ranks) for name in ranks[0]["step_s"]}
     with_check, without = median(rounds["with check"]), median(rounds["without"])
     ratios = [w / o for w, o in zip(rounds["with check"], rounds["without"])]
     summary = dict(
@@ -167,11 +154,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=512, help="model width (the benchmark GPT's is 512)")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
-    return args
+    return parse_with_worker_options(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

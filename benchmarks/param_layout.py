@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
@@ -44,8 +43,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, quartiles, read_json, run_with_deadline,
-                    script_main, single_thread_env, torchrun, write_json)
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
+                    quartiles, script_main, slower_rank, start_rank, write_json)
 
 WORLD_SIZE = 2
 LAYOUTS = {"A": "row-aligned views", "B": "DTensor Shard(0)", "C": "flat shards"}
@@ -341,9 +340,7 @@ ITEMS: dict[str, tuple[tuple[str, ...], Callable[[Model, str], Timings]]] = {
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start_rank()
     model = Model(rank, world)
     model.check()
 
@@ -366,8 +363,7 @@ def run_worker(args: argparse.Namespace) -> None:
     info = dict(samples=samples, memory=model.memory(),
                 tensors={layout: dict(count=len(params), empty=sum(p.numel() == 0 for p in params))
                          for layout, params in model.params.items()})
-    ranks: list[Optional[dict]] = [None] * world
-    dist.all_gather_object(ranks, info)
+    ranks = from_every_rank(info)
     if rank == 0:
         config = model.config
         write_json(args.result, dict(
@@ -386,12 +382,12 @@ def _stats(samples_ms: list[float]) -> dict:
 
 def summarize(ranks: list[dict]) -> dict[str, dict]:
     """item/layout/part -> median and quartiles (ms) of the slower rank's samples."""
-    stats = {key: _stats([max(values) * 1e3 for values in zip(*(r["samples"][key] for r in ranks))])
+    stats = {key: _stats([t * 1e3 for t in slower_rank(r["samples"][key] for r in ranks)])
              for key in ranks[0]["samples"]}
     # The copies of (B), summed within each repetition before the slower rank is taken.
     for item, parts in (("forward", ("copy_in", "copy_out")), ("gradient", ("copy_in", "land"))):
         per_rank = [[sum(values) for values in zip(*(r["samples"][f"{item}/B/{p}"] for p in parts))] for r in ranks]
-        stats[f"{item}/B/copies"] = _stats([max(values) * 1e3 for values in zip(*per_rank)])
+        stats[f"{item}/B/copies"] = _stats([t * 1e3 for t in slower_rank(per_rank)])
     # B − A per repetition: the two ran back to back, so slow drifts of a shared host cancel.
     for item in ITEMS:
         a, b = stats[f"{item}/A/total"], stats[f"{item}/B/total"]
@@ -439,23 +435,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=10, help="repetitions of each item per round (A, B, C alternate)")
     parser.add_argument("--out", default="docs/results/param_layout.json", help="JSON result file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the launch may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse_with_worker_options(parser, argv)
     if args.rounds < 1 or args.reps < 1:
         parser.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
-    args.argv = list(argv)
     return args
 
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("param_layout.py", args.argv)
-    with tempfile.TemporaryDirectory() as scratch:
-        result = os.path.join(scratch, "ranks.json")
-        worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--reps", str(args.reps)]
-        run_with_deadline(torchrun(os.path.abspath(__file__), WORLD_SIZE, worker), args.timeout,
-                          env=single_thread_env())
-        raw = read_json(result)
+    worker = ["--worker", *forwarded(args, ("rounds", "reps"))]
+    raw = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout)
     provenance = record.fields()
     stats = summarize(raw["ranks"])
     memory = [r["memory"] for r in raw["ranks"]]

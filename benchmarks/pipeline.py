@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from typing import Optional, Sequence
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, parse_with_worker_options, read_json,
-                    rotated, run_with_deadline, script_main, single_thread_env, timed_steps, torchrun, write_json,
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
+                    proc_status_kib, rotated, script_main, slower_rank, start_rank, timed_steps, write_json,
                     write_text)
 
 WORLD_SIZE, PP = 4, 2
@@ -108,14 +107,6 @@ def _allocations_through_mmap() -> None:
     libc.malloc_trim(0)
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 class _Bytes:
     """Bytes this rank all-gathers and reduce-scatters, counted at overlap's collectives and at
     the calls FSDP2 makes."""
@@ -159,15 +150,12 @@ class _Bytes:
 
 def run_worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.nn import functional as F
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank = dist.get_rank()
+    rank, _ = start_rank()
     counter = _Bytes()
     mesh = init_device_mesh("cpu", (PP, WORLD_SIZE // PP), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
@@ -203,9 +191,9 @@ def run_worker(args: argparse.Namespace) -> None:
                 module.reshard()
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")                      # resets VmHWM to the current resident size
-        before = _status_kb("VmRSS")
+        before = proc_status_kib("VmRSS")
         steps(variant, 1)
-        return (_status_kb("VmHWM") - before) / 1024
+        return (proc_status_kib("VmHWM") - before) / 1024
 
     for variant in VARIANTS:
         steps(variant, 1)                                          # warm-up: builds the runtimes
@@ -225,25 +213,17 @@ def run_worker(args: argparse.Namespace) -> None:
     for round_index in range(args.rounds):                          # memory apart from the timed steps
         for variant in VARIANTS:
             peak[variant].append(rise_mb(variant))
-    ranks: list[Optional[dict]] = [None] * WORLD_SIZE
-    dist.all_gather_object(ranks, dict(step_s=step_s, moved=moved, peak_rise_mb=peak, pp_rank=pp_rank,
-                                       decided=decided))
+    ranks = from_every_rank(dict(step_s=step_s, moved=moved, peak_rise_mb=peak, pp_rank=pp_rank, decided=decided))
     if rank == 0:
         write_json(args.result, dict(ranks=ranks))
 
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("pipeline.py", args.argv)
-    with tempfile.TemporaryDirectory() as scratch:
-        result = os.path.join(scratch, "result.json")
-        worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                  "--width", str(args.width), "--layers", str(args.layers), "--seq", str(args.seq),
-                  "--microbatches", str(args.microbatches)]
-        run_with_deadline(torchrun(os.path.abspath(__file__), WORLD_SIZE, worker), args.timeout,
-                          env={**os.environ, **single_thread_env()})
-        data = read_json(result)
+    worker = ["--worker", *forwarded(args, ("rounds", "steps", "width", "layers", "seq", "microbatches"))]
+    data = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout)
     ranks = data["ranks"]
-    rounds = {v: [max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds)] for v in VARIANTS}
+    rounds = {v: slower_rank(r["step_s"][v] for r in ranks) for v in VARIANTS}
     best_fsdp2 = [min(a, b) for a, b in zip(rounds["FSDP2 reshard"], rounds["FSDP2 no reshard"])]
     summary = {}
     for variant in VARIANTS:

@@ -19,18 +19,16 @@ import argparse
 import os
 import resource
 import sys
-import tempfile
-import time
 from typing import Optional, Sequence
 
 import torch
 
-from common import (RunRecord, markdown_table, median, read_json, run_with_deadline, script_main, single_thread_env,
-                    torchrun, write_json)
+from common import (RunRecord, forwarded, launch, markdown_table, median, paired_ratios, script_main, slowest_of_ranks,
+                    timed_steps, write_json)
+from gpt_options import SMALL_MODEL
 
 IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
 PEERS = ("fsdp2-tp", "fsdp2-tp-tuned")
-TINY_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
 DP, TP = 2, 2
 
 
@@ -47,7 +45,7 @@ def _build(args: argparse.Namespace):
     import peers
 
     mesh = init_device_mesh("cpu", (DP, dist.get_world_size() // DP), mesh_dim_names=("dp", "tp"))
-    config = GPTConfig(**(TINY_MODEL if args.tiny else {}))
+    config = GPTConfig(**(SMALL_MODEL if args.tiny else {}))
     torch.manual_seed(0)
     model = GPT(config)
     parallelize_module(model, mesh["tp"], gpt_tp_plan())
@@ -91,15 +89,7 @@ def run_worker(args: argparse.Namespace) -> None:
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
 
-    times = []
-    for index in range(args.warmup + args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor(time.perf_counter() - start)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if index >= args.warmup:
-            times.append(float(elapsed))
+    times = slowest_of_ranks(timed_steps(step, args.warmup + args.steps))[args.warmup:]
     tracked = torch.tensor(_memory_step(model, optimizer, step))
     peak_rss = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)   # Linux reports KiB
     memory = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
@@ -110,40 +100,23 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.barrier()
 
 
-def paired_ratios(per_round: list[dict[str, list[float]]]) -> dict[str, dict]:
-    """overlap-tp's median step over each peer's, round by round (alternated within a round)."""
-    out = {}
-    for peer in PEERS:
-        ratios = [median(r["overlap-tp"]) / median(r[peer]) for r in per_round if "overlap-tp" in r and peer in r]
-        if ratios:
-            out[f"overlap-tp/{peer}"] = dict(per_round=ratios, median=median(ratios), min=min(ratios), max=max(ratios))
-    return out
-
-
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("tp.py", sys.argv[1:])
-    script = os.path.abspath(__file__)
     per_round: list[dict[str, list[float]]] = []
     memory: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for round_index in range(args.rounds):
-            per_round.append({})
-            for impl in args.impls:
-                result = os.path.join(scratch, f"{impl}-{round_index}.json")
-                command = torchrun(script, DP * TP, ["--worker", impl, "--result", result, "--steps", str(args.steps),
-                                                     "--warmup", str(args.warmup), "--batch", str(args.batch),
-                                                     "--fsdp2-prefetch", str(args.fsdp2_prefetch),
-                                                     *(["--tiny"] if args.tiny else [])])
-                run_with_deadline(command, args.timeout, env=single_thread_env())
-                measured = read_json(result)
-                per_round[-1][impl] = measured["step_s"]
-                memory[impl] = dict(peak_tracked=measured["peak_tracked"], peak_rss=measured["peak_rss"],
-                                    losses=measured["losses"])
-                print(f"round {round_index + 1} {impl}: median {median(measured['step_s']):.3f} s", flush=True)
+    for round_index in range(args.rounds):
+        per_round.append({})
+        for impl in args.impls:
+            worker = ["--worker", impl, *forwarded(args, ("steps", "warmup", "batch", "fsdp2_prefetch", "tiny"))]
+            measured = launch(os.path.abspath(__file__), DP * TP, worker, args.timeout)
+            per_round[-1][impl] = measured["step_s"]
+            memory[impl] = dict(peak_tracked=measured["peak_tracked"], peak_rss=measured["peak_rss"],
+                                losses=measured["losses"])
+            print(f"round {round_index + 1} {impl}: median {median(measured['step_s']):.3f} s", flush=True)
     rows = [(impl, f"{median([s for r in per_round for s in r[impl]]):.3f}",
              f"{max(memory[impl]['peak_tracked']) / 2**20:.1f}", f"{max(memory[impl]['peak_rss']) / 2**20:.0f}")
             for impl in args.impls]
-    paired = paired_ratios(per_round)
+    paired = paired_ratios(per_round, [("overlap-tp", peer) for peer in PEERS], "{row}/{peer}")
     print(markdown_table(["implementation", "median step (s)", "peak tracked MiB (max rank)", "peak RSS MiB (max rank)"],
                          rows))
     for name, ratio in paired.items():

@@ -16,14 +16,13 @@ import argparse
 import os
 import resource
 import sys
-import tempfile
 import time
 from typing import Optional, Sequence
 
 import torch
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, read_json, run_with_deadline, script_main,
-                    single_thread_env, torchrun, write_json)
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
+                    script_main, start_rank, write_json)
 
 WORLD_SIZE = 2
 GIB = 2**30
@@ -41,9 +40,7 @@ def run_worker(args: argparse.Namespace) -> None:
     from overlap.models import GPT, GPTConfig
     from overlap.models.gpt import Block
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank = dist.get_rank()
+    rank, _ = start_rank()
     config = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                        block_size=args.seq)
     before = _peak_rss()
@@ -71,8 +68,7 @@ def run_worker(args: argparse.Namespace) -> None:
         after_step = _peak_rss()
     mine = dict(before=before, after_wrap=after_wrap, after_step=after_step, wrap_s=wrap_s,
                 shard_bytes=shard_bytes, largest_unit_bytes=largest_unit)
-    ranks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
+    ranks = from_every_rank(mine)
     if rank == 0:
         write_json(args.result, dict(mode=args.mode, params=config.num_params, ranks=ranks))
     dist.barrier()
@@ -80,18 +76,13 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("wrap_memory.py", args.argv)
-    script = os.path.abspath(__file__)
     runs = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for round_index in range(args.rounds):
-            for mode in MODES:
-                result = os.path.join(scratch, f"{mode}-{round_index}.json")
-                worker = ["--worker", "--mode", mode, "--result", result, "--layers", str(args.layers),
-                          "--hidden", str(args.hidden), "--heads", str(args.heads), "--vocab", str(args.vocab),
-                          "--seq", str(args.seq)] + (["--train-step"] if args.train_step else [])
-                run_with_deadline(torchrun(script, WORLD_SIZE, worker), args.timeout, env=single_thread_env())
-                runs.append(read_json(result))
-                print(f"round {round_index + 1} {mode}: done", flush=True)
+    for round_index in range(args.rounds):
+        for mode in MODES:
+            worker = ["--worker", "--mode", mode, *forwarded(args, ("layers", "hidden", "heads", "vocab", "seq",
+                                                                    "train_step"))]
+            runs.append(launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout))
+            print(f"round {round_index + 1} {mode}: done", flush=True)
     rows, summary = [], {}
     for mode in MODES:
         mine = [r for r in runs if r["mode"] == mode]
@@ -131,12 +122,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--train-step", action="store_true", help="also one AdamW training step after wrapping")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds one launch may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
-    return args
+    return parse_with_worker_options(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
