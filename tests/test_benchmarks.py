@@ -294,13 +294,15 @@ def test_compile_targets_hold_or_miss_by_round():
     """The compiled targets' ratios, paired round by round from the rows' per-round medians."""
     sys.path.insert(0, BENCHMARKS)
     try:
-        import compare
+        import compare_report
+        import compare_summary
+        import compare_targets
     finally:
         sys.path.remove(BENCHMARKS)
     runs = [dict(link="loopback", round=r, impl=impl, ranks=[dict(step_s=[ms / 1e3])])
             for r, steps in enumerate([dict(overlap=10, local=4), dict(overlap=10, local=4)])
             for impl, ms in [*steps.items(), ("overlap-compiled", 9 if r == 0 else 10), ("local-compiled", 3.6)]]
-    ratios = compare._compiled_over_eager(runs)["loopback"]
+    ratios = compare_summary.compiled_over_eager(runs)["loopback"]
     assert ratios["overlap-compiled"] == pytest.approx([0.9, 1.0])
     assert ratios["local-compiled"] == pytest.approx([0.9, 0.9])
     summary = {"loopback": {
@@ -308,11 +310,11 @@ def test_compile_targets_hold_or_miss_by_round():
                                  round_step_ms=[9.0, 10.0], rounds=[0, 1], step_ms=9.5),
         "local-compiled": dict(compiled_over_eager=0.9, compiled_over_eager_rounds=ratios["local-compiled"]),
         "fsdp2-tuned-compiled": dict(round_step_ms=[9.5, 9.5], rounds=[0, 1], step_ms=9.5)}}
-    keeps, ahead = compare.compile_targets(summary)
+    keeps, ahead = compare_targets.compile_targets(summary)
     assert keeps["rounds"] == pytest.approx([1.0, 1.0 / 0.9])     # met in round 1, missed in round 2
     assert (keeps["held"], keeps["met"]) == (1, False)
     assert ahead["rounds"] == pytest.approx([9 / 9.5, 10 / 9.5])
-    lines = compare.target_lines([keeps, ahead])
+    lines = compare_report.target_lines([keeps, ahead])
     assert "by round: 1.00 (met), 1.11 (missed)" in lines
     assert "held in 1 of 2 rounds" in lines
 
@@ -322,7 +324,7 @@ def test_step_time_targets_are_paired_per_round_and_met_only_in_every_round():
     peer of that round), not a ratio of pooled medians, and "met" needs every round."""
     sys.path.insert(0, BENCHMARKS)
     try:
-        import compare
+        import compare_targets
     finally:
         sys.path.remove(BENCHMARKS)
     # Round 0 ran on a loaded host (everything 2x slower); pooled medians would mix the rounds.
@@ -330,11 +332,11 @@ def test_step_time_targets_are_paired_per_round_and_met_only_in_every_round():
              "ddp-tuned": [1.6, 0.8, 0.9]}
     summary = {"loopback": {impl: dict(round_step_ms=ms, rounds=[0, 1, 2], step_ms=sorted(ms)[1])
                             for impl, ms in steps.items()}}
-    vs_fsdp2, vs_ddp = compare.check_targets(summary)
+    vs_fsdp2, vs_ddp = compare_targets.check_targets(summary)
     assert vs_fsdp2["rounds"] == pytest.approx([0.8, 0.85, 0.85 / 0.9])
     assert vs_fsdp2["ratio"] == pytest.approx(0.85)
     assert (vs_fsdp2["held"], vs_fsdp2["met"]) == (2, False)
     assert vs_ddp["rounds"] == pytest.approx([1.6 / 1.4, 0.85 / 0.8, 0.85 / 0.8])
     assert (vs_ddp["held"], vs_ddp["met"]) == (0, False)
     summary["loopback"]["overlap"]["round_step_ms"] = [1.5, 0.85, 0.8]
-    assert compare.check_targets(summary)[0]["met"] is True
+    assert compare_targets.check_targets(summary)[0]["met"] is True
