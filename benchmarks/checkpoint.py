@@ -25,46 +25,17 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import zlib
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, quartiles, read_json, run_with_deadline,
-                    script_main, single_thread_env, torchrun, write_json)
+from common import (PeakMemory, RunRecord, forwarded, launch, markdown_table, median, parse_with_worker_options,
+                    quartiles, script_main, start_rank, write_json)
 
 WORLD_SIZE = 2
 MIB = 2**20
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _PeakRss:
-    """Samples this process's resident memory every millisecond while active."""
-
-    def __enter__(self) -> "_PeakRss":
-        self.start = self.peak = _rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss_bytes())
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.start
 
 
 # The candidate checksums, and how much each hashes per measurement.
@@ -87,9 +58,7 @@ def run_worker(args: argparse.Namespace) -> None:
     from overlap import ShardedModule, checkpoint
     from overlap.models import GPT, GPTConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank = dist.get_rank()
+    rank, _ = start_rank()
     torch.manual_seed(0)
     config = GPTConfig()
     model = ShardedModule(GPT(config))
@@ -129,11 +98,11 @@ def run_worker(args: argparse.Namespace) -> None:
         checked_first = [True, False] if index % 2 == 0 else [False, True]
         save_s: dict[bool, float] = {}
         for checksums in checked_first:
-            with _PeakRss() as rss:
+            with PeakMemory(["VmRSS"], interval_s=0.001) as rss:
                 save_s[checksums] = timed(lambda: checkpoint.save(path + ("-sync" if checksums else "-plain"), model,
                                                                   optimizer, checksums=checksums))
             if checksums:
-                sync_rss_growth = rss.growth
+                sync_rss_growth = rss.growth("VmRSS")
         pending: list = []
         async_s = timed(lambda: pending.append(checkpoint.async_save(path + "-async", model, optimizer)))
         steps_during = timed(lambda: [step() for _ in range(args.steps)])
@@ -202,13 +171,9 @@ def report(result: dict, stats: dict) -> str:
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("checkpoint.py", args.argv)
-    script = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as scratch:
-        result_path = os.path.join(scratch, "result.json")
-        worker = ["--worker", "--result", result_path, "--dir", args.dir or scratch, "--rounds", str(args.rounds),
-                  "--steps", str(args.steps), "--batch", str(args.batch)]
-        run_with_deadline(torchrun(script, WORLD_SIZE, worker), args.timeout, env=single_thread_env())
-        result = read_json(result_path)
+        worker = ["--worker", "--dir", args.dir or scratch, *forwarded(args, ("rounds", "steps", "batch"))]
+        result = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout)
     stats = summarize(result)
     text = report(result, stats)
     print(text)
@@ -226,10 +191,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--timeout", type=float, default=900, help="seconds the launch may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
+    args = parse_with_worker_options(parser, argv)
     for name in ("rounds", "steps", "batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")

@@ -35,8 +35,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from common import (LOOPBACK, PROCESS_GROUP_TIMEOUT, git_commit, median, on_link, parse_links, run_with_deadline,
-                    script_main, single_thread_env, torchrun, write_json)
+from common import (LOOPBACK, RunRecord, forwarded, launch, median, on_link, parse_choices, parse_links,
+                    parse_with_worker_options, script_main, start_rank, write_json)
+from gpt_options import MODEL_FIELDS, SMALL_MODEL, add_model_options, model_config, token_batch
 
 WORLD_SIZE = 2
 # per-unit: ShardedModule(compile=True). compiled-autograd*: the same (or eager units, or no
@@ -65,19 +66,12 @@ PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5     # the tests' fp32 tolerance (torch.allcl
 
 
 def _gpt(args: argparse.Namespace) -> nn.Module:
-    from overlap.models import GPT, GPTConfig
+    from overlap.models import GPT
 
     torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab_size,
-                          block_size=args.block_size))
+    model = GPT(model_config(args))
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())      # untied (see the docstring)
     return model
-
-
-def _batch(args: argparse.Namespace, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
-    tokens = torch.randint(args.vocab_size, (args.batch, args.block_size + 1), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def _optimizer(params) -> torch.optim.Optimizer:
@@ -219,7 +213,7 @@ def _reference(args: argparse.Namespace, world: int) -> tuple[list[float], dict[
     optimizer = _optimizer(model.parameters())
     losses = []
     for step in range(PARITY_STEPS):
-        batches = [_batch(args, rank, step) for rank in range(world)]
+        batches = [token_batch(args, rank, step) for rank in range(world)]
         loss = model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         loss.backward()
         optimizer.step()
@@ -264,9 +258,7 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch._dynamo
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start_rank()
     torch._dynamo.config.cache_size_limit = 64
     ref_losses, ref_params = _reference(args, world)
 
@@ -278,7 +270,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
         def parity(v: Variant = variant) -> None:
             for s in range(PARITY_STEPS):
-                v.losses.append(v.step(_batch(args, rank, s)))
+                v.losses.append(v.step(token_batch(args, rank, s)))
 
         _guarded(variant, parity)
         variant.first_steps_s = time.perf_counter() - start
@@ -301,7 +293,7 @@ def run_worker(args: argparse.Namespace) -> None:
             before = _counts()
             times = []
             for _ in range(args.steps):
-                batch = _batch(args, rank, step)
+                batch = token_batch(args, rank, step)
                 step += 1
                 start = time.perf_counter()
                 variant.step(batch)
@@ -312,7 +304,7 @@ def run_worker(args: argparse.Namespace) -> None:
             delta = _delta(_counts(), before)
             variant.counts["rounds"] = {k: variant.counts.get("rounds", {}).get(k, 0) + d for k, d in delta.items()}
     for variant in live:
-        variant.collectives = _collectives_in_one_step(variant, _batch(args, rank, step))
+        variant.collectives = _collectives_in_one_step(variant, token_batch(args, rank, step))
         step += 1
     if rank == 0:
         write_json(args.result, dict(reference_losses=ref_losses, variants=[dict(
@@ -356,28 +348,13 @@ def summarize(result: dict) -> dict:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    import tempfile
-
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as scratch:
-        result_path = os.path.join(scratch, "result.json")
-        worker = ["--worker", "--result", result_path, "--variants", ",".join(args.variants),
-                  "--rounds", str(args.rounds), "--steps", str(args.steps), "--n-layer", str(args.n_layer),
-                  "--n-embd", str(args.n_embd), "--n-head", str(args.n_head), "--vocab-size", str(args.vocab_size),
-                  "--block-size", str(args.block_size), "--batch", str(args.batch), "--seed", str(args.seed)]
-        with on_link(args.link) as prefix:
-            run_with_deadline(prefix + torchrun(os.path.abspath(__file__), WORLD_SIZE, worker), args.run_timeout,
-                              env=single_thread_env())
-        import json
-
-        with open(result_path) as f:
-            result = json.load(f)
-    load_after = os.getloadavg()
+    record = RunRecord("compile_capture.py", args.argv)
+    worker = ["--worker", "--variants", ",".join(args.variants),
+              *forwarded(args, ("rounds", "steps", *MODEL_FIELDS, "batch", "seed"))]
+    with on_link(args.link) as prefix:
+        result = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.run_timeout, prefix)
     summary = summarize(result)
-    out = dict(meta=dict(command="python benchmarks/compile_capture.py " + " ".join(args.argv),
-                         commit=git_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                         torch=torch.__version__, cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                         loadavg_before=load_before, loadavg_after=load_after, world_size=WORLD_SIZE, link=args.link,
+    out = dict(meta=dict(**record.fields(), world_size=WORLD_SIZE, link=args.link,
                          model=dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                                     vocab_size=args.vocab_size, block_size=args.block_size, batch=args.batch),
                          rounds=args.rounds, steps=args.steps, loss_rtol=LOSS_RTOL, param_rtol=PARAM_RTOL,
@@ -396,28 +373,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=64)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=32)
+    add_model_options(parser, SMALL_MODEL)
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--link", default=LOOPBACK, help="loopback, or a tc rate such as 2gbit (needs root: netns.py)")
     parser.add_argument("--out", default="bench_out/compile_capture.json")
     parser.add_argument("--run-timeout", type=float, default=900)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
+    args = parse_with_worker_options(parser, argv)
     try:
         args.link = parse_links(args.link)[0]
+        args.variants = parse_choices(args.variants, VARIANTS, "--variants")
     except ValueError as exc:
         parser.error(str(exc))
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown or not args.variants:
-        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     if BASELINE not in args.variants:
         parser.error(f"--variants must include {BASELINE!r}, the baseline of the paired ratios")
     return args

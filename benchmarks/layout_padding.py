@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from common import RunRecord, markdown_table, write_json
+from gpt_options import BENCHMARK_MODEL
 
-BENCHMARK_MODEL = dict(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, block_size=128)
 
 
 def _benchmark_units() -> list[tuple[str, list[tuple[int, ...]]]]:
