@@ -20,47 +20,16 @@ import argparse
 import os
 import sys
 import tempfile
-import threading
 import time
 from typing import Optional, Sequence
 
 import torch
 
-from common import git_commit, markdown_table, median, write_json
+from common import PeakMemory, git_commit, markdown_table, median, spread, write_json
 from optim_step import parse_count
 from offload_disk import gpt_config
 
 MODES = ("staged", "streamed")
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-class PeakRss:
-    """The peak RssAnon and RssFile (bytes) while the `with` block runs, sampled every 10 ms."""
-
-    def __enter__(self) -> "PeakRss":
-        self.anon = self.file = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while True:
-            self.anon = max(self.anon, 1024 * _rss_kib("RssAnon"))
-            self.file = max(self.file, 1024 * _rss_kib("RssFile"))
-            if self._stop.wait(0.01):
-                return
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -104,8 +73,7 @@ def run(args: argparse.Namespace) -> dict:
             for mode in order:
                 checkpoint.streamed_keys = streamed_keys if mode == "streamed" else (lambda *_: frozenset())
                 path = os.path.join(args.dir, f"round{index}-{mode}")
-                anon_before, file_before = 1024 * _rss_kib("RssAnon"), 1024 * _rss_kib("RssFile")
-                with PeakRss() as peak:
+                with PeakMemory(["RssAnon", "RssFile"], interval_s=0.01) as peak:
                     start = time.perf_counter()
                     pending = checkpoint.async_save(path, model, optimizer)
                     blocked = time.perf_counter() - start
@@ -113,8 +81,8 @@ def run(args: argparse.Namespace) -> dict:
                     pending.wait()
                     total = time.perf_counter() - start
                 measured[mode] = dict(blocked_s=blocked, total_s=total, steps_s=steps,
-                                      anon_growth_bytes=peak.anon - anon_before,
-                                      file_growth_bytes=peak.file - file_before)
+                                      anon_growth_bytes=peak.growth("RssAnon"),
+                                      file_growth_bytes=peak.growth("RssFile"))
                 print(f"round {index} {mode}: async_save blocked {blocked:.2f} s, complete after {total:.2f} s, "
                       f"steps {[round(s, 2) for s in steps]} s, RssAnon +{measured[mode]['anon_growth_bytes'] / 2**30:.2f} "
                       f"GiB, RssFile +{measured[mode]['file_growth_bytes'] / 2**30:.2f} GiB", flush=True)
@@ -149,9 +117,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.dir = directory
         measured = run(args)
     counted = measured["rounds"]
-
-    def spread(values: list[float]) -> dict:
-        return dict(median=median(values), min=min(values), max=max(values))
     summary = {f"{figure}_{mode}": spread([scale * r[mode][key] for r in counted]) for mode in MODES
                for figure, key, scale in (("blocked_s", "blocked_s", 1.0), ("complete_s", "total_s", 1.0),
                                           ("anon_growth_gib", "anon_growth_bytes", 2**-30))}

@@ -23,13 +23,14 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from typing import Optional, Sequence
 
 import torch
 
 from cluster import run_on_cluster
-from common import git_commit, markdown_table, median, quartiles, read_json, script_main, write_json
+from common import (RunRecord, forwarded, markdown_table, median, paired_ratios, quartiles, read_json, script_main,
+                    slowest_of_ranks, timed_steps, write_json)
+from gpt_options import SMALL_MODEL
 
 IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
                    "fsdp2-hsdp", "fsdp2-hsdp-tuned", "ddp", "ddp-tuned", "ddp-fp16")
@@ -41,17 +42,6 @@ SHARDED = {"overlap-full": ("full", "none"), "overlap-hybrid": ("hybrid", "none"
 PAIRS = (("overlap-hybrid", "fsdp2-hsdp-tuned"), ("overlap-hybrid", "ddp-tuned"), ("overlap-auto", "fsdp2-hsdp-tuned"),
          ("overlap-auto", "ddp-tuned"), ("overlap-hybrid", "overlap-full"), ("overlap-hybrid-int8", "ddp-fp16"),
          ("overlap-hybrid-int8", "fsdp2-hsdp-tuned"), ("overlap-hybrid-int8", "overlap-hybrid"))
-TINY_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
-
-
-def _optimizer(params) -> torch.optim.Optimizer:
-    probe = torch.nn.Parameter(torch.zeros(1))
-    probe.grad = torch.zeros(1)
-    try:
-        torch.optim.AdamW([probe], fused=True).step()
-        return torch.optim.AdamW(params, lr=1e-4, fused=True)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -68,7 +58,7 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_WORLD_SIZE"])
-    config = GPTConfig(**(TINY_MODEL if args.tiny else {}))
+    config = GPTConfig(**(SMALL_MODEL if args.tiny else {}))
     torch.manual_seed(0)
     model = GPT(config)
     decision = None
@@ -90,20 +80,18 @@ def run_worker(args: argparse.Namespace) -> None:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
             model.register_comm_hook(None, fp16_compress_hook)
-    optimizer = _optimizer(model.parameters())
+    optimizer = peers.make_optimizer(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
-    times = []
-    for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
+    batches = iter([torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)
+                    for _ in range(args.warmup + args.steps)])
+
+    def step() -> None:
+        tokens = next(batches)
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
-        elapsed = torch.tensor(time.perf_counter() - start)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step >= args.warmup:
-            times.append(float(elapsed))
+
+    times = slowest_of_ranks(timed_steps(step, args.warmup + args.steps))[args.warmup:]
     if rank == 0:
         write_json(args.result, dict(impl=args.worker, step_s=times, decision=decision))
     # No destroy_process_group: it hung rank 0 after a finished run (see common._exit_worker,
@@ -122,10 +110,8 @@ def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
         per_round.append({})
         for impl in args.impls:
             result = os.path.join(scratch, f"{rate}-{impl}-{round_index}.json")
-            command = [script, "--worker", impl, "--result", result, "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--batch", str(args.batch),
-                       "--fsdp2-prefetch", str(args.fsdp2_prefetch), "--ddp-bucket-mb", str(args.ddp_bucket_mb),
-                       *(["--tiny"] if args.tiny else [])]
+            command = [script, "--worker", impl, "--result", result,
+                       *forwarded(args, ("steps", "warmup", "batch", "fsdp2_prefetch", "ddp_bucket_mb", "tiny"))]
             nodes = run_on_cluster(rate, 2, command, args.timeout, env={"OMP_NUM_THREADS": "1"})
             for node, done in enumerate(nodes):
                 if done.returncode != 0:
@@ -137,21 +123,9 @@ def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
                 decisions.setdefault(impl, []).append(measured["decision"])
             print(f"{rate} round {round_index + 1} {impl}: done", flush=True)
     result = summarise(args, rate, steps, decisions)
-    result.update(per_round_steps_s=per_round, paired=paired_ratios(per_round),
+    result.update(per_round_steps_s=per_round, paired=paired_ratios(per_round, PAIRS),
                   load_average=dict(before=load_before, after=os.getloadavg()))
     return result
-
-
-def paired_ratios(per_round: list[dict[str, list[float]]]) -> dict[str, dict]:
-    """For each (row, peer) in PAIRS that ran: the ratio of their median steps in each round
-    (they alternate within a round, so each ratio pairs runs made under the same load), with
-    the median and range of those ratios."""
-    out = {}
-    for row, peer in PAIRS:
-        ratios = [median(r[row]) / median(r[peer]) for r in per_round if r.get(row) and r.get(peer)]
-        if ratios:
-            out[f"{row} / {peer}"] = dict(per_round=ratios, median=median(ratios), min=min(ratios), max=max(ratios))
-    return out
 
 
 def summarise(args: argparse.Namespace, rate: str, steps: dict[str, list[float]],
@@ -179,6 +153,7 @@ def summarise(args: argparse.Namespace, rate: str, steps: dict[str, list[float]]
 
 
 def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("hybrid.py", args.argv)
     rates: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for rate in args.rates:
@@ -187,8 +162,7 @@ def run_driver(args: argparse.Namespace) -> int:
                 print(f"{rate} {pair}: per round {', '.join(f'{r:.2f}' for r in entry['per_round'])}; "
                       f"median {entry['median']:.2f} [{entry['min']:.2f}-{entry['max']:.2f}]", flush=True)
             if args.out:            # after each rate, so that a run cut short keeps what it measured
-                write_json(args.out, dict(command="python benchmarks/hybrid.py " + " ".join(args.argv),
-                                          commit=git_commit(), rates=rates))
+                write_json(args.out, dict(**record.fields(), rates=rates))
     return 0
 
 

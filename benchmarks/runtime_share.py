@@ -20,8 +20,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from common import (checkout_python, git_commit, markdown_table, median, run_with_deadline, single_thread_env,
-                    write_json)
+from common import checkout_python, git_commit, markdown_table, run_with_deadline, single_thread_env, spread, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 logger = logging.getLogger("runtime_share")
@@ -68,15 +67,9 @@ def run(args: argparse.Namespace) -> dict:
             logger.info("round %d, %s: step %.1f ms, runtime %.1f ms (%.1f%%)", index + 1, name,
                         runs[name]["span"] * 1e3, runs[name]["runtime"] * 1e3, 100 * runs[name]["runtime_share"])
         rounds.append(runs)
-    summary = {}
-    for name in checkouts:
-        shares = [r[name]["runtime_share"] for r in rounds]
-        summary[name] = dict(runtime_share=dict(per_round=shares, median=median(shares), min=min(shares),
-                                                max=max(shares)))
+    summary = {name: dict(runtime_share=spread([r[name]["runtime_share"] for r in rounds])) for name in checkouts}
     if args.baseline:
-        ratios = [r["this"]["span"] / r["baseline"]["span"] for r in rounds]
-        summary["step_this_over_baseline"] = dict(per_round=ratios, median=median(ratios), min=min(ratios),
-                                                  max=max(ratios))
+        summary["step_this_over_baseline"] = spread([r["this"]["span"] / r["baseline"]["span"] for r in rounds])
     meta = dict(command="python benchmarks/runtime_share.py " + " ".join(
                     "<baseline>" if a == args.baseline else a for a in args.argv),
                 commit=git_commit(REPO), baseline_commit=git_commit(args.baseline) if args.baseline else None,
