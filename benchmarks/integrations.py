@@ -30,7 +30,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from common import RunRecord, median, quartiles, run_with_deadline, script_main, single_thread_env, torchrun, write_json
+from common import (RunRecord, median, quartiles, rotated, run_with_deadline, script_main, single_thread_env, torchrun,
+                    write_json)
 
 VARIANTS = ("loop", "lightning", "hf", "lightning-fsdp", "lightning-fsdp2", "hf-fsdp")
 CONFIG = dict(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -239,10 +240,8 @@ def run_driver(args: argparse.Namespace) -> int:
     per_round: list[dict[str, float]] = []
     record = RunRecord("integrations.py", args.argv)
     for round_index in range(args.rounds):
-        shift = round_index % len(variants)
-        order = variants[shift:] + variants[:shift]
         times: dict[str, float] = {}
-        for variant in order:
+        for variant in rotated(variants, round_index):
             if variant in failed:
                 continue
             result = _launch(variant, args)
