@@ -26,7 +26,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, on_link, parse_choices,
-                    parse_links, parse_sizes, script_main, slower_rank, start_rank, write_json, write_text)
+                    parse_links, parse_sizes, parse_with_worker_options, script_main, slower_rank, start_rank,
+                    write_json, write_text)
 
 WORLD_SIZE = 2
 REDUCE_SCATTER_WAYS = ("reduce_scatter", "all_to_all+sum", "all_reduce+slice")
@@ -158,9 +159,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions after the checked first call")
     parser.add_argument("--out", default="bench_out", help="directory for collectives.json/.md")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one link's launch may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse_with_worker_options(parser, argv)
     try:
         args.sizes_mb = parse_sizes(args.sizes_mb, "--sizes-mb")
         args.ops = parse_choices(args.ops, OPS, "--ops")
@@ -170,7 +169,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(str(exc))
     if args.iters < 1 or args.warmup < 0:
         parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
-    args.argv = list(argv)
     return args
 
 

@@ -190,14 +190,18 @@ def script_main(argv: Optional[Sequence[str]], parse_args: Callable[[Sequence[st
     return run_driver(args)
 
 
-def parse_with_worker_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """`parser`'s arguments plus the hidden ones a launched rank gets (--worker, --result),
-    with the command line kept as `argv` for the result file's record."""
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
+def parse_recorded(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`parser`'s arguments, with the command line kept as `argv` for the result file's record."""
     args = parser.parse_args(argv)
     args.argv = list(argv)
     return args
+
+
+def parse_with_worker_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`parse_recorded` with the hidden options a launched rank gets (--worker, --result)."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parse_recorded(parser, argv)
 
 
 def _exit_cleanly_on_sigterm() -> None:

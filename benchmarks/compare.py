@@ -35,8 +35,8 @@ import tempfile
 from typing import Optional, Sequence
 
 import peers
-from common import (LOOPBACK, checkout_python, forwarded, on_link, parse_choices, parse_links, read_json,
-                    run_with_deadline, script_main, single_thread_env, torchrun)
+from common import (LOOPBACK, checkout_python, forwarded, on_link, parse_choices, parse_links, parse_recorded,
+                    read_json, run_with_deadline, script_main, single_thread_env, torchrun)
 from compare_report import write_outputs
 from compare_summary import BASELINE, WORLD_SIZE, summarize
 from compare_targets import check_targets
@@ -115,8 +115,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--worker", choices=peers.ALL, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
+    args = parse_recorded(parser, argv)
     args.sources = None
     if args.worker:
         return args

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from common import PeakMemory, git_commit, markdown_table, median, spread, write_json
+from common import PeakMemory, git_commit, markdown_table, median, parse_recorded, spread, write_json
 from optim_step import parse_count
 from offload_disk import gpt_config
 
@@ -104,9 +104,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "directory under the current one)")
     parser.add_argument("--port", type=int, default=29517)
     parser.add_argument("--out", help="result JSON")
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
-    return args
+    return parse_recorded(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

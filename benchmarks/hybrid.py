@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 import torch
 
 from cluster import run_on_cluster
-from common import (RunRecord, forwarded, markdown_table, median, paired_ratios, quartiles, read_json, script_main,
-                    slowest_of_ranks, timed_steps, write_json)
+from common import (RunRecord, forwarded, markdown_table, median, paired_ratios, parse_recorded, quartiles, read_json,
+                    script_main, slowest_of_ranks, timed_steps, write_json)
 from gpt_options import SMALL_MODEL
 
 IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
@@ -181,8 +181,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--ddp-bucket-mb", type=float, default=10.0, help="ddp-tuned's and ddp-fp16's bucket_cap_mb")
     parser.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
+    args = parse_recorded(parser, argv)
     args.rates = [rate.strip() for rate in args.rate.split(",") if rate.strip()]
     args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
     unknown = [impl for impl in args.impls if impl not in IMPLEMENTATIONS]

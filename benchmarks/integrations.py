@@ -30,8 +30,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from common import (RunRecord, median, quartiles, rotated, run_with_deadline, script_main, single_thread_env, torchrun,
-                    write_json)
+from common import (RunRecord, median, parse_recorded, quartiles, rotated, run_with_deadline, script_main,
+                    single_thread_env, torchrun, write_json)
 
 VARIANTS = ("loop", "lightning", "hf", "lightning-fsdp", "lightning-fsdp2", "hf-fsdp")
 CONFIG = dict(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -49,9 +49,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
-    return args
+    return parse_recorded(parser, argv)
 
 
 # ---- the rank program -------------------------------------------------------------------------

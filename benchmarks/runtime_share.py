@@ -20,7 +20,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from common import checkout_python, git_commit, markdown_table, run_with_deadline, single_thread_env, spread, write_json
+from common import (checkout_python, git_commit, markdown_table, parse_recorded, run_with_deadline, single_thread_env,
+                    spread, write_json)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 logger = logging.getLogger("runtime_share")
@@ -86,9 +87,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--baseline", help="another checkout of the project, with its own .venv")
     parser.add_argument("--out", help="result JSON")
     parser.add_argument("--run-timeout", type=float, default=900)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
-    return args
+    return parse_recorded(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
