@@ -269,13 +269,17 @@ def single_thread_env() -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def single_rank_env() -> dict[str, str]:
     """What torchrun would give the one rank of a world of one (env:// rendezvous on a free
     local port), for launching it without torchrun's agent process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                 LOCAL_WORLD_SIZE="1")
 
 

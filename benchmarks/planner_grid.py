@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from typing import Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import RunRecord, quartiles  # noqa: E402
+from common import RunRecord, free_port, quartiles  # noqa: E402
 from netns import throttled_namespace  # noqa: E402
 
 DEPTHS = (0, 1, 2, 3)
@@ -106,17 +105,11 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_link(name: str, rate: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "grid.json")
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-port", str(_free_port()), os.path.abspath(__file__), "--worker", "--out", out,
+                   "--master-port", str(free_port()), os.path.abspath(__file__), "--worker", "--out", out,
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--batch", str(args.batch), "--depths", *map(str, args.depths), "--buckets", *args.buckets]
         env = dict(os.environ, OMP_NUM_THREADS="1", OVERLAP_LOG="INFO")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import sys
 from collections import Counter
 from typing import Callable, Iterator
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 import overlap
 import overlap.kernels
+from common import single_rank_env
 
 # Where the package's own code lives (overlap.kernels is installed from kernels/): a call is
 # counted when a frame there made it.
@@ -88,11 +88,7 @@ def _init_one_process() -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.update(single_rank_env())
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("cpu:gloo,cuda:nccl")
 
