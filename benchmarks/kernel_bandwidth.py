@@ -17,9 +17,7 @@ run fits in memory and minutes; the table says which shapes were used.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import pathlib
 import statistics
 import sys
 import time
@@ -27,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from common import RunRecord
+from common import RunRecord, write_json
 from overlap.kernels.backends import available_backends, get_backend
 from overlap.kernels.quantized import DEFAULT_BLOCK
 
@@ -440,9 +438,8 @@ def run_quantized(args: argparse.Namespace, device: torch.device, backends: list
         result["rows"] = rows
     default = f"bench_out/quant_blocks_{device.type}.json" if args.quant_blocks else \
         f"bench_out/quant_kernels_{device.type}.json"
-    out = pathlib.Path(args.out or default)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": _meta(device, record, repeats=repeats), **result}, indent=1))
+    out = args.out or default
+    write_json(out, {"meta": _meta(device, record, repeats=repeats), **result})
     print(f"wrote {out}")
 
 
@@ -477,9 +474,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     print_table(rows)
     summary = summarise(rows)
     print_summary(summary)
-    out = pathlib.Path(args.out or f"bench_out/kernels_{device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": _meta(device, record), "rows": rows, "summary": summary}, indent=1))
+    out = args.out or f"bench_out/kernels_{device.type}.json"
+    write_json(out, {"meta": _meta(device, record), "rows": rows, "summary": summary})
     print(f"wrote {out}")
 
 

@@ -19,7 +19,6 @@ can be measured one launch at a time into one file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from typing import Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import RunRecord, free_port, quartiles  # noqa: E402
+from common import RunRecord, free_port, quartiles, read_json, write_json  # noqa: E402
 from netns import throttled_namespace  # noqa: E402
 
 DEPTHS = (0, 1, 2, 3)
@@ -100,8 +99,7 @@ def _worker(args: argparse.Namespace) -> None:
             if key == "auto":
                 results[key].update(chosen_depth=model.scheduler.prefetch_depth,
                                     chosen_bucket_mb=model.overlap_config.bucket_mb, units=len(model.scheduler.units))
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, results)
     dist.destroy_process_group()
 
 
@@ -119,8 +117,7 @@ def _run_link(name: str, rate: str, args: argparse.Namespace) -> dict:
                                   timeout=args.timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"link {name} ({rate}) failed:\n{proc.stderr[-4000:]}")
-        with open(out) as f:
-            results = json.load(f)
+        results = read_json(out)
     plans = [line for line in proc.stderr.splitlines() if "plan at step" in line]
     return {"rate": rate, "results": results, "plan_log": plans, "wall_s": time.perf_counter() - started}
 
@@ -191,8 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{args.steps} timed steps, configurations interleaved step by step; the machine's cores may be shared")
     summary = {}
     if args.json and os.path.exists(args.json):
-        with open(args.json) as f:
-            summary = json.load(f)
+        summary = read_json(args.json)
     if args.report:
         for name, link in summary.items():
             _report(name, link, args.depths, [None if b == "none" else float(b) for b in args.buckets])
@@ -207,8 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # Links kept from an earlier run keep that run's record.
         summary[name] = {**link, **_report(name, link, args.depths, buckets), "meta": record.fields()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json(args.json, summary)
     return 0
 
 

@@ -23,7 +23,6 @@ machine's CPUs (cluster.node_cpus). Needs root.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -40,7 +39,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cluster import NODES, Cluster, node_cpus, two_node_cluster     # noqa: E402
-from common import RunRecord                                          # noqa: E402
+from common import RunRecord, write_json                            # noqa: E402
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
@@ -426,9 +425,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "kills": [{**{key: value for key, value in asdict(k).items() if key != "fired_at"},
                                        "recovered_s": None if k.recovered_s is None else round(k.recovered_s, 2)}
                                       for k in o.kills]} for o in runs]}
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
+        write_json(args.out, record)
     return 0 if all(ending(o, reference, args.tolerance) != "failed" for o in runs) else 1
 
 
