@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
-import pathlib
 import platform
 import statistics
 import sys
@@ -37,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from common import git_commit
+from common import git_commit, write_json
 
 from overlap.optim import AdamW, extension_available
 
@@ -197,10 +195,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     print_table(entries)
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
