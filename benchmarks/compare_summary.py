@@ -17,7 +17,7 @@ WORLD_SIZE = 2
 PHASES = ("forward", "backward", "optimizer")
 
 
-def algorithm_bytes(impl: str, params: int, root_params: int, block_params: int, world: int) -> Optional[int]:
+def _algorithm_bytes(impl: str, params: int, root_params: int, block_params: int, world: int) -> Optional[int]:
     """Bytes each rank sends per step by the algorithm of FSDP2 or DDP, ring-equivalent: an
     all-gather or reduce-scatter of S bytes sends S(N-1)/N, an all-reduce twice that.
 
@@ -57,8 +57,8 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
             entry["ranks_memory"] = [r["memory"] for r in ranks]
             entry["peak_rss"] = [r["peak_rss"] for r in ranks]
         entry["params"], entry["root_params"] = run["params"], run["root_params"]
-        entry["sent_bytes"] = algorithm_bytes(peers.EAGER_TWIN.get(run["impl"], run["impl"]), run["params"],
-                                              run["root_params"], run["block_params"], WORLD_SIZE)
+        entry["sent_bytes"] = _algorithm_bytes(peers.EAGER_TWIN.get(run["impl"], run["impl"]), run["params"],
+                                               run["root_params"], run["block_params"], WORLD_SIZE)
         entry["sent_source"] = "algorithm" if entry["sent_bytes"] is not None else None
         entry["final_loss"] = ranks[0]["loss"][-1]
         entry.setdefault("round_step_ms", []).append(median(steps_s) * 1e3)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 SLEEP_CYCLES = 1_000_000
 
 
-def collective_functions() -> list[tuple[Any, str, str]]:
+def _collective_functions() -> list[tuple[Any, str, str]]:
     """(owner, attribute, kind) of every function through which ShardedModule and FSDP2 issue
     a collective, looked up on its owner at each call."""
     from overlap.runtime import collectives
@@ -108,7 +108,7 @@ class Injection:
         from overlap.runtime.flat_group import FlatGroup
         from overlap.runtime.host_tier import HostTier
 
-        targets = collective_functions() + ([(dist, "all_reduce", "all_reduce")] if self.all_reduce else [])
+        targets = _collective_functions() + ([(dist, "all_reduce", "all_reduce")] if self.all_reduce else [])
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
         saved.append((HostTier, "on", HostTier.on))
         free = FlatGroup.free

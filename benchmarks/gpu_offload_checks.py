@@ -79,7 +79,7 @@ def _offload_parity(checks: Checks, device: torch.device) -> None:
                        f"losses {['%.5f' % v for v in got['losses']]}")
 
 
-def elapsed_ms(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
+def _elapsed_ms(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
     """The fastest of `repeats` runs of `run`, timed by events on the compute stream (`run`
     makes the compute stream wait for whatever it queued elsewhere)."""
     best = math.inf
@@ -120,9 +120,9 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
         compute.wait_stream(tier.download_stream)
         place.grads_ready()
 
-    plain_h2d = elapsed_ms(lambda: device_buffer.copy_(master, non_blocking=True), device)
-    plain_d2h = elapsed_ms(lambda: grad_shard.copy_(device_buffer, non_blocking=True), device)
-    ours_h2d, ours_d2h = elapsed_ms(upload, device), elapsed_ms(download, device)
+    plain_h2d = _elapsed_ms(lambda: device_buffer.copy_(master, non_blocking=True), device)
+    plain_d2h = _elapsed_ms(lambda: grad_shard.copy_(device_buffer, non_blocking=True), device)
+    ours_h2d, ours_d2h = _elapsed_ms(upload, device), _elapsed_ms(download, device)
     gbps = {name: nbytes / (ms * 1e-3) / 1e9 for name, ms in
             (("plain_h2d", plain_h2d), ("plain_d2h", plain_d2h), ("h2d", ours_h2d), ("d2h", ours_d2h))}
     shares = {"h2d": gbps["h2d"] / gbps["plain_h2d"], "d2h": gbps["d2h"] / gbps["plain_d2h"]}
@@ -133,14 +133,14 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
 
     # Compute about three copies long: square bf16 matmuls on the compute stream.
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    one_ms = elapsed_ms(lambda: a @ a, device)
+    one_ms = _elapsed_ms(lambda: a @ a, device)
     reps = max(1, int(3 * max(ours_h2d, ours_d2h) / max(one_ms, 1e-3)))
 
     def matmuls() -> None:
         for _ in range(reps):
             a @ a
 
-    compute_ms = elapsed_ms(matmuls, device)
+    compute_ms = _elapsed_ms(matmuls, device)
     for name, copy_ms in (("h2d", ours_h2d), ("d2h", ours_d2h)):
         # The copy is queued first (its stream waits only for what the compute stream queued
         # before it), the matmuls after it on the compute stream; the end waits for both.
@@ -155,7 +155,7 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
                 matmuls()
                 compute.wait_stream(tier.download_stream)
 
-        together_ms = elapsed_ms(both, device)
+        together_ms = _elapsed_ms(both, device)
         place.grads_ready()
         hidden = (compute_ms + copy_ms - together_ms) / copy_ms
         checks.verdict(f"offload[overlap_{name}]", hidden >= OFFLOAD_HIDDEN_SHARE,
@@ -219,8 +219,8 @@ def _disk_refresh(checks: Checks, device: torch.device) -> None:
             if g.place.refreshed is not None:
                 compute.wait_event(g.place.refreshed)
 
-    plain_ms = elapsed_ms(lambda: target.copy_(host, non_blocking=True), device)
-    ours_ms = elapsed_ms(refresh, device)
+    plain_ms = _elapsed_ms(lambda: target.copy_(host, non_blocking=True), device)
+    ours_ms = _elapsed_ms(refresh, device)
     equal = all(torch.equal(g.place.sent.cpu(), g.shard) for g in groups)
     plain, ours = nbytes / (plain_ms * 1e-3) / 1e9, nbytes / (ours_ms * 1e-3) / 1e9
     checks.verdict("offload[disk_refresh]", equal and ours / plain >= DISK_REFRESH_SHARE,

@@ -72,7 +72,7 @@ def counted_host_waits() -> Iterator[Counter]:
 
 
 @contextlib.contextmanager
-def sync_debug_mode(device: torch.device) -> Iterator[None]:
+def _sync_debug_mode(device: torch.device) -> Iterator[None]:
     """Every synchronizing CUDA call raises (nothing on CPU, which has no such mode)."""
     if device.type != "cuda":
         yield
@@ -113,7 +113,7 @@ def check_sync_free(checks: Checks, rehearse: bool) -> None:
                 for batch in batches[:SYNC_WARMUP]:
                     step(batch)
                 synchronize(device)
-                with counted_host_waits() as waits, sync_debug_mode(device):
+                with counted_host_waits() as waits, _sync_debug_mode(device):
                     losses = [step(batch) for batch in batches[SYNC_WARMUP:]]
                 finite = all_finite([float(loss) for loss in losses])
             except RuntimeError as exc:

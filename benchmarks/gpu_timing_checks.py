@@ -42,7 +42,7 @@ def sleep_rate(device: torch.device) -> float:
     return cycles / (start.elapsed_time(end) / 1e3)
 
 
-def gpt_config(rehearse: bool, large: bool) -> "GPTConfig":
+def _gpt_config(rehearse: bool, large: bool) -> "GPTConfig":
     from overlap.models import GPTConfig
 
     if rehearse:
@@ -52,7 +52,7 @@ def gpt_config(rehearse: bool, large: bool) -> "GPTConfig":
     return GPTConfig(vocab_size=8192, block_size=512, n_layer=8, n_head=8, n_embd=1024)
 
 
-def wrapped_model(kind: str, config: "GPTConfig", device: torch.device, prefetch_depth: Optional[int] = None
+def _wrapped_model(kind: str, config: "GPTConfig", device: torch.device, prefetch_depth: Optional[int] = None
              ) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
     """The GPT of `config` built in place on `device` (seconds, not a minute on the host),
     wrapped as `kind` ("overlap", "fsdp2" or "plain"), all computing in bf16 with fp32
@@ -79,7 +79,7 @@ def wrapped_model(kind: str, config: "GPTConfig", device: torch.device, prefetch
 def _emulated_run(kind: str, config, device: torch.device, injection: Injection, warmup: int, steps: int) -> dict:
     """`warmup` + `steps` SGD steps of `kind` under `injection`, counted from the window on."""
     with collectives_issued_alone():                     # one device: the collectives to delay
-        model, context = wrapped_model(kind, config, device, prefetch_depth=1 if kind == "overlap" else None)
+        model, context = _wrapped_model(kind, config, device, prefetch_depth=1 if kind == "overlap" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (8, config.block_size), generator=gen).to(device)
@@ -109,7 +109,7 @@ def check_slow_link(checks: Checks, rehearse: bool) -> None:
     before it: the share of the injected time that shows in the step time, for ShardedModule
     (against what its overlap report says was exposed) and for FSDP2 where it communicates."""
     device = device_for(rehearse)
-    config = gpt_config(rehearse, large=False)
+    config = _gpt_config(rehearse, large=False)
     warmup, steps = (2, 3) if rehearse else (SLOW_WARMUP, SLOW_STEPS)
     try:
         with one_rank_on(device):
@@ -177,7 +177,7 @@ def check_slow_link(checks: Checks, rehearse: bool) -> None:
 
 def check_overhead(checks: Checks, rehearse: bool) -> None:
     device = device_for(rehearse)
-    config = gpt_config(rehearse, large=True)
+    config = _gpt_config(rehearse, large=True)
     batch = 2 if rehearse else 8
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (batch, config.block_size), generator=gen).to(device)
@@ -186,7 +186,7 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
     with one_rank_on(device):
         for kind in ("plain", "fsdp2", "overlap"):
             try:
-                model, context = wrapped_model(kind, config, device)
+                model, context = _wrapped_model(kind, config, device)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)

@@ -26,7 +26,7 @@ def small_gpt(layers: int = 4, width: int = 128) -> torch.nn.Module:
     return GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=layers, n_head=4, n_embd=width))
 
 
-def feature_net() -> torch.nn.Module:
+def _feature_net() -> torch.nn.Module:
     from models import FeatureNet
 
     return FeatureNet(vocab=512, d=64, hidden=96)
@@ -56,7 +56,7 @@ def parity_configs() -> dict[str, dict]:
     return {
         "gpt_fp32_depth2": dict(build=small_gpt, wrap=dict(prefetch_depth=2)),
         "no_sync": dict(build=small_gpt, wrap=dict(prefetch_depth=1), micro_batches=2),
-        "tied_frozen_twice_checkpointed": dict(build=feature_net, wrap=dict(prefetch_depth=1)),
+        "tied_frozen_twice_checkpointed": dict(build=_feature_net, wrap=dict(prefetch_depth=1)),
         "bf16_gather_fp32_reduce": dict(build=small_gpt, wrap=dict(prefetch_depth=1, mixed_precision=bf16()),
                                         param_dtype=torch.bfloat16),
         "no_reshard_after_forward": dict(build=small_gpt, wrap=dict(prefetch_depth=1, reshard_after_forward=False)),
@@ -89,7 +89,7 @@ def train_sharded(config: dict, device: torch.device, injection: Optional[Inject
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     micro = config.get("micro_batches", 1)
     losses, allocated = [], []
-    records = delivered_records(model)
+    records = _delivered_records(model)
     with injection.active() if injection is not None else contextlib.nullcontext():
         for idx, targets in token_batches(device, steps or parity_steps(device)):
             total = torch.zeros((), device=device)
@@ -114,7 +114,7 @@ def train_sharded(config: dict, device: torch.device, injection: Optional[Inject
     return dict(losses=losses, allocated=allocated, state=model.full_state_dict(), recorded=recorded)
 
 
-def delivered_records(model) -> list:
+def _delivered_records(model) -> list:
     """The step records `model` delivers from now on, in order (see `flush_record`)."""
     records: list = []
     model.scheduler.step_end_callbacks.append(lambda scheduler: records.append(scheduler.last_step))
