@@ -72,14 +72,7 @@ def run_worker(args: argparse.Namespace) -> None:
         mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
         model = peers.fsdp2(model, args.worker == "fsdp2-hsdp-tuned", args.fsdp2_prefetch, mesh=mesh)
     else:
-        from torch.nn.parallel import DistributedDataParallel
-
-        tuned = dict(gradient_as_bucket_view=True, bucket_cap_mb=args.ddp_bucket_mb) if args.worker != "ddp" else {}
-        model = DistributedDataParallel(model, **tuned)
-        if args.worker == "ddp-fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-
-            model.register_comm_hook(None, fp16_compress_hook)
+        model = peers.ddp(model, args.worker, args.ddp_bucket_mb)
     optimizer = peers.make_optimizer(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     batches = iter([torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)

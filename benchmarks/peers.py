@@ -173,6 +173,20 @@ def deepspeed_zero3_config(batch: int, block_params: int, persistence_threshold:
     }
 
 
+def ddp(model: torch.nn.Module, impl: str, bucket_mb: float) -> torch.nn.Module:
+    """DistributedDataParallel as `impl` names it: defaults (DDP), tuned (DDP_TUNED: gradients as
+    bucket views, `bucket_mb` buckets) or tuned with fp16 compression of the all-reduces (DDP_FP16)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    tuned = dict(gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb) if impl != DDP else {}
+    wrapped = DistributedDataParallel(model, **tuned)
+    if impl == DDP_FP16:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        wrapped.register_comm_hook(None, fp16_compress_hook)
+    return wrapped
+
+
 def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
     """(model to call, optimizer, step function) for `impl`."""
     if impl in COMPILED and impl != OVERLAP_COMPILED:
@@ -190,14 +204,7 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
     if impl == LOCAL:
         wrapped = model
     elif impl in (DDP, DDP_TUNED, DDP_FP16):
-        from torch.nn.parallel import DistributedDataParallel
-
-        tuned = dict(gradient_as_bucket_view=True, bucket_cap_mb=args.ddp_bucket_mb) if impl != DDP else {}
-        wrapped = DistributedDataParallel(model, **tuned)
-        if impl == DDP_FP16:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-
-            wrapped.register_comm_hook(None, fp16_compress_hook)
+        wrapped = ddp(model, impl, args.ddp_bucket_mb)
     elif impl in (FSDP2, FSDP2_TUNED):
         wrapped = fsdp2(model, impl == FSDP2_TUNED, args.fsdp2_prefetch)
     else:
