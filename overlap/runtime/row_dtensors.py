@@ -18,8 +18,10 @@ DTensor's operators build their results' placements anew (`Shard(0)` where the i
 is the DTensor subclass that keeps them: after each operator it gives every result sharded
 on a dimension the rows of the input it came from (scaled where the operator merged
 trailing dimensions into that one, as a flatten does), and refuses a result whose rows it
-cannot tell. Nothing here runs on the training step: the parameters the modules compute with
-are plain views of the gathered buffers; these objects exist only in state dicts.
+cannot tell. Forward and backward never see these objects: the modules compute with plain
+views of the gathered buffers. They are the form of state dicts and, under `fully_shard`, of
+the registered parameters, their gradients and their optimizer state, which optimizers step
+on the local rows ([Note: elementwise operators on one spec]).
 """
 from __future__ import annotations
 
