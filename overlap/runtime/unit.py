@@ -86,6 +86,9 @@ class Unit:
         # Fixed once the groups are built; read at every gather and step.
         self.gathered_nbytes = sum(g.gathered_nbytes for g in groups)
         self.trainable_groups = [g for g in groups if g.requires_grad]
+        # Freeing can take the views off the modules (DTensor parameters stand in; see
+        # FlatGroup.free): only such units ask their groups at each backward.
+        self.drops_views = any(g.dtensor_params for g in groups)
         # Nothing of the unit is ever freed (one rank, see flat_group.py): no need to learn
         # when its input gradients are complete.
         self.never_freed = all(g.resident for g in groups)
@@ -176,7 +179,7 @@ class Unit:
     @property
     def views_lost_by_backward(self) -> bool:
         """Whether backward must put the views on the modules again (see FlatGroup's)."""
-        return any(group.views_lost_by_backward for group in self.groups)
+        return self.drops_views and any(group.views_lost_by_backward for group in self.groups)
 
     def remove_views(self) -> None:
         for group in self.groups:
