@@ -37,8 +37,9 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(wildcard kernel
 train: setup
 	$(VENV)/bin/overlap train $(ARGS)
 
-# `make test` leaves out the slow tier (tests marked `slow`: a wheel built and installed into a
-# fresh environment); `make test-all` runs everything, as CI does. Both print the 25 slowest
+# `make test` (what CI runs) leaves out the slow tier (tests marked `slow`: a wheel built and
+# installed into a fresh environment, benchmark smoke runs over every implementation);
+# `make test-all` runs everything, by hand before a release. Both print the 25 slowest
 # tests, so every log shows where the time goes. The files run on TEST_WORKERS pytest-xdist
 # workers, a whole file to a worker, in the order tests/conftest.py collects them (the longest
 # files first; xdist's own reordering puts the files with most tests first): most tests wait on

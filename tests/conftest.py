@@ -39,10 +39,10 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # last would run alone at the end while the other worker idles: these, the longest by
 # `--durations` (tens of seconds to minutes of building, launches or compiles each), are
 # collected first; the rest follow in their usual order and fill the gaps.
-LONGEST_FIRST = ["test_install.py", "test_fsdp2_conformance.py", "test_benchmarks.py", "test_fully_shard.py",
-                 "test_elastic_restarts.py", "test_compile.py",
-                 "test_tensor_parallel.py", "test_train_job.py", "test_train_resume.py", "test_clean_exit.py",
-                 "test_gpu_check.py", "test_cuda_sources.py", "test_integration_examples.py"]
+LONGEST_FIRST = ["test_install.py", "test_fsdp2_conformance.py", "test_elastic_restarts.py", "test_benchmarks.py",
+                 "test_train_job.py", "test_tensor_parallel.py", "test_train_resume.py",
+                 "test_integration_examples.py", "test_parity.py", "test_compile.py", "test_offload_disk.py",
+                 "test_gpu_check.py", "test_fully_shard.py", "test_clean_exit.py", "test_cuda_sources.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -55,7 +55,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: cannot be made fast (a wheel built and installed into a fresh "
-                                       "environment); `make test` and CI leave these out, `make test-all` runs them")
+                                       "environment, benchmarks run over every implementation); `make test` and CI "
+                                       "leave these out, `make test-all` runs them")
 
 
 @pytest.fixture(scope="session", autouse=True)

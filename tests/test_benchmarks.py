@@ -34,6 +34,10 @@ def quick_compare(tmp_path_factory) -> tuple[pathlib.Path, dict]:
         return out, json.load(f)
 
 
+# Every implementation and the compressed rows: nine launches, about 110 s of the default
+# suite's budget, so in `make test-all`; the default suite runs compare.py end to end through
+# test_compare_trains_the_narrow_mlp.
+@pytest.mark.slow
 @pytest.mark.timeout(310)
 def test_compare_quick_covers_every_implementation(quick_compare):
     tmp_path, report = quick_compare
@@ -76,6 +80,7 @@ def test_compare_quick_covers_every_implementation(quick_compare):
         assert entry["step_ms"] == pytest.approx(results[impl]["step_ms"]), impl
 
 
+@pytest.mark.slow            # with the run above: see there
 @pytest.mark.timeout(400)
 def test_compare_runs_the_compressed_rows(quick_compare, tmp_path):
     """The compressed rows, against the uncompressed rows of the quick run over every
