@@ -1,9 +1,9 @@
 """Build script: the pure-Python package plus the optional `overlap._C` extension.
 
 Packages are found, not listed: `overlap/` and every directory below it (packages, and
-package data such as overlap/data). `overlap/kernels` is a link to the top-level `kernels/`,
-whose files are installed as `overlap.kernels` (see kernels/backends.py for why it is a
-namespace package).
+package data such as overlap/data), and the top-level `kernels/` installed as
+`overlap.kernels`; in the checkout `overlap/kernels` is a link to it (see kernels/backends.py
+for why it is a namespace package).
 
 The extension (csrc/) is built against the torch importable at build time (so build with
 `--no-build-isolation` next to the torch you will run) when a C++ compiler works; its CUDA
@@ -141,7 +141,8 @@ def _optional(build_ext_class, unavailable=None, group_sources=False):
 ext_modules, cmdclass = _extension_modules()
 
 setup(
-    packages=_packages("overlap", "overlap"),
+    # overlap.kernels named from kernels/ itself too: an sdist carries no link.
+    packages=sorted(set(_packages("overlap", "overlap") + _packages("kernels", "overlap.kernels"))),
     package_dir={"overlap": "overlap", "overlap.kernels": "kernels"},
     package_data={"overlap.data": ["*"], "overlap.kernels": ["*.cu"]},
     ext_modules=ext_modules,
