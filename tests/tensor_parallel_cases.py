@@ -183,6 +183,12 @@ def refused(rank: int, world: int, what: str) -> None:
         ShardedModule(inner)
     elif what == "tp_mesh_as_dp":
         ShardedModule(inner, mesh=mesh["tp"])
+    elif what == "replicas_outside_the_plane":
+        # A hybrid mesh's shard dimension alone: the replicas would train apart.
+        hybrid = init_device_mesh("cpu", (2, 1, world // 2), mesh_dim_names=("replicate", "shard", "tp"))
+        split = _build()
+        parallelize_module(split, hybrid["tp"], gpt_tp_plan())
+        ShardedModule(split, mesh=hybrid["shard"])
     elif what == "meta":
         with torch.device("meta"):
             on_meta = _build()

@@ -38,6 +38,7 @@ BF16_TOL = {"rtol": 3e-2, "atol": 3e-3}
 REFUSED = {"offload_disk": "offload='disk'",
            "hpz": "sharding='hpz'", "no_mesh": "mesh=mesh['dp']", "sharding_hybrid": "sharding='hybrid'",
            "tp_mesh_as_dp": "must be two dimensions of one mesh", "meta": "is on the meta device",
+           "replicas_outside_the_plane": "must be two dimensions of one mesh",
            "optimizer_before_wrapping": "build the optimizer from model.parameters() after wrapping"}
 
 CHECKPOINT = os.path.join(tempfile.mkdtemp(), "step2")

@@ -117,7 +117,12 @@ def tensor_parallel_error(module: nn.Module, mesh: Optional[DeviceMesh], process
     dp_ranks = set(mesh.mesh.flatten().tolist())
     tp_ranks = set(tp_mesh.mesh.flatten().tolist())
     # Every rank, or one pipeline stage's ranks: a (pp, dp, tp) mesh's mesh['dp'] and mesh['tp'].
-    if dp_ranks & tp_ranks != {dist.get_rank()} or dist.get_world_size() % (len(dp_ranks) * len(tp_ranks)):
+    # Only a dimension named 'pp' may stand outside the plane: any other (replicas of a hybrid
+    # mesh) would leave ranks training apart without a word.
+    outside = set(mesh._get_root_mesh().mesh_dim_names or ()) - set(mesh.mesh_dim_names or ()) \
+        - set(tp_mesh.mesh_dim_names or ())
+    whole = len(dp_ranks) * len(tp_ranks) == dist.get_world_size()
+    if dp_ranks & tp_ranks != {dist.get_rank()} or not (whole or outside == {"pp"}):
         return f"{prefix}the dp mesh (ranks {sorted(dp_ranks)}) and the tp mesh (ranks {sorted(tp_ranks)}) must be " \
                "two dimensions of one mesh: init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), " \
                "or (pp, dp, tp) with mesh_dim_names=('pp', 'dp', 'tp')"
