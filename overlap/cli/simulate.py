@@ -24,7 +24,8 @@ from overlap.plan.memory import MASTER_BYTES, ActivationShape, activation_bytes,
 from overlap.plan.prefetch import MAX_DEPTH, choose_bucket_bytes, choose_depths, merge_costs
 from overlap.plan.sharding import Levels, choose_sharding
 from overlap.plan.links import LinkModel
-from overlap.cli.published import PUBLISHED
+from overlap.cli.published import PUBLISHED, PUBLISHED_MOE
+from overlap.plan.expert_parallel import EpOption, MoEShape, choose_ep, ep_options, nodes_to_fit
 from overlap.plan.offload import offload_time
 from overlap.plan.pipeline import PipelineLayout, PipelineOption, choose_pipeline, evaluate_pipeline, pipeline_options
 from overlap.plan.tensor_parallel import ClusterShape, TransformerShape, choose_tp, tp_options
@@ -70,6 +71,18 @@ MODELS: dict[str, ModelPreset] = {
     "gpt2-xl": ModelPreset(48, 1600, 6400, 25, 25, 50257, 1024, False, True),
     "gpt2": ModelPreset(12, 768, 3072, 12, 12, 50257, 1024, False, True),
     "bench-gpt": ModelPreset(6, 512, 2048, 8, 8, 8192, 128, False, True),
+}
+
+# Mixture-of-experts presets for --moe, from the models' published configurations. DeepSeek-V3:
+# multi-head latent attention of 187.1M parameters a layer (low-rank q of 1536 and kv of 512;
+# 128 heads, query and key 192 wide, value 128), 671.0B parameters, 37.6B active, its
+# multi-token-prediction module left out. Qwen3-30B-A3B: 32 query and 4 KV heads of 128, 30.5B parameters, 3.35B active.
+MOE_MODELS: dict[str, MoEShape] = {
+    "deepseek-v3": MoEShape(layers=61, dense_layers=3, hidden=7168, heads=128, vocab=129280, seq=4096,
+                            attention_params=187_121_664, dense_ffn=18432, experts=256, top_k=8, expert_ffn=2048,
+                            shared_experts=1),
+    "qwen3-30b-a3b": MoEShape(layers=48, dense_layers=0, hidden=2048, heads=32, vocab=151936, seq=4096,
+                              attention_params=18_878_720, dense_ffn=0, experts=128, top_k=8, expert_ffn=768),
 }
 
 
@@ -211,7 +224,7 @@ def _mb(nbytes: float) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="overlap simulate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, choices=sorted(MODELS))
+    parser.add_argument("--model", required=True, choices=sorted({**MODELS, **MOE_MODELS}))
     parser.add_argument("--cluster", required=True, choices=sorted(CLUSTERS))
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of compute (0-1]")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
@@ -231,6 +244,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--global-batch", type=int, default=None,
                         help="sequences per step for --pipeline and --tensor-parallel (default: --batch per GPU)")
     parser.add_argument("--microbatch", type=int, default=1, help="sequences per pipeline microbatch")
+    parser.add_argument("--moe", action="store_true",
+                        help="compare expert-parallel sizes under ZeRO-3 for a mixture-of-experts preset "
+                             f"({', '.join(sorted(MOE_MODELS))}), --batch sequences per GPU "
+                             "(overlap.plan.expert_parallel), beside published throughput")
     add_offload_arguments(parser)
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
@@ -245,6 +262,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--nodes {args.nodes} is invalid; expected an integer >= 1")
     if (args.global_batch is not None and args.global_batch < 1) or args.microbatch < 1:
         parser.error("--global-batch and --microbatch must be >= 1")
+    if args.moe or args.model in MOE_MODELS:
+        return _moe_main(args, parser)
 
     model = MODELS[args.model]
     if args.seq is not None:
@@ -356,14 +375,18 @@ def sharding_table(profile: Profile, cluster: ClusterPreset, model: ModelPreset,
     return lines
 
 
+def _cluster_shape(cluster: ClusterPreset, mfu: float) -> ClusterShape:
+    """The cluster as the plan's split arithmetic (tensor, pipeline, expert parallel) sees it."""
+    node = LinkModel("nvlink", cluster.step_latency_intra, cluster.node_bandwidth, "preset")
+    return ClusterShape(cluster.nodes, cluster.gpus_per_node, cluster.peak_flops * mfu, cluster.memory_bytes, node,
+                        cluster.step_latency_inter, cluster.bus_bandwidth, cluster.base_latency)
+
+
 def _shapes(model: ModelPreset, cluster: ClusterPreset, mfu: float) -> tuple[TransformerShape, ClusterShape]:
     """The model and cluster as overlap.plan.tensor_parallel and overlap.plan.pipeline see them."""
     shape = TransformerShape(model.layers, model.hidden, model.heads, model.kv_heads, model.vocab, model.seq,
                              model.layer_params, model.embedding_params)
-    node = LinkModel("nvlink", cluster.step_latency_intra, cluster.node_bandwidth, "preset")
-    machines = ClusterShape(cluster.nodes, cluster.gpus_per_node, cluster.peak_flops * mfu, cluster.memory_bytes, node,
-                            cluster.step_latency_inter, cluster.bus_bandwidth, cluster.base_latency)
-    return shape, machines
+    return shape, _cluster_shape(cluster, mfu)
 
 
 def tensor_parallel_table(model: ModelPreset, cluster: ClusterPreset, global_batch: int, mfu: float,
@@ -438,4 +461,78 @@ def pipeline_table(name: str, model: ModelPreset, cluster: ClusterPreset, global
         fits = "" if option.memory_bytes <= cluster.memory_bytes else "  (does not fit)"
         lines.append("  here: " + _pipeline_row(option, tokens, cluster.ranks, fits).lstrip()
                      + ("  (context parallelism left out)" if recipe.context_parallel > 1 else ""))
+    return lines
+
+
+# What `--moe` leaves out, printed under its table (docs/moe.md says the same); what each
+# published run did that the model does not price is in overlap.cli.published.
+MOE_LEFT_OUT = (
+    "one MFU for every layout and matrix size (an expert's few hundred tokens run slower GEMMs than a dense layer's)",
+    "load imbalance: routing is taken as balanced, every rank's experts get tokens x top_k pairs",
+    "the all-to-all and ZeRO-3's collectives sharing a NIC: each is priced as if alone on it",
+    "the all-to-all's own kernels slowing the expert GEMMs they overlap (both are priced at full speed)",
+    "causal attention's halved score FLOPs, multi-head latent attention's wider activations, the optimizer step",
+)
+
+
+def _moe_row(option: EpOption, fits: bool, mark: str) -> str:
+    return (f"{option.ep:>3} {option.dp:>3} {option.a2a_bytes_per_layer / 2**20:>9,.0f} {option.a2a_network_share:>8.0%} "
+            f"{option.a2a_s * 1e3:>8.0f} {option.a2a_exposed_s * 1e3:>8.0f} {option.a2a_hidden_s * 1e3:>8.0f} "
+            f"{option.zero_exposed_s * 1e3:>8.0f} {option.step_s * 1e3:>8.0f} {option.memory_bytes / 1e9:>7.1f} "
+            f"{option.tokens_per_s:>9,.0f}{mark if fits else '  (does not fit)'}")
+
+
+def _moe_published(name: str) -> list[str]:
+    """Published throughput for the preset, each with what the model leaves out of that run."""
+    runs = [p for p in PUBLISHED_MOE if p.model == name]
+    lines = [f"published: {p.source}: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU ({p.setup}); not priced here: "
+             f"{p.not_priced}" for p in runs]
+    return lines or ["published: no throughput figure found for this model"]
+
+
+def _moe_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`--moe`: refuse what it does not price, then print its table."""
+    if args.model not in MOE_MODELS:
+        parser.error(f"--moe takes a mixture-of-experts preset ({', '.join(sorted(MOE_MODELS))}); "
+                     f"{args.model} is dense")
+    if not args.moe:
+        parser.error(f"--model {args.model} is a mixture-of-experts preset; add --moe")
+    others = [flag for flag, value in (("--tensor-parallel", args.tensor_parallel), ("--pipeline", args.pipeline),
+                                       ("--offload", args.offload), ("--depth", args.depth),
+                                       ("--bucket-mb", args.bucket_mb), ("--global-batch", args.global_batch))
+              if value not in (None, False)]
+    if others:
+        parser.error(f"--moe prices expert parallelism alone; it does not take {', '.join(others)}")
+    for line in moe_table(args):
+        print(line)
+    return 0
+
+
+def moe_table(args: argparse.Namespace) -> list[str]:
+    """Each expert-parallel size of the cluster for a mixture-of-experts preset: the all-to-all
+    (bytes, off-node share, time exposed and hidden by the two-half overlap), ZeRO-3's exposed
+    collectives, the step, memory per rank, the pick, and published throughput beside it."""
+    model = MOE_MODELS[args.model]
+    if args.seq is not None:
+        model = replace(model, seq=args.seq)
+    cluster = CLUSTERS[args.cluster] if args.nodes is None else replace(CLUSTERS[args.cluster], nodes=args.nodes)
+    machines = _cluster_shape(cluster, args.mfu)
+    options = ep_options(model, machines, args.batch, args.checkpointing)
+    pick = choose_ep(options, cluster.memory_bytes)
+    lines = [f"expert parallel x ZeRO-3: {args.model}, {model.params / 1e9:.1f}B parameters "
+             f"({model.active_params / 1e9:.2f}B active, {model.moe_layers} MoE layers of {model.experts} experts, "
+             f"top-{model.top_k}), {args.batch} x {model.seq} tokens per GPU, {cluster.nodes} x "
+             f"{cluster.gpus_per_node} GPUs, MFU {args.mfu:.2f} ({'with' if args.checkpointing else 'without'} "
+             "activation checkpointing):",
+             f"{'ep':>3} {'dp':>3} {'a2a MB/l':>9} {'off-node':>8} {'a2a ms':>8} {'exposed':>8} {'hidden':>8} "
+             f"{'ZeRO ms':>8} {'step ms':>8} {'GB/rank':>7} {'tok/s/GPU':>9}"]
+    lines += [_moe_row(o, o.memory_bytes <= cluster.memory_bytes, "  <- pick" if o is pick else "") for o in options]
+    if pick is None:
+        nodes = nodes_to_fit(model, machines, args.batch, args.checkpointing)
+        lines.append(f"no expert-parallel size fits {cluster.memory_bytes / 1e9:.0f} GB per GPU (model states alone: "
+                     f"{STATE_BYTES * model.params / machines.ranks / 1e9:.0f} GB per rank); "
+                     + (f"one fits at --nodes {nodes}" if nodes else "none fits up to 1024 nodes")
+                     + ("" if args.checkpointing else " (or try --checkpointing)"))
+    lines += _moe_published(args.model)
+    lines += ["left out:"] + [f"  - {item}" for item in MOE_LEFT_OUT]
     return lines
