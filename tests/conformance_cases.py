@@ -12,7 +12,7 @@ each rank saw into one outcome per implementation:
   in the implementation's own code, not an error from a tensor operation deep inside);
 - "fail: <what>": wrong numbers, an internal error (a crash), ranks that disagree, or a hang.
 
-tests/test_fsdp2_conformance.py runs every case at 2 and 3 ranks; tests/conformance_table.py
+tests/test_fsdp2_conformance.py runs every case at 1, 2 and 3 ranks; tests/conformance_table.py
 writes docs/conformance.md from the same cases.
 """
 from __future__ import annotations
@@ -1676,7 +1676,7 @@ REGISTRY: list[Case] = [
     _case(single_group_uneven_shapes, "one group (the root) with shapes no world size divides trains like one process",
           f"{TRAINING}::test_train_parity_single_group_shard_dim0"),
     _case(multi_group_reshard, "blocks as groups, resharded after forward, train like one process",
-          f"{TRAINING}::test_train_parity_multi_group"),
+          f"{TRAINING}::test_train_parity_multi_group", f"{TRAINING}::TestFullyShardWorldSize1 (at 1 rank)"),
     _case(multi_group_keep_gathered, "blocks kept gathered from forward to backward train like one process",
           f"{TRAINING}::test_train_parity_multi_group"),
     _case(cpu_offload, "parameters, gradients and optimizer state offloaded to host memory train like one process",
@@ -1828,7 +1828,6 @@ SKIPPED: list[tuple[str, str]] = [
     (f"{TRAINING}::TestFullyShardNDTraining, TestFullyShardHSDP3DTraining, TestFullyShardHSDPTraining",
      "tensor, expert and hybrid meshes over 4 to 8 ranks"),
     (f"{TRAINING}::test_share_comm_context", "FSDP2's communication contexts and streams"),
-    (f"{TRAINING}::TestFullyShardWorldSize1", "one rank; this suite runs at 2 and 3"),
     (f"{FROZEN} (reduce-scatter sizes, post-backward counts)", "checked by patching FSDP2's internals"),
     (f"{MIXED}::test_compute_dtype (float16)", "bf16 only, the low precision CPUs train in"),
     (f"{MIXED}::test_reduce_dtype_after_frozen_first_forward",
@@ -1858,7 +1857,8 @@ SKIPPED: list[tuple[str, str]] = [
 ]
 
 CASES: dict[str, Case] = {case.name: case for case in REGISTRY}
-WORLDS = (2, 3)
+# One rank too: there each flat shard is its gathered buffer (`resident`), a path of its own.
+WORLDS = (1, 2, 3)
 LAUNCH_TIMEOUT_S = 600
 
 

@@ -1,5 +1,5 @@
 """Write docs/conformance.md: every ported FSDP2 test behaviour under FSDP2, under
-ShardedModule and under overlap's fully_shard, at 2 and 3 gloo ranks, through the same
+ShardedModule and under overlap's fully_shard, at 1, 2 and 3 gloo ranks, through the same
 launches as the tests.
 
     python tests/conformance_table.py                # every case; writes docs/conformance.md
@@ -51,6 +51,10 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _ranks(world: int) -> str:
+    return f"{world} rank" + ("s" if world > 1 else "")
+
+
 def render(per_world: dict[int, Outcomes]) -> str:
     worlds = sorted(per_world)
     tallies = {w: counts(per_world[w]) for w in worlds}
@@ -68,12 +72,12 @@ def render(per_world: dict[int, Outcomes]) -> str:
              "on every rank; `fail: <what>`, wrong numbers, an error from deep inside (a crash), ranks that "
              "disagree, or a hang.", "",
              "## Counts", "",
-             "| | " + " | ".join(f"{w} ranks" for w in worlds) + " |",
+             "| | " + " | ".join(_ranks(w) for w in worlds) + " |",
              "|---|" + "---|" * len(worlds)]
     for key in tallies[worlds[0]]:
         lines.append(f"| {key} | " + " | ".join(str(tallies[w][key]) for w in worlds) + " |")
     lines += ["", "## Cases", "",
-              "| case | behaviour | ports | " + " | ".join(f"{LABELS[impl]}, {w} ranks" for w in worlds
+              "| case | behaviour | ports | " + " | ".join(f"{LABELS[impl]}, {_ranks(w)}" for w in worlds
                                                        for impl in IMPLS) + " |",
               "|---|---|---|" + "---|" * (len(worlds) * len(IMPLS))]
     for case in REGISTRY:

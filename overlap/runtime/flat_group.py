@@ -194,6 +194,7 @@ class FlatGroup:
         self._on_grad: Optional[Callable[[torch.Tensor], None]] = None
         self._views_installed = False          # on the modules since the last `remove_views`
         self._views_record_grads = False       # the views made last are connected to `full` where they train
+        self._views: list[torch.Tensor] = []   # the views made last, in this pass
         # Which parameters received a gradient in this rank's backward passes since the last
         # published gradients; only those (on any rank) get a `.grad`.
         self.got_grad = [False] * len(self.slots)
@@ -261,11 +262,15 @@ class FlatGroup:
         outside the hooks fails loudly instead of computing with this rank's rows)."""
         if not self.resident:
             self.full.untyped_storage().resize_(0)
-            if self.dtensor_params:
-                for slot, param in zip(self.slots, self.module_params):
-                    for module, attr in slot.owners:
-                        module.__dict__.pop(attr, None)
-                        module._parameters[attr] = param
+        if self.dtensor_params:
+            self._register_params()
+
+    def _register_params(self) -> None:
+        """The modules' attributes and registered parameters are the parameters again."""
+        for slot, param in zip(self.slots, self.module_params):
+            for module, attr in slot.owners:
+                module.__dict__.pop(attr, None)
+                module._parameters[attr] = param
 
     def install_views(self) -> None:
         """Point every owner module's attribute at its parameter's view of `full`.
@@ -283,25 +288,30 @@ class FlatGroup:
         split, views = self._param_views(self.full)
         if split is not None:
             split.register_prehook(self._mark_grads)
-        self._views_installed = True
         self._views_record_grads = split is not None or not self.requires_grad
-        for slot, view, tp in zip(self.slots, views, self.tensor_parallel):
-            if tp is not None:
-                view = tp.wrap(view)
+        self._views = [view if tp is None else tp.wrap(view) for view, tp in zip(views, self.tensor_parallel)]
+        self._put_views()
+
+    def _put_views(self) -> None:
+        self._views_installed = True
+        for slot, view in zip(self.slots, self._views):
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
-                if self.dtensor_params and not self.resident:
+                if self.dtensor_params:
                     # FSDP2's unsharded state: while gathered, the gathered values are the
                     # module's registered parameters too (what `named_parameters()` yields to a
                     # pre-hook); freeing registers the DTensors again.
                     module._parameters[attr] = view
 
-    @property
-    def views_lost_by_backward(self) -> bool:
-        """Whether backward must make this group's views again: a free took them off the
-        modules (DTensor parameters stand in), or they were made without autograd recording. A
-        resident group is never freed, so the views its forward made serve its backward too."""
-        return self.dtensor_params and not (self.resident and self._views_record_grads)
+    def restore_views(self) -> None:
+        """Before the group's backward: its views on the modules again, for a recompute that
+        reads the attributes without a forward hook of its own (a wrapper's inner module). A
+        resident group's buffer was never released, so the views its forward made, which
+        autograd recorded, go back as they are; others are made again from `full`."""
+        if self.resident and self._views_record_grads and self._views:
+            self._put_views()
+        else:
+            self.install_views()
 
     def remove_views(self) -> None:
         """At the end of a pass: the modules' attributes are their registered parameters again
@@ -309,11 +319,9 @@ class FlatGroup:
         FSDP2), not views of released memory. Within a pass the views stay after a free:
         backward re-gathers into the same memory, and a function recomputed by reentrant
         checkpointing reads the attributes without a forward hook to install them."""
-        if self._views_installed and not self.resident:
-            for slot, param in zip(self.slots, self.module_params):
-                for module, attr in slot.owners:
-                    module.__dict__.pop(attr, None)
-                    module._parameters[attr] = param
+        self._views = []                       # their graph ends with the pass
+        if self._views_installed and (self.dtensor_params or not self.resident):
+            self._register_params()
             self._views_installed = False
 
     def refresh_requires_grad(self) -> bool:

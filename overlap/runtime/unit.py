@@ -176,10 +176,13 @@ class Unit:
         for group in self.groups:
             group.install_views()
 
-    @property
-    def views_lost_by_backward(self) -> bool:
-        """Whether backward must put the views on the modules again (see FlatGroup's)."""
-        return self.drops_views and any(group.views_lost_by_backward for group in self.groups)
+    def restore_views(self) -> None:
+        """Before the unit's backward: its views on the modules again, where a free took them
+        off (see FlatGroup.restore_views)."""
+        if self.drops_views:
+            self._require((GatherState.GATHERED,), "restore parameter views")
+            for group in self.groups:
+                group.restore_views()
 
     def remove_views(self) -> None:
         for group in self.groups:
