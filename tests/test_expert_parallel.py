@@ -150,7 +150,10 @@ def refusals(rank: int, world: int) -> dict:
     from overlap import ShardedModule
 
     out = {}
-    for name, make in (("offload", lambda: ShardedModule(_gpt_moe(), expert_parallel=2, offload="cpu")),
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for name, make in (("mesh", lambda: ShardedModule(_gpt_moe(), expert_parallel=2,
+                                                      mesh=init_device_mesh("cpu", (world,)))),
                        ("no_experts", lambda: ShardedModule(nn.Sequential(nn.Linear(4, 4)), expert_parallel=2)),
                        ("indivisible", lambda: ShardedModule(_gpt_moe(), expert_parallel=3))):
         try:
@@ -237,7 +240,7 @@ def test_trains_like_one_process(launches, case: str) -> None:
 def test_what_does_not_compose_is_refused_on_every_rank(launches) -> None:
     for outcome in launches[2]["refusals"]:
         result = outcome.result()
-        assert result["offload"].startswith("ValueError") and "offload='cpu'" in result["offload"], result
+        assert result["mesh"].startswith("ValueError") and "expert_parallel with mesh=" in result["mesh"], result
         assert "no expert module" in result["no_experts"], result
         assert "must divide the number of experts" in result["indivisible"] or \
             "must divide the world size" in result["indivisible"], result

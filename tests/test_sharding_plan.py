@@ -81,6 +81,9 @@ def test_memory_limit_excludes_hybrid() -> None:
     assert memory["full"] < memory["hpz"] < memory["hybrid"]
     choice = choose_sharding(units, LEVELS, None, memory_limit=memory["hpz"])
     assert choice.pick.sharding == "hpz"
+    # Without hpZ among the candidates (expert parallelism refuses it), full sharding.
+    without = choose_sharding(units, LEVELS, None, memory_limit=memory["hpz"], shardings=("full", "hybrid"))
+    assert without.pick.sharding == "full" and {o.sharding for o in without.options} == {"full", "hybrid"}
 
 
 def test_hidden_communication_picks_least_memory() -> None:

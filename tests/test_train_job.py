@@ -179,20 +179,22 @@ def test_every_accepted_flag_combination_trains_and_the_rest_are_refused_on_ever
     assert results[0]["accepted"] == results[1]["accepted"]        # the losses are means over ranks
 
 
-# --moe with every tier (the experts sharded with the rest), and --expert-parallel with what
-# it composes with; the rest is refused on every rank.
+# --moe with every tier (the experts sharded with the rest), and --expert-parallel with every
+# tier, int8 and compiled units; hpZ (OVERLAP_SHARDING, no flag) is refused on every rank.
 MOE_ACCEPTED = [
     ["--moe", "--mixed-precision", "bf16", "--offload", "cpu", "--compress", "int8"],
     ["--moe", "--mixed-precision", "bf16", "--offload", "disk", "--eager-init"],
     ["--moe", "--expert-parallel", "2"],
     ["--moe", "--expert-parallel", "2", "--mixed-precision", "bf16", "--prefetch-depth", "0", "--experts", "4",
      "--top-k", "1", "--sample", "1", "--sample-len", "4"],
+    ["--moe", "--expert-parallel", "2", "--mixed-precision", "bf16", "--offload", "cpu", "--compress", "int8",
+     "--compile"],
+    ["--moe", "--expert-parallel", "2", "--mixed-precision", "bf16", "--offload", "disk"],
 ]
 MOE_REFUSED = [
-    (["--moe", "--expert-parallel", "2", "--offload", "cpu"], "expert_parallel with offload='cpu'"),
-    (["--moe", "--expert-parallel", "2", "--compress", "int8"], "expert_parallel with compression='int8'"),
-    (["--moe", "--expert-parallel", "2", "--mixed-precision", "bf16", "--compile"], "expert_parallel with compile=True"),
+    (["--moe", "--expert-parallel", "2"], "expert_parallel with sharding='hpz' is not supported"),
 ]
+MOE_REFUSED_ENV = {"OVERLAP_SHARDING": "hpz"}
 
 
 def _moe_flags(rank: int, world: int, directory: str) -> dict:
@@ -200,8 +202,14 @@ def _moe_flags(rank: int, world: int, directory: str) -> dict:
                 for index, flags in enumerate(MOE_ACCEPTED)]
     # Expert parallelism's checkpoint of step 2 resumed for a third step, and three steps at once.
     expert_parallel = MOE_ACCEPTED[2]
+    os.environ.update(MOE_REFUSED_ENV)
+    try:
+        refused = [_try_train([*FEW[:-2], *flags]) for flags, _ in MOE_REFUSED]
+    finally:
+        for name in MOE_REFUSED_ENV:
+            del os.environ[name]
     return {"accepted": accepted,
-            "refused": [_try_train([*FEW[:-2], *flags]) for flags, _ in MOE_REFUSED],
+            "refused": refused,
             "resumed": _try_train([*FEW, "--steps", "3", *expert_parallel, "--checkpoint-dir", f"{directory}/moe-2"]),
             "uninterrupted": _try_train([*FEW[:-2], "--steps", "3", *expert_parallel])}
 

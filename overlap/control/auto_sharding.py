@@ -90,8 +90,9 @@ def wants_auto_sharding(process_group: Optional[dist.ProcessGroup], mesh: Option
 
 
 def choose_at_startup(device: torch.device, config: Config, local: int, unit_specs: Sequence["UnitSpec"],
-                      mp: MixedPrecision) -> AutoSharding:
-    """Probe, choose on rank 0, and build the chosen groups on every rank (collective)."""
+                      mp: MixedPrecision, shardings: Sequence[str]) -> AutoSharding:
+    """Probe, choose among `shardings` on rank 0, and build the chosen groups on every rank
+    (collective)."""
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
     levels = _levels(mesh, device, config, local)
@@ -100,7 +101,7 @@ def choose_at_startup(device: torch.device, config: Config, local: int, unit_spe
     def decide() -> tuple[ShardingChoice, int]:
         gathered = int(config.memory_budget_mb * 2**20) if config.memory_budget_mb is not None \
             else default_memory_budget(device)
-        return choose_sharding(units, levels, gathered, memory_limit(device, local)), gathered
+        return choose_sharding(units, levels, gathered, memory_limit(device, local), shardings=shardings), gathered
 
     choice, gathered = decided_by_rank0(dist.group.WORLD, decide)
     groups = groups_on_mesh(choice.pick.sharding, mesh)

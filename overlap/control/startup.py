@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch import nn
 
+from overlap.base.choices import SHARDINGS
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.base.profiling import enable_nvtx
 from overlap.base.units import UnitSpec, discover_units
@@ -169,7 +170,9 @@ def _sharding(request: StartupRequest, settings: RankSettings, unit_specs: list[
     (with what it probed), else as `overlap.runtime.mesh.resolve_sharding` builds them."""
     config, local = settings.config, settings.local_world_size
     if wants_auto_sharding(request.process_group, request.mesh, config, local):
-        auto = choose_at_startup(settings.device, config, local, unit_specs, mp)
+        # Expert parallelism refuses hpZ (overlap.runtime.expert_parallel.expert_parallel_error).
+        shardings = [s for s in SHARDINGS if s != "hpz" or request.expert_parallel is None]
+        auto = choose_at_startup(settings.device, config, local, unit_specs, mp, shardings)
         return auto.groups, auto
     return resolve_sharding(request.process_group, request.mesh, config.sharding, local, settings.device.type), None
 

@@ -107,8 +107,9 @@ class ShardingChoice:
 
 
 def choose_sharding(units: Sequence[UnitCost], levels: Levels, gathered_budget: Optional[int], memory_limit: int,
-                    other_s: float = 0.0, root: Optional[UnitCost] = None) -> ShardingChoice:
-    options = tuple(evaluate(s, units, levels, gathered_budget, other_s, root) for s in SHARDINGS)
+                    other_s: float = 0.0, root: Optional[UnitCost] = None,
+                    shardings: Sequence[str] = SHARDINGS) -> ShardingChoice:
+    options = tuple(evaluate(s, units, levels, gathered_budget, other_s, root) for s in shardings)
     fits = [o for o in options if o.memory_bytes <= memory_limit] or [min(options, key=lambda o: o.memory_bytes)]
     fastest = min(o.prediction.step_s for o in fits)
     close = [o for o in fits if o.prediction.step_s <= fastest * (1 + STEP_TOLERANCE)]

@@ -271,14 +271,16 @@ def expert_parallel_error(size: Optional[int], config: Any, request: Any) -> Opt
     """Why `expert_parallel=size` cannot run with the rest of the request, or None."""
     if size is None:
         return None
-    refused = [(config.offload != "none", f"offload={config.offload!r}"),
-               (config.compress != "none", f"compression={config.compress!r}"),
-               (config.sharding != "full", f"sharding={config.sharding!r}"),
-               (bool(config.compile), "compile=True"),
-               (request.mesh is not None, "mesh= (tensor or pipeline parallelism)"),
+    if config.sharding == "hpz":
+        # A node copy holds a node's ranks' rows of one shard group; an expert unit's shard group
+        # is the ranks holding the same experts, which a node does not hold together.
+        return ("expert_parallel with sharding='hpz' is not supported: hpZ's node copy gathers a node's ranks' "
+                "rows, and an expert unit's rows lie on the ranks holding the same experts; use sharding='full' "
+                "or 'hybrid'")
+    refused = [(request.mesh is not None, "mesh= (tensor or pipeline parallelism)"),
                (request.dtensor_params, "fully_shard")]
     for wanted, what in refused:
         if wanted:
-            return (f"expert_parallel with {what} is not supported yet: expert parallelism runs with full "
-                    "sharding, without offload, compression, compile or another parallel axis")
+            return (f"expert_parallel with {what} is not supported yet: expert parallelism runs over the whole "
+                    "world, without another parallel axis")
     return None
