@@ -24,6 +24,9 @@ from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple, Optional
 
 Interval = tuple[float, float]
+# The kind of expert parallelism's all-to-alls (overlap.runtime.expert_parallel): recorded as
+# the gathers and reductions are, reported apart from them.
+ALL_TO_ALL = "all_to_all"
 
 
 class Mark(str, enum.Enum):
@@ -57,14 +60,14 @@ class UnitEvent(NamedTuple):
 
 @dataclass(frozen=True)
 class Collective:
-    """One all-gather or reduce-scatter. `start` to `end` is its time in flight: from its
-    issue (host clock) or from when its stream reached it (CUDA) to its completion. `wait`
-    is the time the caller was blocked on it (host) or the compute stream stalled on it
-    (CUDA), None if nothing waited."""
+    """One all-gather, reduce-scatter or all-to-all. `start` to `end` is its time in flight:
+    from its issue (host clock) or from when its stream reached it (CUDA) to its completion.
+    `wait` is the time the caller was blocked on it (host) or the compute stream stalled on
+    it (CUDA), None if nothing waited."""
 
-    kind: str              # all_gather | reduce_scatter
+    kind: str              # all_gather | reduce_scatter | all_reduce | all_to_all
     unit: str
-    nbytes: int            # what this rank sends: (N-1)/N of the buffer, compressed or not
+    nbytes: int            # what this rank sends others: (N-1)/N of the buffer, compressed or not
     start: float
     end: float
     wait: Optional[Interval] = None

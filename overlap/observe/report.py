@@ -27,8 +27,8 @@ backward (the optimizer step is not part of it). Evaluation forwards are steps t
   end-of-backward flush included): on CPU the host in `Pending.wait` (which also covers the
   work done on completion, summing all-to-all chunks on gloo), on CUDA the compute stream
   stalled on the collective's event.
-- communication (per step): the time during which at least one collective was in flight or
-  being waited on; concurrent collectives count once.
+- communication (per step): the time during which at least one all-gather or reduction was
+  in flight or being waited on; concurrent collectives count once.
 - hidden (per step): the part of that time that ran under unit compute.
 - exposed (per step): communication - hidden: a wait, or runtime, while communication ran.
 - per unit: `comm` sums each collective's own time in flight (a collective queued behind
@@ -44,6 +44,14 @@ backward (the optimizer step is not part of it). Evaluation forwards are steps t
   what the same collectives would have sent without it.
 - peak gathered bytes: the most gathered (full-size) parameter bytes held at once, replayed
   from the gather and free marks with each unit's gathered size.
+- all-to-all (expert parallelism only; the numbers above leave it out): the calls (each
+  layer's count exchange, and each half's expert ids, tokens and results in forward, its
+  results' and tokens' gradients in backward), the bytes this rank sent the other ranks, the
+  time at least one was in flight or waited on, `exposed`: the time the caller was blocked
+  waiting for one (its `wait()` on CPU, the compute stream stalled on CUDA), and `hidden`:
+  the rest, in flight while the caller went on. On CUDA an all-to-all's time in flight ends
+  with its wait (NCCL's work on its own stream gives no end to stamp). Its waits are cut out
+  of compute as the gathers' are.
 
 On a CPU machine gloo moves data with CPU threads: communication the report calls hidden did
 not block the host, but it still competed with compute for the same cores.
@@ -55,7 +63,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 from overlap.base.intervals import Interval, length, overlap, overlap_each, subtract, union
-from overlap.base.step_record import Collective, Mark, StepKind, StepRecord, UnitEvent
+from overlap.base.step_record import ALL_TO_ALL, Collective, Mark, StepKind, StepRecord, UnitEvent
 
 # Gradient reductions: the reduce-scatter, and with hybrid sharding the all-reduce across replicas.
 REDUCTION_KINDS = ("reduce_scatter", "all_reduce")
@@ -193,10 +201,21 @@ class StepStats:
     peak_gathered_bytes: float
     units: tuple[UnitStats, ...] = ()
     uncompressed_bytes: float = 0
+    # Expert parallelism's all-to-alls (see the module notes): calls, bytes sent to other
+    # ranks, time in flight or waited on, the part of it waited on, and the rest.
+    all_to_alls: float = 0
+    all_to_all_bytes: float = 0
+    all_to_all_s: float = 0
+    all_to_all_exposed_s: float = 0
+    all_to_all_hidden_s: float = 0
 
     @property
     def hidden_fraction(self) -> float:
         return self.hidden_s / self.comm_s if self.comm_s > 0 else 1.0
+
+    @property
+    def all_to_all_hidden_fraction(self) -> float:
+        return self.all_to_all_hidden_s / self.all_to_all_s if self.all_to_all_s > 0 else 1.0
 
     @property
     def bytes_moved(self) -> float:
@@ -234,17 +253,26 @@ def _by_unit(items: Sequence, unit_of) -> dict[str, list]:
     return grouped
 
 
+def _all_to_all_times(exchanges: Sequence[Collective]) -> tuple[float, float]:
+    """(time at least one of `exchanges` was in flight or waited on, time one was waited on)."""
+    waits = [c.wait for c in exchanges if c.wait is not None]
+    return length([c.in_flight for c in exchanges] + waits), length(waits)
+
+
 def analyse_step(record: StepRecord) -> StepStats:
     """The statistics of one step."""
     parts = segments(record)
-    in_flight = [c.in_flight for c in record.collectives]
-    waits = [c.wait for c in record.collectives if c.wait is not None]
+    exchanges = [c for c in record.collectives if c.kind == ALL_TO_ALL]
+    zero3 = [c for c in record.collectives if c.kind != ALL_TO_ALL]     # gathers and reductions
+    in_flight = [c.in_flight for c in zero3]
+    waits = [c.wait for c in zero3 if c.wait is not None]
     compute = _compute_intervals(parts)
     communication = length(in_flight + waits)
     hidden = overlap(in_flight, compute)
-    units = list(dict.fromkeys([e.unit for e in record.events if e.unit] + [c.unit for c in record.collectives]))
+    all_to_all_s, all_to_all_exposed_s = _all_to_all_times(exchanges)
+    units = list(dict.fromkeys([e.unit for e in record.events if e.unit] + [c.unit for c in zero3]))
     marks = [e.mark for e in record.events]
-    collectives = _by_unit(record.collectives, lambda c: c.unit)
+    collectives = _by_unit(zero3, lambda c: c.unit)
     unit_parts = _by_unit(parts, lambda s: s.unit)
     unit_marks = {unit: [e.mark for e in events] for unit, events in _by_unit(record.events, lambda e: e.unit).items()}
     start, end = record.bounds()
@@ -268,6 +296,11 @@ def analyse_step(record: StepRecord) -> StepStats:
                                if c.kind == "all_gather" or c.kind in REDUCTION_KINDS),
         units=tuple(_unit_stats(u, collectives.get(u, []), unit_parts.get(u, []), unit_marks.get(u, []), compute)
                     for u in units),
+        all_to_alls=len(exchanges),
+        all_to_all_bytes=sum(c.nbytes for c in exchanges),
+        all_to_all_s=all_to_all_s,
+        all_to_all_exposed_s=all_to_all_exposed_s,
+        all_to_all_hidden_s=all_to_all_s - all_to_all_exposed_s,
     )
 
 
@@ -313,6 +346,13 @@ def _before_compression(stats: StepStats) -> str:
 
 def format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def _all_to_all_line(stats: StepStats) -> str:
+    """e.g. 'all-to-all: 22.0 calls, 0.05 MB/step, in flight 31.2 ms, exposed 12.0 ms, 62% hidden'."""
+    return (f"all-to-all: {stats.all_to_alls:.1f} calls, {stats.all_to_all_bytes / 2**20:.2f} MB/step, "
+            f"in flight {format_seconds(stats.all_to_all_s)}, exposed {format_seconds(stats.all_to_all_exposed_s)}, "
+            f"{100 * stats.all_to_all_hidden_fraction:.0f}% hidden")
 
 
 @dataclass
@@ -375,6 +415,7 @@ class OverlapReport:
             f"reduce wait {format_seconds(mean.reduce_wait_s)}",
             f"prefetch hits {mean.hits:.1f}, misses {mean.misses:.1f}; moved {mean.bytes_moved / 2**20:.2f} MB/step"
             f"{_before_compression(mean)}; peak gathered {mean.peak_gathered_bytes / 2**20:.2f} MB",
+            *([_all_to_all_line(mean)] if mean.all_to_alls else []),
             "",
             f"{'unit':<24}{'fwd ms':>9}{'bwd ms':>9}{'comm ms':>9}{'hidden':>9}{'g-wait':>9}{'r-wait':>9}"
             f"{'hits':>6}{'miss':>6}{'MB':>8}",

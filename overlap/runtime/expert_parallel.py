@@ -20,7 +20,23 @@ issued before any expert computes, so the second half's all-to-all runs while th
 experts compute, and the first half's combine while the second half's compute (dual-batch
 overlap: gloo's work runs on its own threads, NCCL's on its own stream). The two groups keep
 each half's collectives in one order on every rank whatever order autograd runs the halves'
-backwards in, and those backwards wait for their all-to-all.
+backwards in (see [Note: backward behind compute]). Every all-to-all goes through the runtime's
+issue protocol (overlap/runtime/issue.py): the step log records its time in flight and the
+time the caller waited for it, which the overlap report shows on its all-to-all line.
+
+[Note: backward behind compute]
+Autograd runs a node once its gradient is complete, the most recently made first. An
+all-to-all's own node, made before the expert computes, would run only after both halves'
+expert backwards. So each backward all-to-all is issued by a send-back node made where the
+all-to-all's result is used, and the all-to-all's own node only waits for it (a `_Handoff`
+between the two, made by each forward). The join of both halves' combined results sends both
+halves' gradients back at once; the node between a half's dispatched tokens and its experts
+sends the tokens' gradients back as soon as that half's expert backward has made them.
+Backward then runs: both combines' gradients issued; wait for half 1's; half 1's expert
+backward (half 0's combine in flight); half 1's tokens' gradients issued; wait for half 0's
+combine; half 0's expert backward (half 1's tokens in flight); half 0's tokens' gradients
+issued; wait for half 1's, then half 0's. Each all-to-all sends the same rows as a waiting
+backward would, so gradients are the same.
 
 [Note: ranks that part in a mixture of experts]
 A rank that runs another number of MoE layers than the others (a layer skipped under a
@@ -43,16 +59,18 @@ microbatch in flight reissues its own.
 """
 from __future__ import annotations
 
-import threading
+import math
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.runtime.pending import wait_watched
+from overlap.base.step_record import ALL_TO_ALL
+from overlap.runtime.issue import issue
+from overlap.runtime.pending import Pending
 
 # Expert modules recognised by class name: Hugging Face's (transformers 5 layout: 3-D expert
 # weights, forward(hidden_states, top_k_index, top_k_weights)) and overlap.models.moe's.
@@ -61,8 +79,8 @@ EXPERT_CLASS_NAMES = ("Experts", "Qwen3MoeExperts", "Qwen2MoeExperts", "MixtralE
 
 
 class _Watched:
-    """The runtime's collectives, whose order check (`watch`) the all-to-alls go through; set
-    once the runtime is built, before the first forward."""
+    """The runtime's collectives, whose step log records the all-to-alls and whose order check
+    (`watch`) they go through; set once the runtime is built, before the first forward."""
 
     collectives: Any = None
 
@@ -132,42 +150,104 @@ def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
                                                       f"experts {number}"), module)
 
 
+class _Route(NamedTuple):
+    """Where one half's all-to-alls go: its copy of the expert-parallel group, this rank's
+    place in it, the layer's label in the step log and the runtime's collectives."""
+
+    group: dist.ProcessGroup
+    rank: int
+    label: str
+    watched: _Watched
+
+
+def _issue(out: torch.Tensor, rows: torch.Tensor, received_sizes: list[int], send_sizes: list[int],
+           route: _Route) -> Pending:
+    """Rows of `rows` sent in `send_sizes` to each rank of the route's group, `received_sizes`
+    from each into `out`, issued without waiting through the runtime's protocol: the step log
+    records it with the bytes sent to other ranks. Its order word is the layer's, exchanged
+    once before the count exchange (see [Note: ranks that part in a mixture of experts])."""
+    collectives = route.watched.collectives
+    rows = rows.contiguous()
+    nbytes = math.prod(rows.shape[1:]) * rows.element_size() * (sum(send_sizes) - send_sizes[route.rank])
+    with issue(collectives.log, collectives.device, ALL_TO_ALL, route.label, nbytes, None, collectives.watch,
+               ordered=False) as call:
+        call.launch(lambda async_op: dist.all_to_all_single(out, rows, received_sizes, send_sizes, group=route.group,
+                                                            async_op=async_op))
+        call.keep(rows, out)
+    return call.pending
+
+
+class _Handoff:
+    """A backward all-to-all issued by a send-back node and waited for by the all-to-all's own
+    node (see [Note: backward behind compute]): the reverse of one forward all-to-all."""
+
+    def __init__(self, route: _Route, send_sizes: list[int], received_sizes: list[int]) -> None:
+        self.route, self.send_sizes, self.received_sizes = route, send_sizes, received_sizes
+        self.pending: Optional[Pending] = None
+        self.received: Optional[torch.Tensor] = None
+
+    def send(self, grad: torch.Tensor) -> None:
+        self.received = grad.new_empty((sum(self.received_sizes), *grad.shape[1:]))
+        self.pending = _issue(self.received, grad, self.received_sizes, self.send_sizes, self.route)
+
+    def take(self) -> torch.Tensor:
+        """The received gradient, once its all-to-all has completed."""
+        if self.pending is None:
+            raise RuntimeError(f"the backward all-to-all of {self.route.label} was not issued by its send-back node")
+        self.pending.wait()
+        received, self.pending, self.received = self.received, None, None
+        return received
+
+
 class _AllToAll(torch.autograd.Function):
-    """Rows of `rows` sent in `send_sizes` to each rank of `group`, `received_sizes` from each,
-    issued without waiting: the work and the rows it reads are appended to `pending`, and the
-    caller waits before reading the result. Backward sends the gradients back the same way
-    and waits, watched by `watched`'s order check."""
+    """Rows of `rows` sent in `send_sizes` to each rank of the route's group, `received_sizes`
+    from each, issued without waiting: its `Pending` is appended to `pending`, and the caller
+    waits before reading the result. Backward waits for the gradient that `back`'s send-back
+    node sent the reverse way (see [Note: backward behind compute])."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, received_sizes: list[int], send_sizes: list[int],
-                group: dist.ProcessGroup, pending: list, watched: _Watched) -> torch.Tensor:
-        ctx.sizes, ctx.group, ctx.watched = (received_sizes, send_sizes), group, watched
+    def forward(ctx: Any, rows: torch.Tensor, received_sizes: list[int], send_sizes: list[int], route: _Route,
+                pending: list[Pending], back: _Handoff) -> torch.Tensor:
+        ctx.back = back
         out = rows.new_empty((sum(received_sizes), *rows.shape[1:]))
-        rows = rows.contiguous()
-        pending.append((dist.all_to_all_single(out, rows, received_sizes, send_sizes, group=group, async_op=True),
-                        rows))
+        pending.append(_issue(out, rows, received_sizes, send_sizes, route))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        received_sizes, send_sizes = ctx.sizes
-        out = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
-        grad = grad.contiguous()
-        _wait([(dist.all_to_all_single(out, grad, send_sizes, received_sizes, group=ctx.group, async_op=True),
-                grad)], ctx.watched.check)
-        return out, None, None, None, None, None
+        return ctx.back.take(), None, None, None, None, None
 
 
-def _wait(pending: list, check: Any = None) -> None:
-    """Wait for each pending all-to-all; with the order check `check`, a wait that lasts
-    looks for ranks that parted (see [Note: ranks that part in a mixture of experts])."""
-    for work, _ in pending:
-        if check is None:
-            work.wait()
-            continue
-        finished = threading.Event()
-        work.get_future().add_done_callback(lambda _future, done=finished: done.set())
-        wait_watched(work, check, finished.is_set, finished.wait)
+def _all_to_all(rows: torch.Tensor, received_sizes: list[int], send_sizes: list[int], route: _Route,
+                pending: list[Pending]) -> tuple[torch.Tensor, _Handoff]:
+    """`_AllToAll` of `rows`, and the handoff its send-back node issues the reverse through."""
+    back = _Handoff(route, received_sizes, send_sizes)
+    return _AllToAll.apply(rows, received_sizes, send_sizes, route, pending, back), back
+
+
+class _SendBack(torch.autograd.Function):
+    """`parts` joined (one part: itself, as a view). Backward issues each part's gradient
+    through its handoff at once, before the nodes that wait for them run (see [Note: backward
+    behind compute]); the gradients passed on are only waited for there."""
+
+    @staticmethod
+    def forward(ctx: Any, backs: tuple[_Handoff, ...], *parts: torch.Tensor) -> torch.Tensor:
+        ctx.backs, ctx.lengths = backs, [len(part) for part in parts]
+        return torch.cat(parts) if len(parts) > 1 else parts[0].view_as(parts[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        grads = grad.split(ctx.lengths)
+        for back, part in zip(ctx.backs, grads):
+            back.send(part)
+        return (None, *grads)
+
+
+def _wait(pending: list[Pending]) -> None:
+    """Wait for each issued all-to-all; the order check watches each wait for ranks that
+    parted (see [Note: ranks that part in a mixture of experts])."""
+    for issued in pending:
+        issued.wait()
     pending.clear()
 
 
@@ -178,6 +258,7 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
     there, and the results come back weighted (see [Note: routing that cannot hang] and [Note:
     dispatch behind compute])."""
     size = groups.size
+    routes = tuple(_Route(group, groups.ep_rank, label, groups.watched) for group in groups.ep_groups)
 
     def forward(self: nn.Module, hidden_ND: torch.Tensor, top_k_index_NK: torch.Tensor,
                 top_k_weights_NK: torch.Tensor) -> torch.Tensor:
@@ -195,36 +276,37 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
         received = torch.empty_like(send)
         check = groups.watched.check
         if check is not None:
-            check.before_issue("all_to_all", label, 0)     # the sizes differ between ranks: not in the word
-        _wait([(dist.all_to_all_single(received, send, group=groups.ep_groups[0], async_op=True), send)], check)
+            check.before_issue(ALL_TO_ALL, label, 0)       # the sizes differ between ranks: not in the word
+        _wait([_issue(received, send, [1] * size, [1] * size, routes[0])])
         sizes = [(received[:, c].tolist(), send[:, c].tolist()) for c in range(2)]
-        dispatches, experts_M = [[], []], []
-        tokens = []
+        dispatches: list[list[Pending]] = [[], []]
+        experts_M, tokens = [], []
         for c, half in enumerate(halves):                      # both halves' dispatch in flight
             received_sizes, send_sizes = sizes[c]
             experts_M.append(torch.empty(sum(received_sizes), dtype=torch.int64, device=hidden_ND.device))
-            ids = (expert_P[half] - owner_P[half] * local).contiguous()
-            dispatches[c].append((dist.all_to_all_single(experts_M[c], ids, received_sizes, send_sizes,
-                                                         group=groups.ep_groups[c], async_op=True), ids))
-            tokens.append(_AllToAll.apply(hidden_ND[token_P[half]], received_sizes, send_sizes, groups.ep_groups[c],
-                                          dispatches[c], groups.watched))
-        combines: list = []
-        backs = []
+            ids = expert_P[half] - owner_P[half] * local
+            dispatches[c].append(_issue(experts_M[c], ids, received_sizes, send_sizes, routes[c]))
+            tokens.append(_all_to_all(hidden_ND[token_P[half]], received_sizes, send_sizes, routes[c], dispatches[c]))
+        combines: list[Pending] = []
+        backs, handoffs = [], []
         for c in range(2):                                     # half 1 arrives while half 0 computes
-            _wait(dispatches[c], check)
+            _wait(dispatches[c])
+            tokens_MD, sent_back = tokens[c]
+            tokens_MD = _SendBack.apply((sent_back,), tokens_MD)      # its gradient goes back from here
             ones_M1 = torch.ones(len(experts_M[c]), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
-            out_MD = compute(self, tokens[c], experts_M[c][:, None], ones_M1)
+            out_MD = compute(self, tokens_MD, experts_M[c][:, None], ones_M1)
             if len(experts_M[c]) == 0 and torch.is_grad_enabled():
                 # No token of this half reached this rank's experts: zero terms keep it in the
                 # dispatch's backward all-to-all and give its experts the (zero) gradient whose
                 # reduction the ranks holding the same experts issue.
                 touched = sum(param.reshape(-1)[:1].sum() for param in self.parameters(recurse=False))
-                out_MD = out_MD + (tokens[c].sum() + touched) * 0
+                out_MD = out_MD + (tokens_MD.sum() + touched) * 0
             received_sizes, send_sizes = sizes[c]
-            backs.append(_AllToAll.apply(out_MD, send_sizes, received_sizes, groups.ep_groups[c], combines,
-                                         groups.watched))
-        _wait(combines, check)
-        back_PD = torch.cat(backs)
+            back, handoff = _all_to_all(out_MD, send_sizes, received_sizes, routes[c], combines)
+            backs.append(back)
+            handoffs.append(handoff)
+        _wait(combines)
+        back_PD = _SendBack.apply(tuple(handoffs), *backs)
         return torch.zeros_like(hidden_ND).index_add(0, token_P, back_PD * weight_P[:, None].to(back_PD.dtype))
 
     return forward

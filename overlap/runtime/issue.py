@@ -13,7 +13,9 @@ compute stream (where the inputs were written and the outputs' memory last used)
 collective runs synchronously on the side stream, completion work is queued right behind
 it, then the end is stamped and an event recorded that the consumer's compute stream waits
 on. gloo (`stream` None): the collective is asynchronous work whose end gloo's thread
-stamps; completion work runs on the host when the consumer waits.
+stamps; completion work runs on the host when the consumer waits. Expert parallelism's
+all-to-alls take the `stream` None path on CUDA too (NCCL's own stream, the compute stream
+waiting on the work); their end is the end of their wait.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch.distributed as dist
 
 from overlap.base.profiling import phase
 from overlap.runtime.pending import HostWork, Pending, StreamHandoff
-from overlap.runtime.timing import CollectiveStamps, StepLog
+from overlap.runtime.timing import CollectiveStamps, CudaClock, StepLog
 
 if TYPE_CHECKING:
     from overlap.runtime.order_check import OrderCheck
@@ -80,9 +82,14 @@ class CollectiveCall:
             return
         finished = threading.Event()
         record, clock = self.record, self.log.clock
+        # Asynchronous work on a CUDA device (expert parallelism's NCCL all-to-alls, issued
+        # without a side stream): a completion callback has no stream of the work to record an
+        # event on, so its end is left to the end of its wait (overlap.runtime.timing).
+        stamps_end = not isinstance(clock, CudaClock)
 
         def stamp(_future) -> None:
-            record.end = clock.stamp()
+            if stamps_end:
+                record.end = clock.stamp()
             finished.set()
 
         work.get_future().add_done_callback(stamp)
@@ -147,11 +154,12 @@ class CollectiveCall:
 @contextlib.contextmanager
 def issue(log: StepLog, device: torch.device, kind: str, unit: str, nbytes: int,
           stream: Optional[torch.cuda.Stream], watch: Optional["OrderCheck"],
-          uncompressed: Optional[int] = None) -> Iterator[CollectiveCall]:
+          uncompressed: Optional[int] = None, ordered: bool = True) -> Iterator[CollectiveCall]:
     """Issue one collective of `nbytes` on the wire (`uncompressed`: before compression) on
     `stream` (CUDA) or as gloo work (`stream` None); the body launches it. `watch` is the
-    order check for the wait (None with one rank)."""
-    if watch is not None:
+    order check for the wait (None with one rank). `ordered=False`: the caller exchanged the
+    order word itself (expert parallelism's all-to-alls, whose sizes differ between ranks)."""
+    if watch is not None and ordered:
         watch.before_issue(kind, unit, nbytes)   # ranks agree on it before it is issued
     with phase(f"overlap::{kind}::{unit}"):
         if stream is None:
