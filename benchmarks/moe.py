@@ -6,10 +6,10 @@ Four gloo ranks train the same GPT-MoE (8 experts, top-2) built four ways in one
 and FSDP2 (`fully_shard` on each block, then the root), each with torch's AdamW. Rounds take
 turns over the variants (the first of each round rotating); each round keeps every variant's
 median step, and the summary gives each variant's per-round ratio to `ShardedModule(model)`
-(median and range). Per step, from the overlap report: bytes all-gathered and reduce-scattered;
-from the expert-parallel groups' calls: bytes sent by all-to-all and the time the step spent
-blocked in them (the dispatch's count exchange, waits for the halves' tokens and results, and
-backward's all-to-alls, which wait).
+(median and range). Per step, from the overlap report: bytes all-gathered and reduce-scattered,
+and its all-to-all line: the bytes each rank sent the others by all-to-all, the time the step
+was blocked waiting for them (exposed) and the share of their time in flight that was not
+waited on (hidden).
 
     python benchmarks/moe.py --rounds 5 --steps 3 --link loopback
     python benchmarks/moe.py --rounds 5 --steps 3 --link 2gbit      # a throttled network namespace
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from typing import Optional, Sequence
 
 from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on_link, parse_with_worker_options,
@@ -55,42 +54,15 @@ def _build(variant: str, args: argparse.Namespace):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-class _AllToAllMeter:
-    """Bytes sent and seconds blocked in the expert-parallel groups' all-to-alls (the sync
-    calls and the waits for the asynchronous ones)."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        from overlap.runtime import expert_parallel
-
-        self.groups: set = set()
-        self.bytes = 0
-        self.blocked_s = 0.0
-        self._dist, self._module = dist, expert_parallel
-        self._all_to_all, self._wait = dist.all_to_all_single, expert_parallel._wait
-        dist.all_to_all_single = self._counted
-        expert_parallel._wait = self._timed_wait
-
-    def _counted(self, output, input, *args, group=None, async_op=False, **kwargs):
-        mine = group in self.groups
-        if mine:
-            self.bytes += input.numel() * input.element_size()
-        start = time.perf_counter()
-        work = self._all_to_all(output, input, *args, group=group, async_op=async_op, **kwargs)
-        if mine and not async_op:          # none now: every all-to-all is waited for in `_wait`
-            self.blocked_s += time.perf_counter() - start
-        return work
-
-    def _timed_wait(self, pending: list, check=None) -> None:
-        start = time.perf_counter()
-        self._wait(pending, check)
-        self.blocked_s += time.perf_counter() - start
-
-    def take(self) -> tuple[int, float]:
-        out = (self.bytes, self.blocked_s)
-        self.bytes, self.blocked_s = 0, 0.0
-        return out
+def _all_to_all(model, count: int) -> tuple[float, float, float]:
+    """Per step over the round just timed (the report's last `count` steps): bytes sent to
+    other ranks by all-to-all, seconds one was in flight or waited on, seconds waited on;
+    zeros for FSDP2, which has no report."""
+    if not hasattr(model, "overlap_report"):
+        return 0.0, 0.0, 0.0
+    steps = model.overlap_report().steps[-count:]
+    return tuple(sum(getattr(s, name) for s in steps) / len(steps)
+                 for name in ("all_to_all_bytes", "all_to_all_s", "all_to_all_exposed_s"))
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -100,12 +72,7 @@ def run_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     rank = dist.get_rank()
-    meter = _AllToAllMeter()
     built = {variant: _build(variant, args) for variant in VARIANTS}
-    for variant, (model, _) in built.items():
-        groups = getattr(model, "_expert_groups", None)
-        if groups is not None:
-            meter.groups.update(groups.ep_groups)
     gen = torch.Generator().manual_seed(rank)
     idx = torch.randint(0, 8192, (args.batch, args.seq), generator=gen)
 
@@ -121,14 +88,12 @@ def run_worker(args: argparse.Namespace) -> None:
 
     for variant in VARIANTS:
         steps(variant, 2)                                          # warm-up: the runtime learns its order
-    meter.take()
     step_s: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    all_to_all: dict[str, list[tuple[int, float]]] = {variant: [] for variant in VARIANTS}
+    all_to_all: dict[str, list[tuple[float, float, float]]] = {variant: [] for variant in VARIANTS}
     for round_index in range(args.rounds):
         for variant in rotated(VARIANTS, round_index):
             step_s[variant].append(median(steps(variant, args.steps)))
-            sent, blocked = meter.take()
-            all_to_all[variant].append((sent / args.steps, blocked / args.steps))
+            all_to_all[variant].append(_all_to_all(built[variant][0], args.steps))
     reports = {}
     for variant, (model, _) in built.items():
         if variant != "FSDP2":
@@ -139,6 +104,14 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(ranks, dict(step_s=step_s, all_to_all=all_to_all, reports=reports))
     if rank == 0:
         write_json(args.result, dict(ranks=ranks))
+
+
+def _hidden_share(per_round: list[list[list[float]]]) -> Optional[float]:
+    """The median over rounds of the all-to-all time not waited on, as a share of its time in
+    flight, summed over ranks; None without all-to-alls."""
+    shares = [1 - sum(rank[2] for rank in round_) / total for round_ in per_round
+              if (total := sum(rank[1] for rank in round_)) > 0]
+    return round(median(shares), 3) if shares else None
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -158,13 +131,15 @@ def run_driver(args: argparse.Namespace) -> int:
     summary = {}
     for variant in VARIANTS:
         ratios = [mine / base for mine, base in zip(rounds[variant], rounds["no EP"])]
-        sent = median([sum(r["all_to_all"][variant][i][0] for r in ranks) for i in range(args.rounds)])
-        blocked = median([max(r["all_to_all"][variant][i][1] for r in ranks) for i in range(args.rounds)])
+        per_round = [[r["all_to_all"][variant][i] for r in ranks] for i in range(args.rounds)]
+        sent = median([sum(rank[0] for rank in round_) for round_ in per_round])
+        blocked = median([max(rank[2] for rank in round_) for round_ in per_round])
         report = ranks[0]["reports"].get(variant)
         summary[variant] = dict(
             step_ms=round(median(rounds[variant]) * 1e3, 1),
             ratio_median=round(median(ratios), 3), ratio_min=round(min(ratios), 3), ratio_max=round(max(ratios), 3),
             all_to_all_mb_per_step=round(sent / 2**20, 2), all_to_all_blocked_ms=round(blocked * 1e3, 1),
+            all_to_all_hidden_share=_hidden_share(per_round),
             gathered_mb_per_rank=None if report is None else round(report["gathered_bytes"] / 2**20, 2),
             reduced_mb_per_rank=None if report is None else round(report["reduced_bytes"] / 2**20, 2))
     write_json(os.path.join(args.out, f"moe_{args.link}.json"),
@@ -172,11 +147,13 @@ def run_driver(args: argparse.Namespace) -> int:
                     summary=summary, **data))
     table = markdown_table(
         ["variant", "step ms", "÷ no EP, per round: median (range)", "gathered MB/rank", "reduced MB/rank",
-         "all-to-all MB (all ranks)", "blocked in all-to-all ms"],
+         "all-to-all MB (all ranks)", "blocked in all-to-all ms", "all-to-all hidden"],
         [[v, s["step_ms"], f"{s['ratio_median']} ({s['ratio_min']}–{s['ratio_max']})",
           "–" if s["gathered_mb_per_rank"] is None else s["gathered_mb_per_rank"],
           "–" if s["reduced_mb_per_rank"] is None else s["reduced_mb_per_rank"],
-          s["all_to_all_mb_per_step"], s["all_to_all_blocked_ms"]] for v, s in summary.items()])
+          s["all_to_all_mb_per_step"], s["all_to_all_blocked_ms"],
+          "–" if s["all_to_all_hidden_share"] is None else f"{100 * s['all_to_all_hidden_share']:.0f}%"]
+         for v, s in summary.items()])
     write_text(os.path.join(args.out, f"moe_{args.link}.md"), table + "\n")
     print(table)
     return 0
