@@ -63,8 +63,9 @@ def _train(rank: int, world: int, expert_parallel) -> dict:
 
 def _expected_bytes(routed: list, rank: int, call: int) -> int:
     """What `rank` sent the other ranks in expert call `call` (one layer's forward and
-    backward): the counts (two int64 per rank), the expert ids (int64) and tokens it sent, its
-    results' gradients back, the results of the tokens it received, and their gradients back."""
+    backward): the counts (two int64 per peer), the expert ids (int64) and tokens it sent, the
+    results of the tokens it received; in backward the gradients of the results it got back
+    and of the tokens it received."""
     sent = sum(n for owner, n in enumerate(routed[rank][call][0]) if owner != rank)
     received = sum(routed[source][call][0][rank] for source in range(len(routed)) if source != rank)
     row = routed[rank][call][1]
