@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> dict:
         model = ShardedModule(inner, offload="disk",
                               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         optimizer = AdamW(model.parameters(), lr=1e-4)
+        model.optimizer_link.link(optimizer)
         generator = torch.Generator().manual_seed(0)
 
         def step() -> float:

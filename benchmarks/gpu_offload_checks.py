@@ -38,6 +38,7 @@ def _runs_against_none(device: torch.device, offload: str, wrap: dict, optimizer
         with collectives_issued_alone():
             model = ShardedModule(small_gpt(), offload=mode, **wrap)
         optimizer = optimizer_class(model.parameters(), lr=1e-3)
+        model.optimizer_link.link(optimizer)
         losses = []
         with race_injection(device.type != "cuda").active() if mode != "none" else contextlib.nullcontext():
             for inputs, targets in batches:

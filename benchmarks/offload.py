@@ -90,6 +90,7 @@ def run_worker(args: argparse.Namespace) -> None:
         models[mode] = model
         optimizers[mode] = optimizer_class(model.module.optimizer_groups(model.named_parameters(), job.weight_decay),
                                            lr=job.lr, betas=(0.9, 0.95))
+        model.optimizer_link.link(optimizers[mode])        # as the job does
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, config.vocab_size, (batch, config.block_size + 1), generator=gen)
                for _ in range(args.steps)]

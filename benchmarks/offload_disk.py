@@ -222,10 +222,10 @@ def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, 
     import torch.distributed as dist
 
     if not speculate:
-        import overlap.runtime.disk_tier as disk_tier
+        from overlap.runtime.optimizer_link import OptimizerLink
 
         # No settings for any parameter's next step: the disk tier never steps during backward.
-        disk_tier.next_hyper = lambda param: None
+        OptimizerLink.next_step_settings = lambda self, param: None
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(MODEL_RANKS),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(MODEL_RANKS), OVERLAP_OFFLOAD_DIR=directory)
@@ -246,6 +246,7 @@ def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, 
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
                            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=1e-4)
+        model.optimizer_link.link(optimizer)                # the first step is taken during backward too
         engine = paged_of(trainable[0]).engine
         generator = torch.Generator().manual_seed(rank)
         steps = []

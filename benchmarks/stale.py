@@ -47,7 +47,7 @@ def cited_files() -> dict[str, list[str]]:
 def runtime_lines() -> int:
     """The runtime's source lines at HEAD."""
     total = 0
-    for path in _git("ls-files", *RUNTIME).split():
+    for path in _git("ls-tree", "-r", "--name-only", "HEAD", "--", *RUNTIME).split():       # HEAD's files, not the index's
         if path.endswith(SOURCE_SUFFIXES):
             total += _git("show", f"HEAD:{path}").count("\n")
     return total

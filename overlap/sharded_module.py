@@ -24,7 +24,6 @@ from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident, wait_for_saves
 from overlap.runtime.expert_parallel import all_experts, my_experts
 from overlap.runtime.flat_group import FlatGroup
-from overlap.runtime.optimizer_state import full_optimizer_state
 from overlap.runtime.row_dtensors import local_part, local_rows, shard_mesh
 from overlap.runtime.scheduler import Scheduler
 from overlap.runtime.unpicklable_state import FULL_MODEL, SHARDED, PartialStateError
@@ -111,6 +110,10 @@ class ShardedModule(nn.Module):
         # Sharding groups, link, plan and settings, the same on every rank; see overlap.control.startup.
         self.startup = started.decision
         self.collectives, self.scheduler = started.collectives, started.scheduler
+        # What optimizers that step the model's parameters are told: resharded state, refused
+        # steps and state dicts, the disk tier's step during backward; see
+        # overlap.runtime.optimizer_link.
+        self.optimizer_link = started.optimizer_link
         # Called in order after every step: the re-planner, the compression chooser, then
         # `overlap_monitor`, which measures for `overlap_report()`.
         self.step_end, self.overlap_monitor = started.step_end, started.monitor
@@ -419,7 +422,7 @@ class ShardedModule(nn.Module):
         alone (the others return {}). Called on every rank; loads into an optimizer of the
         plain model, or into this one at any world size (resharded: see [Note: optimizers
         built before wrapping])."""
-        return full_optimizer_state(optimizer, keep=not rank0_only or self.collectives.rank == 0)
+        return self.optimizer_link.full_state(optimizer, keep=not rank0_only or self.collectives.rank == 0)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict, sharded: each parameter a DTensor of its full shape

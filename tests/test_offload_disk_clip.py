@@ -44,6 +44,7 @@ def _train(rank: int, world: int, tier: str, path: str) -> dict:
     torch.manual_seed(0)
     model = ShardedModule(GPT(SMALL_GPT), offload=tier, mixed_precision=BF16)
     optimizer = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model.optimizer_link.link(optimizer)          # before the first step: it is taken during backward too
     params = list(model.parameters())
     engine = paged_of(params[0]).engine if tier == "disk" else None
 

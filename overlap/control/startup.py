@@ -49,6 +49,7 @@ from overlap.runtime.compression import Compression, QuantizedCodec
 from overlap.runtime.disk_tier import DiskTier
 from overlap.runtime.host_tier import HostTier
 from overlap.runtime.mesh import ShardingGroups, resolve_sharding
+from overlap.runtime.optimizer_link import OptimizerLink
 from overlap.runtime.process_group import check_backend_env
 from overlap.runtime.scheduler import Scheduler
 from overlap.runtime.tensor_parallel import take_tensor_parallel, tensor_parallel_error
@@ -66,6 +67,7 @@ class Started:
     step_end: StepEndControllers            # the controllers and observers, in the order called
     monitor: OverlapMonitor                 # the overlap report's measurements
     state_dict_layout: StateDictLayout
+    optimizer_link: OptimizerLink           # what optimizers are told about the model
     expert_groups: Optional[ExpertGroups] = None         # expert parallelism's groups, if any
 
 
@@ -95,7 +97,9 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         root_spec, unit_specs = discover_units(module, None, request.unit_modules)
     # DTensor parameters of torch's tensor parallelism become their local tensors, the units'
     # parameters from here on; see overlap.runtime.tensor_parallel.
-    tensor_parallel = take_tensor_parallel(module, request.mesh, settings.device)
+    # What optimizers are told about this model; see overlap.runtime.optimizer_link.
+    link = OptimizerLink()
+    tensor_parallel = take_tensor_parallel(module, request.mesh, settings.device, link)
     if tensor_parallel is not None:
         root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules)
     decision = decide(request, settings, unit_specs)
@@ -110,16 +114,16 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         # The 16-bit shard's copies to the device and the gradients' to the host are offload="cpu"'s.
         host = DiskTier(decision.config.offload_dir, dist.get_rank(),
                         HostTier(decision.device, decision.kernels, collectives.all_gather_stream),
-                        disk_window_bytes(decision.config))
+                        link.next_step_settings, disk_window_bytes(decision.config))
     by_experts = None if expert_groups is None else ExpertUnits(
         expert_collectives(collectives, expert_groups, request.all_group), {id(m) for m in experts}, expert_groups)
     if expert_groups is not None:
         expert_groups.watched.collectives = collectives     # their all-to-alls go through its order check
-    built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, host,
+    built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, link, host,
                         tensor_parallel, merge=request.unit_modules is None, dtensor_params=request.dtensor_params,
                         initialise_meta=request.initialise_meta, experts=by_experts)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
-                          decision.memory_budget_bytes, request.reshard_after_forward, decision.config.order_check,
+                          decision.memory_budget_bytes, request.reshard_after_forward, link, decision.config.order_check,
                           decision.mixed_precision.param_dtype, decision.config.keep_units)
     # Per-step timings of compute and communication for `overlap_report()`.
     monitor = OverlapMonitor()
@@ -132,7 +136,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     if to_compile:
         compile_modules(to_compile)
         scheduler.step_end_callbacks.append(CompileTimeLog(dist.get_rank()))
-    return Started(decision, collectives, scheduler, step_end, monitor, built.state_dict_layout, expert_groups)
+    return Started(decision, collectives, scheduler, step_end, monitor, built.state_dict_layout, link, expert_groups)
 
 
 def decide(request: StartupRequest, settings: RankSettings, unit_specs: list[UnitSpec]) -> StartupDecision:

@@ -18,6 +18,7 @@ from overlap.runtime.expert_parallel import ExpertGroups
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.host_tier import HostTier
 from overlap.runtime.materialize import check_same_values, materialize, meta_places
+from overlap.runtime.optimizer_link import OptimizerLink
 from overlap.runtime.tensor_parallel import TensorParallel
 from overlap.runtime.unit import Unit
 
@@ -50,8 +51,9 @@ class _FlatGroups:
 
     def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier],
                  tensor_parallel: Optional[TensorParallel], dtensor_params: bool,
-                 experts: Optional[ExpertUnits]) -> None:
+                 experts: Optional[ExpertUnits], link: OptimizerLink) -> None:
         self.collectives = collectives
+        self.link = link
         self.experts = experts
         self.dtensor_params = dtensor_params
         self.tensor_parallel = tensor_parallel
@@ -70,7 +72,7 @@ class _FlatGroups:
                               None if self.host is None else self.host.place(),
                               None if self.tensor_parallel is None else
                               [self.tensor_parallel.spec_of(param) for _, param, _ in entries],
-                              self.dtensor_params, None if experts is None else experts.groups)
+                              self.dtensor_params, None if experts is None else experts.groups, link=self.link)
             for index, (_, param, _) in enumerate(entries):
                 self.slot_of[id(param)] = (group, index)
             groups.append(group)
@@ -84,7 +86,7 @@ class _FlatGroups:
 
 
 def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpec], collectives: Collectives,
-                decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]],
+                decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]], link: OptimizerLink,
                 host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None,
                 merge: bool = True, dtensor_params: bool = False, initialise_meta: bool = True,
                 experts: Optional[ExpertUnits] = None) -> BuiltUnits:
@@ -103,7 +105,7 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     on_meta = meta_places(module)
     # State-dict keys in the module's own order, read before parameters leave their modules.
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
-    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts)
+    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts, link)
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
     specs = merge_into_buckets(unit_specs, decision.bucket_bytes) if merge else unit_specs
     units = [flat.unit(spec, spec.modules) for spec in specs]

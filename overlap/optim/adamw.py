@@ -11,9 +11,9 @@ Parameters of a model wrapped with offload="disk" carry a `PagedParam` (overlap.
 their fp32 masters and moments live in the model's state file, and they are stepped
 together, one segment each, by the pipelined engine there; their state here holds the
 `step` count and memory maps of the file for `exp_avg` and `exp_avg_sq`, so state dicts and
-checkpoints read and write the file in place. The optimizer registers itself on them, so
-that the disk tier can step them during backward with this optimizer's settings, and
-`step()` commits or recomputes those steps ([Note: the speculative step] in
+checkpoints read and write the file in place. The disk tier steps them during backward with
+this optimizer's settings (`next_step_settings`, asked through the model's optimizer link
+once the optimizer is linked), and `step()` commits or recomputes those steps ([Note: the speculative step] in
 overlap.optim.speculation); the maps then follow each bucket's current slot.
 
 Tensors the kernel does not take (off the CPU, not float32, strided) are stepped by the
@@ -25,13 +25,12 @@ parameters to within a few ulps (tests/test_optim_adamw.py).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Iterable, Optional, Tuple, Union
 
 import torch
 
 from .flat_step import OPTIM_BACKENDS, adamw_step
-from .paged import Hyper, PagedAdamW, PagedParam, Segment, paged_of, register_next_hyper
+from .paged import Hyper, PagedAdamW, PagedParam, Segment, paged_of
 
 ParamsT = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
 
@@ -86,18 +85,19 @@ class AdamW(torch.optim.Optimizer):
         self._register_paged()
 
     def _register_paged(self) -> None:
-        """Tell the disk tier which settings this optimizer's parameters step with (see
-        [Note: the speculative step]); the group of each by id, kept current through loads.
-        Every parameter, paged or not yet: an optimizer built before `ShardedModule(...,
-        offload="disk")` holds the same Parameter objects the wrap pages afterwards."""
+        """The group of each parameter by id, kept current through loads, for
+        `next_step_settings`. Every parameter, paged or not yet: an optimizer built before
+        `ShardedModule(..., offload="disk")` holds the same Parameter objects the wrap pages
+        afterwards."""
         self._paged_groups: dict[int, dict[str, Any]] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 self._paged_groups[id(p)] = group
-                register_next_hyper(p, weakref.WeakMethod(self._next_hyper))
 
-    def _next_hyper(self, p: torch.Tensor) -> Optional[Hyper]:
-        """The settings `step()` will step `p` with if nothing changes before it."""
+    def next_step_settings(self, p: torch.Tensor) -> Optional[Hyper]:
+        """The settings `step()` will step `p` with if nothing changes before it: what the
+        disk tier asks, through the model's optimizer link, to take the step during backward
+        ([Note: the speculative step])."""
         group = self._paged_groups.get(id(p))
         if group is None:
             return None

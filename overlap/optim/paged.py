@@ -56,7 +56,6 @@ state dicts) call `wait_pins()` first.
 from __future__ import annotations
 
 import threading
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
@@ -717,43 +716,6 @@ def register_paged(param: torch.Tensor, where: PagedParam) -> None:
 def paged_of(param: torch.Tensor) -> Optional[PagedParam]:
     """Where `param`'s master and moments are paged, or None for an ordinary parameter."""
     return getattr(param, _PAGED_ATTR, None)
-
-
-# The attribute that holds, on each parameter an overlap.optim.AdamW holds, a weak reference to
-# that optimizer's method giving the settings of the parameter's next step: set by the
-# optimizer, read by the disk tier to speculate (see [Note: the speculative step] in
-# speculation.py). An attribute rather than a map keyed by the parameter: a weak reference to
-# a parameter keeps ShardedModule from swapping it in place for an optimizer built before
-# wrapping. It is dropped when the parameter is pickled or deep-copied (`torch.save(model)`,
-# an EMA copy): a WeakMethod cannot be pickled, and no optimizer holds the copy.
-_NEXT_HYPER_ATTR = "_overlap_next_hyper"
-
-
-class _NextHyperSource:
-    __slots__ = ("method",)
-
-    def __init__(self, method: "weakref.WeakMethod") -> None:
-        self.method = method
-
-    def __reduce__(self) -> tuple:
-        return _no_source, ()
-
-
-def _no_source() -> None:
-    return None
-
-
-def register_next_hyper(param: torch.Tensor, source: "weakref.WeakMethod") -> None:
-    """`source()(param)` gives the Hyper of `param`'s next step, or None if it has none."""
-    setattr(param, _NEXT_HYPER_ATTR, _NextHyperSource(source))
-
-
-def next_hyper(param: torch.Tensor) -> Optional[Hyper]:
-    """The settings of `param`'s next step by the optimizer that holds it (None: no
-    overlap.optim.AdamW holds it, or that optimizer is gone)."""
-    source = getattr(param, _NEXT_HYPER_ATTR, None)
-    method = None if source is None else source.method()
-    return None if method is None else method(param)
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,12 @@ overlap.optim.speculation), once its gradient is final: on gloo when its reducti
 hybrid's all-reduce) completed and was copied into the host gradient shard, which happens
 when the reduction is waited for (`GradReduction`'s bound on reductions in flight, or the end
 of backward); on CUDA as soon as the reduction is issued, the worker first waiting for the
-event that ends the gradient's download. Only the parameters an `overlap.optim.AdamW` holds
-are stepped ahead, with its settings. It speculates in a backward that reduced the group's
+event that ends the gradient's download. Only the parameters an `overlap.optim.AdamW` linked
+to the model holds are stepped ahead, with its settings, which the model's optimizer link
+asks it for ([Note: the optimizer link]): an optimizer not linked before the first backward
+takes its first step in `step()`. It speculates in a backward that reduced the group's
 gradient only if that is the first reduction since the group's last step and the step before
-followed exactly one reduction (the first step speculates): a loop that accumulates without
+followed exactly one reduction (the first step speculates where the optimizer is linked): a loop that accumulates without
 no_sync would otherwise compute, then restore, a step per micro-batch. A speculation no
 step settled is dropped before the group's next gather (which then sends the restored
 shard, copied whole) and when a load writes the state. Where the step recomputed a group's
@@ -65,11 +67,11 @@ and a change is an error naming overlap.optim.AdamW.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from overlap.optim.paged import (DEFAULT_BUCKET_PARAMS, PagedAdamW, PagedParam, Segment, next_hyper, paged_of,
+from overlap.optim.paged import (DEFAULT_BUCKET_PARAMS, Hyper, PagedAdamW, PagedParam, Segment, paged_of,
                                  register_paged)
 from overlap.optim.state_file import Bucket
 from overlap.runtime.host_tier import HostShard, HostTier, ShardPlace, after_all
@@ -217,7 +219,7 @@ class DiskShard(ShardPlace):
     def _speculate(self, ready=None) -> None:
         """Start this group's step on the engine's worker (see [Note: when the disk tier speculates])."""
         segments = [Segment(self.index, where.start, where.stop, hyper)
-                    for param, where in self.paged if (hyper := next_hyper(param)) is not None]
+                    for param, where in self.paged if (hyper := self.tier.next_step_settings(param)) is not None]
         if segments and self.grads.grad_shard is not None:
             self.engine.speculate(self.index, self.grads.grad_shard, segments, self.host_shard,
                                   on_bucket=self.bucket_written, before_write=self.wait_refreshed,
@@ -313,13 +315,18 @@ class DiskTier:
     """The state file of one `ShardedModule` on this rank, which its groups are paged into as
     they are built, and the copies between host and device (offload="cpu"'s `HostTier`)."""
 
-    def __init__(self, directory: Optional[str], rank: int, host: HostTier, window_bytes: int = 0) -> None:
+    def __init__(self, directory: Optional[str], rank: int, host: HostTier,
+                 next_step_settings: Callable[[torch.Tensor], Optional[Hyper]], window_bytes: int = 0) -> None:
         # One state file per rank and model, each paged group one shard of it, so that one
         # optimizer step is one pipelined pass over the file; removed when the process exits.
         # `window_bytes` of host memory may hold buckets read ahead during backward and written
         # behind the step ([Note: reading ahead and writing behind] in overlap.optim.window).
         self.engine = PagedAdamW([], directory=directory, rank=rank, window_bytes=window_bytes)
         self.host = host
+        # The settings of a parameter's next step, from the optimizer that holds it (the
+        # model's optimizer link): None where none can say them, and then no step is taken
+        # during backward.
+        self.next_step_settings = next_step_settings
 
     def place(self) -> DiskShard:
         return DiskShard(self)

@@ -66,7 +66,7 @@ from overlap.runtime.expert_parallel import ExpertGroups, all_experts, my_expert
 from overlap.runtime.pending import COMPLETED
 from overlap.runtime.host_tier import ShardPlace
 from overlap.runtime.node_copy import NodeCopy
-from overlap.runtime.optimizer_state import register_group
+from overlap.runtime.optimizer_link import OptimizerLink
 from overlap.runtime.param_identity import rebind
 from overlap.runtime.param_views import ParamViews
 from overlap.runtime.shard_grad import plain, shard_grad
@@ -89,7 +89,8 @@ class FlatGroup:
                  collectives: Collectives, gather_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  node_group: Optional[dist.ProcessGroup] = None, place: Optional[ShardPlace] = None,
                  tensor_parallel: Optional[list[Optional[TensorParallelSpec]]] = None,
-                 dtensor_params: bool = False, experts: Optional[ExpertGroups] = None) -> None:
+                 dtensor_params: bool = False, experts: Optional[ExpertGroups] = None, *,
+                 link: OptimizerLink) -> None:
         self.collectives = collectives
         # Expert parallelism: the parameters hold this rank's experts, and their DTensors,
         # shapes and whole values are every expert's; see [Note: expert parameters in state dicts].
@@ -100,6 +101,7 @@ class FlatGroup:
         # Each parameter's split over a tp mesh (None: not split); see [Note: tensor-parallel
         # parameters in flat shards].
         self.tensor_parallel = tensor_parallel if tensor_parallel is not None else [None] * len(params)
+        self._any_tensor_parallel = any(tp is not None for tp in self.tensor_parallel)
         # Where the master and gradient shards live: on the device, or offloaded to the host
         # (overlap.runtime.host_tier).
         self.place = place if place is not None else ShardPlace()
@@ -117,7 +119,7 @@ class FlatGroup:
         self._start_gradients()
         self._make_gathered_buffer()
         self.place.adopt(self)
-        register_group(self)
+        link.add_group(self)
 
     def _lay_out(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> None:
         """The flat layout: where each parameter lives, and this rank's part of each."""
@@ -289,7 +291,8 @@ class FlatGroup:
         if split is not None:
             split.register_prehook(self._mark_grads)
         self._views_record_grads = split is not None or not self.requires_grad
-        self._views = [view if tp is None else tp.wrap(view) for view, tp in zip(views, self.tensor_parallel)]
+        self._views = views if not self._any_tensor_parallel else \
+            [view if tp is None else tp.wrap(view) for view, tp in zip(views, self.tensor_parallel)]
         self._put_views()
 
     def _put_views(self) -> None:

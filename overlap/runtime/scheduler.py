@@ -43,7 +43,7 @@ from overlap.runtime.collectives import Collectives
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.grad_reduction import GradReduction
-from overlap.runtime.optimizer_state import note_lost_grads
+from overlap.runtime.optimizer_link import OptimizerLink
 from overlap.runtime.order_check import BEGIN_FORWARD, END_BACKWARD, END_FORWARD, OrderCheck
 from overlap.runtime.prefetch import Prefetcher
 from overlap.runtime.step_counter import StepCounter
@@ -82,10 +82,12 @@ def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], None]) -> bool:
 
 class Scheduler:
     def __init__(self, root: Optional[Unit], units: list[Unit], collectives: Collectives, prefetch_depth: int,
-                 memory_budget_bytes: Optional[int], reshard_after_forward: bool,
+                 memory_budget_bytes: Optional[int], reshard_after_forward: bool, optimizer_link: OptimizerLink,
                  order_check: str = "collective", cast_dtype: Optional[torch.dtype] = None,
                  keep_units: Optional[int] = None) -> None:
         self.root = root
+        # Where a backward that lost weight gradients is told, for the optimizer's next step.
+        self.optimizer_link = optimizer_link
         # Mixed precision's compute dtype: floating-point inputs of every unit are cast to it.
         self.cast_dtype = cast_dtype
         self.units = units
@@ -515,7 +517,7 @@ class Scheduler:
             for unit in self._reached:
                 if unit.trainable_groups and unit not in self._grads_came:
                     for group in unit.trainable_groups:
-                        note_lost_grads(group, unit.name)
+                        self.optimizer_link.note_lost_grads(group, unit.name)
             self._reached.clear()
             self._grads_came.clear()
             if self.order is not None:

@@ -36,10 +36,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from overlap.base.config import Config
+from overlap.runtime.optimizer_link import OptimizerLink
 
 
 @dataclass(frozen=True)
@@ -136,13 +135,14 @@ def tensor_parallel_error(module: nn.Module, mesh: Optional[DeviceMesh], process
     return None
 
 
-def take_tensor_parallel(module: nn.Module, mesh: Optional[DeviceMesh], device: torch.device
+def take_tensor_parallel(module: nn.Module, mesh: Optional[DeviceMesh], device: torch.device, link: OptimizerLink
                          ) -> Optional[TensorParallel]:
     """Replace `module`'s DTensor parameters by plain parameters holding their local tensors
     (a tied one once) and make every parameter replicated over tp hold tp rank 0's values
     (collective over every rank); None when the model has no DTensor parameters. `mesh` is
-    the data-parallel one ShardedModule was given, checked by `tensor_parallel_error`. See
-    [Note: tensor-parallel parameters in flat shards]."""
+    the data-parallel one ShardedModule was given, checked by `tensor_parallel_error`. The
+    replaced DTensors are refused to optimizers through `link`. See [Note: tensor-parallel
+    parameters in flat shards]."""
     params = _dtensor_params(module)
     if not params:
         return None
@@ -164,10 +164,9 @@ def take_tensor_parallel(module: nn.Module, mesh: Optional[DeviceMesh], device: 
                                                       tuple(offset), norm_group if sharded else None,
                                                       mesh._get_root_mesh())
                 replaced[id(param)] = plain
-                _replaced_params[param] = None
             sub._parameters[attr] = replaced[id(param)]
     _broadcast_replicated(module, specs, tp_mesh)
-    _register_hook()
+    link.add_replaced(param for _, param in params)
     return TensorParallel(tp_mesh, specs)
 
 
@@ -196,30 +195,3 @@ def _broadcast_replicated(module: nn.Module, specs: dict[int, TensorParallelSpec
             spec = specs.get(id(param))
             if spec is None or spec.norm_group is None:
                 dist.broadcast(param.data, src=source, group=group)
-
-
-# The DTensor Parameters replaced by `take_tensor_parallel`, for the optimizer check.
-_replaced_params = WeakIdKeyDictionary()
-_hook: Optional[Any] = None
-_CHECKED = "_overlap_tensor_parallel_checked"
-
-
-def _register_hook() -> None:
-    global _hook
-    if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_refuse_replaced)
-
-
-def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # Checked once per set of parameter groups, not at every step.
-    signature = id(optimizer.param_groups), tuple(len(param_group["params"]) for param_group in optimizer.param_groups)
-    if getattr(optimizer, _CHECKED, None) == signature:
-        return
-    for param_group in optimizer.param_groups:
-        for param in param_group["params"]:
-            if param in _replaced_params:
-                raise RuntimeError("the optimizer holds a tensor-parallel DTensor parameter as it was before "
-                                   "ShardedModule wrapped the model; such parameters cannot keep their identity "
-                                   "(see docs/tensor_parallel.md): build the optimizer from model.parameters() "
-                                   "after wrapping, as with FSDP2")
-    setattr(optimizer, _CHECKED, signature)

@@ -150,10 +150,14 @@ def build_model(args: argparse.Namespace) -> tuple[ShardedModule, GPTConfig]:
 
 def build_optimizer(model: ShardedModule, args: argparse.Namespace) -> torch.optim.Optimizer:
     """torch.optim.AdamW, except under offload="disk", whose fp32 masters and moments live in
-    the state file that only overlap.optim.AdamW steps (same results, same state dict)."""
+    the state file that only overlap.optim.AdamW steps (same results, same state dict). Linked
+    to the model now rather than at its first step, so that the disk tier takes that step
+    during backward too."""
     kind = overlap_optim.AdamW if model.overlap_config.offload == "disk" else torch.optim.AdamW
-    return kind(model.module.optimizer_groups(model.named_parameters(), args.weight_decay), lr=args.lr,
-                betas=(0.9, 0.95))
+    optimizer = kind(model.module.optimizer_groups(model.named_parameters(), args.weight_decay), lr=args.lr,
+                     betas=(0.9, 0.95))
+    model.optimizer_link.link(optimizer)
+    return optimizer
 
 
 def _header(args: argparse.Namespace, model: ShardedModule, config: GPTConfig,
