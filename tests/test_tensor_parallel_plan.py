@@ -5,6 +5,7 @@ import pytest
 
 from overlap.cli.simulate import CLUSTERS, MODELS, main
 from overlap.plan.links import LinkModel
+from overlap.plan.memory import ActivationShape, activation_bytes
 from overlap.plan.tensor_parallel import (STATE_BYTES, ClusterShape, TransformerShape, choose_tp, tp_all_reduce_s,
                                           tp_degrees, tp_options)
 
@@ -45,6 +46,26 @@ def test_tp_trades_gathers_and_states_for_per_layer_all_reduces() -> None:
     # Compute per GPU is the same at every tp (the global batch is fixed): steps differ by communication.
     compute = {tp: o.prediction.compute_s - o.tp_comm_s for tp, o in options.items()}
     assert max(compute.values()) == pytest.approx(min(compute.values()), rel=1e-6)
+
+
+def test_checkpointing_adds_one_forward_of_compute_and_keeps_its_memory_saving() -> None:
+    """One node of 8, one sequence: tp 8 at dp 1, so the step is compute and TP's all-reduces.
+    A layer on one rank: 512 tokens x (6 x 10M + 12 x 1024 x 512) FLOPs / 8 = 4.243e9 FLOPs,
+    of which forward is a third, 1.414e9 FLOPs: 14.14 us at 100 TFLOP/s. Recomputing it in
+    both layers' backward adds 28.28 us; TP's all-reduces and the memory do not change."""
+    model = TransformerShape(layers=2, hidden=1024, heads=8, kv_heads=8, vocab=1000, seq=512,
+                             layer_params=10_000_000, embedding_params=2_000_000)
+    cluster = ClusterShape(1, 8, 1e14, 80e9, NODE, 5e-6, 46e9)
+    [plain] = tp_options(model, cluster, 1)
+    [recomputed] = tp_options(model, cluster, 1, checkpointing=True)
+    assert (recomputed.tp, recomputed.dp) == (8, 1)
+    assert recomputed.step_s == pytest.approx(plain.step_s + 2 * 14.142e-6, abs=1e-9)
+    assert recomputed.tp_comm_s == plain.tp_comm_s
+    prediction = recomputed.prediction
+    activations = activation_bytes(ActivationShape(1, 512, 1024, 2, 8, 1000), 2, True) / 8
+    assert recomputed.memory_bytes == pytest.approx(STATE_BYTES * model.params / 8 + prediction.peak_gathered_bytes
+                                                    + 10_000_000 / 8 * 4 + activations)
+    assert recomputed.memory_bytes < plain.memory_bytes
 
 
 def test_the_pick_is_the_fastest_split_that_fits() -> None:

@@ -1,8 +1,8 @@
 """Choosing (dp, tp, pp, microbatches, schedule) for ZeRO-3 over dp, tensor parallelism over
 tp and pipeline stages over pp, at one global batch.
 
-The accounting, beyond overlap.plan.tensor_parallel's (whose TP cost and dp ring it reuses):
-- With activation checkpointing each layer's forward runs again in backward (4/3 the compute).
+The accounting, beyond overlap.plan.tensor_parallel's (whose TP cost, recompute under
+activation checkpointing and dp ring it reuses):
 - Ranks are ordered tp innermost, then dp, then pp (Megatron's order with pp outermost): a
   stage is tp * dp consecutive ranks, so stages sit on different nodes once tp * dp fills a
   node, and the activations between stages cross the network.
@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 from overlap.plan.links import LinkModel
 from overlap.plan.memory import ActivationShape, activation_bytes
 from overlap.plan.tensor_parallel import (GATHER_BYTES, REDUCE_BYTES, STATE_BYTES, TP_ALL_REDUCES_PER_LAYER,
-                                          ClusterShape, TransformerShape, dp_link, tp_all_reduce_s)
+                                          ClusterShape, TransformerShape, dp_link, recomputed_flops, tp_all_reduce_s)
 
 INTERLEAVED_STAGES = (2, 4, 5)     # stages per rank tried for Interleaved1F1B
 
@@ -89,9 +89,8 @@ def evaluate_pipeline(model: TransformerShape, cluster: ClusterShape, global_bat
     layers = math.ceil(model.layers / pp)
     tokens = layout.microbatch * model.seq
     # One microbatch through one layer, forward + backward (backward twice forward), on one GPU.
-    layer_s = tokens * (6 * model.layer_params + 12 * model.hidden * model.seq) / tp / cluster.flops
-    if checkpointing:
-        layer_s *= 4 / 3                         # forward computed again in backward
+    layer_flops = tokens * (6 * model.layer_params + 12 * model.hidden * model.seq) / tp
+    layer_s = recomputed_flops(layer_flops, checkpointing) / cluster.flops
     layer_s += TP_ALL_REDUCES_PER_LAYER * tp_all_reduce_s(tokens * model.hidden * GATHER_BYTES, tp, cluster)
     head_s = tokens * 6 * model.vocab * model.hidden / tp / cluster.flops
     stage_s = layers * layer_s + head_s          # the last stage, the slowest

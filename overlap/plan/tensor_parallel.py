@@ -34,6 +34,15 @@ GATHER_BYTES = 2       # bf16 parameters and activations
 REDUCE_BYTES = 4       # fp32 gradient reduction
 STATE_BYTES = state_copies("adamw") * MASTER_BYTES
 TP_ALL_REDUCES_PER_LAYER = 4       # two in forward, two in backward
+# Full activation checkpointing: backward runs the layer's forward (a third of its compute,
+# backward being twice forward) again before its own work.
+RECOMPUTE_FACTOR = 4 / 3
+
+
+def recomputed_flops(flops: float, checkpointing: bool) -> float:
+    """A layer's forward-and-backward FLOPs, with the forward run again in backward under full
+    activation checkpointing."""
+    return flops * RECOMPUTE_FACTOR if checkpointing else flops
 
 
 @dataclass(frozen=True)
@@ -127,8 +136,10 @@ def evaluate_tp(model: TransformerShape, cluster: ClusterShape, global_batch: in
     layer_params = model.layer_params / tp
 
     def unit(name: str, params: float, flops: float, tp_s: float) -> UnitCost:
+        forward_flops = flops / 3
+        backward_flops = recomputed_flops(flops, checkpointing) - forward_flops
         return UnitCost(name, int(params * MASTER_BYTES), int(params * GATHER_BYTES), int(params * REDUCE_BYTES),
-                        flops / 3 / cluster.flops + tp_s / 2, 2 * flops / 3 / cluster.flops + tp_s / 2)
+                        forward_flops / cluster.flops + tp_s / 2, backward_flops / cluster.flops + tp_s / 2)
 
     units = tuple(unit(f"layers.{i}", layer_params, layer_flops, tp_per_layer) for i in range(model.layers))
     root = unit("root", model.embedding_params / tp, 0.0, 0.0)
