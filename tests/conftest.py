@@ -40,7 +40,8 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # `--durations` (tens of seconds to minutes of building, launches or compiles each), are
 # collected first; the rest follow in their usual order and fill the gaps.
 LONGEST_FIRST = ["test_install.py", "test_fsdp2_conformance.py", "test_elastic_restarts.py", "test_benchmarks.py",
-                 "test_train_job.py", "test_tensor_parallel.py", "test_train_resume.py",
+                 "test_train_job.py", "test_tensor_parallel.py", "test_expert_parallel_combinations.py",
+                 "test_train_resume.py", "test_expert_parallel.py",
                  "test_integration_examples.py", "test_parity.py", "test_compile.py", "test_offload_disk.py",
                  "test_gpu_check.py", "test_fully_shard.py", "test_clean_exit.py", "test_cuda_sources.py"]
 

@@ -2,7 +2,8 @@
 int8 on the wire, hybrid sharding, the planner's choice of sharding; hpZ refused on every rank. Each trains the GPT-MoE of
 tests/test_expert_parallel.py at E = 2 against one process (DDP's semantics) on the same
 global batches, or, where the mode changes the numbers on purpose (bf16, int8), against the
-same mode without expert parallelism."""
+same mode without expert parallelism. Compiled units and int8 run in the slow tier (`make
+test-all`), in a launch of their own."""
 from __future__ import annotations
 
 import os
@@ -60,17 +61,20 @@ def refused(rank: int, world: int, options: dict[str, Any], per_node: int) -> st
 # name -> (world, expert parallel, optimizer, wrap options, bf16, ranks per node)
 RUNS: dict[str, tuple[int, Optional[int], str, dict[str, Any], bool, Optional[int]]] = {
     "offload-cpu": (2, 2, "adamw", {"offload": "cpu"}, False, None),
-    "compile": (2, 2, "sgd", {"compile": True}, False, None),
-    "int8": (2, 2, "adamw", {"compression": "int8"}, False, None),
-    "int8-no-ep": (2, None, "adamw", {"compression": "int8"}, False, None),
     "bf16": (2, 2, "overlap-adamw", {}, True, None),
     "bf16-offload-disk": (2, 2, "overlap-adamw", {"offload": "disk"}, True, None),
     "hybrid": (4, 2, "sgd", {"sharding": "hybrid"}, False, 2),
     # The planner's choice over two "nodes", hpZ left out of its candidates.
     "auto": (4, 2, "sgd", {"sharding": "auto"}, False, 2),
 }
+# The slow tier's (`make test-all`): compiled units and int8, one launch of their own.
+SLOW_RUNS: dict[str, tuple[int, Optional[int], str, dict[str, Any], bool, Optional[int]]] = {
+    "compile": (2, 2, "sgd", {"compile": True}, False, None),
+    "int8": (2, 2, "adamw", {"compression": "int8"}, False, None),
+    "int8-no-ep": (2, None, "adamw", {"compression": "int8"}, False, None),
+}
 # Compared with one process.
-EXACT = {"offload-cpu": FP32_ADAMW, "compile": FP32_SGD, "hybrid": FP32_SGD, "auto": FP32_SGD}
+EXACT = {"offload-cpu": FP32_ADAMW, "hybrid": FP32_SGD, "auto": FP32_SGD}
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +88,23 @@ def launches() -> dict[int, CaseLaunch]:
     return out
 
 
+@pytest.fixture(scope="module")
+def slow_launch() -> CaseLaunch:
+    return CaseLaunch({name: RankCase(train, run[1:]) for name, run in SLOW_RUNS.items()}, world_size=2, timeout=300)
+
+
 def _results(launches: dict[int, CaseLaunch], name: str) -> list[dict]:
     return [outcome.result() for outcome in launches[RUNS[name][0]][name]]
+
+
+def _check_against_one_process(outcomes: list[dict], world: int, optimizer: str, tolerance: dict) -> None:
+    reference = one_process(world, "gpt_moe", "normal", optimizer, 0.0, None)
+    for result in outcomes:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(outcomes[0]["state"][key], value, **tolerance, msg=lambda m: f"{key}: {m}")
+    assert reference["losses"][0] != reference["losses"][-1]
 
 
 def _max_difference(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -97,14 +116,13 @@ def _max_difference(state: dict[str, torch.Tensor], reference: dict[str, torch.T
 @pytest.mark.parametrize("name", EXACT)
 def test_trains_like_one_process(launches, name: str) -> None:
     world, _, optimizer, _, _, _ = RUNS[name]
-    reference = one_process(world, "gpt_moe", "normal", optimizer, 0.0, None)
-    outcomes = _results(launches, name)
-    for result in outcomes:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
-                                   rtol=1e-5, atol=1e-6)
-    for key, value in reference["state"].items():
-        torch.testing.assert_close(outcomes[0]["state"][key], value, **EXACT[name], msg=lambda m: f"{key}: {m}")
-    assert reference["losses"][0] != reference["losses"][-1]
+    _check_against_one_process(_results(launches, name), world, optimizer, EXACT[name])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_units_train_like_one_process(slow_launch) -> None:
+    _check_against_one_process([outcome.result() for outcome in slow_launch["compile"]], 2, "sgd", FP32_SGD)
 
 
 @pytest.mark.timeout(600)
@@ -115,12 +133,13 @@ def test_disk_offload_equals_bf16_without_offload(launches) -> None:
     assert _max_difference(disk["state"], memory["state"]) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_int8_with_expert_parallel_stays_within_int8s_own_error(launches) -> None:
+def test_int8_with_expert_parallel_stays_within_int8s_own_error(slow_launch) -> None:
     """int8 gathers move the numbers on purpose; with experts split they move them no more than
     without (each against one process in fp32)."""
     reference = one_process(2, "gpt_moe", "normal", "adamw", 0.0, None)
-    with_ep, without = _results(launches, "int8")[0], _results(launches, "int8-no-ep")[0]
+    with_ep, without = slow_launch["int8"][0].result(), slow_launch["int8-no-ep"][0].result()
     error = _max_difference(with_ep["state"], reference["state"])
     assert 0.0 < error <= 2 * _max_difference(without["state"], reference["state"]), error
     torch.testing.assert_close(torch.tensor(with_ep["losses"]), torch.tensor(reference["losses"]),
