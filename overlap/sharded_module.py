@@ -77,6 +77,9 @@ class ShardedModule(nn.Module):
             ranks holding the same experts. Expert modules of Hugging Face's MoE models and
             `overlap.models.moe` are found by class; `expert_types` names others. See
             docs/moe.md.
+        expert_capacity_factor: with `expert_parallel`, cap each expert module's (token,
+            choice) pairs per forward at ceil(c · tokens · top_k / experts), first choices
+            first, the rest dropped before the dispatch (None: dropless). See docs/moe.md.
     """
 
     def __init__(self, module: nn.Module, *, unit_types: Optional[Sequence[type]] = None,
@@ -87,14 +90,15 @@ class ShardedModule(nn.Module):
                  mesh: Optional[DeviceMesh] = None, sharding: Optional[str] = None,
                  compression: Optional[str] = None, compile: Optional[bool] = None,
                  offload: Optional[str] = None, expert_parallel: Optional[int] = None,
-                 expert_types: Sequence[type] = ()) -> None:
+                 expert_types: Sequence[type] = (), expert_capacity_factor: Optional[float] = None) -> None:
         super().__init__()
         self._start(module, StartupRequest(
             unit_types=unit_types, process_group=process_group, mixed_precision=mixed_precision,
             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, reshard_after_forward=reshard_after_forward,
             param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression, compile=compile,
             offload=offload, nested=any(isinstance(m, ShardedModule) for m in module.modules()),
-            expert_parallel=expert_parallel, expert_types=tuple(expert_types)))
+            expert_parallel=expert_parallel, expert_types=tuple(expert_types),
+            expert_capacity_factor=expert_capacity_factor))
 
     @classmethod
     def _for_request(cls, module: nn.Module, request: StartupRequest) -> "ShardedModule":

@@ -2,7 +2,7 @@
 process training the whole model on the global batch with DDP's semantics (the mean of every
 rank's loss): the GPT-MoE of overlap.models.moe and Hugging Face's Qwen3-MoE, routing as the
 router chooses and skewed (experts and whole ranks that receive no token), dropless and with
-an expert capacity, SGD and AdamW, torch's clip over all experts; the full state dict gathers
+an expert capacity (the GPT-MoE's own; `expert_capacity_factor=` on Qwen3-MoE's), SGD and AdamW, torch's clip over all experts; the full state dict gathers
 every expert, and checkpoints (torch.distributed.checkpoint, overlap.checkpoint) load at
 another expert-parallel size, without it, and into one process (tests/expert_checkpoint_cases.py)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from distributed import CaseLaunch, RankCase
 from expert_checkpoint_cases import round_trips
 
-PER_RANK, SEQ, STEPS, VOCAB = 2, 8, 3, 64
+PER_RANK, SEQ, STEPS, VOCAB, EXPERTS = 2, 8, 3, 64, 4
 # Router logits added by a forward hook: "skewed" sends every token to experts 0 and 1 (the
 # first expert-parallel rank's at E = 2; ranks 2 and 3 get none at E = 4).
 SKEW = {"normal": None, "skewed": (20.0, 10.0, -10.0, -10.0)}
@@ -24,7 +24,7 @@ SKEW = {"normal": None, "skewed": (20.0, 10.0, -10.0, -10.0)}
 def _gpt_moe(seed: int = 0, capacity: Optional[float] = None) -> torch.nn.Module:
     from overlap.models.moe import GPTMoE, MoEConfig
     torch.manual_seed(seed)
-    return GPTMoE(MoEConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, n_expert=4,
+    return GPTMoE(MoEConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, n_expert=EXPERTS,
                             top_k=2, expert_hidden=8, capacity_factor=capacity))
 
 
@@ -33,7 +33,7 @@ def _qwen3_moe() -> torch.nn.Module:
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                            num_experts=EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1,
                             output_router_logits=True, router_aux_loss_coef=0.01, max_position_embeddings=SEQ)
     return Qwen3MoeForCausalLM(config)
 
@@ -43,12 +43,24 @@ def _model(kind: str, capacity: Optional[float]) -> torch.nn.Module:
 
 
 def _count_dropped(model: torch.nn.Module, dropped: list[int]) -> None:
-    """Count the (token, choice) pairs each expert module is handed as dropped."""
+    """Count the (token, choice) pairs each expert module is handed as dropped (an index of
+    every expert's number: under expert parallelism a module holds fewer)."""
     from overlap.runtime.expert_parallel import expert_modules
 
     for experts in expert_modules(model):
-        experts.register_forward_pre_hook(
-            lambda m, args: dropped.append(int((args[1] >= m.num_experts).sum())))
+        experts.register_forward_pre_hook(lambda m, args: dropped.append(int((args[1] >= EXPERTS).sum())))
+
+
+def _skewed_choices(bias: tuple[float, ...]):
+    """A forward hook on a Hugging Face top-k router: its choices made again from the logits
+    plus `bias`, as the router makes them."""
+    def hook(gate: torch.nn.Module, args: tuple, out: tuple) -> tuple:
+        logits = out[0] + torch.tensor(bias, dtype=out[0].dtype)
+        weights, index = logits.float().softmax(-1).topk(gate.top_k, dim=-1)
+        if gate.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), index
+    return hook
 
 
 def _skew(model: torch.nn.Module, routing: str) -> None:
@@ -58,6 +70,22 @@ def _skew(model: torch.nn.Module, routing: str) -> None:
     for name, module in model.named_modules():
         if name.endswith("router"):
             module.register_forward_hook(lambda m, args, out: out + torch.tensor(bias, dtype=out.dtype))
+        elif type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(_skewed_choices(bias))
+
+
+def _cap_router_choices(model: torch.nn.Module, capacity: float) -> None:
+    """One process's expert capacity on a Hugging Face model: the rule applied to each top-k
+    router's choices (the runtime applies it where the expert modules receive them). The
+    experts run eagerly, which skips a dropped pair: the default grouped_mm masks one only
+    under Hugging Face's own expert parallelism."""
+    from overlap.base.expert_capacity import drop_over_capacity
+
+    model.set_experts_implementation("eager")
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(
+                lambda m, args, out: (*out[:2], drop_over_capacity(out[2], EXPERTS, capacity)))
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
@@ -80,6 +108,8 @@ def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float
                 capacity: Optional[float]) -> dict:
     model = _model(kind, capacity)
     _skew(model, routing)
+    if kind == "qwen3_moe" and capacity is not None:
+        _cap_router_choices(model, capacity)
     dropped: list[int] = []
     _count_dropped(model, dropped)
     opt = _optimizer(model.parameters(), optimizer)
@@ -107,7 +137,11 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
     model = _model(kind, capacity)
     _skew(model, routing)
     opt = _optimizer(model.parameters(), optimizer)           # built before wrapping, as users do
-    model = ShardedModule(model, expert_parallel=expert_parallel)
+    # The GPT-MoE's router applies its own capacity; Hugging Face's routers have none.
+    model = ShardedModule(model, expert_parallel=expert_parallel,
+                          expert_capacity_factor=capacity if kind == "qwen3_moe" else None)
+    dropped: list[int] = []
+    _count_dropped(model, dropped)
     losses, norms = [], []
     for x, y in _batches(world):
         loss = _loss(model, x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK], kind)
@@ -119,7 +153,8 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
-    return {"losses": losses, "norms": norms, "state": model.full_state_dict(rank0_only=True)}
+    return {"losses": losses, "norms": norms, "dropped": sum(dropped),
+            "state": model.full_state_dict(rank0_only=True)}
 
 
 def reshard(rank: int, world: int) -> dict:
@@ -155,7 +190,10 @@ def refusals(rank: int, world: int) -> dict:
     for name, make in (("mesh", lambda: ShardedModule(_gpt_moe(), expert_parallel=2,
                                                       mesh=init_device_mesh("cpu", (world,)))),
                        ("no_experts", lambda: ShardedModule(nn.Sequential(nn.Linear(4, 4)), expert_parallel=2)),
-                       ("indivisible", lambda: ShardedModule(_gpt_moe(), expert_parallel=3))):
+                       ("indivisible", lambda: ShardedModule(_gpt_moe(), expert_parallel=3)),
+                       ("no_capacity", lambda: ShardedModule(_qwen3_moe(), expert_parallel=2,
+                                                             expert_capacity_factor=0.0)),
+                       ("capacity_alone", lambda: ShardedModule(_qwen3_moe(), expert_capacity_factor=1.0))):
         try:
             make()
             out[name] = "returned"
@@ -185,6 +223,7 @@ CASES = {
     "w2-ep2-qwen3-adamw": (2, "qwen3_moe", 2, "normal", "adamw", 0.0, None),
     "w2-ep2-skewed-sgd-capacity": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, 1.0),
     "w2-ep2-normal-adamw-capacity": (2, "gpt_moe", 2, "normal", "adamw", 0.0, 0.5),
+    "w2-ep2-qwen3-skewed-sgd-capacity": (2, "qwen3_moe", 2, "skewed", "sgd", 0.0, 1.0),
     "w4-ep2-normal-sgd-clip": (4, "gpt_moe", 2, "normal", "sgd", 0.05, None),
     "w4-ep2-normal-sgd-capacity": (4, "gpt_moe", 2, "normal", "sgd", 0.0, 0.5),
     "w4-ep2-skewed-adamw-capacity": (4, "gpt_moe", 2, "skewed", "adamw", 0.0, 1.0),
@@ -218,6 +257,7 @@ def test_trains_like_one_process(launches, case: str) -> None:
     reference = one_process(world, kind, routing, optimizer, clip, capacity)
     assert (reference["dropped"] > 0) == (capacity is not None), reference["dropped"]     # the capacity binds
     outcomes = [outcome.result() for outcome in launches[world][case]]
+    assert sum(result["dropped"] for result in outcomes) == reference["dropped"]   # each rank drops its own
     for result in outcomes:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
                                    rtol=1e-5, atol=1e-6)
@@ -244,6 +284,9 @@ def test_what_does_not_compose_is_refused_on_every_rank(launches) -> None:
         assert "no expert module" in result["no_experts"], result
         assert "must divide the number of experts" in result["indivisible"] or \
             "must divide the world size" in result["indivisible"], result
+        assert result["no_capacity"].startswith("ValueError") and \
+            "expert_capacity_factor must be a positive number" in result["no_capacity"], result
+        assert "expert_capacity_factor needs expert_parallel" in result["capacity_alone"], result
 
 
 @pytest.mark.timeout(600)
@@ -280,11 +323,15 @@ def test_a_checkpoint_loads_at_another_expert_parallel_size_and_into_one_process
 
 
 def test_capacity_keeps_first_choices_first_then_tokens_in_order() -> None:
-    from overlap.models.moe import MoEConfig, drop_over_capacity
+    from overlap.base.expert_capacity import drop_over_capacity
+    from overlap.models.moe import MoEConfig
 
     index = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
     # ceil(1.0 * 4 tokens * 2 / 4 experts) = 2 pairs per expert; 4 marks a dropped choice.
-    assert drop_over_capacity(index, 4, 1.0).tolist() == [[0, 1], [0, 2], [4, 4], [1, 4]]
+    capped = drop_over_capacity(index, 4, 1.0)
+    assert capped.tolist() == [[0, 1], [0, 2], [4, 4], [1, 4]]
     assert drop_over_capacity(index, 4, 2.0).tolist() == index.tolist()
+    # Dropped pairs stay dropped and take no place: the rule applied twice is applied once.
+    assert drop_over_capacity(capped, 4, 1.0).tolist() == capped.tolist()
     with pytest.raises(ValueError, match="capacity_factor must be a positive number"):
         MoEConfig(capacity_factor=0.0)

@@ -180,7 +180,8 @@ def test_every_accepted_flag_combination_trains_and_the_rest_are_refused_on_ever
 
 
 # --moe with every tier (the experts sharded with the rest), and --expert-parallel with every
-# tier, int8 and compiled units; hpZ (OVERLAP_SHARDING, no flag) is refused on every rank.
+# tier, int8 and compiled units, and with an expert capacity; hpZ (OVERLAP_SHARDING, no flag)
+# is refused on every rank.
 MOE_ACCEPTED = [
     ["--moe", "--mixed-precision", "bf16", "--offload", "cpu", "--compress", "int8"],
     ["--moe", "--mixed-precision", "bf16", "--offload", "disk", "--eager-init"],
@@ -190,6 +191,7 @@ MOE_ACCEPTED = [
     ["--moe", "--expert-parallel", "2", "--mixed-precision", "bf16", "--offload", "cpu", "--compress", "int8",
      "--compile"],
     ["--moe", "--expert-parallel", "2", "--mixed-precision", "bf16", "--offload", "disk"],
+    ["--moe", "--expert-parallel", "2", "--capacity-factor", "0.5"],
 ]
 MOE_REFUSED = [
     (["--moe", "--expert-parallel", "2"], "expert_parallel with sharding='hpz' is not supported"),
@@ -229,6 +231,7 @@ def test_moe_and_expert_parallel_train_with_what_they_compose_with_and_refuse_th
     (["--expert-parallel", "2"], "--expert-parallel 2 needs --moe"),
     (["--moe", "--experts", "8", "--expert-parallel", "3"], "--expert-parallel 3 must divide --experts 8"),
     (["--moe", "--experts", "2", "--top-k", "3"], "--top-k 3 exceeds --experts 2"),
+    (["--capacity-factor", "1.5"], "--capacity-factor 1.5 needs --moe"),
 ])
 def test_moe_settings_that_cannot_work_are_named_before_any_rank_starts(argv, message, capsys, tmp_path,
                                                                           monkeypatch):
@@ -238,7 +241,8 @@ def test_moe_settings_that_cannot_work_are_named_before_any_rank_starts(argv, me
 
 
 @pytest.mark.parametrize("option, value", [("--lr", "0"), ("--lr", "-1e-3"), ("--lr", "nan"), ("--batch", "0"),
-                                           ("--eval-every", "0"), ("--eval-every", "-2")])
+                                           ("--eval-every", "0"), ("--eval-every", "-2"),
+                                           ("--capacity-factor", "0"), ("--capacity-factor", "-1")])
 def test_non_positive_values_are_refused_naming_the_option(option, value, capsys):
     with pytest.raises(SystemExit) as exited:
         main([f"{option}={value}"])       # the = form: argparse reads "-2" alone as an option

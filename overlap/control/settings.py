@@ -55,6 +55,9 @@ class StartupRequest:
     # recognise besides the known ones (overlap.runtime.expert_parallel).
     expert_parallel: Optional[int] = None
     expert_types: tuple[type, ...] = ()
+    # Pairs each expert module takes per forward, as a multiple of an even share (None:
+    # dropless); see [Note: expert capacity] in overlap/base/expert_capacity.py.
+    expert_capacity_factor: Optional[float] = None
 
     # Every rank taking part, where neither the process group nor the world is it: a 1-D
     # mesh's ranks (a pipeline stage's data-parallel ranks; see `for_module`).

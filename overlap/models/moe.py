@@ -3,22 +3,12 @@ tensors (`gate_up_proj` (E, 2F, D), `down_proj` (E, D, F)), called as Hugging Fa
 modules are, `experts(hidden (N, D), top_k_index (N, k), top_k_weights (N, k))`, so the same
 expert parallelism serves both (overlap.runtime.expert_parallel).
 
-[Note: expert capacity]
-Routing is dropless by default. With `MoEConfig(capacity_factor=c)` (Megatron-Core's
-`moe_expert_capacity_factor`, applied by the router as there), each expert takes at most
-ceil(c · N · k / n_expert) of a forward's N tokens' (token, choice) pairs; the pairs past
-that get the index n_expert, which expert modules skip (Hugging Face's convention for a
-dropped choice) and expert parallelism sends nowhere. Which pairs stay is decided by
-position alone, as GShard's and Switch Transformer's dispatch does: every token's first
-choice before any token's second, and within a choice, tokens in order. The rule reads
-nothing but the forward's own indices, so it is the same in one process and on each rank:
-under data or expert parallelism each rank's forward applies it to its own tokens, and a
-one-process forward per rank's batch applies the same. The router's load-balancing loss is
-taken before the drop, as Switch Transformer's.
+Routing is dropless by default; `MoEConfig(capacity_factor=c)` caps each expert's pairs per
+forward by the rule the runtime applies to any expert module (see [Note: expert capacity] in
+overlap/base/expert_capacity.py), applied by the router as Megatron-Core's.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from overlap.base.expert_capacity import capacity_factor_error, drop_over_capacity
 from overlap.models.gpt import GPT, CausalSelfAttention, GPTConfig, Linear
 
 
@@ -40,9 +31,9 @@ class MoEConfig(GPTConfig):
     capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"MoEConfig: capacity_factor must be a positive number or None (dropless), "
-                             f"got {self.capacity_factor!r}")
+        error = capacity_factor_error("capacity_factor", self.capacity_factor)
+        if error is not None:
+            raise ValueError(f"MoEConfig: {error}")
 
     @property
     def num_params(self) -> int:
@@ -104,17 +95,6 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             index_NK = drop_over_capacity(index_NK, E, self.capacity_factor)
         return self.experts(x_ND, index_NK, weights_NK).reshape(B, T, D)
-
-
-def drop_over_capacity(index_NK: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
-    """`index_NK` with each (token, choice) pair past its expert's capacity set to
-    `num_experts`, a dropped choice (see [Note: expert capacity])."""
-    N, K = index_NK.shape
-    capacity = math.ceil(capacity_factor * N * K / num_experts)
-    chosen_PE = F.one_hot(index_NK.t().reshape(-1), num_experts)     # choice-major: first choices first
-    place_P = (chosen_PE.cumsum(0) * chosen_PE).sum(1) - 1           # the pair's place in its expert's queue
-    kept_NK = (place_P < capacity).view(K, N).t()
-    return torch.where(kept_NK, index_NK, torch.full_like(index_NK, num_experts))
 
 
 class MoEBlock(nn.Module):

@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from overlap.base.expert_capacity import capacity_factor_error, drop_over_capacity
 from overlap.base.step_record import ALL_TO_ALL
 from overlap.runtime.issue import issue
 from overlap.runtime.pending import Pending
@@ -107,6 +108,21 @@ def expert_modules(module: nn.Module, named: Sequence[type] = ()) -> list[nn.Mod
     class in `named`."""
     return [m for m in module.modules()
             if (type(m).__name__ in EXPERT_CLASS_NAMES or isinstance(m, tuple(named))) and hasattr(m, "num_experts")]
+
+
+def cap_routing(modules: list[nn.Module], capacity_factor: float) -> None:
+    """Apply the expert capacity rule (see [Note: expert capacity] in
+    overlap/base/expert_capacity.py) to the routing each expert module is called with, before
+    its forward and so before the dispatch. Registered before the experts are split: a dropped
+    pair's index is the number of every expert, which the dispatch sends nowhere."""
+    for module in modules:
+        total = int(module.num_experts)
+
+        def drop(_: nn.Module, args: tuple, total: int = total) -> tuple:
+            hidden_ND, top_k_index_NK, *rest = args          # Hugging Face's call: positional
+            return (hidden_ND, drop_over_capacity(top_k_index_NK, total, capacity_factor), *rest)
+
+        module.register_forward_pre_hook(drop)
 
 
 def make_groups(size: int, all_group: dist.ProcessGroup) -> ExpertGroups:
@@ -350,9 +366,18 @@ def expert_collectives(collectives: Any, groups: ExpertGroups, all_group: dist.P
 
 
 def expert_parallel_error(size: Optional[int], config: Any, request: Any) -> Optional[str]:
-    """Why `expert_parallel=size` cannot run with the rest of the request, or None."""
+    """Why `expert_parallel=size` (and `expert_capacity_factor`) cannot run with the rest of
+    the request, or None."""
+    capacity = capacity_factor_error("expert_capacity_factor", request.expert_capacity_factor)
+    if capacity is not None:
+        return capacity
     if size is None:
-        return None
+        # Dropped pairs are left out by the dispatch. Without it they would reach the module
+        # itself: Hugging Face's default experts (grouped_mm) mask them only under their own
+        # expert parallelism, and otherwise leave their rows uninitialised (NaN within a step).
+        return None if request.expert_capacity_factor is None else (
+            "expert_capacity_factor needs expert_parallel: the dispatch is what leaves dropped pairs out "
+            "(the GPT-MoE of overlap.models.moe takes MoEConfig(capacity_factor=...) without it)")
     if config.sharding == "hpz":
         # A node copy holds a node's ranks' rows of one shard group; an expert unit's shard group
         # is the ranks holding the same experts, which a node does not hold together.

@@ -69,6 +69,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     model.add_argument("--expert-parallel", type=_positive_int, default=None, metavar="E",
                        help="split each MoE layer's experts across E ranks (tokens reach them by all-to-all); "
                             "needs --moe")
+    model.add_argument("--capacity-factor", type=_positive_float, default=None, metavar="C",
+                       help="each expert takes at most ceil(C * tokens * top-k / experts) pairs per forward, first "
+                            "choices first, the rest dropped (default: dropless); needs --moe")
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
     train.add_argument("--schedule-steps", type=_positive_int, default=None, metavar="N",
@@ -157,8 +160,9 @@ def check_options(args: argparse.Namespace) -> None:
     if offload_tier(args) == "disk" and args.mixed_precision != "bf16":
         raise JobError("--offload disk keeps the fp32 masters in a file and only the 16-bit copy the gathers send "
                        f"in memory: it needs --mixed-precision bf16 (got {args.mixed_precision})")
-    if not args.moe and args.expert_parallel is not None:
-        raise JobError(f"--expert-parallel {args.expert_parallel} needs --moe")
+    for name, value in (("--expert-parallel", args.expert_parallel), ("--capacity-factor", args.capacity_factor)):
+        if not args.moe and value is not None:
+            raise JobError(f"{name} {value} needs --moe")
     if args.moe and args.top_k > args.experts:
         raise JobError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
     if args.expert_parallel is not None and args.experts % args.expert_parallel:

@@ -124,8 +124,8 @@ def _device() -> torch.device:
 def model_config(args: argparse.Namespace) -> GPTConfig:
     sizes = dict(vocab_size=VOCAB_SIZE, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                  n_embd=args.hidden)
-    return MoEConfig(**sizes, n_expert=args.experts, top_k=args.top_k, expert_hidden=2 * args.hidden) \
-        if args.moe else GPTConfig(**sizes)
+    return MoEConfig(**sizes, n_expert=args.experts, top_k=args.top_k, expert_hidden=2 * args.hidden,
+                     capacity_factor=args.capacity_factor) if args.moe else GPTConfig(**sizes)
 
 
 def build_model(args: argparse.Namespace) -> tuple[ShardedModule, GPTConfig]:
@@ -165,7 +165,8 @@ def _header(args: argparse.Namespace, model: ShardedModule, config: GPTConfig,
     world = dist.get_world_size()
     per_rank = progress.shards // world
     moe = f", {args.experts} experts top-{args.top_k}" + \
-        (f" split over {args.expert_parallel} ranks" if args.expert_parallel else "") if args.moe else ""
+        (f" split over {args.expert_parallel} ranks" if args.expert_parallel else "") + \
+        (f", capacity {args.capacity_factor:g}" if args.capacity_factor else "") if args.moe else ""
     lines = [f"overlap train: GPT{'-MoE' if args.moe else ''} {args.layers} layers, d={args.hidden}, "
              f"{args.heads} heads{moe}, seq {args.seq} "
              f"({config.num_params / 1e6:.2f}M params, {args.mixed_precision}) on {world} "
