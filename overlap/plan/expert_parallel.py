@@ -51,7 +51,8 @@ from typing import Optional, Sequence
 
 from overlap.plan.links import LinkModel
 from overlap.plan.memory import ActivationShape, activation_bytes, layer_activation_bytes
-from overlap.plan.tensor_parallel import GATHER_BYTES, REDUCE_BYTES, STATE_BYTES, ClusterShape, dp_link
+from overlap.plan.tensor_parallel import (GATHER_BYTES, REDUCE_BYTES, STATE_BYTES, ClusterShape, dp_link,
+                                          recomputed_flops)
 
 SWIGLU_MATRICES = 3                 # gate, up and down projections of every MLP
 ROUTER_PROB_BYTES = 4               # fp32 routing probabilities kept per token and expert
@@ -245,7 +246,8 @@ def _moe_layer(model: MoEShape, cluster: ClusterShape, tokens: int, ep: int, che
 def _dense_layer(model: MoEShape, cluster: ClusterShape, tokens: int, checkpointing: bool) -> LayerCost:
     compute_s = tokens * (6 * model.dense_layer_params + 12 * model.hidden * model.seq) / cluster.flops
     link = dp_link(1, cluster)
-    return LayerCost(compute_s / 3, (3 if checkpointing else 2) * compute_s / 3,
+    # Backward is two thirds of the layer's compute, plus the recomputed forward's third.
+    return LayerCost(compute_s / 3, recomputed_flops(compute_s, checkpointing) - compute_s / 3,
                      _ring_s(link, cluster.ranks, model.dense_layer_params * GATHER_BYTES),
                      _ring_s(link, cluster.ranks, model.dense_layer_params * REDUCE_BYTES),
                      model.dense_layer_params, 0.0, 0.0)

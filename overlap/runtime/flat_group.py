@@ -266,6 +266,7 @@ class FlatGroup:
             self.full.untyped_storage().resize_(0)
         if self.dtensor_params:
             self._register_params()
+            self._views_installed = False        # nothing left for the end of the pass to take off
 
     def _register_params(self) -> None:
         """The modules' attributes and registered parameters are the parameters again."""
