@@ -2,8 +2,9 @@
 int8 on the wire, hybrid sharding, the planner's choice of sharding; hpZ refused on every rank. Each trains the GPT-MoE of
 tests/test_expert_parallel.py at E = 2 against one process (DDP's semantics) on the same
 global batches, or, where the mode changes the numbers on purpose (bf16, int8), against the
-same mode without expert parallelism. Compiled units and int8 run in the slow tier (`make
-test-all`), in a launch of their own."""
+same mode without expert parallelism. Compiled units, int8, hybrid and the planner's sharding
+run in the slow tier (`make test-all`), in launches of their own; hpZ's refusal there too, and
+in the default tier through `overlap train` (tests/test_train_job.py)."""
 from __future__ import annotations
 
 import os
@@ -63,38 +64,40 @@ RUNS: dict[str, tuple[int, Optional[int], str, dict[str, Any], bool, Optional[in
     "offload-cpu": (2, 2, "adamw", {"offload": "cpu"}, False, None),
     "bf16": (2, 2, "overlap-adamw", {}, True, None),
     "bf16-offload-disk": (2, 2, "overlap-adamw", {"offload": "disk"}, True, None),
-    "hybrid": (4, 2, "sgd", {"sharding": "hybrid"}, False, 2),
-    # The planner's choice over two "nodes", hpZ left out of its candidates.
-    "auto": (4, 2, "sgd", {"sharding": "auto"}, False, 2),
 }
-# The slow tier's (`make test-all`): compiled units and int8, one launch of their own.
+# The slow tier's (`make test-all`), launches of their own: compiled units and int8 at 2 ranks;
+# hybrid sharding and the planner's choice (hpZ left out of its candidates) at 4 ranks as two
+# nodes of two, with hpZ's refusal.
 SLOW_RUNS: dict[str, tuple[int, Optional[int], str, dict[str, Any], bool, Optional[int]]] = {
     "compile": (2, 2, "sgd", {"compile": True}, False, None),
     "int8": (2, 2, "adamw", {"compression": "int8"}, False, None),
     "int8-no-ep": (2, None, "adamw", {"compression": "int8"}, False, None),
+    "hybrid": (4, 2, "sgd", {"sharding": "hybrid"}, False, 2),
+    "auto": (4, 2, "sgd", {"sharding": "auto"}, False, 2),
 }
 # Compared with one process.
-EXACT = {"offload-cpu": FP32_ADAMW, "hybrid": FP32_SGD, "auto": FP32_SGD}
+EXACT = {"offload-cpu": FP32_ADAMW}
+SLOW_EXACT = {"compile": FP32_SGD, "hybrid": FP32_SGD, "auto": FP32_SGD}
 
 
 @pytest.fixture(scope="module")
 def launches() -> dict[int, CaseLaunch]:
+    return {2: CaseLaunch({name: RankCase(train, run[1:]) for name, run in RUNS.items()}, world_size=2, timeout=300)}
+
+
+@pytest.fixture(scope="module")
+def slow_launches() -> dict[int, CaseLaunch]:
     out = {}
     for world in (2, 4):
-        cases = {name: RankCase(train, run[1:]) for name, run in RUNS.items() if run[0] == world}
+        cases = {name: RankCase(train, run[1:]) for name, run in SLOW_RUNS.items() if run[0] == world}
         if world == 4:
             cases["hpz"] = RankCase(refused, ({"sharding": "hpz"}, 2))
         out[world] = CaseLaunch(cases, world_size=world, timeout=300)
     return out
 
 
-@pytest.fixture(scope="module")
-def slow_launch() -> CaseLaunch:
-    return CaseLaunch({name: RankCase(train, run[1:]) for name, run in SLOW_RUNS.items()}, world_size=2, timeout=300)
-
-
-def _results(launches: dict[int, CaseLaunch], name: str) -> list[dict]:
-    return [outcome.result() for outcome in launches[RUNS[name][0]][name]]
+def _results(launches: dict[int, CaseLaunch], name: str, runs: dict = RUNS) -> list[dict]:
+    return [outcome.result() for outcome in launches[runs[name][0]][name]]
 
 
 def _check_against_one_process(outcomes: list[dict], world: int, optimizer: str, tolerance: dict) -> None:
@@ -121,8 +124,10 @@ def test_trains_like_one_process(launches, name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_compiled_units_train_like_one_process(slow_launch) -> None:
-    _check_against_one_process([outcome.result() for outcome in slow_launch["compile"]], 2, "sgd", FP32_SGD)
+@pytest.mark.parametrize("name", SLOW_EXACT)
+def test_slow_tier_modes_train_like_one_process(slow_launches, name: str) -> None:
+    world, _, optimizer, _, _, _ = SLOW_RUNS[name]
+    _check_against_one_process(_results(slow_launches, name, SLOW_RUNS), world, optimizer, SLOW_EXACT[name])
 
 
 @pytest.mark.timeout(600)
@@ -135,19 +140,20 @@ def test_disk_offload_equals_bf16_without_offload(launches) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_int8_with_expert_parallel_stays_within_int8s_own_error(slow_launch) -> None:
+def test_int8_with_expert_parallel_stays_within_int8s_own_error(slow_launches) -> None:
     """int8 gathers move the numbers on purpose; with experts split they move them no more than
     without (each against one process in fp32)."""
     reference = one_process(2, "gpt_moe", "normal", "adamw", 0.0, None)
-    with_ep, without = slow_launch["int8"][0].result(), slow_launch["int8-no-ep"][0].result()
+    with_ep, without = (_results(slow_launches, name, SLOW_RUNS)[0] for name in ("int8", "int8-no-ep"))
     error = _max_difference(with_ep["state"], reference["state"])
     assert 0.0 < error <= 2 * _max_difference(without["state"], reference["state"]), error
     torch.testing.assert_close(torch.tensor(with_ep["losses"]), torch.tensor(reference["losses"]),
                                rtol=0, atol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_hpz_is_refused_on_every_rank(launches) -> None:
-    for outcome in launches[4]["hpz"]:
+def test_hpz_is_refused_on_every_rank(slow_launches) -> None:
+    for outcome in slow_launches[4]["hpz"]:
         message = outcome.result()
         assert "expert_parallel with sharding='hpz' is not supported" in message, message
