@@ -458,8 +458,9 @@ class Scheduler:
                 # An earlier backward of this step (a head run on chunks outside the forward,
                 # each chunk its own backward) ended its pass and freed the root: gather again.
                 self.root.finish_gather()
-                with torch.enable_grad():
-                    self.root.restore_views()
+                if self.root.drops_views:
+                    with torch.enable_grad():
+                        self.root.restore_views()
             self.log.mark(Mark.PRE_BACKWARD, self.root.name)
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -472,11 +473,12 @@ class Scheduler:
             if self.order is not None:
                 self.order.ran(self._index[id(unit)], backward=True, synced=self.sync_grads)
             self.prefetch.gather_for_backward(unit)
-            # Its views left the modules when it was freed; a recompute (activation
-            # checkpointing) may call its modules without their own pre-hook (a wrapper's
-            # inner module), so they are there again, connected to the gathered buffer.
-            with torch.enable_grad():
-                unit.restore_views()
+            if unit.drops_views:
+                # Its views left the modules when it was freed; a recompute (activation
+                # checkpointing) may call its modules without their own pre-hook (a wrapper's
+                # inner module), so they are there again, connected to the gathered buffer.
+                with torch.enable_grad():
+                    unit.restore_views()
             self.log.mark(Mark.PRE_BACKWARD, unit.name)
             unit.open_span("backward")
 

@@ -178,11 +178,10 @@ class Unit:
 
     def restore_views(self) -> None:
         """Before the unit's backward: its views on the modules again, where a free took them
-        off (see FlatGroup.restore_views)."""
-        if self.drops_views:
-            self._require((GatherState.GATHERED,), "restore parameter views")
-            for group in self.groups:
-                group.restore_views()
+        off (units with DTensor parameters, `drops_views`; see FlatGroup.restore_views)."""
+        self._require((GatherState.GATHERED,), "restore parameter views")
+        for group in self.groups:
+            group.restore_views()
 
     def remove_views(self) -> None:
         for group in self.groups:
