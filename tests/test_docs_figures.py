@@ -826,6 +826,14 @@ FIGURES: list[Figure] = [
               for k in ("median", "min", "max")],
             at("results", "1", "16", "overlap-fully-shard-base", "host_us_per_unit", "median"),
             at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", "median"))),
+    *[Figure("docs/fully_shard.md", f"| {ranks} | {label} | {{0:.0f}} ({{1:.0f}}–{{2:.0f}}) | {{3:.2f}} ({{4:.2f}}–{{5:.2f}}) |",
+             "overhead_views_registered.json",
+             (*[at("results", ranks, "16", impl, "host_us_per_unit", k) for k in ("median", "min", "max")],
+              *[at("results", ranks, "16", impl, "ratios", f"{impl}-base", k) for k in ("median", "min", "max")]))
+      for ranks in ("1", "2") for impl, label in (("overlap-fully-shard", "`fully_shard`"),
+                                                  ("overlap-full", "`ShardedModule`"))],
+    Figure("docs/fully_shard.md", "registration ({0:.0f} before, in the", "overhead_views_registered.json",
+           (at("results", "1", "16", "overlap-fully-shard-base", "host_us_per_unit", "median"),)),
     # docs/host_cost.md
     *[Figure("docs/host_cost.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_current.json",
              _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2")) for ranks, impl, label in _HOST_CURRENT],
@@ -1073,6 +1081,11 @@ FIGURES: list[Figure] = [
            (at("summary", "EP 2", "ratio_median"), at("summary", "EP 4", "ratio_median"))),
     Figure("docs/moe.md", "The all-to-alls hand {0:.2f} MB a step to gloo", "moe_2gbit.json",
            (at("summary", "EP 2", "all_to_all_mb_per_step"),)),
+    Figure("docs/moe.md", "the others; {0:.2f} MB at E = 4)", "moe_2gbit.json", (at("summary", "EP 4", "all_to_all_mb_per_step"),)),
+    Figure("docs/moe.md", "link the halves hide {0:.0%} of it at E = 2 and {1:.0%} at E = 4", "moe_2gbit.json",
+           tuple(at("summary", variant, "all_to_all_hidden_share") for variant in ("EP 2", "EP 4"))),
+    Figure("docs/moe.md", "on loopback {0:.0%} and {1:.0%}.", "moe_loopback.json",
+           tuple(at("summary", variant, "all_to_all_hidden_share") for variant in ("EP 2", "EP 4"))),
     Figure("README.md", "{0:.2f}× FSDP2 + TP's step with torch's defaults, {1:.2f}× the tuned one's", "tp.json",
            (at("paired", "overlap-tp/fsdp2-tp", "median"), at("paired", "overlap-tp/fsdp2-tp-tuned", "median"))),
     Figure("docs/tensor_parallel.md", "{0:.2f} ({1:.2f}-{2:.2f}, 3 rounds) against FSDP2 + TP with torch's defaults, "
