@@ -229,6 +229,11 @@ def _spread_cell(ratios: Reader) -> Reader:
     return read
 
 
+def _peak_mib(data: Any, link: str, impl: str) -> float:
+    """The larger rank's tracked peak of `impl`, MiB."""
+    return max(r["peak"]["Total"] for r in data["results"][link][impl]["ranks_memory"]) / 2**20
+
+
 def _behind_words(ratios: list[float]) -> str:
     """How far behind (ratios above 1) the rounds were, in the docs' words."""
     behind = [r for r in ratios if r > 1]
@@ -1019,10 +1024,15 @@ FIGURES: list[Figure] = [
             logged(r"^final step \d+: loss ([\d.]+)"), logged(r"^final step .*val loss ([\d.]+)"),
             logged(r"^communication ([\d.]+) ms/step"), logged(r"^communication .*, (\d+)% hidden"),
             logged(r"^communication .*exposed ([\d.]+) ms"), logged(r"^step ([\d.]+) ms \(forward\+backward\)"))),
-    Figure("README.md", "Peak memory per rank: {0:.0f} MiB for ShardedModule (int8 too), {1:.0f} for tuned FSDP2, "
-                        "{2:.0f} for DDP", _CURRENT["loopback"],
+    Figure("README.md", "Peak memory per rank on loopback: {0:.0f} MiB for ShardedModule (int8 too), {1:.0f} for tuned "
+                        "FSDP2, {2:.0f} for\nDDP", _CURRENT["loopback"],
            tuple(lambda d, i=impl: max(r["peak"]["Total"] for r in d["results"]["loopback"][i]["ranks_memory"]) / 2**20
                  for impl in ("overlap", "fsdp2-tuned", "ddp-tuned"))),
+    Figure("README.md", "at 2 Gbit/s ShardedModule's is {0:.0f} MiB ({1:.2f}× tuned FSDP2's; {2:.0f} with int8)",
+           _CURRENT["2gbit"],
+           (lambda d: _peak_mib(d, "2gbit", "overlap"),
+            lambda d: _peak_mib(d, "2gbit", "overlap") / _peak_mib(d, "2gbit", "fsdp2-tuned"),
+            lambda d: _peak_mib(d, "2gbit", "overlap-int8"))),
     # README: the 10 Gbit/s run with every peer.
     Figure("README.md", "| 10 Gbit/s, step ms | " + " | ".join(f"{{{i}:.0f}}" for i in range(len(_TEN_IMPLS))) + " |",
            _TEN, tuple(at("results", "10gbit", impl, "step_ms") for impl in _TEN_IMPLS)),
