@@ -2,8 +2,11 @@
 overlap/runtime/optimizer_link.py): reachable from the model, linking any torch optimizer at
 its first step whether built before or after wrapping, one optimizer over two models linked
 to both, one process-wide hook however many models, a one-process state loaded later
-resharded."""
+resharded, and every runtime and link freed with its model and optimizers."""
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -46,6 +49,11 @@ def _links(rank: int, world: int) -> dict:
     after.load_state_dict(_whole(after, first, second))
     weight = next(first.parameters())
     out["resharded"] = tuple(after.state[weight]["momentum_buffer"].shape) == tuple(weight.shape)
+    # Gone with the models and optimizers: no hook that autograd keeps in C++ holds a runtime.
+    runtimes = [weakref.ref(obj) for obj in (first.scheduler, second.overlap_runtime.scheduler, *links)]
+    del first, second, before, after, optimizer, links, weight
+    gc.collect()
+    out["freed"] = [ref() is None for ref in runtimes]
     return out
 
 
@@ -73,3 +81,4 @@ def test_every_optimizer_is_linked_through_its_models_link() -> None:
         assert result["linked_after_step"] == [True, True, False, True], result
         assert result["hooks_added"] <= 1, result
         assert result["resharded"], result
+        assert result["freed"] == [True] * 4, result

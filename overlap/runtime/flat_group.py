@@ -48,6 +48,7 @@ its version counter so autograd does not mistake the re-gather for an in-place c
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -71,6 +72,19 @@ from overlap.runtime.param_identity import rebind
 from overlap.runtime.param_views import ParamViews
 from overlap.runtime.shard_grad import plain, shard_grad
 from overlap.runtime.tensor_parallel import TensorParallelSpec
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The bound `method`, called through a weak reference to its object. Autograd's nodes and
+    tensors keep their hooks in C++, where Python's collector cannot see them: a hook holding
+    its group strongly would make a cycle (group -> buffer or views -> node -> hook -> group)
+    that outlives the model, shards and all."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
 
 
 @dataclass
@@ -290,7 +304,7 @@ class FlatGroup:
         """
         split, views = self._param_views(self.full)
         if split is not None:
-            split.register_prehook(self._mark_grads)
+            split.register_prehook(_weakly(self._mark_grads))
         self._views_record_grads = split is not None or not self.requires_grad
         self._views = views if not self._any_tensor_parallel else \
             [view if tp is None else tp.wrap(view) for view, tp in zip(views, self.tensor_parallel)]
@@ -350,14 +364,15 @@ class FlatGroup:
         """Call `hook(group, grad)` once the gradient of `full` is complete in a backward pass
         (registered on `full` once it requires a gradient: a frozen group may train later)."""
 
-        def on_grad(full: torch.Tensor) -> None:
-            grad, full.grad = full.grad, None
-            hook(self, grad)
-
-        self._on_grad = on_grad
+        self._grad_hook = hook
+        self._on_grad = _weakly(self._take_grad)
         if self.full.requires_grad:
-            self.full.register_post_accumulate_grad_hook(on_grad)
+            self.full.register_post_accumulate_grad_hook(self._on_grad)
             self._on_grad = None
+
+    def _take_grad(self, full: torch.Tensor) -> None:
+        grad, full.grad = full.grad, None
+        self._grad_hook(self, grad)
 
     def hold_unsynced(self, grad: torch.Tensor) -> None:
         """Sum `grad` into the local accumulator used while reduction is paused."""
