@@ -112,6 +112,11 @@ _FORWARD, _BACKWARD, _BACKWARD_UNSYNCED = 0, 1, 2
 # ShardedModules built in this process: every rank builds them in the same order, so the
 # count tells apart the store keys of two models over one group.
 _instances = itertools.count()
+# Every order-word group made, kept for the life of the process as torch keeps the groups
+# `new_group` makes (until `destroy_process_group`): a gloo group destroyed on one rank while
+# another still holds its end of the connection aborts that rank's process. A model's runtime
+# is freed with the model, on each rank at its own moment; its words group must not be.
+_word_groups: list[dist.ProcessGroup] = []
 
 
 def _folded(fingerprint: int, value: int) -> int:
@@ -164,6 +169,7 @@ class OrderCheck:
         timeout = datetime.timedelta(seconds=_group_timeout_s(group))
         self._words = dist.ProcessGroupGloo(dist.PrefixStore(f"{self._prefix}/words", group.get_group_store()),
                                             self.rank, self.world_size, timeout)
+        _word_groups.append(self._words)
         # A rank can finish connecting a gloo group before the others have read its address
         # from the store: one exchange on it here keeps every rank in the constructor until all
         # are connected, so a rank that leaves soon after (an error in the user's code) does
