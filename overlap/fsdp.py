@@ -33,21 +33,19 @@ keeps units gathered across the step's passes, as many as the memory budget allo
 from __future__ import annotations
 
 import contextlib
-import types
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 from torch.nn.modules.module import _IncompatibleKeys
 
 from overlap.base.config import local_world_size_from_env
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
+from overlap.pipeline_stage import Unsharded, register_grad_step
 from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.sharded_module import ShardedModule, register_forward_method, strict_load_error
 
@@ -194,11 +192,9 @@ def _build(root: nn.Module) -> ShardedModule:
         for module in [root, *members]:
             del module.__dict__[_RUNTIME]
         raise
-    final_step = _PipelineGradStep(runtime)
     for module in [root, *members]:
         module.__dict__[_RUNTIME] = runtime
-        # Keyed as torch's `fully_shard.state` reads it: by the function its decorator wraps.
-        module.__dict__.setdefault(STATE_KEY, {})[getattr(torch_fully_shard, "__wrapped__", torch_fully_shard)] = final_step
+    register_grad_step([root, *members], runtime)
     for unit in runtime.scheduler.units:
         wanted = unit.modules[0].__dict__[_MARK].reshard_after_forward
         unit.reshard_after_forward = bool(wanted)
@@ -317,7 +313,7 @@ class OverlapFSDPModule(FSDPModule):
 
     # ---- FSDPModule's calls ----------------------------------------------------------------
 
-    def unshard(self, async_op: bool = False) -> Optional["_Unsharded"]:
+    def unshard(self, async_op: bool = False) -> Optional["Unsharded"]:
         """Gather this module's unit now (collective); the next forward frees it and gathers as
         it plans (a hint: its own prefetch already gathers ahead)."""
         runtime = _required(self)
@@ -325,7 +321,7 @@ class OverlapFSDPModule(FSDPModule):
         unit = _unit_of(self, runtime)
         if unit is not None:
             runtime.scheduler.unshard(unit)
-        handle = _Unsharded()
+        handle = Unsharded()
         return handle if async_op else None
 
     def reshard(self) -> None:
@@ -389,20 +385,6 @@ class OverlapFSDPModule(FSDPModule):
                                   "docs/fully_shard.md")
 
 
-class _PipelineGradStep:
-    """What `torch.distributed.pipelining` reads of FSDP2's state (`fully_shard.state(stage)`)
-    at a stage's final gradient step, after every microbatch's backward ran without gradient
-    sync: no per-group work, then the root callback, which reduces the held gradients once."""
-
-    def __init__(self, runtime: ShardedModule) -> None:
-        self._runtime = runtime
-        self._state_ctx = types.SimpleNamespace(all_states=[self])
-        self._fsdp_param_groups: tuple = ()
-
-    def _root_post_backward_final_callback(self) -> None:
-        self._runtime.scheduler.reduce_held_grads()
-
-
 @contextlib.contextmanager
 def _sharded_registration(runtime: ShardedModule) -> Iterator[None]:
     """The DTensor parameters registered on their modules for the duration, whatever is gathered."""
@@ -419,13 +401,6 @@ def _sharded_registration(runtime: ShardedModule) -> Iterator[None]:
     finally:
         for module, attr, value in replaced:
             module._parameters[attr] = value
-
-
-class _Unsharded:
-    """What `unshard(async_op=True)` returns: the gather is complete when it returns."""
-
-    def wait(self) -> None:
-        return None
 
 
 def _hint(runtime: ShardedModule, text: str) -> None:

@@ -18,6 +18,7 @@ from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
 from overlap.control.startup import start_up
 from overlap.observe.report import OverlapReport
+from overlap.pipeline_stage import Unsharded, is_stage_mesh, make_stage
 from overlap.plan.microbatch_keep import units_to_keep
 from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.runtime.compiled import eager_hook
@@ -99,6 +100,8 @@ class ShardedModule(nn.Module):
             offload=offload, nested=any(isinstance(m, ShardedModule) for m in module.modules()),
             expert_parallel=expert_parallel, expert_types=tuple(expert_types),
             expert_capacity_factor=expert_capacity_factor))
+        if is_stage_mesh(mesh):
+            make_stage(self)
 
     @classmethod
     def _for_request(cls, module: nn.Module, request: StartupRequest) -> "ShardedModule":
@@ -294,6 +297,23 @@ class ShardedModule(nn.Module):
         if reshard_after_backward:
             return
         self.scheduler.keep_gathered(self._choose_kept)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's switch: every backward that syncs waits for its reductions at its end, so
+        there is nothing to change."""
+
+    def unshard(self, async_op: bool = False) -> Optional[Unsharded]:
+        """FSDP2's call: gather the root unit, if any parameters lie outside the units, now
+        (collective). A hint: prefetch gathers the units ahead of their forward anyway; the
+        next forward starts from sharded again."""
+        if self.scheduler.root is not None:
+            self.scheduler.unshard(self.scheduler.root)
+        return Unsharded() if async_op else None
+
+    def reshard(self) -> None:
+        """FSDP2's call: free every gathered unit now (a pipeline schedule's RESHARD)."""
+        for unit in self.scheduler.all_units:
+            self.scheduler.reshard_now(unit)
 
     def _choose_kept(self, order: list["Unit"]) -> tuple[int, str]:
         """How many of the units (in forward order) to keep gathered across microbatches, and why."""

@@ -10,6 +10,8 @@ from distributed import CaseLaunch, RankCase
 def _surface(rank: int, world: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from torch.distributed.fsdp import FSDPModule
+
     from overlap import ShardedModule
 
     inner = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=2, n_head=2,
@@ -33,6 +35,9 @@ def _surface(rank: int, world: int) -> dict:
         "full_sizes": [p.numel() for p in reference.parameters()],
         "eval_modes": eval_modes,
         "train_modes": {m.training for m in inner.modules()},
+        # Only a pipeline stage's ShardedModule passes for an FSDPModule (tests/test_pipeline.py):
+        # libraries that branch on FSDP2 leave the others alone.
+        "fsdp_module": isinstance(model, FSDPModule),
     }
 
 
@@ -58,6 +63,7 @@ def test_wrapper_surface() -> None:
         assert result["names"] == result["reference_names"] and len(result["names"]) == len(set(result["names"]))
         assert result["own_dims"]
         assert result["eval_modes"] == {False} and result["train_modes"] == {True}
+        assert not result["fsdp_module"]
     # The ranks' parts of each parameter add up to it exactly (no padding shows).
     assert [a + b for a, b in zip(results[0]["part_sizes"], results[1]["part_sizes"])] == results[0]["full_sizes"]
 

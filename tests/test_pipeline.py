@@ -59,6 +59,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded") ->
     reduce-scatters issued are counted too (under "reductions")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed import pipelining
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -118,6 +119,12 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded") ->
         sum(len(sharded.scheduler.all_units) for sharded in wrapped.values())
     out = {"reductions": reductions[0], "gathers": per_step, "units": units,
            "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions]}
+    if wrap == "sharded":
+        # A ShardedModule stage passes for an FSDPModule; FSDP2's calls that reach FSDP2's own
+        # state are refused by name.
+        assert all(isinstance(sharded, FSDPModule) for sharded in wrapped.values())
+        with pytest.raises(NotImplementedError, match="ShardedModule pipeline stage.*overlap.fully_shard"):
+            next(iter(wrapped.values())).set_modules_to_forward_prefetch([])
     for index, sharded in wrapped.items():
         full = sharded.full_state_dict() if wrap == "sharded" else \
             get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
@@ -162,22 +169,20 @@ INT8 = {"rtol": 5e-2, "atol": 5e-3}           # with int8 on the wire
 def _check_parity(launches, world: int, case: str, tolerance: dict = EXACT) -> None:
     reference = _one_process(world // 2)
     seen: set[str] = set()
-    fully_shard, regather = case.startswith("fully_shard:"), case.endswith(":regather")
+    regather = case.endswith(":regather")
     for outcome in launches[world][case]:
         result = dict(outcome.result())
         reductions, units = result.pop("reductions"), result.pop("units")
         gathers, decided = result.pop("gathers"), result.pop("decided")
-        # ShardedModule stages reduce after each microbatch's backward; fully_shard stages,
-        # told by the schedule, once per step after the last.
-        assert reductions == STEPS * units * (1 if fully_shard else MICROBATCHES), (reductions, units)
+        # Both wraps, told by the schedule, reduce once per step after the last microbatch.
+        assert reductions == STEPS * units, (reductions, units)
         if world == 4:
             # After the first step (whose shape inference and first forwards run before the
-            # schedule asks), fully_shard stages gather each unit once per step; forced to
-            # regather, or as ShardedModule stages, at least once per microbatch.
+            # schedule asks), each unit is gathered once per step; forced to regather, at
+            # least once per microbatch.
             for count in gathers[1:]:
-                assert count == units if fully_shard and not regather else count >= units * MICROBATCHES, gathers
-        if fully_shard:
-            assert decided and all(("by OVERLAP_KEEP_UNITS" if regather else "by the planner") in d for d in decided)
+                assert count == units if not regather else count >= units * MICROBATCHES, gathers
+        assert decided and all(("by OVERLAP_KEEP_UNITS" if regather else "by the planner") in d for d in decided)
         for key, value in result.items():
             torch.testing.assert_close(value, reference[key], **tolerance, msg=lambda m: f"{key}: {m}")
             seen.add(key)
