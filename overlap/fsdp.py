@@ -29,6 +29,16 @@ Where FSDP2 lets its user schedule by hand (explicit prefetch lists, `unshard()`
 forward) the runtime's learned order and planner decide; those calls are kept as hints,
 listed in `overlap_report()` and in docs/fully_shard.md. `set_reshard_after_backward(False)`
 keeps units gathered across the step's passes, as many as the memory budget allows.
+
+[Note: fully_shard's units in buckets]
+Each call's modules are a unit, and consecutive small units are merged into one bucket, as
+`ShardedModule`'s are: one all-gather and one reduce-scatter per bucket, up to the planner's
+bucket size (`OVERLAP_BUCKET_MB`; one smaller than every unit keeps each call's unit apart,
+FSDP2's own granularity). Each collective costs the host a fixed amount whatever its size, so
+small blocks gathered one by one cost more than the compute they hide behind. Only units whose
+calls asked the same `reshard_after_forward` share a bucket, so each keeps what was asked of
+it. The calls that name one module (`unshard()`, `reshard()`,
+`set_reshard_after_forward(recurse=False)`) act on its whole bucket.
 """
 from __future__ import annotations
 
@@ -156,6 +166,12 @@ def _unit_groups(members: list[nn.Module]) -> tuple[tuple[nn.Module, ...], ...]:
     return tuple(tuple(group) for group in groups.values())
 
 
+def _reshard_setting(module: nn.Module) -> Union[bool, int]:
+    """What a unit's call asked of resharding after forward: units are merged into buckets only
+    with neighbours that asked the same ([Note: fully_shard's units in buckets])."""
+    return module.__dict__[_MARK].reshard_after_forward
+
+
 def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupRequest:
     """The runtime's settings from the root's call (every member's must agree with it)."""
     marked = root.__dict__[_MARK]
@@ -167,6 +183,7 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
     node_copy = any(not isinstance(m.__dict__[_MARK].reshard_after_forward, bool) for m in [root, *members])
     return StartupRequest(
         mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy), unit_modules=_unit_groups(members),
+        unit_merge_key=_reshard_setting,
         dtensor_params=True,
         initialise_meta=False, sharding="hpz" if node_copy else None,
         offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None)
@@ -346,7 +363,7 @@ class OverlapFSDPModule(FSDPModule):
         runtime = _required(self)
         modules = [m for m in self.modules() if _MARK in m.__dict__] if recurse else [self]
         for unit in runtime.scheduler.units:
-            if unit.modules[0] in modules:
+            if any(member in modules for member in unit.modules):
                 unit.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:

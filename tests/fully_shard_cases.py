@@ -363,3 +363,38 @@ def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[st
     losses = steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, rank, world, keep=keep)
     decided = model.overlap_report().decisions if keep else []
     return {"overlap": losses, "one-process": one_process(0, 2), "decided": decided}
+
+
+def bucket_layout(rank: int, world: int) -> dict[str, Any]:
+    """Six blocks sharded one by one, the fifth kept gathered after forward, then the root:
+    which blocks share a unit (with the bucket size the launch's OVERLAP_BUCKET_MB gives), each
+    unit's resharding, and two SGD steps' losses against one process."""
+    from overlap import fully_shard
+
+    def blocks() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(10, 10), nn.Tanh()) for _ in range(6)])
+
+    model, reference = blocks(), blocks()
+    for index, block in enumerate(model):
+        fully_shard(block, reshard_after_forward=index != 4)
+    fully_shard(model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4 * world, 10, generator=gen) for _ in range(2)]
+    out: dict[str, Any] = {"losses": [], "reference": []}
+    for net, key, rows in ((model, "losses", slice(4 * rank, 4 * rank + 4)), (reference, "reference", slice(None))):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        for x in batches:
+            loss = net(x[rows]).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out[key].append(float(loss))
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, out["losses"])
+        out["losses"] = [sum(step) / world for step in zip(*gathered)]
+    position = {id(block): index for index, block in enumerate(model)}
+    out["units"] = [([position[id(m)] for m in unit.modules], unit.reshard_after_forward)
+                    for unit in model.overlap_runtime.scheduler.units]
+    return out

@@ -27,6 +27,7 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
                 "calls": RankCase(cases.module_calls)})
     two.update({f"combination-{name}": RankCase(cases.combination, (name,)) for name in cases.COMBINATIONS})
     two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES})
+    two.update({f"buckets-{mb}": RankCase(cases.bucket_layout, env={"OVERLAP_BUCKET_MB": mb}) for mb in ("64", "0.0001")})
     three = {"example-default": RankCase(cases.example_flow, (directory + "-3", "default"))}
     import os
 
@@ -113,3 +114,18 @@ def test_units_kept_across_microbatches_in_each_mode_train_like_one_process(laun
         result = outcome.result()
         assert any("kept gathered across a step's microbatches" in d for d in result["decided"]), result["decided"]
         _close(result["overlap"], result["one-process"], FP32)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("bucket_mb", ("64", "0.0001"))
+def test_consecutive_units_with_the_same_resharding_share_a_bucket(launches, bucket_mb: str) -> None:
+    """Blocks 0-3 and 5 reshard after forward, block 4 does not: with room, 0-3 share one unit
+    and 4 and 5 stay apart (5 is not next to 0-3); with a bucket smaller than a block, one unit
+    per call.
+    Either way the losses are one process's."""
+    expected = ([([0, 1, 2, 3], True), ([4], False), ([5], True)] if bucket_mb == "64" else
+                [([index], index != 4) for index in range(6)])
+    for outcome in launches[2][f"buckets-{bucket_mb}"]:
+        result = outcome.result()
+        assert result["units"] == expected, result["units"]
+        torch.testing.assert_close(result["losses"], result["reference"], rtol=1e-5, atol=1e-6)

@@ -114,9 +114,9 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded") ->
             optimizer.zero_grad()
     finally:
         Collectives.reduce_scatter, Collectives.all_gather = issue, gather
-    # fully_shard's units are the blocks; ShardedModule may merge them into buckets.
-    units = per_stage * len(indices) if wrap == "fully_shard" else \
-        sum(len(sharded.scheduler.all_units) for sharded in wrapped.values())
+    # Either wrap may merge consecutive units into buckets.
+    units = sum(len((sharded.overlap_runtime if wrap == "fully_shard" else sharded).scheduler.all_units)
+                for sharded in wrapped.values())
     out = {"reductions": reductions[0], "gathers": per_step, "units": units,
            "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions]}
     if wrap == "sharded":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, Sequence, Union
 
 from torch import nn
 
@@ -134,12 +134,28 @@ def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None
     return root_spec, units
 
 
-def merge_into_buckets(units: list[UnitSpec], bucket_bytes: Optional[int]) -> list[UnitSpec]:
-    """Consecutive units merged by the merge rule (`overlap.base.rules.bucket_runs`)."""
+def merge_into_buckets(units: list[UnitSpec], bucket_bytes: Optional[int],
+                       key: Optional[Callable[[nn.Module], Hashable]] = None) -> list[UnitSpec]:
+    """Consecutive units merged by the merge rule (`overlap.base.rules.bucket_runs`); with
+    `key`, only units whose first modules give equal keys share a bucket."""
     buckets = []
-    for run in bucket_runs([u.nbytes for u in units], bucket_bytes):
-        members = [units[i] for i in run]
-        buckets.append(members[0] if len(members) == 1 else UnitSpec(
-            bucket_name([u.name for u in members]), [m for u in members for m in u.modules],
-            [p for u in members for p in u.params]))
+    for stretch in _stretches(units, key):
+        for run in bucket_runs([u.nbytes for u in stretch], bucket_bytes):
+            members = [stretch[i] for i in run]
+            buckets.append(members[0] if len(members) == 1 else UnitSpec(
+                bucket_name([u.name for u in members]), [m for u in members for m in u.modules],
+                [p for u in members for p in u.params]))
     return buckets
+
+
+def _stretches(units: list[UnitSpec], key: Optional[Callable[[nn.Module], Hashable]]) -> list[list[UnitSpec]]:
+    """`units` cut where the key of consecutive units' first modules changes."""
+    stretches: list[list[UnitSpec]] = []
+    previous: object = object()
+    for unit in units:
+        current = None if key is None else key(unit.modules[0])
+        if not stretches or current != previous:
+            stretches.append([])
+        stretches[-1].append(unit)
+        previous = current
+    return stretches

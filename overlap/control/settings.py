@@ -44,9 +44,12 @@ class StartupRequest:
     compile: Optional[bool] = None
     offload: Optional[str] = None
     nested: bool = False                 # the module already contains a ShardedModule
-    # `fully_shard`: each group of modules is a unit (none merged), and the modules hold
-    # DTensor parameters (FSDP2's form) instead of their own Parameter objects.
+    # `fully_shard`: each group of modules is a unit, and the modules hold DTensor parameters
+    # (FSDP2's form) instead of their own Parameter objects. With `unit_merge_key`, consecutive
+    # units whose first modules give equal keys are merged into buckets as the automatic
+    # policy's are (fully_shard: by each call's reshard_after_forward); without, none are.
     unit_modules: Optional[tuple[tuple[nn.Module, ...], ...]] = None
+    unit_merge_key: Optional[Callable[[nn.Module], Hashable]] = None
     dtensor_params: bool = False
     # Give a meta-device model's parameters values at wrap (else they start at zero, for the
     # user's own `to_empty()` and initialisation after wrapping, as with FSDP2).

@@ -94,7 +94,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
             cap_routing(experts, request.expert_capacity_factor)
         expert_groups = make_groups(request.expert_parallel, request.all_group)
         split_experts(experts, expert_groups)
-        request = dataclasses.replace(request, unit_modules=units_with_experts(
+        request = dataclasses.replace(request, unit_merge_key=None, unit_modules=units_with_experts(
             module, [spec.modules for spec in unit_specs], experts))
         root_spec, unit_specs = discover_units(module, None, request.unit_modules)
     # DTensor parameters of torch's tensor parallelism become their local tensors, the units'
@@ -122,7 +122,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     if expert_groups is not None:
         expert_groups.watched.collectives = collectives     # their all-to-alls go through its order check
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, link, host,
-                        tensor_parallel, merge=request.unit_modules is None, dtensor_params=request.dtensor_params,
+                        tensor_parallel, merge=request.unit_modules is None or request.unit_merge_key is not None,
+                        merge_key=request.unit_merge_key, dtensor_params=request.dtensor_params,
                         initialise_meta=request.initialise_meta, experts=by_experts)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, link, decision.config.order_check,

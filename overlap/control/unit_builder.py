@@ -6,7 +6,7 @@ group's slot) recorded before parameters leave their modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Hashable, NamedTuple, Optional
 
 from torch import nn
 
@@ -88,11 +88,13 @@ class _FlatGroups:
 def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpec], collectives: Collectives,
                 decision: StartupDecision, param_init_fn: Optional[Callable[[nn.Module], None]], link: OptimizerLink,
                 host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None,
-                merge: bool = True, dtensor_params: bool = False, initialise_meta: bool = True,
+                merge: bool = True, merge_key: Optional[Callable[[nn.Module], Hashable]] = None,
+                dtensor_params: bool = False, initialise_meta: bool = True,
                 experts: Optional[ExpertUnits] = None) -> BuiltUnits:
     """Units over `module`'s parameters, which become views of this rank's flat shards (in host
     memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors. With
-    `merge`, consecutive small units are merged into buckets; with `dtensor_params`, the
+    `merge`, consecutive small units are merged into buckets (only those whose first modules
+    give equal `merge_key`s, where given); with `dtensor_params`, the
     modules hold DTensor parameters over those views. Without `initialise_meta`, a meta model's
     parameters start at zero and its meta buffers stay on the meta device (the caller's
     `to_empty()` and initialisation come later). With `experts`, the expert modules' units
@@ -107,7 +109,7 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
     flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts, link)
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
-    specs = merge_into_buckets(unit_specs, decision.bucket_bytes) if merge else unit_specs
+    specs = merge_into_buckets(unit_specs, decision.bucket_bytes, merge_key) if merge else unit_specs
     units = [flat.unit(spec, spec.modules) for spec in specs]
     if initialise_meta and (on_meta or any(b.is_meta for b in module.buffers())):
         check_same_values(materialize(module, on_meta, flat.slot_of, device, param_init_fn), decision.all_group)
