@@ -3,12 +3,10 @@ settings, on torch's 1F1B schedule at (pp, dp) = (2, 2).
 
 Four gloo ranks train a GPT split into two stages (embeddings and the first half of the blocks;
 the second half, the final norm and an untied head), each stage sharded over its two dp ranks:
-- `ShardedModule(stage, mesh=mesh["dp"])`: a reduction per microbatch, units gathered again
-  for each microbatch;
-- `overlap.fully_shard` on each block and the stage: one reduction per step (told by the
-  schedule), units kept gathered across the step's microbatches as the planner chooses under
-  the memory budget, and the same forced to gather again per microbatch (`keep_units = 0`,
-  OVERLAP_KEEP_UNITS=0's setting);
+- `ShardedModule(stage, mesh=mesh["dp"])` and `overlap.fully_shard` on each block and the
+  stage: one reduction per step (told by the schedule), units kept gathered across the step's
+  microbatches as the planner chooses under the memory budget; and `fully_shard` forced to
+  gather again per microbatch (`keep_units = 0`, OVERLAP_KEEP_UNITS=0's setting);
 - FSDP2 with `reshard_after_forward` True and False (its reduce-scatter by all-to-all, as
   benchmarks/peers.py tunes it for gloo).
 All are built in one launch and alternate over the rounds, the first rotating; each round keeps
