@@ -732,7 +732,7 @@ FIGURES: list[Figure] = [
                                 _quant("dequant_acc int8 x2", "overlap ext", "ms"),
                                 _quant("dequant_into int8->bf16", "overlap ext", "ms"))),
     # docs/optim.md: one row per size and thread count, on the idle host and on the loaded one.
-    *[Figure("docs/optim.md", f"| {size} | {threads} | " + "{0:.0f} | {1:.0f} ({2:.2f}, {3:.2f}–{4:.2f}) | "
+    *[Figure("docs/optim.md" if name == "optim_step_idle.json" else "docs/history.md", f"| {size} | {threads} | " + "{0:.0f} | {1:.0f} ({2:.2f}, {3:.2f}–{4:.2f}) | "
              "{5:.0f} ({6:.2f}, {7:.2f}–{8:.2f}) | {9:.0f} ({10:.2f}, {11:.2f}–{12:.2f}) | {13:.1f} | {14:.0f} | {15:.2f} |",
              name, _optim_row(index))
       for name in ("optim_step.json", "optim_step_idle.json")
@@ -856,30 +856,30 @@ FIGURES: list[Figure] = [
             lambda d: _result("overhead_after.json")["results"]["1"]["16"]["fsdp2-tuned"]["host_us_per_unit"]["median"])),
     Figure("docs/host_cost.md", "the absolute figure, {0:.0f} µs, is above", "overhead_current.json",
            (at("results", "1", "16", "overlap-full", "host_us_per_unit", "median"),)),
-    Figure("docs/host_cost.md", "| 1 | ShardedModule | " + _HOST_ROW + " | {9:.2f} ({10:.2f}–{11:.2f}) |",
+    Figure("docs/history.md", "| 1 | ShardedModule | " + _HOST_ROW + " | {9:.2f} ({10:.2f}–{11:.2f}) |",
            "overhead_after.json", _host("1", "overlap-full", "host", "fsdp2-tuned", "fsdp2", "overlap-full-base")),
-    Figure("docs/host_cost.md", "| 1 | before (4e25dfe) | " + _HOST_ROW + " |", "overhead_after.json",
+    Figure("docs/history.md", "| 1 | before (4e25dfe) | " + _HOST_ROW + " |", "overhead_after.json",
            _host("1", "overlap-full-base", "host", "fsdp2-tuned", "fsdp2")),
-    Figure("docs/host_cost.md", "| 1 | FSDP2 / tuned FSDP2 | {0:.0f} / {1:.0f} |", "overhead_after.json",
+    Figure("docs/history.md", "| 1 | FSDP2 / tuned FSDP2 | {0:.0f} / {1:.0f} |", "overhead_after.json",
            (at("results", "1", "16", "fsdp2", "host_us_per_unit", "median"),
             at("results", "1", "16", "fsdp2-tuned", "host_us_per_unit", "median"))),
-    Figure("docs/host_cost.md", "| 1 | DeepSpeed ZeRO-3 | {0:.0f} | {3:.2f} ({4:.2f}–{5:.2f}) |", "overhead_after.json",
+    Figure("docs/history.md", "| 1 | DeepSpeed ZeRO-3 | {0:.0f} | {3:.2f} ({4:.2f}–{5:.2f}) |", "overhead_after.json",
            _host("1", "deepspeed", "host", "fsdp2-tuned")),
-    Figure("docs/host_cost.md", "| 2 | ShardedModule | " + _HOST_ROW + " | {9:.2f} ({10:.2f}–{11:.2f}) |",
+    Figure("docs/history.md", "| 2 | ShardedModule | " + _HOST_ROW + " | {9:.2f} ({10:.2f}–{11:.2f}) |",
            "overhead_after.json", _host("2", "overlap-full", "host", "fsdp2-tuned", "fsdp2", "overlap-full-base")),
-    Figure("docs/host_cost.md", "| 2 | ShardedModule, `OVERLAP_ORDER_CHECK=step` | " + _HOST_ROW + " |",
+    Figure("docs/history.md", "| 2 | ShardedModule, `OVERLAP_ORDER_CHECK=step` | " + _HOST_ROW + " |",
            "overhead_after.json", _host("2", "overlap-full-order-step", "host", "fsdp2-tuned", "fsdp2")),
-    Figure("docs/host_cost.md", "| 2 | FSDP2 / tuned FSDP2 | {0:.0f} / {1:.0f} |", "overhead_after.json",
+    Figure("docs/history.md", "| 2 | FSDP2 / tuned FSDP2 | {0:.0f} / {1:.0f} |", "overhead_after.json",
            (at("results", "2", "16", "fsdp2", "host_us_per_unit", "median"),
             at("results", "2", "16", "fsdp2-tuned", "host_us_per_unit", "median"))),
-    Figure("docs/host_cost.md", "| 2 | DeepSpeed ZeRO-3 | {0:.0f} | {3:.2f} ({4:.2f}–{5:.2f}) | {6:.2f} ({7:.2f}–{8:.2f}) |",
+    Figure("docs/history.md", "| 2 | DeepSpeed ZeRO-3 | {0:.0f} | {3:.2f} ({4:.2f}–{5:.2f}) | {6:.2f} ({7:.2f}–{8:.2f}) |",
            "overhead_after.json", _host("2", "deepspeed", "host", "fsdp2-tuned", "fsdp2")),
-    Figure("docs/host_cost.md", "ShardedModule {0:.0f} µs per unit per step ({1:.0f}–{2:.0f}), {3:.2f} ({4:.2f}–{5:.2f}) "
+    Figure("docs/history.md", "ShardedModule {0:.0f} µs per unit per step ({1:.0f}–{2:.0f}), {3:.2f} ({4:.2f}–{5:.2f}) "
                                 "of tuned FSDP2's and {6:.2f} of FSDP2's; with `OVERLAP_ORDER_CHECK=step` {9:.0f} µs "
                                 "({12:.2f} of tuned FSDP2's)", "overhead_after_two_ranks.json",
            (*_host("2", "overlap-full", "host", "fsdp2-tuned", "fsdp2"),
             *_host("2", "overlap-full-order-step", "host", "fsdp2-tuned"))),
-    Figure("docs/host_cost.md", "the report's runtime share of the step is {0:.1f}% ({1:.1f}–{2:.1f}%), against {3:.1f}% "
+    Figure("docs/history.md", "the report's runtime share of the step is {0:.1f}% ({1:.1f}–{2:.1f}%), against {3:.1f}% "
                                 "before this work, and the step is {4:.2f} ({5:.2f}–{6:.2f}) of the step before it",
            "runtime_share.json", (*[lambda d, k=k: 100 * d["summary"]["this"]["runtime_share"][k]
                                     for k in ("median", "min", "max")],
@@ -888,10 +888,10 @@ FIGURES: list[Figure] = [
                                   at("summary", "step_this_over_baseline", "min"),
                                   at("summary", "step_this_over_baseline", "max"))),
     # docs/offload_disk.md's engine tables, one row per size (the ratios and bandwidths of the row).
-    *[Figure("docs/offload_disk.md", _ENGINE_ROW, name, _engine_row(index))
+    *[Figure("docs/history.md", _ENGINE_ROW, name, _engine_row(index))
       for name in ("offload_disk.json", "offload_disk_first.json") for index in range(3)],
     # docs/offload_disk.md: the 2.46B-parameter run and the two 107M runs.
-    *[Figure("docs/offload_disk.md", text, "offload_disk_model_large.json", _model_ranks(field, scale))
+    *[Figure("docs/history.md", text, "offload_disk_model_large.json", _model_ranks(field, scale))
       for text, field, scale in (
           ("| state file per rank (fp32 master and both moments) | {0:.2f} / {1:.2f} GiB |",
            lambda r: r["state_file_bytes"], 2**-30),
@@ -907,9 +907,9 @@ FIGURES: list[Figure] = [
                         "{2:.1f}–{3:.1f} GiB peak RSS per rank", "offload_disk_model_large.json",
            (lambda d: d["ranks"][0]["params"] / 1e9, lambda d: 16 * d["ranks"][0]["params"] / 1e9,
             lambda d: min(r["peak_rss_gib"] for r in d["ranks"]), lambda d: max(r["peak_rss_gib"] for r in d["ranks"]))),
-    Figure("docs/offload_disk.md", "{0:,.0f} parameters", "offload_disk_model_large.json",
+    Figure("docs/history.md", "{0:,.0f} parameters", "offload_disk_model_large.json",
            (lambda d: d["ranks"][0]["params"],)),
-    Figure("docs/offload_disk.md", "Its training state at 16 bytes per parameter is {0:.1f} GB ({1:.1f} GiB)",
+    Figure("docs/history.md", "Its training state at 16 bytes per parameter is {0:.1f} GB ({1:.1f} GiB)",
            "offload_disk_model_large.json", (lambda d: 16 * d["ranks"][0]["params"] / 1e9,
                                              lambda d: 16 * d["ranks"][0]["params"] / 2**30)),
     Figure("README.md", "its step took {0:.2f} times the longer of compute", "offload_disk_model_large_speculation.json",
@@ -952,9 +952,9 @@ FIGURES: list[Figure] = [
     Figure("docs/offload_disk.md", "The clip bound in {0} of\nboth tiers", "offload_disk_vs_cpu_clip.json",
            (lambda d: (lambda least: "every step" if least == 1 else f"{least:.0%} of the steps at least")(
                min(d["summary"][f"clip_binding_share_{m}"]["min"] for m in ("cpu", "disk"))),)),
-    Figure("docs/offload_disk.md", "The two ranks' peaks add up to {0:.1f} GiB", "offload_disk_model_large.json",
+    Figure("docs/history.md", "The two ranks' peaks add up to {0:.1f} GiB", "offload_disk_model_large.json",
            (lambda d: sum(r["peak_rss_gib"] for r in d["ranks"]),)),
-    *[Figure("docs/offload_disk.md", text, "offload_disk_model_large_speculation.json", values)
+    *[Figure("docs/history.md", text, "offload_disk_model_large_speculation.json", values)
       for text, values in (
           ("| compute, forward + backward | {0:.1f} / {1:.1f} s | {2:.1f} / {3:.1f} s |",
            _with_without(_LAST("compute_s"))),
@@ -971,7 +971,7 @@ FIGURES: list[Figure] = [
           ("longer than without them ({0:.1f} against {1:.1f} s", _with_without(_LAST("compute_s"))[2::-2]),
           ("The state file per rank is {0:.1f} GiB", (lambda d: d["rounds"][0]["with"][0]["state_file_bytes"] / 2**30,)),
       )],
-    *[Figure("docs/offload_disk.md", text, name, _model_ranks(field, scale))
+    *[Figure("docs/history.md", text, name, _model_ranks(field, scale))
       for name, text, field, scale in (
           ("offload_disk_model_first.json", "| peak RSS | {0:.2f} / {1:.2f} GiB |", lambda r: r["peak_rss_gib"], 1),
           ("offload_disk_model.json", "GiB | {0:.2f} / {1:.2f} GiB |", lambda r: r["peak_rss_gib"], 1),
@@ -1014,7 +1014,7 @@ FIGURES: list[Figure] = [
     Figure("README.md", "int8 against DDP's fp16 hook at 2 Gbit/s: {0}, within {1:.0f}% either way", _CURRENT["2gbit"],
            (listed(_paired("2gbit", "overlap-int8", ("ddp-fp16",))),
             lambda d: 100 * max(abs(r - 1) for r in _paired("2gbit", "overlap-int8", ("ddp-fp16",))(d)))),
-    Figure("docs/offload_disk.md", "The file's `io_hidden_share` ({0:.2f} on rank 0, {1:.2f} on rank 1)",
+    Figure("docs/history.md", "The file's `io_hidden_share` ({0:.2f} on rank 0, {1:.2f} on rank 1)",
            "offload_disk_model_large.json", tuple(at("ranks", rank, "io_hidden_share") for rank in (0, 1))),
     # README: `overlap train` at its defaults, from the run's log.
     Figure("README.md", "took {0:.0f} s from start to exit on 2 CPU cores with nothing else running: the loss fell "
