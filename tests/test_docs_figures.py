@@ -778,12 +778,12 @@ FIGURES: list[Figure] = [
                                  "{3:.1f} [{4:.1f}–{5:.1f}] | {6:.1f} [{7:.1f}–{8:.1f}] | +{9:.1f} [+{10:.1f}–+{11:.1f}] |",
            "param_layout.json", (*_timing("adamw_default/A/total"), *_timing("adamw_default/B/total"),
                                  *_timing("adamw_default/C/total"), *_timing("adamw_default/B-A/total"))),
-    # docs/benchmarks.md: overhead.py before the host-cost work.
-    *[Figure("docs/benchmarks.md", f"| {ranks} | {impl} | " + _HOST_ROW + " | {9:.2f} ({10:.2f}–{11:.2f}) | {12:.2f} |",
+    # docs/history.md: overhead.py before the host-cost work.
+    *[Figure("docs/history.md", f"| {ranks} | {impl} | " + _HOST_ROW + " | {9:.2f} ({10:.2f}–{11:.2f}) | {12:.2f} |",
              "overhead_before.json", (*_host(ranks, impl, "host", "fsdp2-tuned", "fsdp2", f"{impl}-base"),
                                       at("results", ranks, "16", impl, "cpu_per_wall", "median")))
       for ranks, impl in (("1", "overlap-full"), ("2", "overlap-full"), ("2", "overlap-hpz"))],
-    *[Figure("docs/benchmarks.md", f"| {ranks} | deepspeed | " + _HOST_ROW + " | – | {9:.2f} |", "overhead_before.json",
+    *[Figure("docs/history.md", f"| {ranks} | deepspeed | " + _HOST_ROW + " | – | {9:.2f} |", "overhead_before.json",
              (*_host(ranks, "deepspeed", "host", "fsdp2-tuned", "fsdp2"),
               at("results", ranks, "16", "deepspeed", "cpu_per_wall", "median")))
       for ranks in ("1", "2")],
@@ -825,17 +825,36 @@ FIGURES: list[Figure] = [
            "compile_compare_mlp_loopback.json",
            tuple(at("results", "loopback", "overlap-compiled", "first_step_s", i) for i in range(3))),
     # docs/fully_shard.md: the runtime through fully_shard, ShardedModule and FSDP2.
-    *[Figure("docs/fully_shard.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_fully_shard.json",
+    *[Figure("docs/fully_shard.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_fully_shard_buckets.json",
              _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2"))
       for ranks in ("1", "2") for impl, label in (("overlap-fully-shard", "`fully_shard`"),
                                                   ("overlap-full", "`ShardedModule`"))],
     *[Figure("docs/fully_shard.md", f"| {ranks} | FSDP2 / tuned FSDP2 | {{0:.0f}} / {{1:.0f}} |",
+             "overhead_fully_shard_buckets.json",
+             (at("results", ranks, "16", "fsdp2", "host_us_per_unit", "median"),
+              at("results", ranks, "16", "fsdp2-tuned", "host_us_per_unit", "median")))
+      for ranks in ("1", "2")],
+    Figure("docs/fully_shard.md", "costs {0:.2f}× tuned FSDP2's\nhost time per unit ({1:.2f}–{2:.2f} over the rounds)",
+           "overhead_fully_shard_buckets.json",
+           tuple(at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", k)
+                 for k in ("median", "min", "max"))),
+    Figure("docs/fully_shard.md", "`fully_shard` costs {0:.0f} µs per\nunit, {1:.0f} more than `ShardedModule`",
+           "overhead_fully_shard_buckets.json",
+           (at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", "median"),
+            lambda d: round(d["results"]["1"]["16"]["overlap-fully-shard"]["host_us_per_unit"]["median"])
+            - round(d["results"]["1"]["16"]["overlap-full"]["host_us_per_unit"]["median"]))),
+    # docs/history.md: fully_shard before its units were merged into buckets.
+    *[Figure("docs/history.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_fully_shard.json",
+             _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2"))
+      for ranks in ("1", "2") for impl, label in (("overlap-fully-shard", "`fully_shard`"),
+                                                  ("overlap-full", "`ShardedModule`"))],
+    *[Figure("docs/history.md", f"| {ranks} | FSDP2 / tuned FSDP2 | {{0:.0f}} / {{1:.0f}} |",
              "overhead_fully_shard.json", (at("results", ranks, "16", "fsdp2", "host_us_per_unit", "median"),
                                            at("results", ranks, "16", "fsdp2-tuned", "host_us_per_unit", "median")))
       for ranks in ("1", "2")],
-    Figure("docs/fully_shard.md", "is not met ({0:.0f} µs)", "overhead_fully_shard.json",
+    Figure("docs/history.md", "is not met ({0:.0f} µs)", "overhead_fully_shard.json",
            (at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", "median"),)),
-    Figure("docs/fully_shard.md", "fell to {0:.2f}× ({1:.2f}–{2:.2f}; {3:.0f} → {4:.0f} µs", "overhead_fully_shard.json",
+    Figure("docs/history.md", "fell to {0:.2f}× ({1:.2f}–{2:.2f}; {3:.0f} → {4:.0f} µs", "overhead_fully_shard.json",
            (*[at("results", "1", "16", "overlap-fully-shard", "ratios", "overlap-fully-shard-base", k)
               for k in ("median", "min", "max")],
             at("results", "1", "16", "overlap-fully-shard-base", "host_us_per_unit", "median"),
