@@ -834,6 +834,8 @@ FIGURES: list[Figure] = [
              (at("results", ranks, "16", "fsdp2", "host_us_per_unit", "median"),
               at("results", ranks, "16", "fsdp2-tuned", "host_us_per_unit", "median")))
       for ranks in ("1", "2")],
+    Figure("README.md", "({0:.2f}× tuned FSDP2's host cost per unit at two ranks", "overhead_fully_shard_buckets.json",
+           (at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", "median"),)),
     Figure("docs/fully_shard.md", "costs {0:.2f}× tuned FSDP2's\nhost time per unit ({1:.2f}–{2:.2f} over the rounds)",
            "overhead_fully_shard_buckets.json",
            tuple(at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", k)
