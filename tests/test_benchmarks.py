@@ -138,6 +138,23 @@ def test_moe_tiny(tmp_path):
     assert data["commit"] and data["command"].startswith("python benchmarks/moe.py")
 
 
+@pytest.mark.timeout(120)
+def test_state_dict_api_tiny(tmp_path):
+    """Every call timed for every variant, with its per-round ratio to FSDP2's."""
+    proc = _run("state_dict_api.py", "--rounds", "1", "--width", "32", "--layers", "1", "--seq", "8",
+                "--out", str(tmp_path), timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "state_dict_api.json") as f:
+        data = json.load(f)
+    summary = data["summary"]
+    assert set(summary) == {"overlap ShardedModule", "overlap fully_shard", "FSDP2"}
+    for variant, calls in summary.items():
+        assert len(calls) == 6 and all(call["ms"] > 0 for call in calls.values()), variant
+        assert all(len(call["over_fsdp2"]["per_round"]) == 1 for call in calls.values())
+    assert all(call["over_fsdp2"]["median"] == 1 for call in summary["FSDP2"].values())
+    assert data["commit"] and data["command"].startswith("python benchmarks/state_dict_api.py")
+
+
 @pytest.mark.timeout(300)
 def test_optim_step_tiny(tmp_path):
     """Every optimizer measured (DeepSpeed's or its reason for being skipped), with the bound."""

@@ -1,0 +1,178 @@
+"""What torch's state-dict API costs over overlap's state dicts, against FSDP2 over its own.
+
+Two gloo ranks build the benchmark GPT (6 blocks, d=512, vocab 8192, 23.2M parameters) three
+ways: `ShardedModule(model)`, `overlap.fully_shard` on each block and the root, and torch's
+`fully_shard` the same way (FSDP2); each takes one AdamW step so that its optimizer has state.
+Then, variants taking turns within each round (the first rotating), each call is timed as the
+slower rank's:
+- `model.state_dict()` (the sharded form, DTensor values);
+- `get_model_state_dict(model, full_state_dict=True, cpu_offload=True)`;
+- `get_optimizer_state_dict(model, optimizer, full_state_dict=True, cpu_offload=True)`;
+- `set_model_state_dict(model, full, full_state_dict=True, broadcast_from_rank0=True)`;
+- `dcp.save(model.state_dict())` into a fresh directory, and `dcp.load` of it back into
+  `model.state_dict()` followed by `model.load_state_dict`.
+Per call: the median over the rounds, and the per-round ratios to FSDP2's time for the same
+call in the same round (median and range).
+
+    python benchmarks/state_dict_api.py --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from typing import Callable, Optional, Sequence
+
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median,
+                    parse_with_worker_options, rotated, script_main, slower_rank, spread, start_rank, write_json,
+                    write_text)
+
+WORLD_SIZE = 2
+VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2")
+CALLS = ("model.state_dict()", "get_model_state_dict (full, cpu_offload)",
+         "get_optimizer_state_dict (full, cpu_offload)", "set_model_state_dict (full, broadcast_from_rank0)",
+         "dcp.save(model.state_dict())", "dcp.load + load_state_dict")
+
+
+def _built(variant: str, args: argparse.Namespace):
+    """The wrapped GPT and its AdamW after one step (the same values on every rank)."""
+    import torch
+
+    from overlap import ShardedModule
+    from overlap import fully_shard as overlap_fully_shard
+    from overlap.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8192, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width))
+    if variant == "overlap ShardedModule":
+        model = ShardedModule(model)
+    else:
+        if variant == "FSDP2":
+            from torch.distributed.fsdp import fully_shard
+        else:
+            fully_shard = overlap_fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, 8192, (2, args.seq), generator=torch.Generator().manual_seed(1))
+    model(idx, idx).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def _calls(model, optimizer, scratch: str) -> dict[str, Callable[[], object]]:
+    """Each timed call of CALLS on `model`; the save and load share a directory under `scratch`."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict)
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    held: dict[str, object] = {}
+    directory = os.path.join(scratch, "checkpoint")
+
+    def save() -> None:
+        if dist.get_rank() == 0 and os.path.exists(directory):
+            shutil.rmtree(directory)
+        dist.barrier()
+        dcp.save(model.state_dict(), checkpoint_id=directory)
+
+    def load() -> None:
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=directory)
+        model.load_state_dict(state)
+
+    def get_full() -> None:
+        held["full"] = get_model_state_dict(model, options=full)
+
+    return {
+        CALLS[0]: model.state_dict,
+        CALLS[1]: get_full,
+        CALLS[2]: lambda: get_optimizer_state_dict(model, optimizer, options=full),
+        CALLS[3]: lambda: set_model_state_dict(model, held["full"], options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True)),
+        CALLS[4]: save,
+        CALLS[5]: load,
+    }
+
+
+def _timed(call: Callable[[], object]) -> float:
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    rank, _ = start_rank()
+    scratch = tempfile.mkdtemp(prefix="state_dict_api_") if rank == 0 else None
+    scratch = from_every_rank(scratch)[0]         # one shared directory (the ranks share a host)
+    calls = {}
+    for variant in VARIANTS:
+        model, optimizer = _built(variant, args)
+        calls[variant] = _calls(model, optimizer, os.path.join(scratch, variant.replace(" ", "_")))
+        for call in calls[variant].values():      # warm-up: the first call of each builds what it caches
+            _timed(call)
+    times = {variant: {call: [] for call in CALLS} for variant in VARIANTS}
+    for round_index in range(args.rounds):
+        for variant in rotated(VARIANTS, round_index):
+            for call in CALLS:
+                times[variant][call].append(_timed(calls[variant][call]))
+    ranks = from_every_rank(times)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        write_json(args.result, dict(ranks=ranks))
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("state_dict_api.py", args.argv)
+    data = launch(os.path.abspath(__file__), WORLD_SIZE,
+                  ["--worker", *forwarded(args, ("rounds", "width", "layers", "seq"))], args.timeout)
+    per_round = {variant: {call: slower_rank(rank[variant][call] for rank in data["ranks"]) for call in CALLS}
+                 for variant in VARIANTS}
+    summary = {variant: {call: dict(ms=round(1e3 * median(per_round[variant][call]), 2),
+                                    over_fsdp2=spread([ours / theirs for ours, theirs in
+                                                       zip(per_round[variant][call], per_round["FSDP2"][call])]))
+                         for call in CALLS} for variant in VARIANTS}
+    write_json(os.path.join(args.out, "state_dict_api.json"),
+               dict(**record.fields(), world=WORLD_SIZE, summary=summary, **data))
+    rows = []
+    for call in CALLS:
+        cells = [call, summary["FSDP2"][call]["ms"]]
+        for variant in VARIANTS[:2]:
+            ratio = summary[variant][call]["over_fsdp2"]
+            cells += [summary[variant][call]["ms"], f"{ratio['median']:.2f} ({ratio['min']:.2f}–{ratio['max']:.2f})"]
+        rows.append(cells)
+    table = markdown_table(["call", "FSDP2 ms", "ShardedModule ms", "÷ FSDP2", "fully_shard ms", "÷ FSDP2"], rows)
+    write_text(os.path.join(args.out, "state_dict_api.md"), table + "\n")
+    print(table)
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6, help="blocks (23.2M parameters at d=512)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--timeout", type=float, default=1200)
+    return parse_with_worker_options(parser, argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return script_main(argv, parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
