@@ -824,6 +824,38 @@ FIGURES: list[Figure] = [
     Figure("docs/compile.md", "| narrow MLP | overlap-compiled | {0:.1f} s | {1:.1f}, {2:.1f} s |",
            "compile_compare_mlp_loopback.json",
            tuple(at("results", "loopback", "overlap-compiled", "first_step_s", i) for i in range(3))),
+    # README.md: the index of headline figures.
+    *[Figure("README.md", f"| ShardedModule ÷ tuned {peer_words}, {link_words} | {{0}} |", file,
+             (_spread_cell(_paired(link, "overlap", (peer,))),))
+      for link, link_words, file in (("loopback", "loopback", _CURRENT["loopback"]), ("2gbit", "2 Gbit/s", _CURRENT["2gbit"]))
+      for peer, peer_words in (("fsdp2-tuned", "FSDP2"), ("ddp-tuned", "DDP"))],
+    *[Figure("README.md", f"| ShardedModule ÷ {words}, 10 Gbit/s | {{0}} |", _TEN, (_spread_cell(_paired("10gbit", "overlap", (peer,))),))
+      for peer, words in (("fsdp2-tuned", "tuned FSDP2"), ("deepspeed", "DeepSpeed ZeRO-3"))],
+    Figure("README.md", "| ShardedModule + TP ÷ FSDP2 + TP (defaults) | {0:.2f} ({1:.2f}–{2:.2f}) |", "tp.json",
+           tuple(at("paired", "overlap-tp/fsdp2-tp", k) for k in ("median", "min", "max"))),
+    Figure("README.md", "| Lightning + `OverlapStrategy` ÷ the hand-written loop | {0:.2f} ({1:.2f}–{2:.2f}) |",
+           "integrations.json", (at("variants", "lightning", "ratio_to_loop_median"),
+                                 lambda d: min(d["variants"]["lightning"]["ratios_per_round"]),
+                                 lambda d: max(d["variants"]["lightning"]["ratios_per_round"]))),
+    *[Figure("README.md", f"| the planner's plan ÷ the best fixed cell, {words} | {{0:.3f}} (IQR {{1:.3f}}–{{2:.3f}}) |",
+             "planner_grid.json", (at(link, "auto_to_best", "median"), at(link, "auto_to_best", "iqr", 0),
+                                   at(link, "auto_to_best", "iqr", 1)))
+      for link, words in (("fast", "10 Gbit/s"), ("slow", "2 Gbit/s"))],
+    *[Figure("README.md", f"| {words} | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |", "pipeline.json",
+             tuple(at("summary", variant, k) for k in ("ratio_to_best_fsdp2_median", "ratio_min", "ratio_max")))
+      for variant, words in (("overlap fully_shard", "pipeline (pp 2, dp 2, 1F1B): `fully_shard` stages ÷ FSDP2's faster"),
+                             ("overlap ShardedModule", "pipeline: `ShardedModule` stages ÷ FSDP2's faster"))],
+    Figure("README.md", "| MoE at 2 Gbit/s: EP 4 ÷ no EP | {0:.2f} ({1:.2f}–{2:.2f}) |", "moe_2gbit.json",
+           tuple(at("summary", "EP 4", k) for k in ("ratio_median", "ratio_min", "ratio_max"))),
+    Figure("README.md", "| MoE at 2 Gbit/s: all-to-all hidden, EP 4 | {0:.0%} |", "moe_2gbit.json",
+           (at("summary", "EP 4", "all_to_all_hidden_share"),)),
+    Figure("README.md", "| `fully_shard` host µs per unit, 1 rank | {0:.0f} ({1:.0f}–{2:.0f}) |",
+           "overhead_fully_shard_buckets.json",
+           tuple(at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", k) for k in ("median", "min", "max"))),
+    Figure("README.md", "| `fully_shard` host cost ÷ tuned FSDP2's, 2 ranks | {0:.2f} ({1:.2f}–{2:.2f}) |",
+           "overhead_fully_shard_buckets.json",
+           tuple(at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", k)
+                 for k in ("median", "min", "max"))),
     # docs/fully_shard.md: the runtime through fully_shard, ShardedModule and FSDP2.
     *[Figure("docs/fully_shard.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_fully_shard_buckets.json",
              _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2"))
@@ -1199,3 +1231,35 @@ def test_the_kernel_backend_order_in_the_docs_is_the_codes() -> None:
     for device, label in (("cpu", "CPU"), ("cuda", "CUDA")):
         listed = ", ".join(f"`{name}`" for name in AUTO_ORDER[device])
         assert f"- {label}: {listed}." in kernels, (device, AUTO_ORDER[device])
+
+
+def _recorded(data: Any, key: str) -> list[str]:
+    """Every value of `key` a result file records (at its top, under "meta", per link or run)."""
+    if isinstance(data, dict):
+        return [v for k, v in data.items() if k == key and isinstance(v, str)] + \
+            [found for v in data.values() for found in _recorded(v, key)]
+    if isinstance(data, list):
+        return [found for v in data for found in _recorded(v, key)]
+    return []
+
+
+def _without_outputs(command: str) -> str:
+    """A command without the options that only name where its results went."""
+    return re.sub(r" --(out|json|profile) \S+", "", command.strip())
+
+
+def test_the_readme_index_gives_each_figure_s_file_commit_and_command() -> None:
+    """Every row of README's index names a result file that records the row's commit and the
+    row's command (its --out aside); its figure is checked by a row of FIGURES."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("### Every headline figure in one place", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "results/" in line]
+    assert len(rows) >= 15, len(rows)
+    for line in rows:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        name = re.search(r"docs/results/([A-Za-z0-9_.-]+\.json)", cells[3]).group(1)
+        commit, command = cells[4], cells[5].strip("`")
+        data = _result(name)
+        assert any(recorded.startswith(commit) for recorded in _recorded(data, "commit")), (name, commit)
+        assert command in {_without_outputs(c) for c in _recorded(data, "command")}, (name, command)
