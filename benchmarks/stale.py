@@ -25,7 +25,9 @@ from typing import Optional, Sequence
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNTIME = ("overlap", "kernels", "csrc")
 SOURCE_SUFFIXES = (".py", ".cu", ".cpp", ".h", ".cuh")
-CITATION = re.compile(r"results/([A-Za-z0-9_.-]+\.json)")
+# A result file linked as itself, or through the table a script rendered from it (NAME.md
+# beside NAME.json).
+CITATION = re.compile(r"results/([A-Za-z0-9_.-]+)\.(?:json|md)")
 HISTORY = os.path.join("docs", "history.md")
 
 
@@ -40,8 +42,8 @@ def cited_files() -> dict[str, list[str]]:
             *sorted(glob.glob(os.path.join(REPOSITORY, "docs", "*.md")))]
     for doc in docs:
         with open(doc, encoding="utf-8") as f:
-            for name in sorted(set(CITATION.findall(f.read()))):
-                path = os.path.join("docs", "results", name)
+            for stem in sorted(set(CITATION.findall(f.read()))):
+                path = os.path.join("docs", "results", stem + ".json")
                 if os.path.exists(os.path.join(REPOSITORY, path)):
                     cited.setdefault(path, []).append(os.path.relpath(doc, REPOSITORY))
     return cited
