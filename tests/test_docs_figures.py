@@ -824,6 +824,16 @@ FIGURES: list[Figure] = [
     Figure("docs/compile.md", "| narrow MLP | overlap-compiled | {0:.1f} s | {1:.1f}, {2:.1f} s |",
            "compile_compare_mlp_loopback.json",
            tuple(at("results", "loopback", "overlap-compiled", "first_step_s", i) for i in range(3))),
+    # docs/checkpoint.md: torch's state-dict API against FSDP2.
+    *[Figure("docs/checkpoint.md", f"| {call} | {{0}} | {{1}} | {{2:.2f}} ({{3:.2f}}–{{4:.2f}}) | {{5}} | "
+             "{6:.2f} ({7:.2f}–{8:.2f}) |", "state_dict_api.json",
+             (at("summary", "FSDP2", call, "ms"),
+              *[reader for variant in ("overlap ShardedModule", "overlap fully_shard")
+                for reader in (at("summary", variant, call, "ms"),
+                               *[at("summary", variant, call, "over_fsdp2", k) for k in ("median", "min", "max")])]))
+      for call in ("model.state_dict()", "get_model_state_dict (full, cpu_offload)",
+                   "get_optimizer_state_dict (full, cpu_offload)", "set_model_state_dict (full, broadcast_from_rank0)",
+                   "dcp.save(model.state_dict())", "dcp.load + load_state_dict")],
     # README.md: the index of headline figures.
     *[Figure("README.md", f"| ShardedModule ÷ tuned {peer_words}, {link_words} | {{0}} |", file,
              (_spread_cell(_paired(link, "overlap", (peer,))),))
