@@ -157,8 +157,18 @@ class RowShard(Shard):
                                                                                       pad))], self.dim)
         gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
         gathered = funcol.wait_tensor(gathered)
+        if self._leading_blocks_whole():
+            # Every rank but those holding the last rows holds the widest block: the rows lie in
+            # order at the start of the gathered tensor, with padding only after them.
+            return gathered.narrow(self.dim, 0, sum(self.rows)).contiguous()
         return torch.cat([gathered.narrow(self.dim, rank * widest, rows) for rank, rows in enumerate(self.rows)],
                          self.dim)
+
+    def _leading_blocks_whole(self) -> bool:
+        """Whether every rank before the last that holds rows holds the widest block."""
+        holding = [rank for rank, rows in enumerate(self.rows) if rows]
+        widest = max(self.rows)
+        return not holding or all(self.rows[rank] == widest for rank in range(holding[-1]))
 
     def _reduce_shard_tensor(self, tensor: torch.Tensor, mesh: DeviceMesh, reduce_op: Any,
                              mesh_dim: int) -> torch.Tensor:
