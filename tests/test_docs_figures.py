@@ -862,6 +862,10 @@ FIGURES: list[Figure] = [
     Figure("README.md", "| `fully_shard` host µs per unit, 1 rank | {0:.0f} ({1:.0f}–{2:.0f}) |",
            "overhead_fully_shard_buckets.json",
            tuple(at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", k) for k in ("median", "min", "max"))),
+    *[Figure("README.md", f"| {words}, `ShardedModule` ÷ FSDP2 | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |", "state_dict_api.json",
+             tuple(at("summary", "overlap ShardedModule", call, "over_fsdp2", k) for k in ("median", "min", "max")))
+      for call, words in (("dcp.save(model.state_dict())", "`dcp.save(model.state_dict())`"),
+                          ("get_model_state_dict (full, cpu_offload)", "`get_model_state_dict(full_state_dict=True)`"))],
     Figure("README.md", "| `fully_shard` host cost ÷ tuned FSDP2's, 2 ranks | {0:.2f} ({1:.2f}–{2:.2f}) |",
            "overhead_fully_shard_buckets.json",
            tuple(at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", k)
