@@ -35,8 +35,8 @@ import tempfile
 from typing import Optional, Sequence
 
 import peers
-from common import (LOOPBACK, checkout_python, forwarded, on_link, parse_choices, parse_links, parse_recorded,
-                    read_json, run_with_deadline, script_main, single_thread_env, torchrun)
+from common import (LOOPBACK, checkout_python, forwarded, git_commit, on_link, parse_choices, parse_links,
+                    parse_recorded, read_json, run_with_deadline, script_main, single_thread_env, torchrun)
 from compare_report import write_outputs
 from compare_summary import BASELINE, WORLD_SIZE, summarize
 from compare_targets import check_targets
@@ -172,6 +172,7 @@ def merged_runs(args: argparse.Namespace) -> list[dict]:
 
 def run_driver(args: argparse.Namespace) -> int:
     args.load_before = os.getloadavg()
+    args.commit = git_commit()              # what runs is the code at the start
     runs = merged_runs(args) if args.merge else run_all(args)
     args.load_after = os.getloadavg()
     summary = summarize(runs)

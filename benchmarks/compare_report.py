@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 import peers
-from common import git_commit, markdown_table, median, write_json, write_text
+from common import markdown_table, median, write_json, write_text
 from compare_summary import BASELINE, PHASES, WORLD_SIZE, paired_rounds, peak_bytes, ratio_of, step_ms
 from gpt_options import MODEL_FIELDS
 
@@ -167,7 +167,7 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, tar
                 model={"kind": args.model, **{key: getattr(args, key) for key in MODEL_FIELDS}},
                 batch=args.batch, world_size=WORLD_SIZE, torch=torch.__version__, python=platform.python_version(),
                 cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                commit=git_commit(),
+                commit=args.commit,
                 loadavg_before=args.load_before, loadavg_after=args.load_after)
     write_json(os.path.join(args.out, "compare.json"),
                dict(meta=meta, results=summary, targets=targets, runs=runs))

@@ -110,7 +110,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    load_before, started = os.getloadavg(), time.time()
+    load_before, started, commit = os.getloadavg(), time.time(), git_commit()
     with tempfile.TemporaryDirectory(prefix="disk-async-save-", dir=args.dir or ".") as directory:
         os.environ["OVERLAP_OFFLOAD_DIR"] = directory
         args.dir = directory
@@ -122,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary["step_during_save_s_streamed_over_staged"] = spread(
         [median(r["streamed"]["steps_s"]) / median(r["staged"]["steps_s"]) for r in counted])
     result = dict(meta=dict(command="python benchmarks/disk_async_save.py " + " ".join(args.argv),
-                            commit=git_commit(), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                            commit=commit, time=time.strftime("%Y-%m-%d %H:%M:%S"),
                             host_load=dict(load_1_5_15min_before=list(load_before),
                                            load_1_5_15min_after=list(os.getloadavg()),
                                            wall_s=time.time() - started),

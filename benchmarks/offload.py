@@ -146,7 +146,7 @@ def _spread(values: list[float]) -> dict:
 
 
 def run_driver_result(args: argparse.Namespace) -> dict:
-    started, load_before = time.time(), os.getloadavg()
+    started, load_before, commit = time.time(), os.getloadavg(), git_commit(REPO)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         worker = ["--worker", "--result", result_path, "--rounds", str(args.rounds), "--steps", str(args.steps),
@@ -172,7 +172,7 @@ def run_driver_result(args: argparse.Namespace) -> dict:
                **({f"clip_binding_share_{mode}": _spread([sum(r["phases"][mode]["clip_bound"]) /
                                                           len(r["phases"][mode]["clip_bound"]) for r in counted])
                    for mode in args.modes} if args.clip is not None else {})}
-    meta = dict(command="python benchmarks/offload.py " + " ".join(args.argv), commit=git_commit(REPO),
+    meta = dict(command="python benchmarks/offload.py " + " ".join(args.argv), commit=commit,
                 world=2, backend="gloo", rounds=args.rounds, rounds_counted=len(counted), steps=args.steps,
                 precision=args.precision, modes=list(args.modes), optimizer=args.optimizer, clip=args.clip,
                 model=measured["model"], time=time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -340,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     args.out = args.out or "docs/results/offload_disk.json"
     sizes = [parse_count(s) for s in args.sizes.split(",")]
-    load_before = os.getloadavg()
+    load_before, commit = os.getloadavg(), git_commit()
     with tempfile.TemporaryDirectory(prefix="offload-disk-bench-", dir=args.dir or ".") as directory:
         dd = dd_direct(directory, args.dd_mib) | {"mib": args.dd_mib}
         print(f"dd direct IO: write {dd['write_gbps']:.2f} GB/s, read {dd['read_gbps']:.2f} GB/s", flush=True)
@@ -361,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"{(entry['engine_peak_rss_growth_bytes'] or 0) / 2**20:.0f} MiB "
                   f"(buffers {entry['buffer_bytes'] / 2**20:.0f} MiB)", flush=True)
     result = {
-        "commit": git_commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "commit": commit, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                  "torch": torch.__version__, "threads": torch.get_num_threads(),
                  "load_before": load_before, "load_after": os.getloadavg()},
@@ -377,7 +377,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def main_model(args: argparse.Namespace) -> None:
-    load_before = os.getloadavg()
+    load_before, commit = os.getloadavg(), git_commit()
     rounds = []
     with tempfile.TemporaryDirectory(prefix="offload-disk-model-", dir=args.dir or ".") as directory:
         for index in range(args.rounds):
@@ -402,7 +402,7 @@ def main_model(args: argparse.Namespace) -> None:
               for runs in rounds]
     print("step / max(compute, IO), the slower rank, per round (without, with):",
           [(round(p["without"], 2), round(p["with"], 2)) for p in paired])
-    result = {"commit": git_commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    result = {"commit": commit, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
               "host": {"cores": os.cpu_count(), "torch": torch.__version__, "load_before": load_before,
                        "load_after": os.getloadavg()},
               "step_over_longer_of_compute_and_io": paired, "rounds": rounds}

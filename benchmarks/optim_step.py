@@ -173,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     sizes = [parse_count(s) for s in (args.sizes or (FULL_SIZES if args.full else QUICK_SIZES)).split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     impls, skipped = implementations()
-    load_before = os.getloadavg()
+    load_before, commit = os.getloadavg(), git_commit()
     entries, too_big = [], []
     for count in sizes:
         if not fits(count):
@@ -185,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             LOG.info("%dM parameters, %d thread(s)...", count / 1e6, t)
             entries.append(measure_size(count, t, impls, args.rounds, args.steps))
     result = {
-        "commit": git_commit(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "commit": commit, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                  "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "load_before": load_before, "load_after": os.getloadavg()},

@@ -426,7 +426,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, started: dict) -> str:
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    meta = dict(command=_command(args), commit=git_commit(REPO),
+    meta = dict(command=_command(args), commit=started["commit"],
                 baseline_commit=git_commit(args.baseline) if args.baseline else None,
                 units=args.units, world=args.world, rounds=args.rounds, warmup=args.warmup, steps=args.steps,
                 batch=args.batch, width=WIDTH, optimizer=f"SGD(lr={args.lr})", skipped=args.skipped,
@@ -514,7 +514,7 @@ def write_profile(args: argparse.Namespace) -> None:
 
 def run_driver(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    started = dict(load=list(os.getloadavg()), wall=time.perf_counter(),
+    started = dict(load=list(os.getloadavg()), wall=time.perf_counter(), commit=git_commit(REPO),
                    children_cpu=sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2]))
     runs = run_all(args)
     if args.profile:

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> dict:
     # collective (OVERLAP_ORDER_CHECK=step), whose round trips the report counts as runtime.
     checkouts = {"this": (REPO, {}), "this, order step": (REPO, {"OVERLAP_ORDER_CHECK": "step"}),
                  **({"baseline": (args.baseline, {})} if args.baseline else {})}
-    started, load_before = time.time(), os.getloadavg()
+    started, load_before, commit = time.time(), os.getloadavg(), git_commit(REPO)
     rounds = []
     for index in range(args.rounds):
         runs = {}
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> dict:
         summary["step_this_over_baseline"] = spread([r["this"]["span"] / r["baseline"]["span"] for r in rounds])
     meta = dict(command="python benchmarks/runtime_share.py " + " ".join(
                     "<baseline>" if a == args.baseline else a for a in args.argv),
-                commit=git_commit(REPO), baseline_commit=git_commit(args.baseline) if args.baseline else None,
+                commit=commit, baseline_commit=git_commit(args.baseline) if args.baseline else None,
                 steps=args.steps, rounds=args.rounds, time=time.strftime("%Y-%m-%d %H:%M:%S"),
                 host_load=dict(load_1_5_15min_before=list(load_before), load_1_5_15min_after=list(os.getloadavg()),
                                wall_s=time.time() - started))
