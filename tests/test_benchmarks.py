@@ -138,6 +138,7 @@ def test_moe_tiny(tmp_path):
     assert data["commit"] and data["command"].startswith("python benchmarks/moe.py")
 
 
+@pytest.mark.slow          # three models built on 2 ranks (about 18 s): in `make test-all`
 @pytest.mark.timeout(120)
 def test_state_dict_api_tiny(tmp_path):
     """Every call timed for every variant, with its per-round ratio to FSDP2's."""
