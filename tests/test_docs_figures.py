@@ -711,7 +711,7 @@ FIGURES: list[Figure] = [
            (_auto_choice,
             *[lambda d, k=k: _hybrid_rounds(d)[k]["overlap-auto"] / _hybrid_rounds(d)[k]["overlap-hybrid"]
               for k in range(3)], _choice_against_best)),
-    *[Figure("docs/hybrid.md", f"| {label} | {{0:.0f}} | {{1:.0f}}–{{2:.0f}} | {{3:.2f}} |", "hybrid-300mbit.json",
+    *[Figure("docs/history.md", f"| {label} | {{0:.0f}} | {{1:.0f}}–{{2:.0f}} | {{3:.2f}} |", "hybrid-300mbit.json",
              (at("summary", impl, "step_ms"), at("summary", impl, "iqr_ms", 0), at("summary", impl, "iqr_ms", 1),
               ratio(at("summary", impl, "step_ms"), at("summary", "overlap-full", "step_ms"))))
       for impl, label in (("overlap-full", "ShardedModule, full sharding over 4 ranks"),
@@ -772,7 +772,7 @@ FIGURES: list[Figure] = [
               lambda d, b=build: d["summary"][b]["rss_after_step"] / 2**30))
       for build in ("eager", "meta")],
     # docs/parameters.md
-    Figure("docs/parameters.md", "| step-time ratio | {0:.2f} | {1:.2f} | {2:.2f} | {3:.2f} | {4:.2f} | {5:.2f} | {6:.2f} |",
+    Figure("docs/history.md", "| step-time ratio | {0:.2f} | {1:.2f} | {2:.2f} | {3:.2f} | {4:.2f} | {5:.2f} | {6:.2f} |",
            "param_shapes_step_time.json", (*[at("summary", "paired_ratios", i) for i in range(6)],
                                            at("summary", "median_ratio"))),
     *[Figure("docs/parameters.md", f"| {label} | {{0:,}} | {{1:,}} B | {{2:,}} B |", "layout_padding.json",
@@ -816,14 +816,14 @@ FIGURES: list[Figure] = [
              (*_compile_target(link, "(overlap compiled ÷ eager) / (local compiled ÷ eager)"),
               *_compile_target(link, "overlap-compiled step time / fsdp2-tuned-compiled")))
       for (_, name, link, _), text in zip(_COMPILE_RUNS, _COMPILE_TARGET_ROWS)],
-    Figure("docs/compile.md", "| per-unit compile (`compile=True`) | 8 all-gathers, 5 all-to-all (reduce-scatter), "
+    Figure("docs/history.md", "| per-unit compile (`compile=True`) | 8 all-gathers, 5 all-to-all (reduce-scatter), "
                               "2 all-reduce | {0:.1f} |", "compile_capture_loopback.json",
            (at("summary", "per-unit", "step_ms"),)),
-    Figure("docs/compile.md", "2 all-reduce | 70.7 | {0:.1f} |", "compile_capture_2gbit.json",
+    Figure("docs/history.md", "2 all-reduce | 70.7 | {0:.1f} |", "compile_capture_2gbit.json",
            (at("summary", "per-unit", "step_ms"),)),
-    *[Figure("docs/compile.md", f"| {label} | {{0:.1f}}, {{1:.2f}} ({{2:.2f}}–{{3:.2f}}) |",
+    *[Figure("docs/history.md", f"| {label} | {{0:.1f}}, {{1:.2f}} ({{2:.2f}}–{{3:.2f}}) |",
              "compile_capture_loopback.json", _captured(key)) for label, key in _CAPTURED],
-    *[Figure("docs/compile.md", "| {0:.1f}, {1:.2f} ({2:.2f}–{3:.2f}) |", "compile_capture_2gbit.json", _captured(key))
+    *[Figure("docs/history.md", "| {0:.1f}, {1:.2f} ({2:.2f}–{3:.2f}) |", "compile_capture_2gbit.json", _captured(key))
       for _, key in _CAPTURED],
     Figure("docs/compile.md", "local compiled ÷ eager {0:.2f} ({1:.2f}–{2:.2f}), overlap {3:.2f} ({4:.2f}–{5:.2f}); the "
                               "first target missed overall ({6:.2f}) and in 3 of 5 rounds, the second met in all 5 "
@@ -1199,7 +1199,7 @@ FIGURES: list[Figure] = [
     *[Figure("docs/tensor_parallel.md", f"| {impl} | {{0:.2f}} | {{1:.1f}} | {{2:.0f}} |", "tp.json",
              (_tp_median_step(impl), _tp_peak(impl, "peak_tracked"), _tp_peak(impl, "peak_rss")))
       for impl in ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")],
-    *[Figure("docs/parameters.md", "| {0} | {1} | {2} | {3} |", "dropin_habits.json",
+    *[Figure("docs/history.md", "| {0} | {1} | {2} | {3} |", "dropin_habits.json",
              (_habit(("cells", "ddp"), habit), _habit(("cells", "fsdp2"), habit),
               _habit(("before", "cells", "overlap"), habit), _habit(("cells", "overlap"), habit)))
       for habit in ("optimizer_before", "torch_clip", "ddp_switch", "rank0_save", "rank0_eval", "numel")],
