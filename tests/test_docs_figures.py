@@ -977,6 +977,10 @@ FIGURES: list[Figure] = [
                                   at("summary", "step_this_over_baseline", "min"),
                                   at("summary", "step_this_over_baseline", "max"))),
     # docs/offload_disk.md's engine tables, one row per size (the ratios and bandwidths of the row).
+    *[Figure("docs/offload_disk.md", _ENGINE_ROW, "offload_disk_engine.json", _engine_row(index)) for index in range(3)],
+    Figure("docs/offload_disk.md", "the kernel ran at\n  {0:.0f}–{1:.0f}M parameters/s", "offload_disk_engine.json",
+           (lambda d: min(r["update_params_per_s"]["median"] for r in d["results"]) / 1e6,
+            lambda d: max(r["update_params_per_s"]["median"] for r in d["results"]) / 1e6)),
     *[Figure("docs/history.md", _ENGINE_ROW, name, _engine_row(index))
       for name in ("offload_disk.json", "offload_disk_first.json") for index in range(3)],
     # docs/offload_disk.md: the 2.46B-parameter run and the two 107M runs.
