@@ -156,6 +156,20 @@ def test_state_dict_api_tiny(tmp_path):
     assert data["commit"] and data["command"].startswith("python benchmarks/state_dict_api.py")
 
 
+@pytest.mark.slow          # three `overlap train` launches (about 40 s): in `make test-all`
+@pytest.mark.timeout(300)
+def test_compression_accuracy_reads_every_run(tmp_path):
+    out = tmp_path / "accuracy.json"
+    proc = _run("compression_accuracy.py", "--steps", "4", "--out", str(out), timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["runs"]) == {"none", "int8", "int8-int4"} and data["commit"]
+    for mode, run in data["runs"].items():
+        assert run["evals"] and math.isfinite(run["final_val_loss"]) and run["wire_mb_per_step"] > 0, mode
+    # Compression sends fewer bytes than the same collectives would uncompressed.
+    assert data["runs"]["int8"]["wire_mb_per_step"] < data["runs"]["int8"]["uncompressed_mb_per_step"]
+
+
 @pytest.mark.timeout(300)
 def test_optim_step_tiny(tmp_path):
     """Every optimizer measured (DeepSpeed's or its reason for being skipped), with the bound."""
