@@ -25,8 +25,6 @@ EARLIER: dict[str, str] = {
        for name in ("recovery.json", "recovery_node.json", "recovery_rejoin.json")},
     "compare_10gbit.json": "the 10 Gbit/s comparison of an earlier commit on an idle host, kept as the reference "
                            "for how fast this host ran then; written before compare.py recorded its commit and load",
-    "compression_accuracy.json": "three `overlap train` runs (none, int8, int8-int4) gathered from their logs, "
-                                 "before runs recorded their commit and load",
     "hybrid-300mbit.json": "full against hybrid sharding at 300 Mbit/s with the benchmark's version before hpZ, the "
                            "one measurement of a link that slow",
     "param_layout.json": "a comparison of parameter layouts made when the row-aligned layout replaced the 1-D one; "
