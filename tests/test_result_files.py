@@ -27,8 +27,6 @@ EARLIER: dict[str, str] = {
                            "for how fast this host ran then; written before compare.py recorded its commit and load",
     "hybrid-300mbit.json": "full against hybrid sharding at 300 Mbit/s with the benchmark's version before hpZ, the "
                            "one measurement of a link that slow",
-    "param_layout.json": "a comparison of parameter layouts made when the row-aligned layout replaced the 1-D one; "
-                         "it needs the commit before that change",
     "param_shapes_step_time.json": "the step time of the row-aligned layout against the commit before it, from "
                                    "compare.py --baseline at that time",
 }
@@ -40,7 +38,6 @@ EARLIER: dict[str, str] = {
 UNCOMMITTED: dict[str, str] = {
     name: f"measured on {base} plus changes not yet committed; written by {written}, the nearest committed code"
     for name, base, written in (
-        ("compile_time_default.json", "ed512e7", "a5d6c2d"), ("hybrid.json", "5961bca", "762118c"),
         ("overhead_after.json", "7b189cb", "c808191"), ("overhead_after_two_ranks.json", "10d3665", "f758ace"))}
 UNCOMMITTED["offload_disk_model_large_speculation.json"] = (
     "measured on 48a979b; the tree's changes not yet committed were documentation and another result file, "
