@@ -25,8 +25,8 @@ import tempfile
 from typing import Callable, Optional, Sequence
 
 from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median,
-                    parse_with_worker_options, rotated, script_main, slower_rank, spread, start_rank, write_json,
-                    write_text)
+                    parse_with_worker_options, rotated, script_main, slower_rank, spread, start_rank, timed_steps,
+                    write_json, write_text)
 
 WORLD_SIZE = 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2")
@@ -99,17 +99,6 @@ def _calls(model, optimizer, scratch: str) -> dict[str, Callable[[], object]]:
     }
 
 
-def _timed(call: Callable[[], object]) -> float:
-    import time
-
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
 def run_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -121,12 +110,12 @@ def run_worker(args: argparse.Namespace) -> None:
         model, optimizer = _built(variant, args)
         calls[variant] = _calls(model, optimizer, os.path.join(scratch, variant.replace(" ", "_")))
         for call in calls[variant].values():      # warm-up: the first call of each builds what it caches
-            _timed(call)
+            timed_steps(call, 1)
     times = {variant: {call: [] for call in CALLS} for variant in VARIANTS}
     for round_index in range(args.rounds):
         for variant in rotated(VARIANTS, round_index):
             for call in CALLS:
-                times[variant][call].append(_timed(calls[variant][call]))
+                times[variant][call] += timed_steps(calls[variant][call], 1)
     ranks = from_every_rank(times)
     dist.barrier()
     if rank == 0:
