@@ -31,7 +31,8 @@ gather has nothing to do and a free nothing to release (`resident`). The optimiz
 updates of the shard are what the next forward computes with, as after a gather. `full` keeps
 a version counter of its own (`set_`, not a view), so those updates do not look to autograd
 like changes of tensors it saved. Gathering and freeing each unit twice a step would otherwise
-be most of the runtime's host work on one rank.
+be most of the runtime's host work on one rank; the scheduler does not even free such a unit
+after its forward (`Unit.never_freed`): it stays gathered until its backward is done.
 
 [Note: post-accumulate-grad hooks of sharded parameters]
 Autograd accumulates into the gathered buffer, never into the module's parameters, so a hook

@@ -326,7 +326,9 @@ class Scheduler:
             # bucket, a registered method that calls forward) leaves the unit gathered for
             # the outer call.
             outermost = unit.leave_forward()
-            if (reshards and outermost and unit.all_members_ran and not self._keeps(unit)
+            # A unit that is never freed (one rank: [Note: one rank computing in the master
+            # dtype]) stays gathered for its backward: a free would release nothing.
+            if (reshards and outermost and unit.all_members_ran and not self._keeps(unit) and not unit.never_freed
                     and not (backward_follows and self.prefetch.ends_forward(unit))):
                 self._reshard(unit)
 
