@@ -13,11 +13,13 @@ waited on (hidden).
 
     python benchmarks/moe.py --rounds 5 --steps 3 --link loopback
     python benchmarks/moe.py --rounds 5 --steps 3 --link 2gbit      # a throttled network namespace
+    python benchmarks/moe.py --variants "no EP,EP 2/1,EP 2,EP 2/4"    # EP 2 with 1, 2 (default) and 4 chunks
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
 from typing import Optional, Sequence
 
@@ -27,6 +29,9 @@ from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on
 
 WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
+# "EP <E>" at the runtime's default chunk count; "EP <E>/<C>" with each MoE layer's tokens in C
+# chunks (OVERLAP_EXPERT_CHUNKS), e.g. "EP 2/4".
+VARIANT_FORM = re.compile(r"(no EP|FSDP2|EP [124](/[1-9])?)$")
 
 
 def _config(args: argparse.Namespace):
@@ -49,8 +54,11 @@ def _build(variant: str, args: argparse.Namespace):
             fully_shard(block)
         fully_shard(model)
     else:
-        model = ShardedModule(model, unit_types=(MoEBlock,),
-                              expert_parallel=None if variant == "no EP" else int(variant.split()[1]))
+        ep, _, chunks = variant.split()[1].partition("/") if variant != "no EP" else (None, "", "")
+        os.environ.pop("OVERLAP_EXPERT_CHUNKS", None)
+        if chunks:
+            os.environ["OVERLAP_EXPERT_CHUNKS"] = chunks
+        model = ShardedModule(model, unit_types=(MoEBlock,), expert_parallel=None if ep is None else int(ep))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -72,7 +80,8 @@ def run_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     rank = dist.get_rank()
-    built = {variant: _build(variant, args) for variant in VARIANTS}
+    variants = args.variants.split(",")
+    built = {variant: _build(variant, args) for variant in variants}
     gen = torch.Generator().manual_seed(rank)
     idx = torch.randint(0, 8192, (args.batch, args.seq), generator=gen)
 
@@ -86,12 +95,12 @@ def run_worker(args: argparse.Namespace) -> None:
 
         return timed_steps(step, count)
 
-    for variant in VARIANTS:
+    for variant in variants:
         steps(variant, 2)                                          # warm-up: the runtime learns its order
-    step_s: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    all_to_all: dict[str, list[tuple[float, float, float]]] = {variant: [] for variant in VARIANTS}
+    step_s: dict[str, list[float]] = {variant: [] for variant in variants}
+    all_to_all: dict[str, list[tuple[float, float, float]]] = {variant: [] for variant in variants}
     for round_index in range(args.rounds):
-        for variant in rotated(VARIANTS, round_index):
+        for variant in rotated(variants, round_index):
             step_s[variant].append(median(steps(variant, args.steps)))
             all_to_all[variant].append(_all_to_all(built[variant][0], args.steps))
     reports = {}
@@ -120,16 +129,17 @@ def run_driver(args: argparse.Namespace) -> int:
         result = os.path.join(scratch, "result.json")
         worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--steps", str(args.steps),
                   "--width", str(args.width), "--layers", str(args.layers), "--seq", str(args.seq),
-                  "--batch", str(args.batch), "--expert-hidden", str(args.expert_hidden)]
+                  "--batch", str(args.batch), "--expert-hidden", str(args.expert_hidden), "--variants", args.variants]
         with on_link(args.link) as prefix:
             run_with_deadline([*prefix, *torchrun(os.path.abspath(__file__), WORLD_SIZE, worker)], args.timeout,
                               env={**os.environ, **single_thread_env()})
         data = read_json(result)
     ranks = data["ranks"]
+    variants = args.variants.split(",")
     # A round's step takes as long as its slowest rank.
-    rounds = {v: [max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds)] for v in VARIANTS}
+    rounds = {v: [max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds)] for v in variants}
     summary = {}
-    for variant in VARIANTS:
+    for variant in variants:
         ratios = [mine / base for mine, base in zip(rounds[variant], rounds["no EP"])]
         per_round = [[r["all_to_all"][variant][i] for r in ranks] for i in range(args.rounds)]
         sent = median([sum(rank[0] for rank in round_) for round_ in per_round])
@@ -171,7 +181,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 2gbit")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--timeout", type=float, default=1800)
-    return parse_with_worker_options(parser, argv)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated, 'no EP' among them: no EP, EP 2, EP 4, FSDP2, or EP <E>/<chunks>")
+    args = parse_with_worker_options(parser, argv)
+    variants = args.variants.split(",")
+    if "no EP" not in variants or len(set(variants)) != len(variants) or not all(
+            VARIANT_FORM.match(v) for v in variants):
+        parser.error(f"--variants {args.variants!r}: expected distinct variants among {', '.join(VARIANTS)} "
+                     "or 'EP <E>/<chunks>', 'no EP' among them")
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

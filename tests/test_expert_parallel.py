@@ -129,7 +129,7 @@ def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float
 
 
 def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, optimizer: str,
-          clip: float, capacity: Optional[float]) -> dict:
+          clip: float, capacity: Optional[float], chunks: Optional[int] = None) -> dict:
     import torch.distributed as dist
 
     from overlap import ShardedModule
@@ -138,8 +138,11 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
     _skew(model, routing)
     opt = _optimizer(model.parameters(), optimizer)           # built before wrapping, as users do
     # The GPT-MoE's router applies its own capacity; Hugging Face's routers have none.
-    model = ShardedModule(model, expert_parallel=expert_parallel,
-                          expert_capacity_factor=capacity if kind == "qwen3_moe" else None)
+    with pytest.MonkeyPatch.context() as env:
+        if chunks is not None:
+            env.setenv("OVERLAP_EXPERT_CHUNKS", str(chunks))
+        model = ShardedModule(model, expert_parallel=expert_parallel,
+                              expert_capacity_factor=capacity if kind == "qwen3_moe" else None)
     dropped: list[int] = []
     _count_dropped(model, dropped)
     losses, norms = [], []
@@ -215,8 +218,12 @@ def diverge(rank: int, world: int) -> str:
     return "returned"
 
 
-# (world, kind, expert_parallel, routing, optimizer, clip, capacity factor: None is dropless)
+# (world, kind, expert_parallel, routing, optimizer, clip, capacity factor: None is dropless[,
+# chunks of each layer's tokens: OVERLAP_EXPERT_CHUNKS, the default where absent])
 CASES = {
+    "w2-ep2-skewed-sgd-1chunk": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None, 1),
+    "w4-ep2-normal-adamw-clip-3chunks": (4, "gpt_moe", 2, "normal", "adamw", 0.05, None, 3),
+    "w4-ep4-skewed-sgd-capacity-4chunks": (4, "gpt_moe", 4, "skewed", "sgd", 0.0, 0.5, 4),
     "w2-ep2-normal-adamw-clip": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None),
     "w2-ep2-skewed-sgd": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None),
     "w2-ep2-normal-sgd": (2, "gpt_moe", 2, "normal", "sgd", 0.0, None),
@@ -253,7 +260,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, CaseLaunch]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES)
 def test_trains_like_one_process(launches, case: str) -> None:
-    world, kind, ep, routing, optimizer, clip, capacity = CASES[case]
+    world, kind, ep, routing, optimizer, clip, capacity, *_ = CASES[case]
     reference = one_process(world, kind, routing, optimizer, clip, capacity)
     assert (reference["dropped"] > 0) == (capacity is not None), reference["dropped"]     # the capacity binds
     outcomes = [outcome.result() for outcome in launches[world][case]]

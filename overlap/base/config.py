@@ -49,6 +49,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_DISK_WINDOW_MB": ("number >= 0 or 'auto'", "host memory per rank that offload='disk' may hold its "
                                "state in, read ahead during backward and written behind the step (0: none; "
                                "docs/offload_disk.md)"),
+    "OVERLAP_EXPERT_CHUNKS": ("integer >= 1 or 'auto'", "chunks each MoE layer's tokens are split into under "
+                              "expert parallelism, each chunk's all-to-all behind another's expert compute "
+                              "(docs/moe.md)"),
     "OVERLAP_OFFLOAD_DIR": ("directory path", "where offload='disk' keeps each rank's state file (default: a fresh "
                             "temporary directory per rank, removed at exit)"),
 }
@@ -76,6 +79,7 @@ class Config:
     offload: str = "none"
     offload_dir: Optional[str] = None      # None: a fresh temporary directory per rank
     disk_window_mb: Optional[float] = None  # None: the planner's share of host memory (overlap.plan.budget)
+    expert_chunks: Optional[int] = None    # None: overlap.runtime.expert_parallel.DEFAULT_CHUNKS
 
     def with_overrides(self, **overrides: object) -> "Config":
         """A copy with each non-None keyword replacing the current value (arguments beat env)."""
@@ -243,6 +247,9 @@ def config_from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     if "OVERLAP_DISK_WINDOW_MB" in env:
         fields["disk_window_mb"] = _parse_auto_number("OVERLAP_DISK_WINDOW_MB", env["OVERLAP_DISK_WINDOW_MB"],
                                                       integer=False, minimum=0, strict=False)
+    if "OVERLAP_EXPERT_CHUNKS" in env:
+        fields["expert_chunks"] = _parse_auto_number("OVERLAP_EXPERT_CHUNKS", env["OVERLAP_EXPERT_CHUNKS"],
+                                                     integer=True, minimum=1, strict=False)
     if "OVERLAP_OFFLOAD_DIR" in env:
         if not env["OVERLAP_OFFLOAD_DIR"].strip():
             raise ValueError(f"OVERLAP_OFFLOAD_DIR='' is invalid; accepted values: {ENV_VARS['OVERLAP_OFFLOAD_DIR'][0]}")

@@ -30,8 +30,9 @@ from overlap.base.choices import SHARDINGS
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.base.profiling import enable_nvtx
 from overlap.base.units import UnitSpec, discover_units
-from overlap.runtime.expert_parallel import (EXPERT_CLASS_NAMES, ExpertGroups, cap_routing, expert_collectives,
-                                              expert_modules, make_groups, split_experts, units_with_experts)
+from overlap.runtime.expert_parallel import (DEFAULT_CHUNKS, EXPERT_CLASS_NAMES, ExpertGroups, cap_routing,
+                                              expert_collectives, expert_modules, make_groups, split_experts,
+                                              units_with_experts)
 from overlap.control.agreement import check_ranks_agree, decided_by_rank0, model_signature
 from overlap.control.auto_sharding import AutoSharding, choose_at_startup, wants_auto_sharding
 from overlap.control.compression_auto import chooser_for
@@ -92,7 +93,9 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
                              f"{', '.join(EXPERT_CLASS_NAMES)}); name its class with expert_types=(MyExperts,)")
         if request.expert_capacity_factor is not None:
             cap_routing(experts, request.expert_capacity_factor)
-        expert_groups = make_groups(request.expert_parallel, request.all_group)
+        chunks = settings.config.expert_chunks
+        expert_groups = make_groups(request.expert_parallel, request.all_group,
+                                    DEFAULT_CHUNKS if chunks is None else chunks)
         split_experts(experts, expert_groups)
         request = dataclasses.replace(request, unit_merge_key=None, unit_modules=units_with_experts(
             module, [spec.modules for spec in unit_specs], experts))

@@ -14,29 +14,30 @@ expert-sharding group adds the other groups' tokens: the sum over all ranks' los
 the world size as every other parameter's (DDP's mean).
 
 [Note: dispatch behind compute]
-A layer's token-expert pairs, sorted by expert, are split into two halves, each with its own
-dispatch and combine on its own copy of the expert-parallel group. Both halves' dispatches are
-issued before any expert computes, so the second half's all-to-all runs while the first half's
-experts compute, and the first half's combine while the second half's compute (dual-batch
-overlap: gloo's work runs on its own threads, NCCL's on its own stream). The two groups keep
-each half's collectives in one order on every rank whatever order autograd runs the halves'
-backwards in (see [Note: backward behind compute]). Every all-to-all goes through the runtime's
-issue protocol (overlap/runtime/issue.py): the step log records its time in flight and the
-time the caller waited for it, which the overlap report shows on its all-to-all line.
+A layer's token-expert pairs, sorted by expert, are split into C chunks (DEFAULT_CHUNKS, or
+OVERLAP_EXPERT_CHUNKS), each with its own dispatch and combine on its own copy of the
+expert-parallel group. Every chunk's dispatch is issued before any expert computes, so chunk
+c + 1's all-to-all runs while chunk c's experts compute, and chunk c's combine while later
+chunks compute (dual-batch overlap at C = 2: gloo's work runs on its own threads, NCCL's on its
+own stream). Only the first dispatch and the last combine have nothing to hide behind, so more
+chunks leave less exposed, at the price of smaller calls. The groups keep each chunk's
+collectives in one order on every rank whatever order autograd runs the chunks' backwards in
+(see [Note: backward behind compute]). Every all-to-all goes through the runtime's issue
+protocol (overlap/runtime/issue.py): the step log records its time in flight and the time the
+caller waited for it, which the overlap report shows on its all-to-all line.
 
 [Note: backward behind compute]
 Autograd runs a node once its gradient is complete, the most recently made first. An
-all-to-all's own node, made before the expert computes, would run only after both halves'
-expert backwards. So each backward all-to-all is issued by a send-back node made where the
+all-to-all's own node, made before the expert computes, would run only after every chunk's
+expert backward. So each backward all-to-all is issued by a send-back node made where the
 all-to-all's result is used, and the all-to-all's own node only waits for it (a `_Handoff`
-between the two, made by each forward). The join of both halves' combined results sends both
-halves' gradients back at once; the node between a half's dispatched tokens and its experts
-sends the tokens' gradients back as soon as that half's expert backward has made them.
-Backward then runs: both combines' gradients issued; wait for half 1's; half 1's expert
-backward (half 0's combine in flight); half 1's tokens' gradients issued; wait for half 0's
-combine; half 0's expert backward (half 1's tokens in flight); half 0's tokens' gradients
-issued; wait for half 1's, then half 0's. Each all-to-all sends the same rows as a waiting
-backward would, so gradients are the same.
+between the two, made by each forward). The join of the chunks' combined results sends every
+chunk's gradient back at once; the node between a chunk's dispatched tokens and its experts
+sends the tokens' gradients back as soon as that chunk's expert backward has made them.
+Backward then runs, from the last chunk to the first: wait for the chunk's combine gradient;
+its expert backward (the earlier chunks' combine gradients in flight, and the later chunks'
+token gradients); its tokens' gradients issued. Then the waits for the token gradients. Each
+all-to-all sends the same rows as a waiting backward would, so gradients are the same.
 
 [Note: ranks that part in a mixture of experts]
 A rank that runs another number of MoE layers than the others (a layer skipped under a
@@ -75,6 +76,10 @@ from overlap.runtime.pending import Pending
 
 # Expert modules recognised by class name: Hugging Face's (transformers 5 layout: 3-D expert
 # weights, forward(hidden_states, top_k_index, top_k_weights)) and overlap.models.moe's.
+# Chunks a layer's pairs are split into, each dispatched and combined on its own (see
+# [Note: dispatch behind compute]).
+DEFAULT_CHUNKS = 2
+
 EXPERT_CLASS_NAMES = ("Experts", "Qwen3MoeExperts", "Qwen2MoeExperts", "MixtralExperts", "OlmoeExperts",
                       "GptOssExperts", "DeepseekV3NaiveMoe", "Qwen3NextExperts")
 
@@ -93,9 +98,9 @@ class _Watched:
 @dataclass(frozen=True)
 class ExpertGroups:
     size: int                                # E, ranks per expert-parallel group
-    # This rank's expert-parallel group, twice: one for each half of a layer's tokens (see
+    # This rank's expert-parallel group, once for each chunk of a layer's tokens (see
     # [Note: dispatch behind compute]).
-    ep_groups: tuple[dist.ProcessGroup, dist.ProcessGroup]
+    ep_groups: tuple[dist.ProcessGroup, ...]
     shard_group: dist.ProcessGroup           # the ranks holding this rank's experts
     ep_rank: int
     ranks: tuple[int, ...]                   # the world's ranks in order: rank g·E + e is ranks[g·E + e]
@@ -125,16 +130,19 @@ def cap_routing(modules: list[nn.Module], capacity_factor: float) -> None:
         module.register_forward_pre_hook(drop)
 
 
-def make_groups(size: int, all_group: dist.ProcessGroup) -> ExpertGroups:
-    """Both families of groups (see the note); every rank calls it, creating every group."""
+def make_groups(size: int, all_group: dist.ProcessGroup, chunks: int = DEFAULT_CHUNKS) -> ExpertGroups:
+    """Both families of groups (see the note), the expert-parallel one once per chunk; every
+    rank calls it, creating every group."""
     world, rank = dist.get_world_size(all_group), dist.get_rank(all_group)
     if size < 1 or world % size:
         raise ValueError(f"expert_parallel={size} must divide the world size {world}")
+    if chunks < 1:
+        raise ValueError(f"expert chunks={chunks} must be at least 1")
     ranks = dist.get_process_group_ranks(all_group)
     ep_groups = shard_group = None
     for g in range(world // size):
         members = [ranks[g * size + e] for e in range(size)]
-        made = (dist.new_group(members), dist.new_group(members))
+        made = tuple(dist.new_group(members) for _ in range(chunks))
         if rank // size == g:
             ep_groups = made
     for e in range(size):
@@ -167,7 +175,7 @@ def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
 
 
 class _Route(NamedTuple):
-    """Where one half's all-to-alls go: its copy of the expert-parallel group, this rank's
+    """Where one chunk's all-to-alls go: its copy of the expert-parallel group, this rank's
     place in it, the layer's label in the step log and the runtime's collectives."""
 
     group: dist.ProcessGroup
@@ -286,33 +294,35 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
         order = torch.argsort(torch.where(kept, expert_P, total), stable=True)[:int(kept.sum())]
         expert_P, token_P, weight_P = expert_P[order], token_P[order], weight_P[order]
         owner_P = torch.div(expert_P, local, rounding_mode="floor")
-        halves = (slice(0, len(expert_P) // 2), slice(len(expert_P) // 2, len(expert_P)))
-        # Pairs per owner rank, each half a column; one exchange carries both.
-        send = torch.stack([torch.bincount(owner_P[h], minlength=size) for h in halves], 1).to(torch.int64).cpu()
+        count = len(routes)
+        bounds = [len(expert_P) * c // count for c in range(count + 1)]
+        chunks = [slice(bounds[c], bounds[c + 1]) for c in range(count)]
+        # Pairs per owner rank, each chunk a column; one exchange carries them all.
+        send = torch.stack([torch.bincount(owner_P[h], minlength=size) for h in chunks], 1).to(torch.int64).cpu()
         received = torch.empty_like(send)
         check = groups.watched.check
         if check is not None:
             check.before_issue(ALL_TO_ALL, label, 0)       # the sizes differ between ranks: not in the word
         _wait([_issue(received, send, [1] * size, [1] * size, routes[0])])
-        sizes = [(received[:, c].tolist(), send[:, c].tolist()) for c in range(2)]
-        dispatches: list[list[Pending]] = [[], []]
+        sizes = [(received[:, c].tolist(), send[:, c].tolist()) for c in range(count)]
+        dispatches: list[list[Pending]] = [[] for _ in range(count)]
         experts_M, tokens = [], []
-        for c, half in enumerate(halves):                      # both halves' dispatch in flight
+        for c, chunk in enumerate(chunks):                     # every chunk's dispatch in flight
             received_sizes, send_sizes = sizes[c]
             experts_M.append(torch.empty(sum(received_sizes), dtype=torch.int64, device=hidden_ND.device))
-            ids = expert_P[half] - owner_P[half] * local
+            ids = expert_P[chunk] - owner_P[chunk] * local
             dispatches[c].append(_issue(experts_M[c], ids, received_sizes, send_sizes, routes[c]))
-            tokens.append(_all_to_all(hidden_ND[token_P[half]], received_sizes, send_sizes, routes[c], dispatches[c]))
+            tokens.append(_all_to_all(hidden_ND[token_P[chunk]], received_sizes, send_sizes, routes[c], dispatches[c]))
         combines: list[Pending] = []
         backs, handoffs = [], []
-        for c in range(2):                                     # half 1 arrives while half 0 computes
+        for c in range(count):                                 # chunk c + 1 arrives while chunk c computes
             _wait(dispatches[c])
             tokens_MD, sent_back = tokens[c]
             tokens_MD = _SendBack.apply((sent_back,), tokens_MD)      # its gradient goes back from here
             ones_M1 = torch.ones(len(experts_M[c]), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
             out_MD = compute(self, tokens_MD, experts_M[c][:, None], ones_M1)
             if len(experts_M[c]) == 0 and torch.is_grad_enabled():
-                # No token of this half reached this rank's experts: zero terms keep it in the
+                # No token of this chunk reached this rank's experts: zero terms keep it in the
                 # dispatch's backward all-to-all and give its experts the (zero) gradient whose
                 # reduction the ranks holding the same experts issue.
                 touched = sum(param.reshape(-1)[:1].sum() for param in self.parameters(recurse=False))
