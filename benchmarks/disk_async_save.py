@@ -25,9 +25,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from common import PeakMemory, git_commit, markdown_table, median, parse_recorded, spread, write_json
-from optim_step import parse_count
-from offload_disk import gpt_config
+from common import PeakMemory, git_commit, markdown_table, median, parse_count, parse_recorded, spread, write_json
+from gpt_options import gpt_config
 
 MODES = ("staged", "streamed")
 

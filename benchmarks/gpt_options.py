@@ -37,3 +37,14 @@ def token_batch(args: argparse.Namespace, rank: int, step: int) -> tuple[torch.T
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
     tokens = torch.randint(args.vocab_size, (args.batch, args.block_size + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def gpt_config(params: int, layers: int) -> "GPTConfig":
+    """A GPT config of about `params` parameters with `layers` blocks (width a multiple of 64)."""
+    from overlap.models.gpt import GPTConfig
+
+    vocab = 8192
+    # 12·d² per block plus the embedding v·d: the positive root, rounded to heads of 64
+    d = (-vocab + (vocab ** 2 + 48 * layers * params) ** 0.5) / (24 * layers)
+    d = max(64, int(round(d / 64)) * 64)
+    return GPTConfig(vocab_size=vocab, block_size=128, n_layer=layers, n_head=d // 64, n_embd=d)

@@ -74,8 +74,8 @@ def run_worker(args: argparse.Namespace) -> None:
                            n_embd=job.hidden)
         batch = job.batch
     else:
-        from offload_disk import gpt_config
-        from optim_step import parse_count
+        from common import parse_count
+        from gpt_options import gpt_config
 
         config, batch = gpt_config(parse_count(args.model_params), args.model_layers), 2
     precision = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.precision == "bf16"

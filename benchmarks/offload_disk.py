@@ -18,17 +18,6 @@ against `dd` with direct IO on a 1 GiB file (--dd-mib), measured once at the sta
 Memory: the peak RSS from the engine's creation to the end of its first step, above the RSS
 before it (the engine's own memory, against its buffers), and the whole run's peak RSS.
 
-With --model-params N it trains instead a GPT of about N parameters (built on the meta
-device) for 3 steps at 2 ranks with offload="disk" and bf16 gathers, --rounds times with and
-without the steps taken during backward (overlap.optim.speculation; "without" runs the step
-as before it, all in optimizer.step()), the two in an order that alternates per round, and
-prints per rank: peak RSS, each step's time split into compute (forward and backward,
-collectives included), the worker's seconds of speculative steps during backward, what
-remains in optimizer.step() and the shards committed and recomputed, the update's share
-(kernel seconds), the IO alone (one read and write pass over the state file, timed after
-training), and the disk bandwidth; per round, the paired step times (compute + optimizer)
-over max(compute, IO alone). --out gets the JSON (default docs/results/offload_disk_model.json).
-
 Also measured once: whether `torch.ops.overlap.adamw_step` runs without the GIL (a Python
 thread counting while the kernel steps a bucket; with the GIL held it would stop counting).
 """
@@ -51,23 +40,14 @@ from typing import Optional
 
 import torch
 
-from common import git_commit
+from common import git_commit, parse_count
 
 from overlap.optim import adamw_step, extension_available
 from overlap.optim.paged import Hyper, PagedAdamW, Segment
 from overlap.optim.state_file import bucket_views
 
-MODEL_STEPS = 3
-MODEL_RANKS = 2
 SHARD_PARAMS = 24 * 2**20     # one flat shard per this many parameters (a block of a large GPT)
 MODES = ("io", "update", "pipelined")
-
-
-def parse_count(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kMG]?)\s*", text)
-    if not match:
-        raise ValueError(f"size {text!r} is invalid; expected e.g. 50M")
-    return int(float(match.group(1)) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}[match.group(2)])
 
 
 def dd_direct(directory: str, mib: int = 1024) -> dict:
@@ -207,120 +187,6 @@ def measure(count: int, rounds: int, directory: str) -> dict:
             "update_params_per_s": summary([count / x["update"] for x in raw])}
 
 
-def gpt_config(params: int, layers: int):
-    """A GPT config of about `params` parameters with `layers` blocks (width a multiple of 64)."""
-    from overlap.models.gpt import GPTConfig
-
-    vocab = 8192
-    # 12·d² per block plus the embedding v·d: the positive root, rounded to heads of 64
-    d = (-vocab + (vocab ** 2 + 48 * layers * params) ** 0.5) / (24 * layers)
-    d = max(64, int(round(d / 64)) * 64)
-    return GPTConfig(vocab_size=vocab, block_size=128, n_layer=layers, n_head=d // 64, n_embd=d)
-
-
-def _train_rank(rank: int, port: int, params: int, layers: int, directory: str, speculate: bool, queue) -> None:
-    import torch.distributed as dist
-
-    if not speculate:
-        from overlap.runtime.optimizer_link import OptimizerLink
-
-        # No settings for any parameter's next step: the disk tier never steps during backward.
-        OptimizerLink.next_step_settings = lambda self, param: None
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(MODEL_RANKS),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(MODEL_RANKS), OVERLAP_OFFLOAD_DIR=directory)
-    dist.init_process_group("gloo", rank=rank, world_size=MODEL_RANKS)
-    try:
-        from overlap import MixedPrecision, ShardedModule
-        from overlap.models import GPT
-        from overlap.optim import AdamW
-        from overlap.optim.paged import paged_of
-
-        config = gpt_config(params, layers)
-        with torch.device("meta"):
-            inner = GPT(config)
-        start = time.perf_counter()
-        model = ShardedModule(inner, offload="disk",
-                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-        wrap_s = time.perf_counter() - start
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
-                           {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=1e-4)
-        model.optimizer_link.link(optimizer)                # the first step is taken during backward too
-        engine = paged_of(trainable[0]).engine
-        generator = torch.Generator().manual_seed(rank)
-        steps = []
-        for _ in range(MODEL_STEPS):
-            before = (engine.speculated_s, engine.commits, engine.recomputes)
-            tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=generator)
-            start = time.perf_counter()
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            compute_s = time.perf_counter() - start
-            start = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad()
-            step_s = time.perf_counter() - start
-            if not torch.isfinite(loss.detach()):
-                raise RuntimeError(f"rank {rank}: the loss is {float(loss)}")
-            engine.wait_speculation()
-            steps.append({"loss": loss.item(), "compute_s": compute_s, "optimizer_s": step_s,
-                          "update_s": engine.last_step.update_s, "io_bytes": engine.last_step.io_bytes,
-                          "speculated_s": engine.speculated_s - before[0], "commits": engine.commits - before[1],
-                          "recomputes": engine.recomputes - before[2]})
-        start = time.perf_counter()
-        engine._run(range(len(engine.buckets)), lambda k, b, buf: None)      # IO alone: read and write all
-        io_s = time.perf_counter() - start
-        last = steps[-1]
-        queue.put({"rank": rank, "speculate": speculate,
-                   "step_over_longer_of_compute_and_io": (last["compute_s"] + last["optimizer_s"])
-                   / max(last["compute_s"], io_s), "params": config.num_params, "config": vars(config), "wrap_s": wrap_s,
-                   "steps": steps, "io_alone_s": io_s, "state_file_bytes": engine.file.size,
-                   "buffer_bytes": engine.buffer_bytes, "peak_buffers": engine.peak_buffers,
-                   # [Note: the step against the IO alone] The IO alone is timed after the
-                   # steps, apart from them: a step's own IO can run faster or slower (page cache,
-                   # the other rank on the same drive), so a "share hidden" from these times left
-                   # 0-1 (-1.60 and 1.34 in offload_disk_model_large.json). Recorded instead: the
-                   # step over the IO plus the update (1: nothing hidden) and over the longer.
-                   "step_over_io_plus_update": last["optimizer_s"] / (io_s + last["update_s"]),
-                   "step_over_longer": last["optimizer_s"] / max(io_s, last["update_s"]),
-                   "disk_gbps": engine.file.size / io_s / 1e9,     # one slot read and written
-                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
-    finally:
-        dist.destroy_process_group()
-
-
-def train_model(params: int, layers: int, directory: str, speculate: bool = True) -> list[dict]:
-    """3 steps of a GPT of about `params` parameters at 2 ranks with offload="disk"; per rank."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # Ranks forked from a server that imported torch and the package once (each mode's pair of
-    # ranks otherwise imports them again); it holds modules only, no threads or process group.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "overlap.sharded_module", "overlap.models", "overlap.optim"])
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_train_rank, args=(r, port, params, layers, directory, speculate, queue))
-             for r in range(MODEL_RANKS)]
-    for proc in procs:
-        proc.start()
-    results = []
-    try:
-        for _ in procs:
-            results.append(queue.get(timeout=3600))
-    finally:
-        for proc in procs:
-            proc.join(timeout=60)
-    if any(proc.exitcode != 0 for proc in procs):
-        raise RuntimeError(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
-    return sorted(results, key=lambda r: r["rank"])
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="50M,200M,400M")
@@ -328,17 +194,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dir", default=None, help="where the state files go (default: a temporary directory "
                                                     "under the current one, on its disk)")
     parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd reference file")
-    parser.add_argument("--out", default=None, help="default docs/results/offload_disk.json, "
-                                                     "or offload_disk_model.json with --model-params")
-    parser.add_argument("--model-params", default=None, help="train a GPT of about this many parameters instead")
-    parser.add_argument("--model-layers", type=int, default=24)
+    parser.add_argument("--out", default="docs/results/offload_disk.json")
     args = parser.parse_args(argv)
     if not extension_available():
         parser.error("overlap._C was not built: the paged step has no kernel to measure")
-    if args.model_params is not None:
-        main_model(args)
-        return
-    args.out = args.out or "docs/results/offload_disk.json"
     sizes = [parse_count(s) for s in args.sizes.split(",")]
     load_before, commit = os.getloadavg(), git_commit()
     with tempfile.TemporaryDirectory(prefix="offload-disk-bench-", dir=args.dir or ".") as directory:
@@ -375,41 +234,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"wrote {out}")
 
 
-
-def main_model(args: argparse.Namespace) -> None:
-    load_before, commit = os.getloadavg(), git_commit()
-    rounds = []
-    with tempfile.TemporaryDirectory(prefix="offload-disk-model-", dir=args.dir or ".") as directory:
-        for index in range(args.rounds):
-            modes = (False, True) if index % 2 == 0 else (True, False)
-            runs = {("with" if speculate else "without"): train_model(parse_count(args.model_params),
-                                                                       args.model_layers, directory, speculate)
-                    for speculate in modes}
-            runs["load"] = os.getloadavg()
-            rounds.append(runs)
-            for mode in ("without", "with"):
-                for r in runs[mode]:
-                    last = r["steps"][-1]
-                    print(f"round {index} {mode} speculation, rank {r['rank']}: {r['params'] / 1e6:.0f}M params, "
-                          f"state file {r['state_file_bytes'] / 2**30:.2f} GiB, peak RSS {r['peak_rss_gib']:.2f} GiB; "
-                          f"last step: compute {last['compute_s']:.2f} s (speculative steps {last['speculated_s']:.2f} s "
-                          f"of it, {last['commits']} committed, {last['recomputes']} recomputed), optimizer.step() "
-                          f"{last['optimizer_s']:.2f} s (update {last['update_s']:.2f} s), IO alone "
-                          f"{r['io_alone_s']:.2f} s, step / max(compute, IO) {r['step_over_longer_of_compute_and_io']:.2f}, "
-                          f"disk {r['disk_gbps']:.2f} GB/s, losses {[round(s['loss'], 4) for s in r['steps']]}",
-                          flush=True)
-    paired = [{mode: max(r["step_over_longer_of_compute_and_io"] for r in runs[mode]) for mode in ("without", "with")}
-              for runs in rounds]
-    print("step / max(compute, IO), the slower rank, per round (without, with):",
-          [(round(p["without"], 2), round(p["with"], 2)) for p in paired])
-    result = {"commit": commit, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-              "host": {"cores": os.cpu_count(), "torch": torch.__version__, "load_before": load_before,
-                       "load_after": os.getloadavg()},
-              "step_over_longer_of_compute_and_io": paired, "rounds": rounds}
-    out = pathlib.Path(args.out or "docs/results/offload_disk_model.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

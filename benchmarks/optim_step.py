@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from common import git_commit, write_json
+from common import git_commit, parse_count, write_json
 
 from overlap.optim import AdamW, extension_available
 
@@ -46,12 +46,6 @@ BYTES_PER_UPDATE = 7 * 4         # read p, g, m, v; write p, m, v (fp32)
 RESIDENT_BYTES = 16              # p, g and one optimizer's m, v per parameter
 COPY_BYTES = 512 * 2**20         # the tensor the copy bandwidth is measured on
 LOG = logging.getLogger("optim_step")
-
-
-def parse_count(text: str) -> int:
-    suffix = {"k": 10**3, "m": 10**6, "b": 10**9}
-    text = text.strip().lower()
-    return int(float(text[:-1]) * suffix[text[-1]]) if text[-1] in suffix else int(text)
 
 
 def deepspeed_adam() -> tuple[Optional[Callable], str]:
