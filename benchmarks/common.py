@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -119,7 +120,7 @@ class RunRecord:
     def __init__(self, script: str, argv: Sequence[str]) -> None:
         import torch
 
-        self.command = " ".join(["python", f"benchmarks/{script}", *argv])
+        self.command = shlex.join(["python", f"benchmarks/{script}", *argv])     # runnable as written
         self.commit = git_commit()
         self.started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         self.torch = torch.__version__
