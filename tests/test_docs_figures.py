@@ -39,6 +39,16 @@ def ratio(numerator: Reader, denominator: Reader) -> Reader:
     return lambda data: numerator(data) / denominator(data)
 
 
+def _paired_variants(variant: str, base: str) -> tuple[Reader, Reader, Reader]:
+    """Median, least and most over rounds of benchmarks/moe.py's `variant` step ÷ `base` step
+    in the same round (a round's step: its slowest rank's)."""
+    def ratios(data: Any) -> list[float]:
+        ranks = data["ranks"]
+        return [max(r["step_s"][variant][i] for r in ranks) / max(r["step_s"][base][i] for r in ranks)
+                for i in range(len(ranks[0]["step_s"][variant]))]
+    return (lambda d: statistics.median(ratios(d)), lambda d: min(ratios(d)), lambda d: max(ratios(d)))
+
+
 def row(list_path: tuple, field: str, **match: Any) -> Reader:
     """`field` of the one entry of the list at `list_path` whose keys equal `match`."""
     def read(data: Any) -> float:
@@ -881,8 +891,21 @@ FIGURES: list[Figure] = [
     Figure("README.md", "| MoE at 2 Gbit/s: all-to-all hidden, EP 4 | {0:.0%} |", "moe_2gbit.json",
            (at("summary", "EP 4", "all_to_all_hidden_share"),)),
     Figure("README.md", "| `fully_shard` host µs per unit, 1 rank | {0:.0f} ({1:.0f}–{2:.0f}) |",
-           "overhead_fully_shard_buckets.json",
+           "overhead_one_rank.json",
            tuple(at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", k) for k in ("median", "min", "max"))),
+    # docs/fully_shard.md: one rank, units kept gathered until backward, against the checkout before.
+    *[Figure("docs/fully_shard.md", f"| {label} | {{0:.0f}} ({{1:.0f}}–{{2:.0f}}) | {{3:.2f}} ({{4:.2f}}–{{5:.2f}}) | "
+             "{6:.2f} ({7:.2f}–{8:.2f}) |", "overhead_one_rank.json",
+             (*[at("results", "1", "16", impl, "host_us_per_unit", k) for k in ("median", "min", "max")],
+              *[at("results", "1", "16", impl, "ratios", f"{impl}-base", k) for k in ("median", "min", "max")],
+              *[at("results", "1", "16", impl, "ratios", "fsdp2-tuned", k) for k in ("median", "min", "max")]))
+      for impl, label in (("overlap-fully-shard", "`fully_shard`"), ("overlap-full", "`ShardedModule`"))],
+    Figure("docs/fully_shard.md", "| before: `fully_shard` / `ShardedModule` | {0:.0f} / {1:.0f} |",
+           "overhead_one_rank.json", tuple(at("results", "1", "16", f"{impl}-base", "host_us_per_unit", "median")
+                                           for impl in ("overlap-fully-shard", "overlap-full"))),
+    Figure("docs/fully_shard.md", "`fully_shard` costs {0:.0f} µs per unit against {1:.0f} before it", "overhead_one_rank.json",
+           tuple(at("results", "1", "16", impl, "host_us_per_unit", "median")
+                 for impl in ("overlap-fully-shard", "overlap-fully-shard-base"))),
     *[Figure("README.md", f"| {words}, `ShardedModule` ÷ FSDP2 | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |", "state_dict_api.json",
              tuple(at("summary", "overlap ShardedModule", call, "over_fsdp2", k) for k in ("median", "min", "max")))
       for call, words in (("dcp.save(model.state_dict())", "`dcp.save(model.state_dict())`"),
@@ -1194,10 +1217,19 @@ FIGURES: list[Figure] = [
     Figure("docs/moe.md", "The all-to-alls hand {0:.2f} MB a step to gloo", "moe_2gbit.json",
            (at("summary", "EP 2", "all_to_all_mb_per_step"),)),
     Figure("docs/moe.md", "the others; {0:.2f} MB at E = 4)", "moe_2gbit.json", (at("summary", "EP 4", "all_to_all_mb_per_step"),)),
-    Figure("docs/moe.md", "link the halves hide {0:.0%} of it at E = 2 and {1:.0%} at E = 4", "moe_2gbit.json",
+    Figure("docs/moe.md", "link the two chunks hide {0:.0%} of it at E = 2 and {1:.0%} at E = 4", "moe_2gbit.json",
            tuple(at("summary", variant, "all_to_all_hidden_share") for variant in ("EP 2", "EP 4"))),
     Figure("docs/moe.md", "on loopback {0:.0%} and {1:.0%}.", "moe_loopback.json",
            tuple(at("summary", variant, "all_to_all_hidden_share") for variant in ("EP 2", "EP 4"))),
+    # docs/moe.md's chunk counts: each row's step, its paired ratio to two chunks, its waits.
+    *[Figure("docs/moe.md", f"| {variant[3]} | {variant[5] if '/' in variant else 2} | {{0:.1f}} | "
+             + ("{1:.3f} ({2:.3f}–{3:.3f})" if "/" in variant else "1") + " | {4:.1f} | {5:.0%} |",
+             "moe_chunks_loopback.json",
+             (at("summary", variant, "step_ms"), *_paired_variants(variant, variant.split("/")[0]),
+              at("summary", variant, "all_to_all_blocked_ms"), at("summary", variant, "all_to_all_hidden_share")))
+      for variant in ("EP 2/1", "EP 2", "EP 2/4", "EP 4", "EP 4/4")],
+    Figure("docs/moe.md", "four chunks reach {0:.0%} on loopback", "moe_chunks_loopback.json",
+           (at("summary", "EP 2/4", "all_to_all_hidden_share"),)),
     Figure("README.md", "{0:.2f}× FSDP2 + TP's step with torch's defaults, {1:.2f}× the tuned one's", "tp.json",
            (at("paired", "overlap-tp/fsdp2-tp", "median"), at("paired", "overlap-tp/fsdp2-tp-tuned", "median"))),
     Figure("docs/tensor_parallel.md", "{0:.2f} ({1:.2f}-{2:.2f}, 3 rounds) against FSDP2 + TP with torch's defaults, "
