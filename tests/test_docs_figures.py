@@ -893,6 +893,13 @@ FIGURES: list[Figure] = [
     Figure("README.md", "| `fully_shard` host µs per unit, 1 rank | {0:.0f} ({1:.0f}–{2:.0f}) |",
            "overhead_one_rank.json",
            tuple(at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", k) for k in ("median", "min", "max"))),
+    Figure("README.md", "| MoE on loopback: all-to-all hidden, EP 2 with 4 chunks (`OVERLAP_EXPERT_CHUNKS=4`) | {0:.0%} |",
+           "moe_chunks_loopback.json", (at("summary", "EP 2/4", "all_to_all_hidden_share"),)),
+    *[Figure("README.md", f"| MoE {where}: EP {ep} step, {words} ÷ 2 chunks | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |", name,
+             _paired_variants(f"EP {ep}/{chunks}", f"EP {ep}"))
+      for where, ep, chunks, words, name in (("on loopback", 2, 4, "4 chunks", "moe_chunks_loopback.json"),
+                                             ("on loopback", 2, 1, "1 chunk", "moe_chunks_loopback.json"),
+                                             ("at 2 Gbit/s", 4, 1, "1 chunk", "moe_chunks_2gbit.json"))],
     # docs/fully_shard.md: one rank, units kept gathered until backward, against the checkout before.
     *[Figure("docs/fully_shard.md", f"| {label} | {{0:.0f}} ({{1:.0f}}–{{2:.0f}}) | {{3:.2f}} ({{4:.2f}}–{{5:.2f}}) | "
              "{6:.2f} ({7:.2f}–{8:.2f}) |", "overhead_one_rank.json",
@@ -1228,6 +1235,12 @@ FIGURES: list[Figure] = [
              (at("summary", variant, "step_ms"), *_paired_variants(variant, variant.split("/")[0]),
               at("summary", variant, "all_to_all_blocked_ms"), at("summary", variant, "all_to_all_hidden_share")))
       for variant in ("EP 2/1", "EP 2", "EP 2/4", "EP 4", "EP 4/4")],
+    *[Figure("docs/moe.md", f"| {variant[3]} | {variant[5] if '/' in variant else 2} | {{0:.1f}} | "
+             + ("{1:.3f} ({2:.3f}–{3:.3f})" if "/" in variant else "1") + " | {4:.1f} | {5:.0%} |",
+             "moe_chunks_2gbit.json",
+             (at("summary", variant, "step_ms"), *_paired_variants(variant, variant.split("/")[0]),
+              at("summary", variant, "all_to_all_blocked_ms"), at("summary", variant, "all_to_all_hidden_share")))
+      for variant in ("EP 2/1", "EP 2", "EP 4/1", "EP 4")],
     Figure("docs/moe.md", "four chunks reach {0:.0%} on loopback", "moe_chunks_loopback.json",
            (at("summary", "EP 2/4", "all_to_all_hidden_share"),)),
     Figure("README.md", "{0:.2f}× FSDP2 + TP's step with torch's defaults, {1:.2f}× the tuned one's", "tp.json",
