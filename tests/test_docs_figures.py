@@ -1261,6 +1261,11 @@ FIGURES: list[Figure] = [
       for point, label, file in (("start", "start (node 0)", "recovery.json"), ("step", "step (node 1)", "recovery.json"),
                                  ("save", "save (node 0)", "recovery.json"),
                                  ("node", "node (node 1 for good, `--nnodes 1:2`)", "recovery_node.json"))],
+    Figure("docs/train.md", "| node, then rejoin | {0} | {1} + {1} | {2} + {3} | {4} | {5} | {6} |", "recovery_rejoin.json",
+           tuple(_recovery_cell("node", column) for column in (1, 2, 3)) + (_recovery_cell("rejoin", 3),)
+           + tuple(_recovery_cell("node", column) for column in (4, 5, 6))),
+    Figure("docs/train.md", "node: {0} s", "recovery_rejoin.json",
+           (lambda data: _recovery_cell("node", 7)(data).split(" s (")[0].replace("-", " / "),)),
     Figure("docs/train.md", "rejoin: {0} s", "recovery_rejoin.json",
            (lambda data: _recovery_cell("rejoin", 7)(data).split(" s (")[0].replace("-", " / "),)),
 ]

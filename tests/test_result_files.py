@@ -19,10 +19,6 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # file: why its record is incomplete. Files a doc still quotes are read by test_docs_figures.py.
 EARLIER: dict[str, str] = {
-    **{name: "a recovery table written before benchmarks/recovery.py recorded its run through RunRecord: it records "
-             "its command and the load average at its end, not its commit (run while the harness was between "
-             "88f6dc8 and 113c6d2) nor the load at its start"
-       for name in ("recovery.json", "recovery_node.json", "recovery_rejoin.json")},
     "compare_10gbit.json": "the 10 Gbit/s comparison of an earlier commit on an idle host, kept as the reference "
                            "for how fast this host ran then; written before compare.py recorded its commit and load",
     "hybrid-300mbit.json": "full against hybrid sharding at 300 Mbit/s with the benchmark's version before hpZ, the "
