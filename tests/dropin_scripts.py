@@ -361,7 +361,29 @@ def edge_cases(rank: int) -> dict[str, Any]:
         norms["ddp"] = (float(torch.nn.utils.get_total_norm([p.grad for p in ddp.parameters()])),) * 2
         return norms
 
-    cases = {"clip_modes": clip_in_every_mode, "weakref": kept_after_a_weak_reference, "other_shape": state_of_another_shape, "switches": switches,
+    def l2_penalty_in_the_loss() -> dict[str, Any]:
+        """An L2 term over `model.parameters()` added to the loss: refused at the backward on
+        every rank, in every mode; a step without it trains after."""
+        bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        out = {}
+        local_world = os.environ["LOCAL_WORLD_SIZE"]
+        for name, options in (("full", {}), ("offload_cpu_bf16", {"offload": "cpu", "mixed_precision": bf16}),
+                              ("int8", {"compression": "int8"}), ("hybrid", {"sharding": "hybrid"})):
+            os.environ["LOCAL_WORLD_SIZE"] = "1" if name == "hybrid" else local_world   # two nodes of one rank
+            try:
+                model = ShardedModule(fresh(), **options)
+            finally:
+                os.environ["LOCAL_WORLD_SIZE"] = local_world
+            loss = model(*_batch(0, 0, rank, CONFIG.vocab_size))
+            penalty = sum(p.float().pow(2).sum() for p in model.parameters())
+            out[name] = _outcome(lambda: (loss + 1e-3 * penalty).backward())
+            model.zero_grad(set_to_none=True)
+            step(model)
+            out[name + " then"] = all(p.grad is not None and bool(torch.isfinite(p.grad).all())
+                                      for p in model.parameters())
+        return out
+
+    cases = {"l2_penalty": l2_penalty_in_the_loss, "clip_modes": clip_in_every_mode, "weakref": kept_after_a_weak_reference, "other_shape": state_of_another_shape, "switches": switches,
              "grad_norms": grad_norms, "grad_norms_ddp": grad_norms_ddp, "sharded_state": sharded_state,
              "bad_switch": bad_switch}
     return {name: _outcome(case) for name, case in cases.items()}

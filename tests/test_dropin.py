@@ -178,6 +178,18 @@ def test_the_modules_part_is_refused_at_the_call_and_the_optimizers_refuses_torc
             assert value[name].startswith("PartialStateError") and "full_optim_state_dict" in value[name], value
 
 
+def test_a_loss_computed_from_the_parameters_is_refused_on_every_rank_in_every_mode(runs) -> None:
+    """DDP trains an L2 term over model.parameters(); under ZeRO-3 each rank holds rows only,
+    so the backward refuses by name instead of training on this rank's rows."""
+    for status, value in _edge(runs, "l2_penalty"):
+        assert status == "ok", value
+        for mode in ("full", "offload_cpu_bf16", "int8", "hybrid"):
+            outcome, message = value[mode]
+            assert outcome == "error" and message.startswith("DirectGradientError") and "weight_decay" in message, \
+                (mode, value[mode])
+            assert value[mode + " then"], mode
+
+
 def test_a_switch_that_is_not_a_bool_is_refused(runs) -> None:
     for status, value in _edge(runs, "bad_switch"):
         assert status == "error" and "require_backward_grad_sync" in value, value

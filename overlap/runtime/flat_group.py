@@ -34,6 +34,17 @@ like changes of tensors it saved. Gathering and freeing each unit twice a step w
 be most of the runtime's host work on one rank; the scheduler does not even free such a unit
 after its forward (`Unit.never_freed`): it stays gathered until its backward is done.
 
+[Note: a gradient that reaches a parameter directly]
+Forward computes with views of the gathered buffer, so autograd never reaches the module's
+own parameters (this rank's rows). It reaches one only when the loss was computed from the
+parameters themselves outside the module's forward: an L2 penalty over `model.parameters()`,
+say. That term sees this rank's rows only, and its gradient would land in `.grad` beside the
+reduction's: training would go on, silently wrong. Each trainable parameter therefore carries a
+tensor hook that notes its name; the end of a backward that syncs tells every rank (one more
+flag in its flags all-reduce) and raises `DirectGradientError` on all of them before any
+`.grad` is published. FSDP2 refuses the same loss (its parameters are then sharded DTensors,
+which do not mix with the loss's plain tensors).
+
 [Note: post-accumulate-grad hooks of sharded parameters]
 Autograd accumulates into the gathered buffer, never into the module's parameters, so a hook
 a user registered on one with `register_post_accumulate_grad_hook` (an optimizer stepped
@@ -201,6 +212,23 @@ class FlatGroup:
         for slot, param in zip(self.slots, self.module_params):
             for module, attr in slot.owners:
                 module._parameters[attr] = param
+        # See [Note: a gradient that reaches a parameter directly]. Names seen since the last
+        # backward that synced; hooks go on as parameters start to train.
+        self.direct_grads: list[str] = []
+        self._direct_hooks = [False] * len(self.slots)
+        self._hook_direct_grads()
+
+    def _hook_direct_grads(self) -> None:
+        if self.dtensor_params:
+            return
+        note = _weakly(self._note_direct_grad)
+        for index, param in enumerate(self.module_params):
+            if param.requires_grad and not self._direct_hooks[index]:
+                param.register_hook(lambda grad, name=self.slots[index].name: note(name, grad))
+                self._direct_hooks[index] = True
+
+    def _note_direct_grad(self, name: str, grad: torch.Tensor) -> None:
+        self.direct_grads.append(name)
 
     def _start_gradients(self) -> None:
         # Sum of the reduced gradients; each parameter's `.grad` is a view of it.
@@ -347,6 +375,8 @@ class FlatGroup:
         """Whether any of the group's parameters trains now (read at each pass, so that
         `requires_grad_()` after wrapping counts); the gathered buffer follows it."""
         wanted = any([param.requires_grad for param in self.module_params])     # a list: no call per parameter
+        if wanted and not all(self._direct_hooks):
+            self._hook_direct_grads()
         if wanted != self.full.requires_grad:
             self.full.requires_grad_(wanted)
             if wanted and self._on_grad is not None:

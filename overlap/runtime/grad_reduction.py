@@ -17,6 +17,10 @@ from overlap.runtime.order_check import OrderCheck
 from overlap.runtime.unit import Unit
 
 
+class DirectGradientError(RuntimeError):
+    """Raised on every rank when a backward reached the module's own parameters directly."""
+
+
 class GradReduction:
     def __init__(self, collectives: Collectives) -> None:
         self.collectives = collectives
@@ -77,16 +81,36 @@ class GradReduction:
         that it queues behind the reductions instead of adding its latency to theirs; it
         also carries the check that every rank ran the same units (overlap.runtime.order_check)."""
         groups = [group for unit in units for group in unit.trainable_groups]
-        flags = [used for group in groups for used in group.got_grad]
+        direct = sorted({name for unit in units for group in unit.groups for name in group.direct_grads})
+        # The last flag: some rank's backward reached a parameter directly (see [Note: a
+        # gradient that reaches a parameter directly] in overlap/runtime/flat_group.py).
+        flags = [used for group in groups for used in group.got_grad] + [bool(direct)]
         pending = self.collectives.any_rank(flags, order.words() if order is not None else [])
         self.wait_all()
         flags, maxima, minima = pending()
         if order is not None:
             order.verify(maxima, minima)
+        if flags.pop():
+            self._refuse_direct(units, direct)
         start = 0
         for group in groups:
             group.publish_grads(flags[start:start + len(group.slots)])
             start += len(group.slots)
+
+    def _refuse_direct(self, units: list[Unit], direct: list[str]) -> None:
+        for unit in units:
+            for group in unit.groups:
+                group.direct_grads.clear()
+            for group in unit.trainable_groups:
+                group.place.grads_ready()
+                group.reduced = False
+                group.got_grad = [False] * len(group.slots)
+        seen = f"here: {', '.join(direct[:5])}" if direct else "on another rank"
+        raise DirectGradientError(
+            f"a gradient reached the module's own parameters ({seen}), not through its forward: the loss was "
+            "computed from model.parameters() (an L2 penalty, say). Under ZeRO-3 each rank's parameters hold only "
+            "its rows, so such a term is not the model's; use the optimizer's weight_decay, or compute the term "
+            "inside the module's forward. No gradient of this backward was published.")
 
     def abandon(self, units: list[Unit]) -> None:
         """After a pass that did not finish: wait for its reductions and publish none of them."""
