@@ -325,7 +325,9 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
                 # No token of this chunk reached this rank's experts: zero terms keep it in the
                 # dispatch's backward all-to-all and give its experts the (zero) gradient whose
                 # reduction the ranks holding the same experts issue.
-                touched = sum(param.reshape(-1)[:1].sum() for param in self.parameters(recurse=False))
+                # The attributes: the gathered views the unit computes with (the registered
+                # parameters are this rank's rows, which no gradient may reach).
+                touched = sum(getattr(self, name).reshape(-1)[:1].sum() for name in self._parameters)
                 out_MD = out_MD + (tokens_MD.sum() + touched) * 0
             received_sizes, send_sizes = sizes[c]
             back, handoff = _all_to_all(out_MD, send_sizes, received_sizes, routes[c], combines)
