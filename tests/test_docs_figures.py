@@ -40,8 +40,9 @@ def ratio(numerator: Reader, denominator: Reader) -> Reader:
 
 
 def _paired_variants(variant: str, base: str) -> tuple[Reader, Reader, Reader]:
-    """Median, least and most over rounds of benchmarks/moe.py's `variant` step ÷ `base` step
-    in the same round (a round's step: its slowest rank's)."""
+    """Median, least and most over rounds of `variant`'s step ÷ `base`'s in the same round, from
+    the per-rank, per-round steps benchmarks/moe.py and pipeline.py keep (a round's step: its
+    slowest rank's)."""
     def ratios(data: Any) -> list[float]:
         ranks = data["ranks"]
         return [max(r["step_s"][variant][i] for r in ranks) / max(r["step_s"][base][i] for r in ranks)
@@ -1206,6 +1207,10 @@ FIGURES: list[Figure] = [
                  "reduced_mb_per_rank", "peak_rise_mb_per_rank")))
       for variant in ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather",
                       "FSDP2 reshard", "FSDP2 no reshard")],
+    Figure("docs/pipeline.md", "`fully_shard` stages run {0:.3f}× ({1:.3f}–{2:.3f} per round) and `ShardedModule` "
+                               "stages {3:.3f}×\n  ({4:.3f}–{5:.3f})", "pipeline.json",
+           (*_paired_variants("overlap fully_shard", "FSDP2 reshard"),
+            *_paired_variants("overlap ShardedModule", "FSDP2 reshard"))),
     # docs/moe.md: expert parallelism against ZeRO-3 without it and FSDP2, each link.
     *[Figure("docs/moe.md", "| no EP | {0:.1f} | 1 | {1:.1f} | {2:.1f} | – |", f"moe_{link}.json",
              (at("summary", "no EP", "step_ms"), at("summary", "no EP", "gathered_mb_per_rank"),
