@@ -170,6 +170,7 @@ def test_compression_accuracy_reads_every_run(tmp_path):
     assert data["runs"]["int8"]["wire_mb_per_step"] < data["runs"]["int8"]["uncompressed_mb_per_step"]
 
 
+@pytest.mark.slow          # DeepSpeed's import and every optimizer built (about 16 s): in `make test-all`
 @pytest.mark.timeout(300)
 def test_optim_step_tiny(tmp_path):
     """Every optimizer measured (DeepSpeed's or its reason for being skipped), with the bound."""

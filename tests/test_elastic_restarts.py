@@ -25,7 +25,7 @@ from recovery import JOB, run_schedule             # noqa: E402
 REASON = why_no_cluster()
 needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster: {REASON}")
 
-STEPS = 30
+STEPS = 15         # checkpoints at 5 and 10: each kill point has one to come after
 ARGV = [*JOB, "--steps", str(STEPS), "--checkpoint-every", "5"]
 # One kill at each point, alternating nodes (0, 1, 0), in one job: three restarts. Repeated
 # kills per point are measured by benchmarks/recovery.py --runs.

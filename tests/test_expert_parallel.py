@@ -223,7 +223,7 @@ def diverge(rank: int, world: int) -> str:
 CASES = {
     "w2-ep2-skewed-sgd-1chunk": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None, 1),
     "w2-ep2-normal-adamw-clip-3chunks": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None, 3),
-    "w4-ep4-skewed-sgd-capacity-4chunks": (4, "gpt_moe", 4, "skewed", "sgd", 0.0, 0.5, 4),
+    "w2-ep2-skewed-sgd-capacity-4chunks": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, 0.5, 4),
     "w2-ep2-normal-adamw-clip": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None),
     "w2-ep2-skewed-sgd": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None),
     "w2-ep2-normal-sgd": (2, "gpt_moe", 2, "normal", "sgd", 0.0, None),
