@@ -1,7 +1,7 @@
 """`overlap train` under torchrun on the emulated two-node cluster (benchmarks/cluster.py):
-workers killed before the first checkpoint, mid-step and during an asynchronous save, on
-either node, in one job; every restart meets again on both nodes and the job ends on the
-uninterrupted run's final loss. A node removed for good leaves an elastic job (`--nnodes
+workers killed mid-step and during an asynchronous save, on either node, in one job (and,
+marked slow, before the first checkpoint, in a job of its own); every restart meets again on
+both nodes and the job ends on the uninterrupted run's final loss. A node removed for good leaves an elastic job (`--nnodes
 1:2`) finishing on the other node alone, on the same global batches; one that comes back
 grows the job to two nodes again (marked slow: a second elastic job)."""
 from __future__ import annotations
@@ -27,9 +27,10 @@ needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster
 
 STEPS = 15         # checkpoints at 5 and 10: each kill point has one to come after
 ARGV = [*JOB, "--steps", str(STEPS), "--checkpoint-every", "5"]
-# One kill at each point, alternating nodes (0, 1, 0), in one job: three restarts. Repeated
-# kills per point are measured by benchmarks/recovery.py --runs.
-KILLS = ["start", "step", "save"]
+# A kill mid-step and one during a save, on nodes 0 and 1, in one job: two restarts, each from
+# a checkpoint. A kill before the first checkpoint (a restart from step 0) is its own job, in
+# the slow tier; repeated kills per point are measured by benchmarks/recovery.py --runs.
+KILLS = ["step", "save"]
 # Node 0 alone accumulates both shards of each global batch: the same sums in another order.
 WORLD_1_TOLERANCE = 1e-4
 JOB_TIMEOUT_S = 300
@@ -59,18 +60,29 @@ def _last_round(outcome) -> str:
 
 @needs_cluster
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
-def test_workers_killed_at_each_point_restart_on_both_nodes_and_end_exactly(tmp_path, reference):
+def test_workers_killed_mid_step_and_during_a_save_restart_on_both_nodes_and_end_exactly(tmp_path, reference):
     outcome = run_schedule(str(tmp_path), ARGV, KILLS, timeout_s=JOB_TIMEOUT_S)
     for kill in outcome.kills:
         assert kill.fired and kill.recovered_s is not None, (kill, _logs(outcome))
-    start, step, save = outcome.kills
-    assert [kill.node for kill in outcome.kills] == [0, 1, 0]
-    assert start.newest is None and start.resumed_at == 0, start            # before any checkpoint
+    step, save = outcome.kills
+    assert [kill.node for kill in outcome.kills] == [0, 1]
     assert step.newest is not None and step.at_step > step.newest and step.resumed_at >= step.newest, step
     # The save being written when its worker died is passed over: the previous one is resumed.
     assert save.during_save and save.resumed_at == save.newest < save.saving, save
     assert outcome.returncodes == [0, 0], _logs(outcome)
     assert [r.world for r in outcome.rounds] == [2] * (len(KILLS) + 1), outcome.rounds
+    assert outcome.final == reference, _logs(outcome)
+
+
+@needs_cluster
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_a_worker_killed_before_the_first_checkpoint_restarts_from_step_0_and_ends_exactly(tmp_path, reference):
+    outcome = run_schedule(str(tmp_path), ARGV, ["start"], timeout_s=JOB_TIMEOUT_S)
+    start, = outcome.kills
+    assert start.fired and start.recovered_s is not None, (start, _logs(outcome))
+    assert start.newest is None and start.resumed_at == 0, start
+    assert outcome.returncodes == [0, 0], _logs(outcome)
     assert outcome.final == reference, _logs(outcome)
 
 
