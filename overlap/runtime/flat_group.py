@@ -461,8 +461,14 @@ class FlatGroup:
                     param.grad = grad
             if any([param._post_accumulate_grad_hooks for param in self.module_params]):   # no call per parameter
                 self._run_accumulate_hooks(got_grad)
+        self.end_reduction()
+
+    def end_reduction(self) -> None:
+        """This backward's reduction is over (published, or dropped unpublished): the next one
+        starts from the parameters' `.grad`; what reached the parameters directly is forgotten."""
         self.reduced = False
         self.got_grad = [False] * len(self.slots)
+        self.direct_grads.clear()
 
     def _run_accumulate_hooks(self, got_grad: list[bool]) -> None:
         """See [Note: post-accumulate-grad hooks of sharded parameters]: the hooks of each

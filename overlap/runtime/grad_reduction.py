@@ -103,8 +103,7 @@ class GradReduction:
                 group.direct_grads.clear()
             for group in unit.trainable_groups:
                 group.place.grads_ready()
-                group.reduced = False
-                group.got_grad = [False] * len(group.slots)
+                group.end_reduction()
         seen = f"here: {', '.join(direct[:5])}" if direct else "on another rank"
         raise DirectGradientError(
             f"a gradient reached the module's own parameters ({seen}), not through its forward: the loss was "
@@ -116,6 +115,8 @@ class GradReduction:
         """After a pass that did not finish: wait for its reductions and publish none of them."""
         self.wait_all()
         for unit in units:
+            for group in unit.groups:
+                group.direct_grads.clear()        # of the pass that did not finish
             for group in unit.trainable_groups:
                 group.place.grads_ready()
                 group.reduced = False
