@@ -55,7 +55,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from overlap.base.config import local_world_size_from_env
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
-from overlap.pipeline_stage import Unsharded, register_grad_step
+from overlap.pipeline_stage import Unsharded, is_stage_mesh, register_grad_step
 from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.sharded_module import ShardedModule, register_forward_method, strict_load_error
 
@@ -184,7 +184,7 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
     return StartupRequest(
         mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy), unit_modules=_unit_groups(members),
         unit_merge_key=_reshard_setting,
-        dtensor_params=True,
+        dtensor_params=True, stage=is_stage_mesh(marked.mesh),
         initialise_meta=False, sharding="hpz" if node_copy else None,
         offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None)
 

@@ -56,8 +56,9 @@ def register_grad_step(modules: list[nn.Module], runtime: Any) -> None:
 
 
 def is_stage_mesh(mesh: Optional[DeviceMesh]) -> bool:
-    """Whether `mesh` is part of a mesh with a pipeline dimension."""
-    if mesh is None:
+    """Whether `mesh` is part of a mesh with a pipeline dimension (anything else, None or not a
+    mesh at all, is no stage; start-up refuses what is not a mesh)."""
+    if not isinstance(mesh, DeviceMesh):
         return False
     return PIPELINE_DIMENSION in (mesh._get_root_mesh().mesh_dim_names or ())
 

@@ -99,7 +99,7 @@ class ShardedModule(nn.Module):
             param_init_fn=param_init_fn, mesh=mesh, sharding=sharding, compression=compression, compile=compile,
             offload=offload, nested=any(isinstance(m, ShardedModule) for m in module.modules()),
             expert_parallel=expert_parallel, expert_types=tuple(expert_types),
-            expert_capacity_factor=expert_capacity_factor))
+            expert_capacity_factor=expert_capacity_factor, stage=is_stage_mesh(mesh)))
         if is_stage_mesh(mesh):
             make_stage(self)
 

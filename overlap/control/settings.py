@@ -51,6 +51,9 @@ class StartupRequest:
     unit_modules: Optional[tuple[tuple[nn.Module, ...], ...]] = None
     unit_merge_key: Optional[Callable[[nn.Module], Hashable]] = None
     dtensor_params: bool = False
+    # A pipeline stage (a mesh with a 'pp' dimension): gathered parameters as one leaf each;
+    # see [Note: a pipeline stage's parameters as leaves] in overlap/runtime/flat_group.py.
+    stage: bool = False
     # Give a meta-device model's parameters values at wrap (else they start at zero, for the
     # user's own `to_empty()` and initialisation after wrapping, as with FSDP2).
     initialise_meta: bool = True

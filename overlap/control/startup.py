@@ -126,7 +126,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         expert_groups.watched.collectives = collectives     # their all-to-alls go through its order check
     built = build_units(module, root_spec, unit_specs, collectives, decision, request.param_init_fn, link, host,
                         tensor_parallel, merge=request.unit_modules is None or request.unit_merge_key is not None,
-                        merge_key=request.unit_merge_key, dtensor_params=request.dtensor_params,
+                        merge_key=request.unit_merge_key, dtensor_params=request.dtensor_params, stage=request.stage,
                         initialise_meta=request.initialise_meta, experts=by_experts)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, link, decision.config.order_check,

@@ -51,8 +51,9 @@ class _FlatGroups:
 
     def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier],
                  tensor_parallel: Optional[TensorParallel], dtensor_params: bool,
-                 experts: Optional[ExpertUnits], link: OptimizerLink) -> None:
+                 experts: Optional[ExpertUnits], link: OptimizerLink, stage: bool) -> None:
         self.collectives = collectives
+        self.stage = stage
         self.link = link
         self.experts = experts
         self.dtensor_params = dtensor_params
@@ -72,7 +73,8 @@ class _FlatGroups:
                               None if self.host is None else self.host.place(),
                               None if self.tensor_parallel is None else
                               [self.tensor_parallel.spec_of(param) for _, param, _ in entries],
-                              self.dtensor_params, None if experts is None else experts.groups, link=self.link)
+                              self.dtensor_params, None if experts is None else experts.groups, link=self.link,
+                              stage_leaves=self.stage)
             for index, (_, param, _) in enumerate(entries):
                 self.slot_of[id(param)] = (group, index)
             groups.append(group)
@@ -90,7 +92,7 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
                 host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None,
                 merge: bool = True, merge_key: Optional[Callable[[nn.Module], Hashable]] = None,
                 dtensor_params: bool = False, initialise_meta: bool = True,
-                experts: Optional[ExpertUnits] = None) -> BuiltUnits:
+                experts: Optional[ExpertUnits] = None, stage: bool = False) -> BuiltUnits:
     """Units over `module`'s parameters, which become views of this rank's flat shards (in host
     memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors. With
     `merge`, consecutive small units are merged into buckets (only those whose first modules
@@ -98,7 +100,8 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     modules hold DTensor parameters over those views. Without `initialise_meta`, a meta model's
     parameters start at zero and its meta buffers stay on the meta device (the caller's
     `to_empty()` and initialisation come later). With `experts`, the expert modules' units
-    shard over their collectives' group (expert parallelism)."""
+    shard over their collectives' group (expert parallelism). With `stage` (a pipeline stage),
+    gathered parameters are leaves of their own (FlatGroup's `stage_leaves`)."""
     device = decision.device
     for sub in module.modules():
         for name, buf in sub._buffers.items():
@@ -107,7 +110,7 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     on_meta = meta_places(module)
     # State-dict keys in the module's own order, read before parameters leave their modules.
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
-    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts, link)
+    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts, link, stage)
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
     specs = merge_into_buckets(unit_specs, decision.bucket_bytes, merge_key) if merge else unit_specs
     units = [flat.unit(spec, spec.modules) for spec in specs]

@@ -52,6 +52,22 @@ inside backward) would never run. The runtime runs it itself, once per parameter
 backward, right after it gives the parameter its reduced `.grad` (this rank's rows, or the
 DTensor over them), as FSDP2 runs it on the reduced shard.
 
+[Note: a pipeline stage's parameters as leaves]
+The zero-bubble schedules of torch's pipelining (ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble, ScheduleDualPipeV) split a microbatch's backward in two: an input step
+(`torch.autograd.grad` over the stage's inputs, keeping the graph) and a later weight step. The
+weight step finds the weights by the autograd nodes of what `stage.submod.parameters()` yields,
+and writes their gradients into those tensors' `.grad` itself. The flat views cannot serve: they
+are made anew at every forward (another microbatch's by the time of a weight step), off the
+modules after each pass, and share one split node. So in a pipeline stage each parameter's
+gathered value is a leaf of its own (`stage_leaves`), made once over `full`'s storage (which a
+free resizes, as FSDP2's unsharded parameters), on the modules as their attributes and
+registered parameters from the step's first forward until its gradients are reduced. Autograd
+accumulates every microbatch's gradient in the leaves' `.grad`, the weight steps add theirs
+there, and the step's reduction folds them into the flat layout once (`take_leaf_grads`). A
+unit of such groups is freed in backward only at the end of its pass, not when its gradients
+are complete (nothing fires when the weight step writes them). `full` itself needs no gradient.
+
 [Note: freeing `full` by resizing its storage]
 Tensors autograd saved in forward (a weight for a matmul's input gradient) are views of
 `full`. Freeing by `untyped_storage().resize_(0)` and re-gathering into the same storage
@@ -116,7 +132,7 @@ class FlatGroup:
                  node_group: Optional[dist.ProcessGroup] = None, place: Optional[ShardPlace] = None,
                  tensor_parallel: Optional[list[Optional[TensorParallelSpec]]] = None,
                  dtensor_params: bool = False, experts: Optional[ExpertGroups] = None, *,
-                 link: OptimizerLink) -> None:
+                 link: OptimizerLink, stage_leaves: bool = False) -> None:
         self.collectives = collectives
         # Expert parallelism: the parameters hold this rank's experts, and their DTensors,
         # shapes and whole values are every expert's; see [Note: expert parameters in state dicts].
@@ -128,6 +144,9 @@ class FlatGroup:
         # parameters in flat shards].
         self.tensor_parallel = tensor_parallel if tensor_parallel is not None else [None] * len(params)
         self._any_tensor_parallel = any(tp is not None for tp in self.tensor_parallel)
+        # A pipeline stage's gathered parameters as one leaf per parameter; see [Note: a
+        # pipeline stage's parameters as leaves]. Tensor-parallel groups keep the flat views.
+        self.stage_leaves = stage_leaves and not self._any_tensor_parallel
         # Where the master and gradient shards live: on the device, or offloaded to the host
         # (overlap.runtime.host_tier).
         self.place = place if place is not None else ShardPlace()
@@ -258,8 +277,13 @@ class FlatGroup:
                          and not self.place.offloaded)
         if self.resident:
             self.full.set_(self.shard.untyped_storage(), self.shard.storage_offset(), (self.padded_numel,))
-        self.full.requires_grad_(self.requires_grad)
+        self.full.requires_grad_(self.requires_grad and not self.stage_leaves)
         self._full_nbytes = self.padded_numel * self.full.element_size()
+        # See [Note: a pipeline stage's parameters as leaves]; made while `full` has its storage.
+        self._leaves = [] if not self.stage_leaves else [
+            nn.Parameter(piece.view(slot.shape), requires_grad=param.requires_grad)
+            for piece, slot, param in zip(self.full.detach().split_with_sizes(self._split_sizes)[::2], self.slots,
+                                          self.module_params)]
         self.free()
         self._param_views = ParamViews(self._split_sizes, [slot.shape for slot in self.slots])
 
@@ -307,7 +331,7 @@ class FlatGroup:
         outside the hooks fails loudly instead of computing with this rank's rows)."""
         if not self.resident:
             self.full.untyped_storage().resize_(0)
-        if self.dtensor_params:
+        if self.dtensor_params and not self.stage_leaves:
             self._register_params()
             self._views_installed = False        # nothing left for the end of the pass to take off
 
@@ -331,6 +355,10 @@ class FlatGroup:
         so a split node kept from an earlier step would run after the whole of this step's
         backward, holding back every gradient hook (and so every reduction and free) to the end.
         """
+        if self.stage_leaves:
+            self._views, self._views_record_grads = self._leaves, True
+            self._put_views()
+            return
         split, views = self._param_views(self.full)
         if split is not None:
             split.register_prehook(_weakly(self._mark_grads))
@@ -344,7 +372,7 @@ class FlatGroup:
         for slot, view in zip(self.slots, self._views):
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
-                if self.dtensor_params:
+                if self.dtensor_params or self.stage_leaves:
                     # FSDP2's unsharded state: while gathered, the gathered values are the
                     # module's registered parameters too (what `named_parameters()` yields to a
                     # pre-hook); freeing registers the DTensors again.
@@ -366,8 +394,17 @@ class FlatGroup:
         FSDP2), not views of released memory. Within a pass the views stay after a free:
         backward re-gathers into the same memory, and a function recomputed by reentrant
         checkpointing reads the attributes without a forward hook to install them."""
+        if self.stage_leaves:
+            return                             # until the step's gradients are reduced: `release_leaves`
         self._views = []                       # their graph ends with the pass
         if self._views_installed and (self.dtensor_params or not self.resident):
+            self._register_params()
+            self._views_installed = False
+
+    def release_leaves(self) -> None:
+        """The step's gradients are reduced: the modules hold their registered parameters again."""
+        if self.stage_leaves and self._views_installed:
+            self._views = []
             self._register_params()
             self._views_installed = False
 
@@ -377,7 +414,10 @@ class FlatGroup:
         wanted = any([param.requires_grad for param in self.module_params])     # a list: no call per parameter
         if wanted and not all(self._direct_hooks):
             self._hook_direct_grads()
-        if wanted != self.full.requires_grad:
+        if self.stage_leaves:
+            for leaf, param in zip(self._leaves, self.module_params):
+                leaf.requires_grad_(param.requires_grad)
+        elif wanted != self.full.requires_grad:
             self.full.requires_grad_(wanted)
             if wanted and self._on_grad is not None:
                 self.full.register_post_accumulate_grad_hook(self._on_grad)
@@ -404,6 +444,20 @@ class FlatGroup:
     def _take_grad(self, full: torch.Tensor) -> None:
         grad, full.grad = full.grad, None
         self._grad_hook(self, grad)
+
+    def take_leaf_grads(self) -> Optional[torch.Tensor]:
+        """A pipeline stage's gradients left on its leaves since the last call, in the flat
+        layout (None if no leaf has one); the leaves' `.grad` are cleared. See [Note: a
+        pipeline stage's parameters as leaves]."""
+        got = [(index, leaf.grad) for index, leaf in enumerate(self._leaves) if leaf.grad is not None]
+        if not got:
+            return None
+        flat = torch.zeros(self.padded_numel, dtype=got[0][1].dtype, device=self.full.device)
+        self.kernels.pack([grad for _, grad in got], flat, [self.slots[index].offset for index, _ in got])
+        for index, _ in got:
+            self.got_grad[index] = True
+            self._leaves[index].grad = None
+        return flat
 
     def hold_unsynced(self, grad: torch.Tensor) -> None:
         """Sum `grad` into the local accumulator used while reduction is paused."""

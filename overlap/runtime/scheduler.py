@@ -112,6 +112,8 @@ class Scheduler:
         self.reduction = GradReduction(collectives)
         self.steps: StepCounter[Scheduler] = StepCounter(self.log, self, root, self.all_units)
         self._index = {id(unit): i for i, unit in enumerate(self.all_units)}
+        # A pipeline stage's groups whose gradients wait on their leaves (see FlatGroup's stage_leaves).
+        self._leaf_groups = [group for unit in self.all_units for group in unit.groups if group.stage_leaves]
         # Ranks that run different units get an error (see overlap.runtime.order_check).
         self.order: Optional[OrderCheck] = None
         if collectives.world_size > 1:
@@ -348,6 +350,8 @@ class Scheduler:
             # called after the model returns (a tied output head on hidden states) compute
             # with its parameters.
             self._end_pass(keep=self.root)
+            for group in self._leaf_groups:
+                group.release_leaves()
             self.steps.close(StepKind.FORWARD, self.order)
 
     # ---- asked for outside a pass (`fully_shard`'s unshard / reshard) -----------------------
@@ -428,6 +432,8 @@ class Scheduler:
                 unit.discard()
                 self.log.mark(Mark.FREE, unit.name)
                 unit.remove_views()
+        for group in self._leaf_groups:
+            group.release_leaves()
         self._keeping, self._keep_asked = self._keep_asked, False
         self.steps.close(StepKind.TRAIN, self.order)
 
@@ -511,8 +517,18 @@ class Scheduler:
         the end of a backward that syncs does: for loops whose microbatches all run without
         sync and reduce once after the last (a pipeline schedule's final gradient step)."""
         with phase("overlap::reduce_held_grads"):
+            self._hold_leaf_grads()
             self.reduction.end_backward(self.all_units, True, self.order)
             self._close_step()
+
+    def _hold_leaf_grads(self) -> None:
+        """A pipeline stage's gradients, left on its leaves by autograd and by the schedule's
+        weight steps, held for the reduction (see [Note: a pipeline stage's parameters as
+        leaves] in overlap/runtime/flat_group.py)."""
+        for group in self._leaf_groups:
+            grad = group.take_leaf_grads()
+            if grad is not None:
+                group.hold_unsynced(grad)
 
     def _end_backward(self) -> None:
         """Runs once when the backward pass finishes: every gradient is reduced and every
@@ -521,11 +537,14 @@ class Scheduler:
             for unit in self._reached:
                 if unit.trainable_groups and unit not in self._grads_came:
                     for group in unit.trainable_groups:
-                        self.optimizer_link.note_lost_grads(group, unit.name)
+                        if not group.stage_leaves:         # a weight step leaves theirs on the leaves
+                            self.optimizer_link.note_lost_grads(group, unit.name)
             self._reached.clear()
             self._grads_came.clear()
             if self.order is not None:
                 self.order.boundary(END_BACKWARD)
+            if self.sync_grads:
+                self._hold_leaf_grads()
             self.reduction.end_backward(self.all_units, self.sync_grads, self.order)
             self._end_pass()
             self.prefetch.end_backward()
