@@ -60,13 +60,14 @@ weight step finds the weights by the autograd nodes of what `stage.submod.parame
 and writes their gradients into those tensors' `.grad` itself. The flat views cannot serve: they
 are made anew at every forward (another microbatch's by the time of a weight step), off the
 modules after each pass, and share one split node. So in a pipeline stage each parameter's
-gathered value is a leaf of its own (`stage_leaves`), made once over `full`'s storage (which a
-free resizes, as FSDP2's unsharded parameters), on the modules as their attributes and
-registered parameters from the step's first forward until its gradients are reduced. Autograd
-accumulates every microbatch's gradient in the leaves' `.grad`, the weight steps add theirs
-there, and the step's reduction folds them into the flat layout once (`take_leaf_grads`). A
-unit of such groups is freed in backward only at the end of its pass, not when its gradients
-are complete (nothing fires when the weight step writes them). `full` itself needs no gradient.
+gathered value is a leaf of its own (`stage_leaves`; a tensor-parallel one, a DTensor over its
+piece), made once over `full`'s storage (which a free resizes, as FSDP2's unsharded
+parameters), on the modules as their attributes and registered parameters from the step's
+first forward until its gradients are reduced. Autograd accumulates every microbatch's
+gradient in the leaves' `.grad`, the weight steps add theirs there, and the step's reduction
+folds them into the flat layout once (`take_leaf_grads`). A unit of such groups is freed in
+backward only at the end of its pass, not when its gradients are complete (nothing fires when
+the weight step writes them). `full` itself needs no gradient.
 
 [Note: freeing `full` by resizing its storage]
 Tensors autograd saved in forward (a weight for a matmul's input gradient) are views of
@@ -145,8 +146,8 @@ class FlatGroup:
         self.tensor_parallel = tensor_parallel if tensor_parallel is not None else [None] * len(params)
         self._any_tensor_parallel = any(tp is not None for tp in self.tensor_parallel)
         # A pipeline stage's gathered parameters as one leaf per parameter; see [Note: a
-        # pipeline stage's parameters as leaves]. Tensor-parallel groups keep the flat views.
-        self.stage_leaves = stage_leaves and not self._any_tensor_parallel
+        # pipeline stage's parameters as leaves].
+        self.stage_leaves = stage_leaves
         # Where the master and gradient shards live: on the device, or offloaded to the host
         # (overlap.runtime.host_tier).
         self.place = place if place is not None else ShardPlace()
@@ -281,9 +282,10 @@ class FlatGroup:
         self._full_nbytes = self.padded_numel * self.full.element_size()
         # See [Note: a pipeline stage's parameters as leaves]; made while `full` has its storage.
         self._leaves = [] if not self.stage_leaves else [
-            nn.Parameter(piece.view(slot.shape), requires_grad=param.requires_grad)
-            for piece, slot, param in zip(self.full.detach().split_with_sizes(self._split_sizes)[::2], self.slots,
-                                          self.module_params)]
+            nn.Parameter(piece.view(slot.shape) if tp is None else tp.wrap(piece.view(slot.shape)),
+                         requires_grad=param.requires_grad)
+            for piece, slot, param, tp in zip(self.full.detach().split_with_sizes(self._split_sizes)[::2], self.slots,
+                                              self.module_params, self.tensor_parallel)]
         self.free()
         self._param_views = ParamViews(self._split_sizes, [slot.shape for slot in self.slots])
 
@@ -452,6 +454,11 @@ class FlatGroup:
         got = [(index, leaf.grad) for index, leaf in enumerate(self._leaves) if leaf.grad is not None]
         if not got:
             return None
+        # A tensor-parallel leaf's gradient in the parameter's own placements, then this rank's
+        # part: what from_local's backward gives the flat views.
+        got = [(index, grad if not isinstance(grad, DTensor) else
+                grad.redistribute(placements=self.tensor_parallel[index].placements).to_local())
+               for index, grad in got]
         flat = torch.zeros(self.padded_numel, dtype=got[0][1].dtype, device=self.full.device)
         self.kernels.pack([grad for _, grad in got], flat, [self.slots[index].offset for index, _ in got])
         for index, _ in got:
