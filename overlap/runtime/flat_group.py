@@ -65,9 +65,11 @@ piece), made once over `full`'s storage (which a free resizes, as FSDP2's unshar
 parameters), on the modules as their attributes and registered parameters from the step's
 first forward until its gradients are reduced. Autograd accumulates every microbatch's
 gradient in the leaves' `.grad`, the weight steps add theirs there, and the step's reduction
-folds them into the flat layout once (`take_leaf_grads`). A unit of such groups is freed in
-backward only at the end of its pass, not when its gradients are complete (nothing fires when
-the weight step writes them). `full` itself needs no gradient.
+folds them into the flat layout once (`take_leaf_grads`). `full` itself needs no gradient.
+A hook on each leaf says when a backward has brought all of a group's gradients (autograd's
+accumulation; nothing fires when a weight step writes them), so that a unit is freed, and in
+the step's last microbatch reduced, as soon as its backward is done (see [Note: the last
+microbatch's reductions] in overlap/runtime/scheduler.py).
 
 [Note: freeing `full` by resizing its storage]
 Tensors autograd saved in forward (a weight for a matmul's input gradient) are views of
@@ -286,6 +288,7 @@ class FlatGroup:
                          requires_grad=param.requires_grad)
             for piece, slot, param, tp in zip(self.full.detach().split_with_sizes(self._split_sizes)[::2], self.slots,
                                               self.module_params, self.tensor_parallel)]
+        self._leaves_pending = 0               # trainable leaves this backward has yet to bring
         self.free()
         self._param_views = ParamViews(self._split_sizes, [slot.shape for slot in self.slots])
 
@@ -433,15 +436,30 @@ class FlatGroup:
             if grad is not None:
                 got[index] = True
 
-    def register_grad_hook(self, hook: Callable[["FlatGroup", torch.Tensor], None]) -> None:
+    def register_grad_hook(self, hook: Callable[["FlatGroup", Optional[torch.Tensor]], None]) -> None:
         """Call `hook(group, grad)` once the gradient of `full` is complete in a backward pass
-        (registered on `full` once it requires a gradient: a frozen group may train later)."""
-
+        (registered on `full` once it requires a gradient: a frozen group may train later).
+        A stage's leaves: `hook(group, None)` once every trainable leaf has accumulated its
+        gradient in this backward (counted from `expect_leaf_grads`), which stays on the leaves."""
         self._grad_hook = hook
         self._on_grad = _weakly(self._take_grad)
-        if self.full.requires_grad:
+        if self.stage_leaves:
+            arrived = _weakly(self._leaf_arrived)
+            for leaf in self._leaves:
+                leaf.register_post_accumulate_grad_hook(arrived)
+            self._on_grad = None
+        elif self.full.requires_grad:
             self.full.register_post_accumulate_grad_hook(self._on_grad)
             self._on_grad = None
+
+    def expect_leaf_grads(self) -> None:
+        """A backward begins: count the trainable leaves whose gradients it will bring."""
+        self._leaves_pending = sum([leaf.requires_grad for leaf in self._leaves])
+
+    def _leaf_arrived(self, leaf: torch.Tensor) -> None:
+        self._leaves_pending -= 1
+        if self._leaves_pending == 0:
+            self._grad_hook(self, None)
 
     def _take_grad(self, full: torch.Tensor) -> None:
         grad, full.grad = full.grad, None

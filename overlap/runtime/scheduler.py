@@ -17,6 +17,18 @@ trainable gradients and its input gradients are complete; a unit that never gets
 freed when the backward pass ends. A unit that is never freed (one rank computing in the
 master dtype) needs no identity.
 
+[Note: the last microbatch's reductions]
+A pipeline schedule runs every microbatch's backward without gradient sync and reduces once,
+after the last, from its final gradient step. Reducing only there leaves the whole reduction
+exposed after the stage's last backward. A stage's units therefore issue their reduce-scatters
+during the backward the step's last microbatch runs, each as soon as its gradients are
+complete, behind the backward of the units before it. Which backward is the last: the step's
+count of backward passes, learned from the previous step of microbatches (one reduced from the
+final gradient step; the same schedule each step). A wrong guess costs overlap, not
+correctness: reductions add into the shard gradient, so gradients that arrive after an early
+reduction (a later pass, a zero-bubble weight step) are reduced at the final gradient step with
+the rest, and `.grad` is published there, once.
+
 [Note: gathers kept across microbatches]
 A pipeline schedule runs each microbatch's forward and backward as passes of their own, all
 with the same weights, and reduces the gradients once after the last. A unit freed after
@@ -102,6 +114,12 @@ class Scheduler:
         # forward that runs meanwhile is activation checkpointing's recompute; the unit's own
         # state cannot tell (under reentrant checkpointing it is still FORWARD).
         self.in_backward = False
+        # Backward passes begun in this step and in the last, and whether this one is the
+        # step's last: see [Note: the last microbatch's reductions].
+        self._backwards_this_step = 0
+        self._backwards_last_step = 0
+        self._reduce_early = False
+        self._reduced_early = False        # some unit reduced early in this step
         # Whether this backward keeps its graph and builds none, and then which units it
         # reached and which got their gradients: see [Note: a backward over inputs only].
         self._graph_kept = False
@@ -239,8 +257,13 @@ class Scheduler:
     def _recover(self) -> None:
         """Bring every unit back to sharded after a forward or backward that did not finish
         (an exception in forward, or a forward with no backward); an unfinished backward's
-        reductions are not published."""
-        self.reduction.abandon(self.all_units)
+        reductions are not published. Reductions issued early in this step (a guess of its last
+        backward that another forward proved wrong) stay: see [Note: the last microbatch's
+        reductions]."""
+        if self._reduced_early:
+            self.reduction.wait_all()
+        else:
+            self.reduction.abandon(self.all_units)
         self._discard_all()
         self.in_backward = False
         self._reached.clear()
@@ -434,6 +457,8 @@ class Scheduler:
                 unit.remove_views()
         for group in self._leaf_groups:
             group.release_leaves()
+        self._backwards_this_step = 0
+        self._reduced_early = False
         self._keeping, self._keep_asked = self._keep_asked, False
         self.steps.close(StepKind.TRAIN, self.order)
 
@@ -452,6 +477,10 @@ class Scheduler:
         if self.in_backward:
             return
         self.in_backward = True
+        self._backwards_this_step += 1
+        self._reduce_early = self._keeping and self._backwards_this_step == self._backwards_last_step
+        for group in self._leaf_groups:
+            group.expect_leaf_grads()
         # A backward that keeps its graph for a later one and builds none of its own (the input
         # step of a zero-bubble schedule): see [Note: a backward over inputs only].
         self._graph_kept = torch._C._autograd._get_current_graph_task_keep_graph() and not torch.is_grad_enabled()
@@ -490,14 +519,22 @@ class Scheduler:
             self.log.mark(Mark.PRE_BACKWARD, unit.name)
             unit.open_span("backward")
 
-    def _on_grad(self, unit: Unit, group: FlatGroup, grad: torch.Tensor) -> None:
+    def _on_grad(self, unit: Unit, group: FlatGroup, grad: Optional[torch.Tensor]) -> None:
+        """`group`'s gradient is complete in this backward: `grad`, or on a stage's leaves (None)."""
         if self._graph_kept:
             self._grads_came.add(unit)
         unit.close_span()
         with phase(f"overlap::post_backward::{unit.name}"):
             if unit.trainable_grad_arrived():
                 self.log.mark(Mark.POST_BACKWARD, unit.name)
-            if self.sync_grads:
+            if grad is None:                   # on the leaves: reduced now only when due or early
+                if self.sync_grads or self._reduce_early:
+                    self._hold_leaf_grads([group])
+                    held = group.take_grad_for_reduce(None)
+                    if held is not None:
+                        self.reduction.reduce(unit, group, held)
+                        self._reduced_early |= not self.sync_grads
+            elif self.sync_grads:
                 self.reduction.reduce(unit, group, group.take_grad_for_reduce(grad))
             else:
                 group.hold_unsynced(grad)
@@ -519,13 +556,15 @@ class Scheduler:
         with phase("overlap::reduce_held_grads"):
             self._hold_leaf_grads()
             self.reduction.end_backward(self.all_units, True, self.order)
+            backwards = self._backwards_this_step
             self._close_step()
+            self._backwards_last_step = backwards      # a step of microbatches: the next one's guess
 
-    def _hold_leaf_grads(self) -> None:
+    def _hold_leaf_grads(self, groups: Optional[list[FlatGroup]] = None) -> None:
         """A pipeline stage's gradients, left on its leaves by autograd and by the schedule's
         weight steps, held for the reduction (see [Note: a pipeline stage's parameters as
-        leaves] in overlap/runtime/flat_group.py)."""
-        for group in self._leaf_groups:
+        leaves] in overlap/runtime/flat_group.py); of `groups`, or of every such group."""
+        for group in self._leaf_groups if groups is None else groups:
             grad = group.take_leaf_grads()
             if grad is not None:
                 group.hold_unsynced(grad)
