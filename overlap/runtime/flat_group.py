@@ -65,7 +65,8 @@ piece), made once over `full`'s storage (which a free resizes, as FSDP2's unshar
 parameters), on the modules as their attributes and registered parameters from the step's
 first forward until its gradients are reduced. Autograd accumulates every microbatch's
 gradient in the leaves' `.grad`, the weight steps add theirs there, and the step's reduction
-folds them into the flat layout once (`take_leaf_grads`). `full` itself needs no gradient.
+folds them into the flat layout once (`take_leaf_grads`; after each backward instead where the
+leaves' dtype is below the reduce dtype, to be summed in it). `full` itself needs no gradient.
 A hook on each leaf says when a backward has brought all of a group's gradients (autograd's
 accumulation; nothing fires when a weight step writes them), so that a unit is freed, and in
 the step's last microbatch reduced, as soon as its backward is done (see [Note: the last

@@ -132,6 +132,9 @@ class Scheduler:
         self._index = {id(unit): i for i, unit in enumerate(self.all_units)}
         # A pipeline stage's groups whose gradients wait on their leaves (see FlatGroup's stage_leaves).
         self._leaf_groups = [group for unit in self.all_units for group in unit.groups if group.stage_leaves]
+        # Those whose gradients are summed across microbatches in the reduce dtype, not on
+        # their lower-precision leaves (FSDP2 accumulates in its reduce dtype too).
+        self._upcast_groups = [group for group in self._leaf_groups if group.gather_dtype != group.reduce_dtype]
         # Ranks that run different units get an error (see overlap.runtime.order_check).
         self.order: Optional[OrderCheck] = None
         if collectives.world_size > 1:
@@ -582,8 +585,7 @@ class Scheduler:
             self._grads_came.clear()
             if self.order is not None:
                 self.order.boundary(END_BACKWARD)
-            if self.sync_grads:
-                self._hold_leaf_grads()
+            self._hold_leaf_grads(None if self.sync_grads else self._upcast_groups)
             self.reduction.end_backward(self.all_units, self.sync_grads, self.order)
             self._end_pass()
             self.prefetch.end_backward()
