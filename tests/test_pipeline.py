@@ -51,7 +51,8 @@ def _one_process(dp: int) -> dict[str, torch.Tensor]:
 
 
 def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
-                 microbatches: tuple[int, ...] = (MICROBATCHES,) * STEPS, bf16: bool = False) -> dict[str, torch.Tensor]:
+                 microbatches: tuple[int, ...] = (MICROBATCHES,) * STEPS, bf16: bool = False,
+                 checkpointing: bool = False) -> dict[str, torch.Tensor]:
     """This rank's stages after STEPS steps, as the whole model's state-dict keys and values.
     `wrap`: "sharded" (`ShardedModule(stage, mesh=...)`) or "fully_shard" (FSDP2's pattern:
     each block, then the stage), where the gradients are reduced once per step: the
@@ -63,6 +64,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from overlap import MixedPrecision, ShardedModule, fully_shard
@@ -81,6 +83,8 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
     stages, wrapped = [], {}
     for index in indices:
         layers = nn.Sequential(*list(model)[index * per_stage:(index + 1) * per_stage])
+        if checkpointing:                    # each block's activations recomputed in its backward
+            layers = nn.Sequential(*[checkpoint_wrapper(block) for block in layers])
         # bf16 compute, gradients reduced (and summed across microbatches) in fp32.
         dtypes = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}
         if wrap == "fully_shard":
@@ -152,7 +156,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
         full = sharded.full_state_dict() if wrap == "sharded" else \
             get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
         for key, value in full.items():
-            layer, rest = key.split(".", 1)
+            layer, rest = key.replace("_checkpoint_wrapped_module.", "").split(".", 1)
             out[f"{index * per_stage + int(layer)}.{rest}"] = value
     return out
 
@@ -176,6 +180,10 @@ def launches() -> dict[int, CaseLaunch]:
             cases.update({f"{wrap}:{schedule}:bf16": RankCase(train_stages, (schedule, wrap,
                                                                               (MICROBATCHES,) * STEPS, True))
                           for wrap in ("sharded", "fully_shard") for schedule in ("1F1B", "ZBVZeroBubble")})
+            # Activation checkpointing: the recompute in the input step, the weight step later.
+            cases.update({f"{wrap}:ZBVZeroBubble:checkpointing": RankCase(
+                train_stages, ("ZBVZeroBubble", wrap, (MICROBATCHES,) * STEPS, False, True))
+                for wrap in ("sharded", "fully_shard")})
             # Kept units with the gathers and reductions compressed.
             cases["fully_shard:1F1B:int8"] = RankCase(train_stages, ("1F1B", "fully_shard"),
                                                       env={"OVERLAP_COMPRESS": "int8"})
@@ -260,6 +268,12 @@ def test_bf16_stages_train_alike(launches, wrap: str, schedule: str) -> None:
     """bf16 compute with fp32 reductions, the gradients summed across microbatches in fp32:
     within bf16's error of one process in fp32."""
     _check_parity(launches, 4, f"{wrap}:{schedule}:bf16", BF16)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
+def test_checkpointed_blocks_under_a_zero_bubble_schedule_train_alike(launches, wrap: str) -> None:
+    _check_parity(launches, 4, f"{wrap}:ZBVZeroBubble:checkpointing")
 
 
 @pytest.mark.timeout(600)
