@@ -19,6 +19,9 @@ ACCEPTED = [
     ["--pp", "2", "--pp-schedule", "GPipe", "--microbatches", "4", "--mixed-precision", "bf16"],
     ["--pp", "2", "--offload", "cpu", "--eager-init"],
     ["--pp", "4", "--microbatches", "4"],
+    # Two stages per rank (stages r and r + 2), with a zero-bubble schedule and without.
+    ["--pp", "2", "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4"],
+    ["--pp", "2", "--pp-schedule", "Interleaved1F1B", "--microbatches", "4"],
 ]
 
 
@@ -89,6 +92,19 @@ def test_two_stages_train_as_the_job_without_stages_on_the_same_global_batch(lau
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("index", (4, 5), ids=["InterleavedZeroBubble", "Interleaved1F1B"])
+def test_two_stages_per_rank_train_as_the_job_without_stages(launches, index: int) -> None:
+    """Four stages at (pp 2, dp 2), each rank holding two: the schedule's microbatch losses
+    make the same global-batch mean, and the tied head is summed across the first and last
+    row."""
+    reference, reference_val = launches[2]["reference"][0].result()["reference"]
+    for outcome in launches[4]["pipeline"]:
+        losses, val = outcome.result()["accepted"][index]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
+        assert math.isclose(val, reference_val, rel_tol=1e-4)
+
+
+@pytest.mark.timeout(600)
 def test_two_stages_with_offload_train_as_the_job_with_offload(launches) -> None:
     reference, reference_val = launches[2]["reference"][0].result()["offload cpu"]
     for outcome in launches[4]["pipeline"]:
@@ -121,7 +137,12 @@ def test_each_accepted_combination_trains_on_every_rank(launches) -> None:
     (["--pp", "2", "--offload", "disk", "--mixed-precision", "bf16"], "offload disk with --pp is not supported yet"),
     (["--microbatches", "2"], "--microbatches needs --pp"),
     (["--pp-schedule", "GPipe"], "--pp-schedule needs --pp"),
-    (["--pp", "4", "--layers", "2"], "--pp 4 needs at least as many --layers (got 2)"),
+    (["--pp", "4", "--layers", "2"],
+     "--pp 4 with --pp-schedule 1F1B makes 4 stages and needs at least as many --layers (got 2)"),
+    (["--pp", "2", "--pp-schedule", "Interleaved1F1B", "--layers", "3"],
+     "makes 4 stages and needs at least as many --layers (got 3)"),
+    (["--pp", "2", "--pp-schedule", "ZBVZeroBubble"], "schedule.eval() fails for the V-shaped schedules"),
+    (["--pp", "2", "--pp-schedule", "DualPipeV"], "use --pp-schedule InterleavedZeroBubble"),
     (["--pp", "2", "--microbatches", "3", "--batch", "8"], "--microbatches 3 must divide --batch 8"),
     (["--pp", "2", "--microbatches", "1"], "--pp-schedule 1F1B needs --microbatches >= --pp 2 (got 1)"),
 ])

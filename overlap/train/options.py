@@ -15,7 +15,16 @@ from overlap.base.config import config_from_env
 
 DEFAULT_TEXT = "coriolanus.txt"
 VAL_FRACTION = 0.1
-PP_SCHEDULES = ("1F1B", "GPipe")          # torch.distributed.pipelining's Schedule<name>
+# torch.distributed.pipelining's Schedule<name>: one stage per rank, then two per rank
+# (stages r and r + pp). The V-shaped ones are refused: see `check_pipeline`.
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                "DualPipeV")
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Pipeline stages each rank holds under `schedule`."""
+    return 1 if schedule in ("1F1B", "GPipe") else 2
 # The job's options that set the runtime's arguments, and the variable each stands for: under
 # --pp the stages are sharded with overlap.fully_shard, whose arguments are FSDP2's.
 RUNTIME_OPTIONS = {"compress": "OVERLAP_COMPRESS=<mode>", "compile": "OVERLAP_COMPILE=1",
@@ -114,7 +123,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                           help="cut the model into N pipeline stages, each sharded over world/N ranks with "
                                "overlap.fully_shard and driven by torch's pipeline schedule (docs/pipeline.md)")
     pipeline.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
-                          help=f"the schedule under --pp (default {PP_SCHEDULES[0]})")
+                          help=f"the schedule under --pp (default {PP_SCHEDULES[0]}); all but 1F1B and GPipe hold "
+                               "two stages per rank; the V-shaped ones are refused (docs/pipeline.md)")
     pipeline.add_argument("--microbatches", type=_positive_int, default=None, metavar="M",
                           help="microbatches of each --batch under --pp (default: N); M must divide --batch")
     checkpoints = parser.add_argument_group("checkpoints")
@@ -191,8 +201,16 @@ def check_pipeline(args: argparse.Namespace) -> None:
         return
     args.pp_schedule = args.pp_schedule or PP_SCHEDULES[0]
     args.microbatches = args.microbatches or args.pp
-    if args.layers < args.pp:
-        raise JobError(f"--pp {args.pp} needs at least as many --layers (got {args.layers}): every stage holds a block")
+    if args.pp_schedule in V_SHAPED_SCHEDULES:
+        raise JobError(f"--pp-schedule {args.pp_schedule}: torch {torch.__version__.split('+')[0]}'s schedule.eval() "
+                       "fails for the V-shaped schedules (the local hand-over between a rank's two stages expects a "
+                       "backward), and the job validates every --eval-every steps and at the end; use "
+                       "--pp-schedule InterleavedZeroBubble, or drive the V-shaped schedule from a script "
+                       "(docs/pipeline.md)")
+    stages = args.pp * stages_per_rank(args.pp_schedule)
+    if args.layers < stages:
+        raise JobError(f"--pp {args.pp} with --pp-schedule {args.pp_schedule} makes {stages} stages and needs at "
+                       f"least as many --layers (got {args.layers}): every stage holds a block")
     if args.batch % args.microbatches:
         raise JobError(f"--microbatches {args.microbatches} must divide --batch {args.batch}")
     if args.pp_schedule == "1F1B" and args.microbatches < args.pp:

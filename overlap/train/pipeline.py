@@ -1,7 +1,7 @@
-"""`overlap train --pp N`: the GPT cut into N pipeline stages, each sharded over its
-data-parallel ranks with `overlap.fully_shard` (blocks, then the stage) and driven by torch's
-pipeline schedule: one reduction per step, units kept gathered across the step's microbatches
-(docs/pipeline.md).
+"""`overlap train --pp N`: the GPT cut into pipeline stages (N, or 2 N under the interleaved
+schedules, two per rank), each sharded over its data-parallel ranks with
+`overlap.fully_shard` (blocks, then the stage) and driven by torch's pipeline schedule: one
+reduction per step, units kept gathered across the step's microbatches (docs/pipeline.md).
 
 [Note: the tied head across stages]
 The GPT's output head shares the embedding's weight. Cut into stages, the embedding lives on
@@ -28,6 +28,7 @@ from overlap import fully_shard
 from overlap.models import GPT, GPTConfig
 from overlap.observe.report import OverlapMonitor
 from overlap.train.batches import ByteBatches
+from overlap.train.options import stages_per_rank
 from overlap.train.schedule import learning_rate
 
 
@@ -66,8 +67,15 @@ def stage_blocks(layers: int, stages: int, index: int) -> range:
     return range(start, start + size + (index < extra))
 
 
+def stage_indices(schedule: str, pp: int, pp_rank: int) -> list[int]:
+    """The stages rank `pp_rank` of the pipeline dimension holds under `schedule`: itself, or
+    under the interleaved schedules also its stage of the second loop."""
+    return [pp_rank] if stages_per_rank(schedule) == 1 else [pp_rank, pp_rank + pp]
+
+
 class PipelineSteps:
-    """One rank's stage of the pipeline job: its training step and its validation loss."""
+    """One rank's stages of the pipeline job (one, or two under the interleaved schedules):
+    their training step and their validation loss."""
 
     def __init__(self, args: argparse.Namespace, config: GPTConfig, device: torch.device,
                  batches: ByteBatches, shards: range) -> None:
@@ -77,23 +85,31 @@ class PipelineSteps:
         world, pp = dist.get_world_size(), args.pp
         mesh = init_device_mesh(device.type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
         self.pp_group = mesh["pp"].get_group()
-        index = mesh.get_local_rank("pp")
-        self.first, self.last = index == 0, index == pp - 1
+        indices = stage_indices(args.pp_schedule, pp, mesh.get_local_rank("pp"))
+        count = pp * len(indices)
         # Every rank builds the whole model from the seed (the values of the job's own meta
-        # build) and keeps its stage.
+        # build) and keeps its stages.
         torch.manual_seed(args.seed)
-        stage = _Stage(GPT(config), stage_blocks(args.layers, pp, index), self.first, self.last)
+        gpt = GPT(config)
         policy = dict(mesh=mesh["dp"], offload_policy=CPUOffloadPolicy() if args.offload == "cpu" else OffloadPolicy(),
                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16"
                       else MixedPrecisionPolicy())
-        for block in stage.blocks.values():
-            fully_shard(block, **policy)
-        self.module = fully_shard(stage, **policy)
+        self.modules: list[nn.Module] = []
+        stages = []
+        for index in indices:
+            stage = _Stage(gpt, stage_blocks(args.layers, count, index), index == 0, index == count - 1)
+            for block in stage.blocks.values():
+                fully_shard(block, **policy)
+            self.modules.append(fully_shard(stage, **policy))
+            stages.append(PipelineStage(self.modules[-1], index, count, device, group=self.pp_group))
+        self.first = any(module.first for module in self.modules)
+        self.last = any(module.last for module in self.modules)
         kind = getattr(pipelining, f"Schedule{args.pp_schedule}")
-        self.schedule = kind(PipelineStage(self.module, index, pp, device, group=self.pp_group),
-                             n_microbatches=args.microbatches, loss_fn=_loss)
-        # The first and last stage's ranks of each data-parallel index: see [Note: the tied
-        # head across stages]. Every rank makes every group, in the same order.
+        self.schedule = kind(stages if len(stages) > 1 else stages[0], n_microbatches=args.microbatches,
+                             loss_fn=_loss)
+        # The ranks that hold the first and the last stage (the first and the last row), of
+        # each data-parallel index: see [Note: the tied head across stages]. Every rank makes
+        # every group, in the same order.
         self.tie_group = None
         for column in range(world // pp):
             ranks = [int(mesh.mesh[0, column]), int(mesh.mesh[pp - 1, column])]
@@ -101,9 +117,13 @@ class PipelineSteps:
             if dist.get_rank() in ranks:
                 self.tie_group = group
         # Built now, on every rank (a collective over the stage's ranks): the parameters are
-        # the runtime's DTensors from here on.
-        self.runtime = self.module.overlap_runtime
-        self.tied = self.module.wte.weight if self.first else self.module.lm_head.weight if self.last else None
+        # the runtimes' DTensors from here on. The report and the monitor are the first stage's.
+        runtimes = [module.overlap_runtime for module in self.modules]
+        self.module, self.runtime = self.modules[0], runtimes[0]
+        # At most one copy per rank: the first and the last stage are on the first and last row.
+        tied = [module.wte.weight if module.first else module.lm_head.weight
+                for module in self.modules if module.first or module.last]
+        self.tied = tied[0] if tied else None
         # One shard of the global batch per data-parallel rank: a run resumed at another world
         # size (several shards per rank) needs --checkpoint-dir, which --pp refuses.
         (self.shard,) = shards
@@ -114,7 +134,8 @@ class PipelineSteps:
         return self.runtime.overlap_monitor
 
     def parameter_groups(self, weight_decay: float) -> list[dict]:
-        return GPT.optimizer_groups(self.module.named_parameters(), weight_decay)
+        return GPT.optimizer_groups([pair for module in self.modules for pair in module.named_parameters()],
+                                    weight_decay)
 
     def train(self, optimizer: torch.optim.Optimizer, step: int, clip_norm: float) -> Optional[float]:
         """One optimizer step over this rank's shard of the global batch (--batch sequences in
@@ -133,30 +154,32 @@ class PipelineSteps:
 
     def _sum_tied_grads(self) -> None:
         """See [Note: the tied head across stages]."""
-        if self.tied is None or self.tie_group is None:
+        if self.tied is None:
             return
         grad = self.tied.grad
-        full = grad.full_tensor()
-        dist.all_reduce(full, group=self.tie_group)
+        total = grad.full_tensor()
+        dist.all_reduce(total, group=self.tie_group)
         # The two copies' rows split alike only if their stages' flat layouts do: each takes
         # its own rows of the sum, where its placement puts them.
         shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
-        grad.to_local().copy_(full[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+        grad.to_local().copy_(total[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
 
     def _clip(self, max_norm: float) -> None:
         """torch's clip over the whole model: each stage's squared norm summed over the stages
         (the tied weight counted once, on the first stage)."""
-        grads = [p.grad for name, p in self.module.named_parameters()
-                 if p.grad is not None and not (self.last and not self.first and name == "lm_head.weight")]
+        grads = [p.grad for module in self.modules for name, p in module.named_parameters()
+                 if p.grad is not None and not (module.last and name == "lm_head.weight")]
         norm = torch.nn.utils.get_total_norm(grads)
         square = (norm.full_tensor() if isinstance(norm, DTensor) else norm).double().square()
         dist.all_reduce(square, group=self.pp_group)
-        torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, square.sqrt().float())
+        torch.nn.utils.clip_grads_with_norm_([p for module in self.modules for p in module.parameters()], max_norm,
+                                             square.sqrt().float())
 
     @torch.no_grad()
     def val_loss(self, draws: int) -> Optional[float]:
         """This rank's mean loss over `draws` validation batches, on the last stage."""
-        self.module.eval()
+        for module in self.modules:
+            module.eval()
         losses: list[torch.Tensor] = []
         for draw in range(draws):
             inputs, targets = self.batches.get("val", self.args.batch, draw, self.shard)
@@ -164,5 +187,6 @@ class PipelineSteps:
             self.schedule.eval(*((inputs,) if self.first else ()),
                                **({"target": targets, "losses": these} if self.last else {}))
             losses += these
-        self.module.train()
+        for module in self.modules:
+            module.train()
         return float(torch.stack(losses).mean()) if self.last else None

@@ -21,7 +21,7 @@ from overlap import optim as overlap_optim
 from overlap.train.batches import ByteBatches, shards_of_rank
 from overlap.train.checkpoints import Progress, Saver, resume
 from overlap.train.loop import DataParallelSteps, Losses, train_loop
-from overlap.train.options import JobError, check_pipeline, check_world_size, read_text
+from overlap.train.options import JobError, check_pipeline, check_world_size, read_text, stages_per_rank
 from overlap.train.process_group import init_process_group
 
 VOCAB_SIZE = 256          # byte-level tokens: any text works, nothing to download
@@ -175,9 +175,10 @@ def _header(args: argparse.Namespace, model: ShardedModule, config: GPTConfig,
              f"; {len(model.scheduler.units)} units, prefetch depth {model.overlap_config.prefetch_depth}, "
              f"bucket {model.overlap_config.bucket_mb:.3g} MB"]
     if args.pp is not None:
-        lines.append(f"pipeline: {args.pp} stages of {world // args.pp} ranks each (overlap.fully_shard), "
-                     f"{args.pp_schedule} over {args.microbatches} microbatches per batch; the units and report "
-                     "above and below are the first stage's")
+        per_rank = stages_per_rank(args.pp_schedule)
+        lines.append(f"pipeline: {args.pp * per_rank} stages, {per_rank} per rank, over {args.pp} groups of "
+                     f"{world // args.pp} ranks (overlap.fully_shard), {args.pp_schedule} over {args.microbatches} "
+                     "microbatches per batch; the units and report above and below are rank 0's first stage's")
     if model.overlap_config.offload == "disk":
         lines.append("optimizer: overlap.optim.AdamW (offload disk: it steps the masters and moments in the state file)")
     if progress.resumed_from is not None:
