@@ -52,7 +52,7 @@ def _one_process(dp: int) -> dict[str, torch.Tensor]:
 
 def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
                  microbatches: tuple[int, ...] = (MICROBATCHES,) * STEPS, bf16: bool = False,
-                 checkpointing: bool = False) -> dict[str, torch.Tensor]:
+                 checkpointing: bool = False, evaluate: bool = False) -> dict[str, torch.Tensor]:
     """This rank's stages after STEPS steps, as the whole model's state-dict keys and values.
     `wrap`: "sharded" (`ShardedModule(stage, mesh=...)`) or "fully_shard" (FSDP2's pattern:
     each block, then the stage), where the gradients are reduced once per step: the
@@ -138,6 +138,9 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
             per_step.append(gathers[0] - sum(per_step))
             optimizer.step()
             optimizer.zero_grad()
+            if evaluate:                     # the schedule's forward-only pass after each step
+                with torch.no_grad():
+                    runner.eval(*((x,) if any(firsts) else ()), **({"target": y} if any(lasts) else {}))
     finally:
         Collectives.reduce_scatter, Collectives.all_gather = issue, gather
         Scheduler.reduce_held_grads = final
@@ -145,6 +148,8 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
     units = sum(len((sharded.overlap_runtime if wrap == "fully_shard" else sharded).scheduler.all_units)
                 for sharded in wrapped.values())
     out = {"reductions": reductions[0], "gathers": per_step, "units": units, "early": early,
+           "trained": [len((sharded.overlap_runtime if wrap == "fully_shard" else sharded).overlap_monitor.report().steps)
+                       for index, sharded in wrapped.items() if index == 0],
            "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions]}
     if wrap == "sharded":
         # A ShardedModule stage passes for an FSDPModule; FSDP2's calls that reach FSDP2's own
@@ -180,6 +185,10 @@ def launches() -> dict[int, CaseLaunch]:
             cases.update({f"{wrap}:{schedule}:bf16": RankCase(train_stages, (schedule, wrap,
                                                                               (MICROBATCHES,) * STEPS, True))
                           for wrap in ("sharded", "fully_shard") for schedule in ("1F1B", "ZBVZeroBubble")})
+            # The schedule's evaluation after each step.
+            cases.update({f"{wrap}:1F1B:evaluated": RankCase(
+                train_stages, ("1F1B", wrap, (MICROBATCHES,) * STEPS, False, False, True))
+                for wrap in ("sharded", "fully_shard")})
             # Activation checkpointing: the recompute in the input step, the weight step later.
             cases.update({f"{wrap}:ZBVZeroBubble:checkpointing": RankCase(
                 train_stages, ("ZBVZeroBubble", wrap, (MICROBATCHES,) * STEPS, False, True))
@@ -213,13 +222,18 @@ def _check_parity(launches, world: int, case: str, tolerance: dict = EXACT) -> N
         result = dict(outcome.result())
         reductions, units = result.pop("reductions"), result.pop("units")
         gathers, decided, early = result.pop("gathers"), result.pop("decided"), result.pop("early")
+        # The first stage's overlap report holds the training steps, and no evaluation. (The
+        # others' also hold the backward torch's stage runs to infer shapes, after each switch
+        # from evaluation to training: a backward pass, so a step of the runtime.)
+        trained = result.pop("trained")
+        assert all(count == STEPS for count in trained), (case, trained)
         # Both wraps, told by the schedule, reduce once per step after the last microbatch.
         assert reductions == STEPS * units, (reductions, units)
         # From the second step on, during the last microbatch's backward, where that is a full
         # backward (a zero-bubble schedule's weight steps bring gradients no hook sees).
         if not any(schedule in case for schedule in ZERO_BUBBLE):
             assert early == [0] + [units] * (STEPS - 1), early
-        if world == 4:
+        if world == 4 and not case.endswith(":evaluated"):       # an evaluation gathers too
             # After the first step (whose shape inference and first forwards run before the
             # schedule asks), each unit is gathered once per step; forced to regather, at
             # least once per microbatch.
@@ -250,7 +264,7 @@ def test_a_changed_count_of_microbatches_reduces_every_gradient_once(launches, w
         units, early = result.pop("units"), result.pop("early")
         assert early == [0, 0, units], early
         assert result.pop("reductions") == (STEPS + 1) * units
-        for key in ("gathers", "decided"):
+        for key in ("gathers", "decided", "trained"):
             result.pop(key)
         for key, value in result.items():
             torch.testing.assert_close(value, reference[key], **EXACT, msg=lambda m: f"{key}: {m}")
@@ -268,6 +282,14 @@ def test_bf16_stages_train_alike(launches, wrap: str, schedule: str) -> None:
     """bf16 compute with fp32 reductions, the gradients summed across microbatches in fp32:
     within bf16's error of one process in fp32."""
     _check_parity(launches, 4, f"{wrap}:{schedule}:bf16", BF16)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
+def test_an_evaluation_between_steps_is_no_training_step(launches, wrap: str) -> None:
+    """torch's `schedule.eval()` ends at the stage's final gradient step too: it reduces
+    nothing, is no step of the report, and leaves the next step's early reductions as they were."""
+    _check_parity(launches, 4, f"{wrap}:1F1B:evaluated")
 
 
 @pytest.mark.timeout(600)

@@ -555,7 +555,11 @@ class Scheduler:
     def reduce_held_grads(self) -> None:
         """Reduce what backward passes without gradient sync held back and publish `.grad`, as
         the end of a backward that syncs does: for loops whose microbatches all run without
-        sync and reduce once after the last (a pipeline schedule's final gradient step)."""
+        sync and reduce once after the last (a pipeline schedule's final gradient step). After
+        a step that ran no backward (torch's `schedule.eval()` takes this step too) there is
+        nothing to reduce, and no training step to close."""
+        if self._backwards_this_step == 0:
+            return
         with phase("overlap::reduce_held_grads"):
             self._hold_leaf_grads()
             self.reduction.end_backward(self.all_units, True, self.order)
