@@ -148,8 +148,8 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
     units = sum(len((sharded.overlap_runtime if wrap == "fully_shard" else sharded).scheduler.all_units)
                 for sharded in wrapped.values())
     out = {"reductions": reductions[0], "gathers": per_step, "units": units, "early": early,
-           "trained": [len((sharded.overlap_runtime if wrap == "fully_shard" else sharded).overlap_monitor.report().steps)
-                       for index, sharded in wrapped.items() if index == 0],
+           "trained": [len(runtime.overlap_monitor.report().steps) for index, sharded in wrapped.items() if index == 0
+                       for runtime in [sharded.overlap_runtime if wrap == "fully_shard" else sharded]],
            "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions]}
     if wrap == "sharded":
         # A ShardedModule stage passes for an FSDPModule; FSDP2's calls that reach FSDP2's own

@@ -443,13 +443,14 @@ class FlatGroup:
         A stage's leaves: `hook(group, None)` once every trainable leaf has accumulated its
         gradient in this backward (counted from `expect_leaf_grads`), which stays on the leaves."""
         self._grad_hook = hook
-        self._on_grad = _weakly(self._take_grad)
+        self._on_grad = None
         if self.stage_leaves:
             arrived = _weakly(self._leaf_arrived)
             for leaf in self._leaves:
                 leaf.register_post_accumulate_grad_hook(arrived)
-            self._on_grad = None
-        elif self.full.requires_grad:
+            return
+        self._on_grad = _weakly(self._take_grad)
+        if self.full.requires_grad:
             self.full.register_post_accumulate_grad_hook(self._on_grad)
             self._on_grad = None
 

@@ -67,14 +67,15 @@ _link_numbers = itertools.count(1)
 # other, so a later weight-only step over the kept graph (after the input step of the zero-
 # bubble pipeline schedules, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and
 # DualPipeV) finds no weights in it, and the gradients of that microbatch are lost whatever
-# later microbatches compute. A pipeline stage's groups are made for those schedules
-# ([Note: a pipeline stage's parameters as leaves] in overlap/runtime/flat_group.py); for any
-# other group the optimizer's next step over its parameters is refused. The refusal waits for the step: raised inside the schedule, it would leave the
-# other stages' ranks waiting on their sends; at the step, every rank has finished its
-# schedule. A backward over inputs that keeps no graph (a probe of shapes, as a pipeline
-# stage's first step runs) or builds its own (`create_graph=True`, a gradient penalty) is not
-# one of these; a kept graph that a full backward of the same forward then uses is refused
-# with them, since the two cannot be told apart from inside backward.
+# later microbatches compute. A pipeline stage's groups are made for those schedules ([Note: a
+# pipeline stage's parameters as leaves] in overlap/runtime/flat_group.py); for any other group
+# the optimizer's next step over its parameters is refused. The refusal waits for the step:
+# raised inside the schedule, it would leave the other stages' ranks waiting on their sends; at
+# the step, every rank has finished its schedule. A backward over inputs that keeps no graph (a
+# probe of shapes, as a pipeline stage's first step runs) or builds its own
+# (`create_graph=True`, a gradient penalty) is not one of these; a kept graph that a full
+# backward of the same forward then uses is refused with them, since the two cannot be told
+# apart from inside backward.
 
 
 class _Linked:
@@ -173,8 +174,8 @@ class OptimizerLink:
                 "gradients (a backward over inputs only, torch.autograd.grad(outputs, inputs), as the input step of "
                 "torch.distributed.pipelining's zero-bubble schedules runs: ScheduleInterleavedZeroBubble, "
                 "ScheduleZBVZeroBubble, ScheduleDualPipeV): those gradients are lost. Outside a pipeline stage (a "
-                "module sharded over a mesh with a 'pp' dimension) the runtime reduces a unit's gradients in the backward that computes them and frees its gathered weights "
-                "at its end: shard each stage over mesh['dp'] of a ('pp', 'dp') mesh, or use a schedule with a full "
+                "module sharded over a mesh with a 'pp' dimension) the runtime reduces a unit's gradients in the "
+                "backward that computes them and frees its gathered weights at its end: shard each stage over mesh['dp'] of a ('pp', 'dp') mesh, or use a schedule with a full "
                 "backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)")
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
