@@ -70,8 +70,11 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
     from overlap import MixedPrecision, ShardedModule, fully_shard
     from overlap.runtime.collectives import Collectives
 
+    from torch._dynamo.utils import counters
+
     pp = 2
     dp = world // pp
+    graphs = counters["stats"]["unique_graphs"]
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     multi = schedule in MULTI_STAGE
@@ -150,7 +153,10 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
     out = {"reductions": reductions[0], "gathers": per_step, "units": units, "early": early,
            "trained": [len(runtime.overlap_monitor.report().steps) for index, sharded in wrapped.items() if index == 0
                        for runtime in [sharded.overlap_runtime if wrap == "fully_shard" else sharded]],
-           "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions]}
+           "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions],
+           "compiled graphs": counters["stats"]["unique_graphs"] - graphs,
+           "offload": {(sharded.overlap_runtime if wrap == "fully_shard" else sharded).overlap_config.offload
+                       for sharded in wrapped.values()}}
     if wrap == "sharded":
         # A ShardedModule stage passes for an FSDPModule; FSDP2's calls that reach FSDP2's own
         # state are refused by name.
@@ -193,6 +199,10 @@ def launches() -> dict[int, CaseLaunch]:
             cases.update({f"{wrap}:ZBVZeroBubble:checkpointing": RankCase(
                 train_stages, ("ZBVZeroBubble", wrap, (MICROBATCHES,) * STEPS, False, True))
                 for wrap in ("sharded", "fully_shard")})
+            # Shards whose masters live on the host, under split backwards.
+            cases.update({f"{wrap}:DualPipeV:offload-cpu": RankCase(train_stages, ("DualPipeV", wrap),
+                                                                     env={"OVERLAP_OFFLOAD": "cpu"})
+                          for wrap in ("sharded", "fully_shard")})
             # Kept units with the gathers and reductions compressed.
             cases["fully_shard:1F1B:int8"] = RankCase(train_stages, ("1F1B", "fully_shard"),
                                                       env={"OVERLAP_COMPRESS": "int8"})
@@ -226,6 +236,8 @@ def _check_parity(launches, world: int, case: str, tolerance: dict = EXACT) -> N
         # others' also hold the backward torch's stage runs to infer shapes, after each switch
         # from evaluation to training: a backward pass, so a step of the runtime.)
         trained = result.pop("trained")
+        assert (result.pop("compiled graphs") > 0) == case.endswith(":compiled"), case
+        assert result.pop("offload") == {"cpu" if case.endswith(":offload-cpu") else "none"}, case
         assert all(count == STEPS for count in trained), (case, trained)
         # Both wraps, told by the schedule, reduce once per step after the last microbatch.
         assert reductions == STEPS * units, (reductions, units)
@@ -264,7 +276,7 @@ def test_a_changed_count_of_microbatches_reduces_every_gradient_once(launches, w
         units, early = result.pop("units"), result.pop("early")
         assert early == [0, 0, units], early
         assert result.pop("reductions") == (STEPS + 1) * units
-        for key in ("gathers", "decided", "trained"):
+        for key in ("gathers", "decided", "trained", "compiled graphs", "offload"):
             result.pop(key)
         for key, value in result.items():
             torch.testing.assert_close(value, reference[key], **EXACT, msg=lambda m: f"{key}: {m}")
@@ -296,6 +308,27 @@ def test_an_evaluation_between_steps_is_no_training_step(launches, wrap: str) ->
 @pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
 def test_checkpointed_blocks_under_a_zero_bubble_schedule_train_alike(launches, wrap: str) -> None:
     _check_parity(launches, 4, f"{wrap}:ZBVZeroBubble:checkpointing")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
+def test_offloaded_stages_under_a_zero_bubble_schedule_train_alike(launches, wrap: str) -> None:
+    """`OVERLAP_OFFLOAD=cpu` (masters and gradients' shards on the host), with the weight
+    steps apart from the input steps."""
+    _check_parity(launches, 4, f"{wrap}:DualPipeV:offload-cpu")
+
+
+@pytest.mark.slow          # a launch of its own, compiling each unit (about 10 s): in `make test-all`
+@pytest.mark.timeout(600)
+def test_compiled_stages_under_a_zero_bubble_schedule_train_alike() -> None:
+    """`OVERLAP_COMPILE=1` (each unit's compute compiled) with the weight steps apart from the
+    input steps, both wraps."""
+    cases = {f"{wrap}:ZBVZeroBubble:compiled": RankCase(train_stages, ("ZBVZeroBubble", wrap),
+                                                         env={"OVERLAP_COMPILE": "1"})
+             for wrap in ("sharded", "fully_shard")}
+    launch = CaseLaunch(cases, world_size=4, timeout=300)
+    for case in cases:
+        _check_parity({4: launch}, 4, case)
 
 
 @pytest.mark.timeout(600)
