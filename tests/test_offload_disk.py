@@ -49,6 +49,7 @@ def _both(rank: int, world: int, wrap: dict, micro_batches: int, clip: float | N
           local_world_size: int | None) -> dict:
     import os
 
+    from torch._dynamo.utils import counters
     from torch.distributed.tensor import DTensor
 
     from overlap.optim.paged import paged_of
@@ -71,9 +72,13 @@ def _both(rank: int, world: int, wrap: dict, micro_batches: int, clip: float | N
         seen["views_of_shard"] = all(p.numel() == 0 or any(
             g.shard.data_ptr() <= p.data_ptr() < g.shard.data_ptr() + g.shard.nbytes for g in groups) for p in params)
 
-    out = {"none": train(_case({**wrap, "offload": "none"}, micro_batches, clip), rank, world, sharded=True)}
-    out["disk"] = train(_case({**wrap, "offload": "disk"}, micro_batches, clip), rank, world, sharded=True,
-                        after=inspect)
+    out = {}
+    for tier in ("none", "disk"):
+        torch._dynamo.reset()               # with compile=True: each run's own graphs counted
+        counters.clear()
+        out[tier] = train(_case({**wrap, "offload": tier}, micro_batches, clip), rank, world, sharded=True,
+                          after=inspect if tier == "disk" else None)
+        out[tier]["graphs"] = counters["stats"]["unique_graphs"]
     out["disk"].update(seen)
     return out
 
@@ -105,6 +110,25 @@ def test_disk_offload_trains_as_without(name: str, world: int, launches: dict) -
         for key, value in ref["state"].items():
             assert got["state"][key].dtype == value.dtype and torch.equal(got["state"][key], value), (rank, key)
     assert per_rank[0]["none"]["losses"][0] != per_rank[0]["none"]["losses"][-1]
+
+
+@pytest.mark.slow          # a launch of its own, compiling each unit twice (about 15 s): in `make test-all`
+@pytest.mark.timeout(900)
+def test_disk_offload_with_compiled_units_trains_as_without(tmp_path) -> None:
+    """compile=True, no_sync micro-batches and a clip: the disk tier's step during backward
+    beside compiled units, bit for bit as offload="none" with the same compiled units."""
+    launch = CaseLaunch({"compiled": RankCase(_both, ({"mixed_precision": BF16, "compile": True}, 2, 0.05, None))},
+                        world_size=2,
+                        env={"OVERLAP_OFFLOAD_DIR": str(tmp_path)}, timeout=800)
+    for rank, outcome in enumerate(launch["compiled"]):
+        result = outcome.result()
+        ref, got = result["none"], result["disk"]
+        assert ref["graphs"] >= 1 and got["graphs"] >= 1, (ref["graphs"], got["graphs"])
+        assert got["paged"] and got["dtypes"] == {"torch.bfloat16"}, rank
+        assert all(math.isfinite(loss) for loss in got["losses"]), got["losses"]
+        assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"], (rank, got, ref)
+        for key, value in ref["state"].items():
+            assert torch.equal(got["state"][key], value), (rank, key)
 
 
 def _device_copy(rank: int, world: int) -> list[dict]:
@@ -192,7 +216,6 @@ REFUSED = [
     ({"offload": "disk"}, "needs mixed_precision=MixedPrecision(param_dtype=torch.bfloat16"),
     ({"offload": "disk", "mixed_precision": BF16, "compression": "int8"}, "compression='int8' is not supported"),
     ({"offload": "disk", "mixed_precision": BF16, "compression": "int8-int4"}, "compression='int8-int4' is not"),
-    ({"offload": "disk", "mixed_precision": BF16, "compile": True}, "compile=True is not supported"),
 ]
 
 

@@ -115,11 +115,11 @@ ACCEPTED = [
     ["--mixed-precision", "bf16", "--offload", "disk", "--compress", "none"],
     ["--mixed-precision", "bf16", "--offload", "disk", "--eager-init", "--prefetch-depth", "0"],
     ["--mixed-precision", "bf16", "--offload", "cpu", "--compile"],
+    ["--mixed-precision", "bf16", "--offload", "disk", "--compile"],
 ]
 # Pairings the runtime refuses, and the reason each rank must give.
 REFUSED = [
     (["--mixed-precision", "bf16", "--offload", "disk", "--compress", "int8"], "offload='disk' with compression"),
-    (["--mixed-precision", "bf16", "--offload", "disk", "--compile"], "offload='disk' with compile=True"),
 ]
 FEW = ["--steps", "2", "--eval-every", "1", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
        "--batch", "2", "--checkpoint-every", "1"]

@@ -101,8 +101,6 @@ def disk_offload_error(config: "Config", mixed_precision: Optional["MixedPrecisi
     if config.compress != "none":
         return (f"offload='disk' with compression={config.compress!r} is not supported: the codecs encode the "
                 "fp32 master shard, which is on disk; use compression='none'")
-    if config.compile:
-        return "offload='disk' with compile=True is not supported yet; use compile=False"
     if device.type not in ("cpu", "cuda"):
         return (f"offload='disk' runs on CPU and CUDA devices (this rank computes on {device}); "
                 "use offload='none'")
