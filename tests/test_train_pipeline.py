@@ -4,6 +4,7 @@ name what it does not take."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -63,9 +64,34 @@ class _recording:
         loop.mean_over_ranks = self.original
 
 
-def _pipeline_runs(rank: int, world: int) -> dict:
+def _pipeline_runs(rank: int, world: int, directory: str) -> dict:
     return {"accepted": [_losses_per_step([*FEW, *flags]) for flags in ACCEPTED],
-            "uneven": _losses_per_step([*FEW, "--pp", "3"])}
+            "uneven": _losses_per_step([*FEW, "--pp", "3"]), **_resumed_runs(directory)}
+
+
+def _resumed_runs(directory: str) -> dict:
+    """ACCEPTED[0]'s run cut at step 2 and resumed from its checkpoint: at the same layout, at
+    four stages (two per rank, InterleavedZeroBubble), and refused at another count of
+    data-parallel ranks and for another model."""
+    import shutil
+
+    import torch.distributed as dist
+
+    def run(path: str, *flags: str):
+        return _losses_per_step([*FEW, "--pp", "2", "--schedule-steps", "4", "--checkpoint-dir", path, *flags])
+
+    same, other = os.path.join(directory, "same"), os.path.join(directory, "other")
+    out = {"first half": run(same, "--steps", "2")}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.copytree(same, other)
+    dist.barrier()
+    out["resumed"] = run(same)
+    out["relaid"] = run(other, "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4")
+    out["other dp"] = _losses_per_step([*FEW, "--pp", "4", "--microbatches", "4", "--checkpoint-dir", same])
+    out["other model"] = run(same, "--hidden", "48")
+    out["saved"] = sorted(os.listdir(same))
+    return out
 
 
 def _data_parallel_run(rank: int, world: int) -> dict:
@@ -74,8 +100,9 @@ def _data_parallel_run(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launches() -> dict[int, CaseLaunch]:
-    return {4: CaseLaunch({"pipeline": RankCase(_pipeline_runs)}, world_size=4, timeout=400),
+def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
+    directory = str(tmp_path_factory.mktemp("pipeline-job"))
+    return {4: CaseLaunch({"pipeline": RankCase(_pipeline_runs, (directory,))}, world_size=4, timeout=400),
             2: CaseLaunch({"reference": RankCase(_data_parallel_run)}, world_size=2, timeout=200)}
 
 
@@ -124,10 +151,28 @@ def test_each_accepted_combination_trains_on_every_rank(launches) -> None:
     assert all(out["accepted"] == results[0]["accepted"] for out in results)     # means over ranks
 
 
+@pytest.mark.timeout(600)
+def test_a_pipeline_run_resumes_from_its_checkpoint_at_the_same_or_another_layout(launches) -> None:
+    """Two steps, a checkpoint, two more: at the same layout the losses are the uninterrupted
+    run's bit for bit; at four stages cut otherwise, within the stage layouts' rounding."""
+    results = [outcome.result() for outcome in launches[4]["pipeline"]]
+    for out in results:
+        uninterrupted, _ = out["accepted"][0]
+        first, _ = out["first half"]
+        resumed, resumed_val = out["resumed"]
+        relaid, _ = out["relaid"]
+        assert first == uninterrupted[:2] and resumed == uninterrupted[2:], (first, resumed, uninterrupted)
+        torch.testing.assert_close(torch.tensor(relaid), torch.tensor(uninterrupted[2:]), rtol=1e-4, atol=1e-5)
+        assert out["saved"] == ["step-00000002", "step-00000004"], out["saved"]
+        assert out["other dp"].startswith("JobError: --checkpoint-dir ") and \
+            "was saved with 2 data-parallel ranks and this run has 1 (world / --pp)" in out["other dp"], out["other dp"]
+        assert out["other model"].startswith("JobError: --checkpoint-dir ") and "shape" in out["other model"], \
+            out["other model"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "2", "--moe"], "--moe with --pp is not supported yet"),
     (["--pp", "2", "--sample", "1"], "--sample with --pp is not supported yet"),
-    (["--pp", "2", "--checkpoint-dir", "ckpt"], "--checkpoint-dir with --pp is not supported yet"),
     (["--pp", "2", "--trace", "trace"], "--trace with --pp is not supported yet"),
     (["--pp", "2", "--compress", "int8"], "--compress with --pp: the stages are sharded with overlap.fully_shard, "
                                           "which takes FSDP2's arguments; set OVERLAP_COMPRESS=<mode> instead"),

@@ -34,14 +34,15 @@ from overlap.checkpoint.pretrained import load_pretrained
 from overlap.checkpoint.staging import StagingWriter
 from overlap.checkpoint.safe_files import METADATA_FILE, SafeLoadPlanner, UnsafeCheckpoint, read_metadata
 from overlap.checkpoint.state import (EXTRA, MODEL, PARAM_GROUPS, CheckpointMismatch, check_model, load_optimizer,
-                                      model_items, optimizer_items, optimizer_targets, streamed_keys)
+                                      model_items, optimizer_items, optimizer_targets, stored_shape,
+                                      streamed_keys)
 from overlap.optim.paged import PagedAdamW, paged_of
 
 if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule
 
 __all__ = ["CheckpointMismatch", "CorruptCheckpoint", "IncompleteCheckpoint", "PendingSave", "UnsafeCheckpoint",
-           "async_save", "latest_checkpoint", "load", "load_pretrained", "save"]
+           "async_save", "async_save_items", "latest_checkpoint", "load", "load_items", "load_pretrained", "save"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -64,7 +65,10 @@ _CHECKPOINT_GROUPS: dict[tuple[Any, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
-    ranks = tuple(dist.get_process_group_ranks(model.collectives.all_group))
+    return _gloo_group(tuple(dist.get_process_group_ranks(model.collectives.all_group)))
+
+
+def _gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     key = (dist.group.WORLD, ranks)
     if key not in _CHECKPOINT_GROUPS:
         group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
@@ -72,6 +76,16 @@ def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
         # refused checkpoint) must not close its side while another is still connecting.
         dist.barrier(group=group)
         _CHECKPOINT_GROUPS[key] = group
+    return _CHECKPOINT_GROUPS[key]
+
+
+def _world_group() -> dist.ProcessGroup:
+    """The gloo group of `async_save_items` and `load_items`, which every rank calls: made as
+    WORLD makes groups, in step on every rank. (Named by its ranks, it would share its name,
+    and so its keys in the store, with any group over all ranks that a device mesh made.)"""
+    key = (dist.group.WORLD, ())
+    if key not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[key] = dist.new_group(backend="gloo")
     return _CHECKPOINT_GROUPS[key]
 
 
@@ -126,9 +140,8 @@ def _items(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer],
     return items
 
 
-def _prepare(path: str, model: "ShardedModule") -> tuple[dist.ProcessGroup, str]:
-    """Wait for this model's previous asynchronous save, clear a stale partial directory."""
-    group = _checkpoint_group(model)
+def _prepare(path: str, group: dist.ProcessGroup) -> str:
+    """Wait for the group's previous asynchronous save, clear a stale partial directory."""
     previous = _in_flight.pop(group, None)
     if previous is not None:
         previous.wait()
@@ -137,7 +150,7 @@ def _prepare(path: str, model: "ShardedModule") -> tuple[dist.ProcessGroup, str]
         shutil.rmtree(partial, ignore_errors=True)
     # Nobody writes into the partial directory before rank 0 has cleared it.
     dist.barrier(group)
-    return group, partial
+    return partial
 
 
 def _publish(partial: str, path: str) -> None:
@@ -179,7 +192,8 @@ def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
     the same on every rank, returned by `load`. `checksums`: record a checksum of every item
     written, which `load` checks. Called on every rank."""
     path = os.fspath(path)
-    group, partial = _prepare(path, model)
+    group = _checkpoint_group(model)
+    partial = _prepare(path, group)
     dcp.save(_items(model, optimizer, extra), storage_writer=_writer(partial, checksums), process_group=group,
              planner=_SavePlanner())
     if dist.get_rank(group) == 0:
@@ -196,11 +210,28 @@ def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optio
     optimizer step after the save waits for it (see [Note: saves streamed from the state file]
     in overlap.optim.paged)."""
     path = os.fspath(path)
-    group, partial = _prepare(path, model)
+    group = _checkpoint_group(model)
+    partial = _prepare(path, group)
     items = _items(model, optimizer, extra)
     pins = [engine.pin() for engine in _paged_engines(model)]
-    streamed = streamed_keys(model, optimizer)
+    return _async_save(path, partial, group, items, checksums, streamed_keys(model, optimizer), pins)
 
+
+def async_save_items(path: str | os.PathLike, items: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None,
+                     *, checksums: bool = True) -> PendingSave:
+    """`async_save` of state that is no one model's: `items` (tensors, DTensors and plain
+    values, under keys the caller chooses; pipeline stages use the whole model's names),
+    every rank of the world its own. Written and published as `async_save` writes, read back
+    with `load_items`. Called on every rank."""
+    path = os.fspath(path)
+    group = _world_group()
+    partial = _prepare(path, group)
+    items = {**items, **{EXTRA + key: value for key, value in (extra or {}).items()}}
+    return _async_save(path, partial, group, items, checksums, frozenset(), [])
+
+
+def _async_save(path: str, partial: str, group: dist.ProcessGroup, items: dict[str, Any], checksums: bool,
+                streamed: frozenset[str], pins: list) -> PendingSave:
     def release() -> None:
         for pin in pins:
             pin.release()
@@ -312,6 +343,33 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
             engine.mark_inconsistent(f"loading checkpoint {path} failed: {type(exc).__name__}: {exc}")
         raise
     return {key[len(EXTRA):]: value for key, value in items.items() if key.startswith(EXTRA)}
+
+
+def load_items(path: str | os.PathLike, items: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
+    """Load what `async_save_items` wrote into `items` in place (every key of `items` must be
+    in the checkpoint, at its shape: CheckpointMismatch names the first that is not); returns
+    the `extra` values saved with it. Called on every rank of the world."""
+    path = os.fspath(path)
+    metadata = _complete_metadata(path)
+    saved = metadata.state_dict_metadata
+    for key, value in items.items():
+        if key not in saved:
+            raise CheckpointMismatch(f"checkpoint {path} has no {key!r}")
+        here, there = stored_shape(value), stored_shape(saved[key])
+        if here != there:
+            raise CheckpointMismatch(f"checkpoint {path} does not fit: {key!r} has shape {there} in the checkpoint "
+                                     f"and {here} here")
+    group = _world_group()
+    previous = _in_flight.get(group)
+    if previous is not None:
+        futures.wait([previous.future])
+    targets = dict(items)
+    for key, entry in saved.items():
+        if key.startswith(EXTRA):
+            size = getattr(entry, "size", None)
+            targets[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
+    _read(targets, path, metadata, group, verify)
+    return {key[len(EXTRA):]: value for key, value in targets.items() if key.startswith(EXTRA)}
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Optional[str]:

@@ -36,7 +36,7 @@ class CheckpointMismatch(ValueError):
     """The checkpoint was written for another model or another optimizer setup."""
 
 
-def _shape(value: Any) -> Optional[tuple[int, ...]]:
+def stored_shape(value: Any) -> Optional[tuple[int, ...]]:
     if isinstance(value, TensorStorageMetadata):
         return tuple(value.size)
     if isinstance(value, torch.Tensor):
@@ -94,13 +94,15 @@ def check_model(path: str, metadata: Metadata, model: "ShardedModule") -> None:
     expected = model.state_dict()
     for key, value in expected.items():
         if key not in saved:
-            raise CheckpointMismatch(f"checkpoint {path} has no {key!r} (shape {_shape(value)} in the model)")
-        if _shape(saved[key]) != _shape(value):
+            raise CheckpointMismatch(f"checkpoint {path} has no {key!r} (shape {stored_shape(value)} in the model)")
+        there, here = stored_shape(saved[key]), stored_shape(value)
+        if there != here:
             raise CheckpointMismatch(f"checkpoint {path} does not fit the model: {key!r} has shape "
-                                     f"{_shape(saved[key])} in the checkpoint and {_shape(value)} in the model")
+                                     f"{there} in the checkpoint and {here} in the model")
     unexpected = [key for key in saved if key not in expected]
     if unexpected:
-        raise CheckpointMismatch(f"checkpoint {path} holds {unexpected[0]!r} (shape {_shape(saved[unexpected[0]])}), "
+        first = unexpected[0]
+        raise CheckpointMismatch(f"checkpoint {path} holds {first!r} (shape {stored_shape(saved[first])}), "
                                  f"which the model does not have ({len(unexpected)} such keys)")
 
 

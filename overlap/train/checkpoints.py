@@ -7,7 +7,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,23 @@ class Progress:
     resumed_from: Optional[str] = None
 
 
-def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           text_name: str) -> Progress:
+# Loads the checkpoint at a path into the job's state and returns the extra values saved with
+# it; writes the job's state to a path with extra values, returning once they are staged.
+Load = Callable[[str], dict]
+Write = Callable[[str, dict], checkpoint.PendingSave]
+
+
+def model_checkpoints(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Load, Write]:
+    """How a ShardedModule and its optimizer are loaded and saved (overlap.checkpoint)."""
+    return (lambda path: checkpoint.load(path, model, optimizer),
+            lambda path, extra: checkpoint.async_save(path, model, optimizer, extra=extra))
+
+
+def resume(args: argparse.Namespace, load: Load, text_name: str, shards: int) -> Progress:
     """Load the newest complete checkpoint in --checkpoint-dir (rank 0 chooses, every rank
-    loads the same one). Raises JobError on every rank for a checkpoint that does not fit."""
-    fresh = Progress(step=0, shards=dist.get_world_size())
+    loads the same one); `shards`: a fresh run's batch shards. Raises JobError on every rank
+    for a checkpoint that does not fit."""
+    fresh = Progress(step=0, shards=shards)
     if args.checkpoint_dir is None:
         return fresh
     choice = [checkpoint.latest_checkpoint(args.checkpoint_dir) if dist.get_rank() == 0 else None]
@@ -52,13 +64,13 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.op
     if path is None:
         return fresh
     try:
-        extra = checkpoint.load(path, model, optimizer)
+        extra = load(path)
     except CheckpointMismatch as exc:
         raise JobError(f"--checkpoint-dir {args.checkpoint_dir}: {exc}") from None
     if "step" not in extra or "window" not in extra:
         raise JobError(f"--checkpoint-dir {args.checkpoint_dir}: checkpoint {path} holds no step count: it was not "
                        "saved by overlap train")
-    progress = Progress(step=int(extra["step"]), shards=int(extra.get("shards", dist.get_world_size())),
+    progress = Progress(step=int(extra["step"]), shards=int(extra.get("shards", shards)),
                         window=[float(x) for x in extra["window"]], resumed_from=path)
     if progress.step > args.steps:
         raise JobError(f"the newest checkpoint in --checkpoint-dir {args.checkpoint_dir} is at step "
@@ -74,13 +86,11 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.op
 class Saver:
     """Asynchronous saves into --checkpoint-dir, and how long each held training up."""
 
-    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 text_name: str) -> None:
+    def __init__(self, args: argparse.Namespace, write: Write, text_name: str) -> None:
         self.directory = args.checkpoint_dir
         self.every = args.checkpoint_every or args.steps
         self.last_step = args.steps
-        self.model = model
-        self.optimizer = optimizer
+        self.write = write
         self.settings = run_settings(args, text_name)
         self.pending: Optional[checkpoint.PendingSave] = None
         self.blocking: list[float] = []
@@ -92,10 +102,9 @@ class Saver:
     def save(self, progress: Progress) -> None:
         started = time.perf_counter()
         # Returns once the state is staged in host memory (after the previous save finished).
-        self.pending = checkpoint.async_save(
-            os.path.join(self.directory, f"step-{progress.step:08d}"), self.model, self.optimizer,
-            extra={"step": progress.step, "shards": progress.shards, "window": list(progress.window),
-                   "settings": self.settings})
+        self.pending = self.write(os.path.join(self.directory, f"step-{progress.step:08d}"),
+                                  {"step": progress.step, "shards": progress.shards, "window": list(progress.window),
+                                   "settings": self.settings})
         self.blocking.append(time.perf_counter() - started)
 
     def wait(self) -> None:

@@ -19,7 +19,7 @@ from overlap.models.moe import GPTMoE, MoEBlock, MoEConfig
 from overlap.observe.timeline import TraceRecorder
 from overlap import optim as overlap_optim
 from overlap.train.batches import ByteBatches, shards_of_rank
-from overlap.train.checkpoints import Progress, Saver, resume
+from overlap.train.checkpoints import Progress, Saver, model_checkpoints, resume
 from overlap.train.loop import DataParallelSteps, Losses, train_loop
 from overlap.train.options import JobError, check_pipeline, check_world_size, read_text, stages_per_rank
 from overlap.train.process_group import init_process_group
@@ -57,7 +57,8 @@ def train(args: argparse.Namespace, device: torch.device) -> Optional[Losses]:
         return _train_pipeline(args, device, name, text, batches)
     model, config = build_model(args)
     optimizer = build_optimizer(model, args)
-    progress = resume(args, model, optimizer, name)
+    load, write = model_checkpoints(model, optimizer)
+    progress = resume(args, load, name, world)
     shards = shards_of_rank(progress.shards, dist.get_rank(), world)
     if dist.get_rank() == 0:
         print(_header(args, model, config, name, text, device, progress), flush=True)
@@ -66,7 +67,7 @@ def train(args: argparse.Namespace, device: torch.device) -> Optional[Losses]:
             print(f"overlap train: all --steps {args.steps} are done; nothing to train")
         return None
     tracer = _tracer(args, model, progress, device)
-    saver = Saver(args, model, optimizer, name) if args.checkpoint_dir is not None else None
+    saver = Saver(args, write, name) if args.checkpoint_dir is not None else None
 
     def on_first_step(bar) -> None:
         if model.overlap_config.compile:
@@ -81,27 +82,39 @@ def train(args: argparse.Namespace, device: torch.device) -> Optional[Losses]:
 
 
 def _train_pipeline(args: argparse.Namespace, device: torch.device, name: str, text: bytes,
-                    batches: ByteBatches) -> Losses:
+                    batches: ByteBatches) -> Optional[Losses]:
     """--pp: this rank's stage (overlap.train.pipeline), the same loop and lines; the report is
     the first stage's (rank 0's)."""
     from overlap.train.pipeline import PipelineSteps
+    from overlap.train.pipeline_checkpoints import stage_checkpoints
 
     data_parallel = dist.get_world_size() // args.pp
-    progress = Progress(step=0, shards=data_parallel)
     config = model_config(args)
+    # One batch shard per data-parallel rank: a resumed run must have as many.
     steps = PipelineSteps(args, config, device, batches,
-                          shards_of_rank(progress.shards, dist.get_rank() % data_parallel, data_parallel))
+                          shards_of_rank(data_parallel, dist.get_rank() % data_parallel, data_parallel))
     runtime = steps.runtime
     optimizer = torch.optim.AdamW(steps.parameter_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    load, write = stage_checkpoints(steps.modules, optimizer)
+    progress = resume(args, load, name, data_parallel)
+    if progress.shards != data_parallel:
+        raise JobError(f"--checkpoint-dir {args.checkpoint_dir}: {progress.resumed_from} was saved with "
+                       f"{progress.shards} data-parallel ranks and this run has {data_parallel} (world / --pp); "
+                       "with --pp a run resumes over as many (--pp and --pp-schedule may change)")
     if dist.get_rank() == 0:
         print(_header(args, runtime, config, name, text, device, progress), flush=True)
+    if progress.step == args.steps:
+        if dist.get_rank() == 0:
+            print(f"overlap train: all --steps {args.steps} are done; nothing to train")
+        return None
+    saver = Saver(args, write, name) if args.checkpoint_dir is not None else None
 
     def on_first_step(bar) -> None:
         if runtime.overlap_config.compile:
             _print_compile_seconds(bar)
 
-    losses = train_loop(steps, optimizer, progress, args, device, None, None, on_first_step)
-    _report(args, runtime, losses, None, None)
+    losses = train_loop(steps, optimizer, progress, args, device, saver, None, on_first_step)
+    _report(args, runtime, losses, saver, None)
     return losses
 
 
