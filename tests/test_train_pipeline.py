@@ -66,7 +66,25 @@ class _recording:
 
 def _pipeline_runs(rank: int, world: int, directory: str) -> dict:
     return {"accepted": [_losses_per_step([*FEW, *flags]) for flags in ACCEPTED],
-            "uneven": _losses_per_step([*FEW, "--pp", "3"]), **_resumed_runs(directory)}
+            "uneven": _losses_per_step([*FEW, "--pp", "3"]), **_resumed_runs(directory),
+            "traced": _traced(os.path.join(directory, "trace"))}
+
+
+def _traced(directory: str) -> dict:
+    """Two stages per rank with --trace: this rank's Chrome trace (its event names), and on
+    rank 0, which draws it, the timeline's first bytes."""
+    import json
+
+    import torch.distributed as dist
+
+    _losses_per_step([*FEW, "--pp", "2", "--pp-schedule", "Interleaved1F1B", "--microbatches", "4",
+                      "--trace", directory])
+    with open(os.path.join(directory, f"trace_rank{dist.get_rank()}.json")) as f:
+        names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
+    if dist.get_rank() != 0:
+        return {"names": names}
+    with open(os.path.join(directory, "timeline.png"), "rb") as f:
+        return {"names": names, "png": f.read(8)}
 
 
 def _resumed_runs(directory: str) -> dict:
@@ -170,10 +188,18 @@ def test_a_pipeline_run_resumes_from_its_checkpoint_at_the_same_or_another_layou
             out["other model"]
 
 
+@pytest.mark.timeout(600)
+def test_a_pipeline_run_writes_its_trace_and_timeline(launches) -> None:
+    for rank, outcome in enumerate(launches[4]["pipeline"]):
+        traced = outcome.result()["traced"]
+        assert rank != 0 or traced["png"] == b"\x89PNG\r\n\x1a\n"
+        assert any(name.startswith("overlap::pre_forward::blocks.") for name in traced["names"]), traced["names"]
+        assert any(name.startswith("overlap::reduce_scatter::") for name in traced["names"]), traced["names"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "2", "--moe"], "--moe with --pp is not supported yet"),
     (["--pp", "2", "--sample", "1"], "--sample with --pp is not supported yet"),
-    (["--pp", "2", "--trace", "trace"], "--trace with --pp is not supported yet"),
     (["--pp", "2", "--compress", "int8"], "--compress with --pp: the stages are sharded with overlap.fully_shard, "
                                           "which takes FSDP2's arguments; set OVERLAP_COMPRESS=<mode> instead"),
     (["--pp", "2", "--compile"], "set OVERLAP_COMPILE=1 instead"),

@@ -108,13 +108,14 @@ def _train_pipeline(args: argparse.Namespace, device: torch.device, name: str, t
             print(f"overlap train: all --steps {args.steps} are done; nothing to train")
         return None
     saver = Saver(args, write, name) if args.checkpoint_dir is not None else None
+    tracer = _tracer(args, runtime, progress, device)       # each rank's first stage
 
     def on_first_step(bar) -> None:
         if runtime.overlap_config.compile:
             _print_compile_seconds(bar)
 
-    losses = train_loop(steps, optimizer, progress, args, device, saver, None, on_first_step)
-    _report(args, runtime, losses, saver, None)
+    losses = train_loop(steps, optimizer, progress, args, device, saver, tracer, on_first_step)
+    _report(args, runtime, losses, saver, tracer)
     return losses
 
 
