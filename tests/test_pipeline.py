@@ -39,11 +39,16 @@ def _one_process(dp: int) -> dict[str, torch.Tensor]:
     """SGD on the mean of every data-parallel rank's microbatch losses (what the schedules' loss
     scaling and the data-parallel mean give)."""
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    size = PER_DP_RANK // MICROBATCHES
-    for x, y in _batches(dp):
-        losses = [_loss(model(x[i * size:(i + 1) * size]), y[i * size:(i + 1) * size])
-                  for i in range(MICROBATCHES * dp)]
+    return train_microbatched(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(dp),
+                              PER_DP_RANK // MICROBATCHES)
+
+
+def train_microbatched(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       batches: list[tuple[torch.Tensor, torch.Tensor]], size: int) -> dict[str, torch.Tensor]:
+    """One optimizer step per global batch on the mean of its microbatches' losses (of `size`
+    samples each): what a schedule over every data-parallel rank computes. The final state."""
+    for x, y in batches:
+        losses = [_loss(model(x[i:i + size]), y[i:i + size]) for i in range(0, len(x), size)]
         (sum(losses) / len(losses)).backward()
         optimizer.step()
         optimizer.zero_grad()

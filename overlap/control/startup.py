@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch import nn
 
 from overlap.base.choices import SHARDINGS
@@ -91,11 +92,14 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         if not experts:
             raise ValueError(f"expert_parallel={request.expert_parallel}: the model has no expert module (known: "
                              f"{', '.join(EXPERT_CLASS_NAMES)}); name its class with expert_types=(MyExperts,)")
+        if any(isinstance(param, DTensor) for param in module.parameters()):
+            raise ValueError(f"expert_parallel={request.expert_parallel} with tensor parallelism (the model holds "
+                             "DTensor parameters) is not supported yet")
         if request.expert_capacity_factor is not None:
             cap_routing(experts, request.expert_capacity_factor)
         chunks = settings.config.expert_chunks
         expert_groups = make_groups(request.expert_parallel, request.all_group,
-                                    DEFAULT_CHUNKS if chunks is None else chunks)
+                                    DEFAULT_CHUNKS if chunks is None else chunks, stage=request.stage)
         split_experts(experts, expert_groups)
         request = dataclasses.replace(request, unit_merge_key=None, unit_modules=units_with_experts(
             module, [spec.modules for spec in unit_specs], experts))

@@ -104,6 +104,7 @@ class ExpertGroups:
     shard_group: dist.ProcessGroup           # the ranks holding this rank's experts
     ep_rank: int
     ranks: tuple[int, ...]                   # the world's ranks in order: rank g·E + e is ranks[g·E + e]
+    stage: bool = False                      # a pipeline stage's (see make_groups)
     # See [Note: ranks that part in a mixture of experts].
     watched: _Watched = field(default_factory=_Watched)
 
@@ -130,27 +131,37 @@ def cap_routing(modules: list[nn.Module], capacity_factor: float) -> None:
         module.register_forward_pre_hook(drop)
 
 
-def make_groups(size: int, all_group: dist.ProcessGroup, chunks: int = DEFAULT_CHUNKS) -> ExpertGroups:
-    """Both families of groups (see the note), the expert-parallel one once per chunk; every
-    rank calls it, creating every group."""
+def make_groups(size: int, all_group: dist.ProcessGroup, chunks: int = DEFAULT_CHUNKS,
+                stage: bool = False) -> ExpertGroups:
+    """Both families of groups (see the note) over the ranks of `all_group`, the
+    expert-parallel one once per chunk. Every rank of the world calls it and creates every
+    group, except in a pipeline stage (`stage`), whose ranks make only their own: the other
+    stages' ranks may wrap other modules, without experts, at other times."""
     world, rank = dist.get_world_size(all_group), dist.get_rank(all_group)
     if size < 1 or world % size:
         raise ValueError(f"expert_parallel={size} must divide the world size {world}")
     if chunks < 1:
         raise ValueError(f"expert chunks={chunks} must be at least 1")
     ranks = dist.get_process_group_ranks(all_group)
+
+    def made(members: list[int], mine: bool) -> Optional[dist.ProcessGroup]:
+        if not stage:
+            return dist.new_group(members)
+        # Named by its members and by how many groups each has made, which the ranks of one
+        # stage agree on: they wrap the same modules in the same order.
+        return dist.new_group(members, use_local_synchronization=True) if mine else None
+
     ep_groups = shard_group = None
     for g in range(world // size):
         members = [ranks[g * size + e] for e in range(size)]
-        made = tuple(dist.new_group(members) for _ in range(chunks))
+        copies = tuple(made(members, rank // size == g) for _ in range(chunks))
         if rank // size == g:
-            ep_groups = made
+            ep_groups = copies
     for e in range(size):
-        members = [ranks[g * size + e] for g in range(world // size)]
-        made = dist.new_group(members)
+        group = made([ranks[g * size + e] for g in range(world // size)], rank % size == e)
         if rank % size == e:
-            shard_group = made
-    return ExpertGroups(size, ep_groups, shard_group, rank % size, tuple(ranks))
+            shard_group = group
+    return ExpertGroups(size, ep_groups, shard_group, rank % size, tuple(ranks), stage)
 
 
 def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
@@ -255,16 +266,23 @@ class _SendBack(torch.autograd.Function):
     behind compute]); the gradients passed on are only waited for there."""
 
     @staticmethod
-    def forward(ctx: Any, backs: tuple[_Handoff, ...], *parts: torch.Tensor) -> torch.Tensor:
-        ctx.backs, ctx.lengths = backs, [len(part) for part in parts]
+    def forward(ctx: Any, backs: tuple[_Handoff, ...], stage: bool, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.backs, ctx.stage, ctx.lengths = backs, stage, [len(part) for part in parts]
         return torch.cat(parts) if len(parts) > 1 else parts[0].view_as(parts[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        if ctx.stage and torch._C._autograd._get_current_graph_task_keep_graph() and not torch.is_grad_enabled():
+            # The input step of a zero-bubble schedule: its weight step would run parts of this
+            # graph again, which holds collectives that are issued once.
+            raise RuntimeError("expert_parallel in a pipeline stage does not take a backward split into an input "
+                               "step and a weight step (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
+                               "ScheduleDualPipeV); use a schedule with full backwards (ScheduleGPipe, "
+                               "Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS)")
         grads = grad.split(ctx.lengths)
         for back, part in zip(ctx.backs, grads):
             back.send(part)
-        return (None, *grads)
+        return (None, None, *grads)
 
 
 def _wait(pending: list[Pending]) -> None:
@@ -318,7 +336,7 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
         for c in range(count):                                 # chunk c + 1 arrives while chunk c computes
             _wait(dispatches[c])
             tokens_MD, sent_back = tokens[c]
-            tokens_MD = _SendBack.apply((sent_back,), tokens_MD)      # its gradient goes back from here
+            tokens_MD = _SendBack.apply((sent_back,), groups.stage, tokens_MD)    # its gradient goes back from here
             ones_M1 = torch.ones(len(experts_M[c]), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
             out_MD = compute(self, tokens_MD, experts_M[c][:, None], ones_M1)
             if len(experts_M[c]) == 0 and torch.is_grad_enabled():
@@ -334,7 +352,7 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
             backs.append(back)
             handoffs.append(handoff)
         _wait(combines)
-        back_PD = _SendBack.apply(tuple(handoffs), *backs)
+        back_PD = _SendBack.apply(tuple(handoffs), groups.stage, *backs)
         return torch.zeros_like(hidden_ND).index_add(0, token_P, back_PD * weight_P[:, None].to(back_PD.dtype))
 
     return forward
@@ -396,10 +414,12 @@ def expert_parallel_error(size: Optional[int], config: Any, request: Any) -> Opt
         return ("expert_parallel with sharding='hpz' is not supported: hpZ's node copy gathers a node's ranks' "
                 "rows, and an expert unit's rows lie on the ranks holding the same experts; use sharding='full' "
                 "or 'hybrid'")
-    refused = [(request.mesh is not None, "mesh= (tensor or pipeline parallelism)"),
+    refused = [(request.mesh is not None and not (request.stage and request.mesh.ndim == 1),
+                "a mesh other than a pipeline stage's data-parallel one (tensor parallelism, or hybrid sharding "
+                "by mesh)"),
                (request.dtensor_params, "fully_shard")]
     for wanted, what in refused:
         if wanted:
-            return (f"expert_parallel with {what} is not supported yet: expert parallelism runs over the whole "
-                    "world, without another parallel axis")
+            return (f"expert_parallel with {what} is not supported yet: expert parallelism runs over the world, "
+                    "or over the data-parallel ranks of a pipeline stage (mesh['dp'] of a ('pp', 'dp') mesh)")
     return None
