@@ -48,8 +48,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch_store(world_size: int, backend: str | None) -> tuple[Any, int]:
+    """The launch's rendezvous: a store the parent hosts on a port it bound itself, which the
+    ranks join (no port picked free and bound later, which another launch could take
+    meanwhile); None and a free port for `init_process_group()` from the environment, whose
+    rank 0 hosts the store."""
+    if backend is None:
+        return None, _free_port()
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    return store, store.port
+
+
 def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, env: dict, args: tuple,
            backend: str | None = "gloo") -> None:
+    """One rank: joins the launch's store (from the environment when `backend` is None), runs
+    `fn`, writes its result or error, and leaves."""
     os.environ.clear()          # the server's environment, replaced by the test's at launch
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -60,9 +76,12 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, en
     torch.set_num_threads(1)
     result: Any
     try:
-        # backend None: `init_process_group()` as the README writes it (the machine's default).
-        dist.init_process_group(**({} if backend is None else {"backend": backend}), rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        timeout = datetime.timedelta(seconds=60)
+        if backend is None:       # `init_process_group()` as the README writes it (the machine's default)
+            dist.init_process_group(rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             result = ("ok", fn(rank, world_size, *args))
         finally:
@@ -89,7 +108,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, env: dict | None 
     Raises RankError with every failing rank's traceback; a rank still running after
     `timeout` seconds is killed and reported.
     """
-    port = _free_port()
+    store, port = _launch_store(world_size, backend)     # hosted until the ranks are done
     mp.set_forkserver_preload(PRELOAD)       # read once, when the first launch starts the server
     environment = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory() as out_dir:
