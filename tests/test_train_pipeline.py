@@ -67,7 +67,19 @@ class _recording:
 def _pipeline_runs(rank: int, world: int, directory: str) -> dict:
     return {"accepted": [_losses_per_step([*FEW, *flags]) for flags in ACCEPTED],
             "uneven": _losses_per_step([*FEW, "--pp", "3"]), **_resumed_runs(directory),
-            "traced": _traced(os.path.join(directory, "trace"))}
+            "traced": _traced(os.path.join(directory, "trace")), "sampled": _samples([*FEW, "--pp", "2"])}
+
+
+def _samples(argv: list[str]) -> str:
+    """What the job prints from its first sample on (rank 0), after --steps 4 of `argv`."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _losses_per_step([*argv, "--sample", "2", "--sample-len", "24"])
+    text = printed.getvalue()
+    return text[text.find("--- sample 1 ---"):]
 
 
 def _traced(directory: str) -> dict:
@@ -114,7 +126,8 @@ def _resumed_runs(directory: str) -> dict:
 
 def _data_parallel_run(rank: int, world: int) -> dict:
     return {"reference": _losses_per_step([*FEW, "--eager-init"]),
-            "offload cpu": _losses_per_step([*FEW, "--eager-init", "--offload", "cpu"])}
+            "offload cpu": _losses_per_step([*FEW, "--eager-init", "--offload", "cpu"]),
+            "sampled": _samples([*FEW, "--eager-init"])}
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +202,17 @@ def test_a_pipeline_run_resumes_from_its_checkpoint_at_the_same_or_another_layou
 
 
 @pytest.mark.timeout(600)
+def test_a_pipeline_run_samples_what_the_job_without_stages_samples(launches) -> None:
+    """--sample: rank 0 builds the whole model from the stages' values and draws from it; the
+    same seed's draws from the same (to 1e-5) weights give the same bytes as the job at dp 2."""
+    reference = launches[2]["reference"][0].result()["sampled"]
+    assert reference.startswith("--- sample 1 ---") and "--- sample 2 ---" in reference, reference
+    results = [outcome.result()["sampled"] for outcome in launches[4]["pipeline"]]
+    assert results[0] == reference, (results[0], reference)
+    assert all(text == "" for text in results[1:]), results
+
+
+@pytest.mark.timeout(600)
 def test_a_pipeline_run_writes_its_trace_and_timeline(launches) -> None:
     for rank, outcome in enumerate(launches[4]["pipeline"]):
         traced = outcome.result()["traced"]
@@ -199,7 +223,6 @@ def test_a_pipeline_run_writes_its_trace_and_timeline(launches) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "2", "--moe"], "--moe with --pp is not supported yet"),
-    (["--pp", "2", "--sample", "1"], "--sample with --pp is not supported yet"),
     (["--pp", "2", "--compress", "int8"], "--compress with --pp: the stages are sharded with overlap.fully_shard, "
                                           "which takes FSDP2's arguments; set OVERLAP_COMPRESS=<mode> instead"),
     (["--pp", "2", "--compile"], "set OVERLAP_COMPILE=1 instead"),

@@ -215,7 +215,7 @@ def check_pipeline(args: argparse.Namespace) -> None:
         raise JobError(f"--microbatches {args.microbatches} must divide --batch {args.batch}")
     if args.pp_schedule == "1F1B" and args.microbatches < args.pp:
         raise JobError(f"--pp-schedule 1F1B needs --microbatches >= --pp {args.pp} (got {args.microbatches})")
-    unsupported = {"--moe": args.moe, "--sample": args.sample}
+    unsupported = {"--moe": args.moe}
     for name, value in unsupported.items():
         if value:
             raise JobError(f"{name} with --pp is not supported yet (docs/pipeline.md)")

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
@@ -174,6 +175,24 @@ class PipelineSteps:
         dist.all_reduce(square, group=self.pp_group)
         torch.nn.utils.clip_grads_with_norm_([p for module in self.modules for p in module.parameters()], max_norm,
                                              square.sqrt().float())
+
+    def whole_model(self, config: GPTConfig) -> Optional[GPT]:
+        """The whole GPT on rank 0, from every stage's full values (collective over the
+        world: each stage's data-parallel ranks gather its values, one of them sends them);
+        None on the other ranks. The GPT's tied head takes the last stage's copy, equal to
+        the embedding (see [Note: the tied head across stages])."""
+        values: dict[str, torch.Tensor] = {}
+        for module in self.modules:
+            values.update(get_model_state_dict(module, options=StateDictOptions(full_state_dict=True)))
+        sender = dist.get_rank(self.modules[0].overlap_runtime.collectives.all_group) == 0
+        stages: Optional[list] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object({key: value.detach().cpu() for key, value in values.items()} if sender else {}, stages,
+                           dst=0)
+        if stages is None:
+            return None
+        model = GPT(config)
+        model.load_state_dict({key: value for part in stages for key, value in part.items()})
+        return model
 
     @torch.no_grad()
     def val_loss(self, draws: int) -> Optional[float]:

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from overlap import MixedPrecision, ShardedModule
 from overlap.base.config import local_world_size_from_env
@@ -116,6 +117,10 @@ def _train_pipeline(args: argparse.Namespace, device: torch.device, name: str, t
 
     losses = train_loop(steps, optimizer, progress, args, device, saver, tracer, on_first_step)
     _report(args, runtime, losses, saver, tracer)
+    if args.sample:
+        whole = steps.whole_model(config)
+        if whole is not None:           # rank 0 generates alone, from the stages' values
+            _print_samples(whole.to(device), args, device)
     return losses
 
 
@@ -232,8 +237,9 @@ def _report(args: argparse.Namespace, model: ShardedModule, losses: Losses, save
         print(f"trace: {args.trace}/trace_rank<r>.json (one per rank), timeline {trace_png}")
 
 
-def _print_samples(model: ShardedModule, args: argparse.Namespace, device: torch.device) -> None:
-    """Generate through the ShardedModule (every rank takes part in the gathers)."""
+def _print_samples(model: nn.Module, args: argparse.Namespace, device: torch.device) -> None:
+    """Generate through `model`: a ShardedModule (every rank takes part in the gathers), or
+    under --pp the whole model on rank 0."""
     torch.manual_seed(args.seed)            # the same draws on every rank
     model.eval()
     prompt = torch.full((args.sample, 1), ord("\n"), dtype=torch.long, device=device)
