@@ -120,6 +120,7 @@ def _resumed_runs(directory: str) -> dict:
     out["relaid"] = run(other, "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4")
     out["other dp"] = _losses_per_step([*FEW, "--pp", "4", "--microbatches", "4", "--checkpoint-dir", same])
     out["other model"] = run(same, "--hidden", "48")
+    out["fewer layers"] = run(same, "--layers", "2")
     out["saved"] = sorted(os.listdir(same))
     return out
 
@@ -199,6 +200,9 @@ def test_a_pipeline_run_resumes_from_its_checkpoint_at_the_same_or_another_layou
             "was saved with 2 data-parallel ranks and this run has 1 (world / --pp)" in out["other dp"], out["other dp"]
         assert out["other model"].startswith("JobError: --checkpoint-dir ") and "shape" in out["other model"], \
             out["other model"]
+        assert out["fewer layers"].startswith("JobError: --checkpoint-dir ") and \
+            "'model.blocks.2." in out["fewer layers"] and "which no rank has" in out["fewer layers"], \
+            out["fewer layers"]
 
 
 @pytest.mark.timeout(600)

@@ -346,20 +346,15 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
 
 
 def load_items(path: str | os.PathLike, items: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
-    """Load what `async_save_items` wrote into `items` in place (every key of `items` must be
-    in the checkpoint, at its shape: CheckpointMismatch names the first that is not); returns
-    the `extra` values saved with it. Called on every rank of the world."""
+    """Load what `async_save_items` wrote into `items` in place; returns the `extra` values
+    saved with it. Every rank's keys must be in the checkpoint at their shapes, and every key
+    of the checkpoint some rank's: else CheckpointMismatch names the first that is not, on
+    every rank. Called on every rank of the world."""
     path = os.fspath(path)
     metadata = _complete_metadata(path)
     saved = metadata.state_dict_metadata
-    for key, value in items.items():
-        if key not in saved:
-            raise CheckpointMismatch(f"checkpoint {path} has no {key!r}")
-        here, there = stored_shape(value), stored_shape(saved[key])
-        if here != there:
-            raise CheckpointMismatch(f"checkpoint {path} does not fit: {key!r} has shape {there} in the checkpoint "
-                                     f"and {here} here")
     group = _world_group()
+    _check_items(path, saved, items, group)
     previous = _in_flight.get(group)
     if previous is not None:
         futures.wait([previous.future])
@@ -370,6 +365,30 @@ def load_items(path: str | os.PathLike, items: dict[str, Any], *, verify: bool =
             targets[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
     _read(targets, path, metadata, group, verify)
     return {key[len(EXTRA):]: value for key, value in targets.items() if key.startswith(EXTRA)}
+
+
+def _check_items(path: str, saved: Mapping[str, Any], items: Mapping[str, Any], group: dist.ProcessGroup) -> None:
+    """Raise CheckpointMismatch on every rank of `group` where any rank's items do not fit
+    the checkpoint or together leave some of it unread."""
+    problem = None
+    for key, value in items.items():
+        if key not in saved:
+            problem = f"checkpoint {path} has no {key!r}"
+        elif stored_shape(value) != stored_shape(saved[key]):
+            problem = (f"checkpoint {path} does not fit: {key!r} has shape {stored_shape(saved[key])} in the "
+                       f"checkpoint and {stored_shape(value)} here")
+        if problem is not None:
+            break
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (list(items), problem), group=group)
+    problems = [problem for _, problem in everyone if problem is not None]
+    if problems:
+        raise CheckpointMismatch(problems[0])
+    loaded = {key for keys, _ in everyone for key in keys}
+    unread = [key for key in saved if not key.startswith(EXTRA) and key not in loaded]
+    if unread:
+        raise CheckpointMismatch(f"checkpoint {path} holds {unread[0]!r} (shape {stored_shape(saved[unread[0]])}), "
+                                 f"which no rank has ({len(unread)} such keys)")
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Optional[str]:
