@@ -35,9 +35,13 @@ def _env() -> dict:
     return env
 
 
-def _train(workdir, *argv: str) -> str:
-    """The self-launched job (2 gloo ranks); its stdout."""
-    done = subprocess.run([sys.executable, "-m", "overlap", "train", *TINY, *argv], cwd=workdir, env=_env(),
+# The pipeline job at (pp 2, dp 2): its stages take no --bucket-mb nor --prefetch-depth.
+PIPELINE = [*TINY[:TINY.index("--bucket-mb")], "--pp", "2", "--microbatches", "2"]
+
+
+def _train(workdir, *argv: str, job: list[str] = TINY) -> str:
+    """The self-launched job (2 gloo ranks unless `argv` says otherwise); its stdout."""
+    done = subprocess.run([sys.executable, "-m", "overlap", "train", *job, *argv], cwd=workdir, env=_env(),
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -101,10 +105,28 @@ def _worker_of_rank(agent: int, rank: int) -> int:
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
 def test_a_killed_rank_restarts_under_torchrun_and_ends_the_same(uninterrupted, tmp_path):
+    _kill_and_restart(tmp_path, 2, TINY, uninterrupted)
+
+
+@pytest.mark.slow          # two four-rank runs (about 40 s under load): in `make test-all`
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_a_killed_pipeline_rank_restarts_under_torchrun_and_ends_the_same(tmp_path):
+    """--pp 2 over four ranks: each stage's state comes back from the checkpoint under the
+    whole model's names."""
+    reference = tmp_path / "uninterrupted"
+    reference.mkdir()
+    uninterrupted = _train(reference, "--world-size", "4", "--steps", str(STEPS), "--checkpoint-dir", "ckpt",
+                           job=PIPELINE)
+    _kill_and_restart(tmp_path, 4, PIPELINE, uninterrupted)
+
+
+def _kill_and_restart(tmp_path, ranks: int, job: list[str], uninterrupted: str) -> None:
+    """The job under `torchrun --max-restarts 3`, rank 0 killed once a checkpoint is complete:
+    it restarts, resumes and ends as `uninterrupted` did."""
     checkpoints = tmp_path / "ckpt"
     log = tmp_path / "torchrun.log"
-    command = [*_torchrun(), "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
-               "-m", "overlap", "train", *TINY, "--steps", str(STEPS), "--checkpoint-dir", str(checkpoints)]
+    command = [*_torchrun(), "--standalone", "--nproc-per-node", str(ranks), "--max-restarts", "3",
+               "-m", "overlap", "train", *job, "--steps", str(STEPS), "--checkpoint-dir", str(checkpoints)]
     with open(log, "w") as sink:
         # LOGLEVEL=INFO: torchrun's agent says when it restarts the worker group.
         agent = subprocess.Popen(command, cwd=tmp_path, env=dict(_env(), LOGLEVEL="INFO"), stdout=sink,
