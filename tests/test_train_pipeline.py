@@ -23,6 +23,10 @@ ACCEPTED = [
     # Two stages per rank (stages r and r + 2), with a zero-bubble schedule and without.
     ["--pp", "2", "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4"],
     ["--pp", "2", "--pp-schedule", "Interleaved1F1B", "--microbatches", "4"],
+    # GPT-MoE stages: one microbatch (the parity case, the routers' loss over the whole
+    # batch as the job without stages takes it), and four under 1F1B.
+    ["--pp", "2", "--moe", "--experts", "4", "--pp-schedule", "GPipe", "--microbatches", "1"],
+    ["--pp", "2", "--moe", "--experts", "4", "--microbatches", "4", "--capacity-factor", "1.0"],
 ]
 
 
@@ -128,7 +132,8 @@ def _resumed_runs(directory: str) -> dict:
 def _data_parallel_run(rank: int, world: int) -> dict:
     return {"reference": _losses_per_step([*FEW, "--eager-init"]),
             "offload cpu": _losses_per_step([*FEW, "--eager-init", "--offload", "cpu"]),
-            "sampled": _samples([*FEW, "--eager-init"])}
+            "sampled": _samples([*FEW, "--eager-init"]),
+            "moe": _losses_per_step([*FEW, "--eager-init", "--moe", "--experts", "4"])}
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +164,17 @@ def test_two_stages_per_rank_train_as_the_job_without_stages(launches, index: in
     reference, reference_val = launches[2]["reference"][0].result()["reference"]
     for outcome in launches[4]["pipeline"]:
         losses, val = outcome.result()["accepted"][index]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
+        assert math.isclose(val, reference_val, rel_tol=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_moe_stages_train_as_the_moe_job_without_stages(launches) -> None:
+    """GPT-MoE blocks in two stages: each block's routers' loss joins the backward where it is
+    made and the reported loss, so the losses are the job's without stages at dp 2."""
+    reference, reference_val = launches[2]["reference"][0].result()["moe"]
+    for outcome in launches[4]["pipeline"]:
+        losses, val = outcome.result()["accepted"][6]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
         assert math.isclose(val, reference_val, rel_tol=1e-4)
 
@@ -226,7 +242,7 @@ def test_a_pipeline_run_writes_its_trace_and_timeline(launches) -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pp", "2", "--moe"], "--moe with --pp is not supported yet"),
+    (["--pp", "2", "--moe", "--expert-parallel", "2"], "--expert-parallel with --pp is not supported yet"),
     (["--pp", "2", "--compress", "int8"], "--compress with --pp: the stages are sharded with overlap.fully_shard, "
                                           "which takes FSDP2's arguments; set OVERLAP_COMPRESS=<mode> instead"),
     (["--pp", "2", "--compile"], "set OVERLAP_COMPILE=1 instead"),

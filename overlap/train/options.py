@@ -215,10 +215,9 @@ def check_pipeline(args: argparse.Namespace) -> None:
         raise JobError(f"--microbatches {args.microbatches} must divide --batch {args.batch}")
     if args.pp_schedule == "1F1B" and args.microbatches < args.pp:
         raise JobError(f"--pp-schedule 1F1B needs --microbatches >= --pp {args.pp} (got {args.microbatches})")
-    unsupported = {"--moe": args.moe}
-    for name, value in unsupported.items():
-        if value:
-            raise JobError(f"{name} with --pp is not supported yet (docs/pipeline.md)")
+    if args.expert_parallel is not None:
+        raise JobError("--expert-parallel with --pp is not supported yet: the stages are sharded with "
+                       "overlap.fully_shard, which does not split experts (docs/pipeline.md)")
     for option, variable in RUNTIME_OPTIONS.items():
         if getattr(args, option) is not None:
             flag = "--" + option.replace("_", "-")

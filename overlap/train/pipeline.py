@@ -9,11 +9,21 @@ the first stage and the head on the last, each a copy, equal at the start. After
 gradients are reduced, the two copies' gradients are summed across the first and last stage
 (Megatron's embedding group does the same), so both take the same optimizer steps and stay
 equal: the stages train as the tied model does, and the gradient norm counts the weight once.
+
+[Note: the routers' loss across stages]
+With --moe the loss of a microbatch is the language model's plus each MoE block's
+load-balancing loss (GPTMoE's), but a stage hands on only its activations and the schedule
+computes the loss on the last stage alone. So each MoE block's weighted loss joins the
+backward where it is made: the block's output passes through `_RouterLoss`, which returns the
+output unchanged and, in backward, gives the block's loss the gradient 1 (Megatron's
+auxiliary-loss scaler); the schedule's scaling by the microbatches then averages it with the
+rest. For the report, each stage keeps its microbatches' weighted losses, and after the step
+their sum over the stages joins the last stage's mean.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,10 +37,25 @@ from torch.nn import functional as F
 
 from overlap import fully_shard
 from overlap.models import GPT, GPTConfig
+from overlap.models.moe import GPTMoE, MoEConfig
 from overlap.observe.report import OverlapMonitor
 from overlap.train.batches import ByteBatches
 from overlap.train.options import stages_per_rank
 from overlap.train.schedule import learning_rate
+
+
+class _RouterLoss(torch.autograd.Function):
+    """`x` unchanged; backward also gives `loss` the gradient 1 (see [Note: the routers' loss
+    across stages])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
 
 
 class _Stage(nn.Module):
@@ -39,6 +64,10 @@ class _Stage(nn.Module):
 
     def __init__(self, gpt: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
+        # The weight of the routers' loss (GPT-MoE's blocks), and each forward's weighted sum of
+        # it over this stage's blocks, kept for the report.
+        self.router_weight = getattr(gpt.config, "aux_loss_weight", None)
+        self.router_losses: list[float] = []
         if first:
             self.wte, self.wpe = gpt.wte, gpt.wpe
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in blocks})
@@ -51,9 +80,20 @@ class _Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        weighted = []
         for block in self.blocks.values():
             x = block(x)
+            if self.router_weight is not None:
+                weighted.append(self.router_weight * block.moe.aux_loss)
+                if torch.is_grad_enabled():
+                    x = _RouterLoss.apply(x, weighted[-1])
+        if weighted:
+            self.router_losses.append(float(sum(weighted)))
         return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def _whole(config: GPTConfig) -> GPT:
+    return GPTMoE(config) if isinstance(config, MoEConfig) else GPT(config)
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -91,7 +131,7 @@ class PipelineSteps:
         # Every rank builds the whole model from the seed (the values of the job's own meta
         # build) and keeps its stages.
         torch.manual_seed(args.seed)
-        gpt = GPT(config)
+        gpt = _whole(config)
         policy = dict(mesh=mesh["dp"], offload_policy=CPUOffloadPolicy() if args.offload == "cpu" else OffloadPolicy(),
                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16"
                       else MixedPrecisionPolicy())
@@ -147,11 +187,26 @@ class PipelineSteps:
         inputs, targets = self.batches.get("train", self.args.batch, step, self.shard)
         self.schedule.step(*((inputs,) if self.first else ()),
                            **({"target": targets, "losses": losses} if self.last else {}))
+        router = self._router_loss()
         self._sum_tied_grads()
         self._clip(clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(torch.stack(losses).detach().mean()) if self.last else None
+        return float(torch.stack(losses).detach().mean()) + router if self.last else None
+
+    def _router_loss(self) -> float:
+        """The routers' weighted loss of the schedule's last run, averaged over its
+        microbatches and summed over the stages (collective over the pipeline; 0 without
+        MoE blocks): see [Note: the routers' loss across stages]."""
+        if not self.args.moe:
+            return 0.0
+        count = self.args.microbatches
+        # The last `count` forwards are the run's (torch's first run infers shapes with one more).
+        total = torch.tensor(sum(sum(module.router_losses[-count:]) for module in self.modules), dtype=torch.float64)
+        for module in self.modules:
+            module.router_losses.clear()
+        dist.all_reduce(total, group=self.pp_group)
+        return float(total) / count
 
     def _sum_tied_grads(self) -> None:
         """See [Note: the tied head across stages]."""
@@ -190,7 +245,7 @@ class PipelineSteps:
                            dst=0)
         if stages is None:
             return None
-        model = GPT(config)
+        model = _whole(config)
         model.load_state_dict({key: value for part in stages for key, value in part.items()})
         return model
 
@@ -199,13 +254,14 @@ class PipelineSteps:
         """This rank's mean loss over `draws` validation batches, on the last stage."""
         for module in self.modules:
             module.eval()
-        losses: list[torch.Tensor] = []
+        losses: list[float] = []
         for draw in range(draws):
             inputs, targets = self.batches.get("val", self.args.batch, draw, self.shard)
             these: list[torch.Tensor] = []              # the schedule clears the list it is given
             self.schedule.eval(*((inputs,) if self.first else ()),
                                **({"target": targets, "losses": these} if self.last else {}))
-            losses += these
+            router = self._router_loss()
+            losses += [float(loss) + router for loss in these]
         for module in self.modules:
             module.train()
-        return float(torch.stack(losses).mean()) if self.last else None
+        return sum(losses) / len(losses) if self.last else None
