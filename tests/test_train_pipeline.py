@@ -24,9 +24,10 @@ ACCEPTED = [
     ["--pp", "2", "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4"],
     ["--pp", "2", "--pp-schedule", "Interleaved1F1B", "--microbatches", "4"],
     # GPT-MoE stages: one microbatch (the parity case, the routers' loss over the whole
-    # batch as the job without stages takes it), and four under 1F1B.
+    # batch as the job without stages takes it), and four under a split backward.
     ["--pp", "2", "--moe", "--experts", "4", "--pp-schedule", "GPipe", "--microbatches", "1"],
-    ["--pp", "2", "--moe", "--experts", "4", "--microbatches", "4", "--capacity-factor", "1.0"],
+    ["--pp", "2", "--moe", "--experts", "4", "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4",
+     "--capacity-factor", "1.0"],
 ]
 
 

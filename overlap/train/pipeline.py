@@ -89,6 +89,10 @@ class _Stage(nn.Module):
                     x = _RouterLoss.apply(x, weighted[-1])
         if weighted:
             self.router_losses.append(float(sum(weighted)))
+            if torch.is_grad_enabled() and not self.last:
+                # A stage's output is detached in place after a split backward's input step,
+                # which the view `_RouterLoss` returns does not allow.
+                x = x.clone()
         return self.lm_head(self.ln_f(x)) if self.last else x
 
 
