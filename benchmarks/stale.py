@@ -103,7 +103,7 @@ def staleness(threshold: float) -> list[dict]:
         share = None if changed is None else 100.0 * changed / lines
         history = docs == [HISTORY]
         rows.append(dict(file=path, cited_by=docs, commit=recorded, changed_lines=changed,
-                         percent=None if share is None else round(share, 1), history=history,
+                         percent=share, history=history,
                          stale=not history and (share is None or share > threshold)))
     return rows
 
@@ -120,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stale = [row for row in rows if row["stale"]]
         for row in stale:
             why = ("no commit recorded, or one git does not know" if row["percent"] is None else
-                   f"{row['changed_lines']} runtime lines ({row['percent']}%) changed since {row['commit'][:12]}")
+                   f"{row['changed_lines']} runtime lines ({row['percent']:.1f}%) changed since {row['commit'][:12]}")
             print(f"{row['file']}: {why}; cited by {', '.join(row['cited_by'])}")
         history = sum(row["history"] for row in rows)
         print(f"{len(stale)} of {len(rows) - history} cited result files are past {args.threshold:g}% of the runtime's "
