@@ -963,13 +963,13 @@ FIGURES: list[Figure] = [
               for k in ("median", "min", "max")],
             at("results", "1", "16", "overlap-fully-shard-base", "host_us_per_unit", "median"),
             at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", "median"))),
-    *[Figure("docs/fully_shard.md", f"| {ranks} | {label} | {{0:.0f}} ({{1:.0f}}–{{2:.0f}}) | {{3:.2f}} ({{4:.2f}}–{{5:.2f}}) |",
+    *[Figure("docs/history.md", f"| {ranks} | {label} | {{0:.0f}} ({{1:.0f}}–{{2:.0f}}) | {{3:.2f}} ({{4:.2f}}–{{5:.2f}}) |",
              "overhead_views_registered.json",
              (*[at("results", ranks, "16", impl, "host_us_per_unit", k) for k in ("median", "min", "max")],
               *[at("results", ranks, "16", impl, "ratios", f"{impl}-base", k) for k in ("median", "min", "max")]))
       for ranks in ("1", "2") for impl, label in (("overlap-fully-shard", "`fully_shard`"),
                                                   ("overlap-full", "`ShardedModule`"))],
-    Figure("docs/fully_shard.md", "registration ({0:.0f} before, in the", "overhead_views_registered.json",
+    Figure("docs/history.md", "registration ({0:.0f} before, in the", "overhead_views_registered.json",
            (at("results", "1", "16", "overlap-fully-shard-base", "host_us_per_unit", "median"),)),
     # docs/host_cost.md
     *[Figure("docs/host_cost.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_current.json",
