@@ -279,6 +279,7 @@ def test_overhead_profile_paths_are_relative():
         "x.py:3(i)", "{built-in method builtins.len}"]
 
 
+@pytest.mark.slow          # compare.py end to end, two launches (about 25 s under CI's load): in `make test-all`
 @pytest.mark.timeout(200)
 def test_compare_trains_the_narrow_mlp(tmp_path):
     """`--model mlp`: every implementation wraps the narrow MLP's blocks (ShardedModule with

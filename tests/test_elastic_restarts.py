@@ -87,6 +87,7 @@ def test_a_worker_killed_before_the_first_checkpoint_restarts_from_step_0_and_en
     assert outcome.final == reference, _logs(outcome)
 
 
+@pytest.mark.slow          # two emulated nodes, one lost for good (about 55 s under CI's load): in `make test-all`
 @needs_cluster
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_a_node_removed_for_good_leaves_the_job_finishing_on_one_node(tmp_path, reference):

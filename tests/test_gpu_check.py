@@ -31,6 +31,7 @@ def _check_of(name: str) -> str:
     return name.split("[", 1)[0]
 
 
+@pytest.mark.slow          # every GPU check rehearsed on CPU (about 25 s under CI's load): in `make test-all`
 @pytest.mark.timeout(330)
 def test_rehearsal_gives_every_check_a_pass_or_a_skip_with_its_reason():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_checks.py"), "--rehearse"],
