@@ -1620,13 +1620,13 @@ def _fresh_default_group(ctx: Ctx, key: str) -> None:
                             world_size=ctx.world, timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S))
 
 
-def run_case(rank: int, world: int, name: str) -> dict[str, str]:
-    """Run case `name` under each implementation on this rank; every rank returns the same
-    {implementation: outcome}. See [Note: cases that leave the group broken]."""
+def run_case(rank: int, world: int, name: str, impls: Sequence[str]) -> dict[str, str]:
+    """Run case `name` under each implementation named in `impls` on this rank; every rank
+    returns the same {implementation: outcome}. See [Note: cases that leave the group broken]."""
     ctx = Ctx(rank, world)
     _store(ctx)
     outcomes = {}
-    for impl in IMPLEMENTATIONS:
+    for impl in (impl for impl in IMPLEMENTATIONS if impl.name in impls):
         mine = _rank_outcome(CASES[name].body, impl, ctx)
         if mine[0] != "pass":
             dist.destroy_process_group()
@@ -1862,15 +1862,17 @@ WORLDS = (1, 2, 3)
 LAUNCH_TIMEOUT_S = 600
 
 
-def launch_cases(names: Sequence[str], worlds: Sequence[int] = WORLDS) -> dict[int, Any]:
-    """One launch per world size with every case in `names` on it (tests/distributed.py's
-    [Note: many cases on one launch]), the launches run at the same time (most of their time
-    is spent waiting on each other's ranks); returns each world size's finished CaseLaunch."""
+def launch_cases(names: Sequence[str], worlds: Sequence[int] = WORLDS,
+                 impls: Sequence[str] = tuple(impl.name for impl in IMPLEMENTATIONS)) -> dict[int, Any]:
+    """One launch per world size with every case in `names` on it under the implementations
+    named in `impls` (tests/distributed.py's [Note: many cases on one launch]), the launches
+    run at the same time (most of their time is spent waiting on each other's ranks); returns
+    each world size's finished CaseLaunch."""
     import threading
 
     from distributed import CaseLaunch, RankCase
 
-    runs = {world: CaseLaunch({name: RankCase(run_case, (name,)) for name in names}, world_size=world,
+    runs = {world: CaseLaunch({name: RankCase(run_case, (name, tuple(impls))) for name in names}, world_size=world,
                               timeout=LAUNCH_TIMEOUT_S)
             for world in worlds}
     threads = [threading.Thread(target=run.run_once) for run in runs.values()]

@@ -66,7 +66,8 @@ def render(per_world: dict[int, Outcomes]) -> str:
              "blocks as units) and under `overlap.fully_shard` (called as torch's) on gloo ranks, against one "
              "process on the whole global batch where the behaviour is "
              "numeric. FSDP2 is the control: a case it does not pass is a port to fix. "
-             "`tests/test_fsdp2_conformance.py` checks every case; `python tests/conformance_table.py` writes "
+             "`tests/test_fsdp2_conformance.py` checks every case (the control in `make test-all`); "
+             "`python tests/conformance_table.py` writes "
              "this page.", "",
              "Outcomes: `pass`; `refused: <error>`, the same clear error raised on purpose by the implementation "
              "on every rank; `fail: <what>`, wrong numbers, an error from deep inside (a crash), ranks that "

@@ -111,6 +111,7 @@ def test_compare_runs_the_compressed_rows(quick_compare, tmp_path):
     assert any(t["what"] == "overlap-int8 step time / ddp-fp16" for t in report["targets"])
 
 
+@pytest.mark.slow          # collectives.py's smoke run over its links (about 14 s under CI's load): in `make test-all`
 @pytest.mark.timeout(90)
 def test_collectives_tiny(tmp_path):
     proc = _run("collectives.py", "--sizes-mb", "0.25", "--links", "loopback", "--iters", "2",
@@ -231,6 +232,7 @@ def _numbers(value, path="") -> list[tuple[str, float]]:
     return [found for key, item in items for found in _numbers(item, f"{path}/{key}")]
 
 
+@pytest.mark.slow          # overhead.py's smoke run, every row launched (about 24 s under CI's load): in `make test-all`
 @pytest.mark.timeout(120)
 def test_overhead_smoke(tmp_path):
     out = tmp_path / "overhead.json"
