@@ -38,8 +38,9 @@ train: setup
 	$(VENV)/bin/overlap train $(ARGS)
 
 # `make test` (what CI runs) leaves out the slow tier (tests marked `slow`: a wheel built and
-# installed into a fresh environment, benchmark smoke runs over every implementation, the GPU
-# checks' rehearsal, elastic jobs that kill ranks or lose a node, compiled cases launched alone);
+# installed into a fresh environment, benchmark smoke runs, the conformance cases' FSDP2
+# control, the GPU checks' rehearsal, elastic jobs that kill ranks or lose a node, compiled
+# cases launched alone);
 # `make test-all` runs everything, by hand before a release. Both print the 25 slowest
 # tests, so every log shows where the time goes. The files run on TEST_WORKERS pytest-xdist
 # workers, a whole file to a worker, in the order tests/conftest.py collects them (the longest
