@@ -319,10 +319,7 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
         if not any(key.startswith(PARAM_GROUPS) for key in metadata.state_dict_metadata):
             raise CheckpointMismatch(f"checkpoint {path} holds no optimizer state")
         items.update(targets)
-    for key, entry in metadata.state_dict_metadata.items():
-        if key.startswith(EXTRA):
-            size = getattr(entry, "size", None)
-            items[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
+    items.update(_extra_targets(metadata))
     engines = _paged_engines(model)
     for engine in engines:
         engine.abandon()          # a step taken ahead from the state being replaced never commits
@@ -342,7 +339,7 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
         for engine in engines:
             engine.mark_inconsistent(f"loading checkpoint {path} failed: {type(exc).__name__}: {exc}")
         raise
-    return {key[len(EXTRA):]: value for key, value in items.items() if key.startswith(EXTRA)}
+    return _extras(items)
 
 
 def load_items(path: str | os.PathLike, items: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
@@ -358,13 +355,24 @@ def load_items(path: str | os.PathLike, items: dict[str, Any], *, verify: bool =
     previous = _in_flight.get(group)
     if previous is not None:
         futures.wait([previous.future])
-    targets = dict(items)
-    for key, entry in saved.items():
+    targets = {**items, **_extra_targets(metadata)}
+    _read(targets, path, metadata, group, verify)
+    return _extras(targets)
+
+
+def _extra_targets(metadata: Metadata) -> dict[str, Any]:
+    """Where DCP loads the saved `extra` values: tensors of their size, None for the rest."""
+    targets: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
         if key.startswith(EXTRA):
             size = getattr(entry, "size", None)
             targets[key] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
-    _read(targets, path, metadata, group, verify)
-    return {key[len(EXTRA):]: value for key, value in targets.items() if key.startswith(EXTRA)}
+    return targets
+
+
+def _extras(items: Mapping[str, Any]) -> dict[str, Any]:
+    """The `extra` values among loaded items, by the names they were saved under."""
+    return {key[len(EXTRA):]: value for key, value in items.items() if key.startswith(EXTRA)}
 
 
 def _check_items(path: str, saved: Mapping[str, Any], items: Mapping[str, Any], group: dist.ProcessGroup) -> None:

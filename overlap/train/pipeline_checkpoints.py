@@ -27,7 +27,7 @@ def _items(modules: list[nn.Module], optimizer: torch.optim.Optimizer, fresh: bo
         for name, param in module.named_parameters():
             state = ({"step": torch.zeros((), dtype=torch.float32),
                       **{moment: torch.zeros_like(param) for moment in _MOMENTS}}
-                     if fresh else optimizer.state[param])
+                     if fresh else optimizer.state.get(param, {}))
             items.update({f"{OPTIM_STATE}{name}.{key}": value for key, value in state.items()})
     return items
 
