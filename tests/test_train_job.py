@@ -253,3 +253,37 @@ def test_disk_offload_without_bf16_is_refused_before_any_rank_starts(capsys):
     assert main(["--offload", "disk"]) == 2
     err = capsys.readouterr().err
     assert "--offload disk keeps the fp32 masters in a file" in err and "needs --mixed-precision bf16 (got fp32)" in err
+
+
+class _FixedLoss:
+    """Steps whose every train and validation loss is 1.0, counting the train steps."""
+
+    monitor = type("NoReport", (), {"last": None})()
+
+    def train(self, optimizer: torch.optim.Optimizer, step: int, clip_norm: float) -> float:
+        return 1.0
+
+    def val_loss(self, draws: int) -> float:
+        return 1.0
+
+
+def _first_step_calls(rank: int, world: int, resumed_at: int) -> int:
+    """How often the loop calls its first-step callback over --steps 4, from `resumed_at`."""
+    from overlap.train.checkpoints import Progress
+    from overlap.train.loop import train_loop
+    from overlap.train.options import build_parser
+
+    calls: list[int] = []
+    args = build_parser().parse_args(["--steps", "4", "--eval-every", "2"])
+    train_loop(_FixedLoss(), None, Progress(resumed_at, 1), args, torch.device("cpu"), None, None,
+               lambda bar: calls.append(1))
+    return len(calls)
+
+
+@pytest.mark.timeout(120)
+def test_the_first_step_callback_runs_once_whatever_step_the_run_starts_at():
+    """The compile-time line (`--compile`) is printed after the run's first step only."""
+    from distributed import run_distributed
+
+    for resumed_at in (0, 2):
+        assert run_distributed(_first_step_calls, 1, resumed_at, timeout=60) == [1]

@@ -102,13 +102,14 @@ def train_loop(steps: Steps, optimizer: torch.optim.Optimizer, progress: Progres
                dynamic_ncols=True, desc="train")
     losses = Losses()
     hidden = 0.0
+    first = progress.step
     for step in bar:
         started = time.perf_counter()
         loss = steps.train(optimizer, step, CLIP_NORM)
         if tracer is not None:
             tracer.step()
         losses.train, peak_memory = mean_over_ranks([loss, peak_memory_bytes(device)], device)
-        if step == progress.step:
+        if step == first:
             on_first_step(bar)
         progress.window.append(losses.train)
         elapsed = time.perf_counter() - started
