@@ -7,15 +7,16 @@ from overlap.base.config import Config, config_from_env
 from overlap.base.mixed_precision import MixedPrecision
 
 if TYPE_CHECKING:
-    from overlap.fsdp import fully_shard, register_fsdp_forward_method
+    from overlap.fsdp import OverlapPolicy, fully_shard, register_fsdp_forward_method
     from overlap.sharded_module import ShardedModule
 
 __all__ = ["Config", "MixedPrecision", "ShardedModule", "config_from_env", "fully_shard",
-           "register_fsdp_forward_method", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "FSDPModule"]
+           "register_fsdp_forward_method", "OverlapPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+           "FSDPModule"]
 # FSDP2's names, for `from overlap import fully_shard, MixedPrecisionPolicy` (the policies and
-# FSDPModule are torch's own classes).
-_FULLY_SHARD = ("fully_shard", "register_fsdp_forward_method", "MixedPrecisionPolicy", "OffloadPolicy",
-                "CPUOffloadPolicy", "FSDPModule")
+# FSDPModule are torch's own classes), and OverlapPolicy, fully_shard's settings beyond FSDP2's.
+_FULLY_SHARD = ("fully_shard", "register_fsdp_forward_method", "OverlapPolicy", "MixedPrecisionPolicy",
+                "OffloadPolicy", "CPUOffloadPolicy", "FSDPModule")
 __version__ = "0.1.0"
 
 

@@ -43,7 +43,8 @@ it. The calls that name one module (`unshard()`, `reshard()`,
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+import dataclasses
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -67,15 +68,38 @@ _OWNER = "_overlap_owner"             # the marked module this one is inside, fo
 _BUILDING = object()                  # in place of the runtime while it is being built
 
 
+@dataclasses.dataclass(frozen=True)
+class OverlapPolicy:
+    """What `fully_shard` takes beyond FSDP2's arguments: `ShardedModule`'s own settings of the
+    same names (None leaves each to the planner or its `OVERLAP_*` variable). It is the whole
+    model's: give it to the root's call; a block's call may leave it out, or give the same.
+
+    prefetch_depth, bucket_mb: units gathered ahead, and the size units are merged up to.
+    compression: the collectives' codec ('none', 'int8', 'int8-int4', 'auto').
+    compile: each unit's compute compiled with torch.compile, the runtime's hooks outside.
+    expert_parallel, expert_types, expert_capacity_factor: each MoE layer's experts split over
+    groups of this many ranks, tokens sent to them by all-to-all (docs/moe.md)."""
+
+    prefetch_depth: Optional[int] = None
+    bucket_mb: Optional[float] = None
+    compression: Optional[str] = None
+    compile: Optional[bool] = None
+    expert_parallel: Optional[int] = None
+    expert_types: Sequence[type] = ()
+    expert_capacity_factor: Optional[float] = None
+
+
 class _Marked:
     """One `fully_shard` call's arguments, checked."""
 
     def __init__(self, mesh: Optional[DeviceMesh], reshard_after_forward: Union[bool, int],
-                 mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> None:
+                 mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
+                 overlap_policy: Optional[OverlapPolicy]) -> None:
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
+        self.overlap_policy = overlap_policy
 
     def same_runtime(self) -> tuple:
         """What every unit of one model must share: one runtime runs them all."""
@@ -90,19 +114,21 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
                 shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: Optional[set[nn.Parameter]] = None) -> Union[nn.Module, list[nn.Module]]:
+                ignored_params: Optional[set[nn.Parameter]] = None,
+                overlap_policy: Optional[OverlapPolicy] = None) -> Union[nn.Module, list[nn.Module]]:
     """Shard `module`'s parameters over `mesh` as torch's `fully_shard` does (see the module
     note), and return it, now an `FSDPModule`; a list of modules is one unit. Every rank calls
-    it, in the same order: blocks, then the module that holds them."""
+    it, in the same order: blocks, then the module that holds them. `overlap_policy`: the
+    runtime's settings beyond FSDP2's arguments (`OverlapPolicy`), on the root's call."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for each in modules:
         _check_arguments(each, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                         ignored_params)
+                         ignored_params, overlap_policy)
         if _RUNTIME in each.__dict__:
             raise ValueError(f"fully_shard: {type(each).__name__} is already sharded (its model was built when it "
                              "was first used); call fully_shard on each module once, blocks before their root, "
                              "then use the model")
-    marked = _Marked(mesh, reshard_after_forward, mp_policy, offload_policy)
+    marked = _Marked(mesh, reshard_after_forward, mp_policy, offload_policy, overlap_policy)
     for each in modules:
         # The marked modules inside become this call's: the outermost call is the root, whose
         # runtime is built when any of them is first used.
@@ -117,8 +143,12 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
 
 def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_after_forward: Union[bool, int],
                      shard_placement_fn: Optional[Callable], mp_policy: MixedPrecisionPolicy,
-                     offload_policy: OffloadPolicy, ignored_params: Optional[set]) -> None:
+                     offload_policy: OffloadPolicy, ignored_params: Optional[set],
+                     overlap_policy: Optional[OverlapPolicy]) -> None:
     """Refuse what is not supported, by name (every rank calls with the same arguments)."""
+    if overlap_policy is not None and not isinstance(overlap_policy, OverlapPolicy):
+        raise TypeError(f"fully_shard: overlap_policy must be overlap.OverlapPolicy, got "
+                        f"{type(overlap_policy).__name__}")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard: expected an nn.Module, got {type(module).__name__} (a list of modules as one "
                         "unit is not supported: call fully_shard on the module that holds them)")
@@ -180,13 +210,24 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
             raise ValueError(f"fully_shard: {type(member).__name__} was given another mesh, mp_policy or "
                              f"offload_policy than its root {type(root).__name__}; one model is sharded with one "
                              "of each")
+    policy = marked.overlap_policy
+    for member in members:
+        given = member.__dict__[_MARK].overlap_policy
+        if given is not None and given != policy:
+            raise ValueError(f"fully_shard: {type(member).__name__} was given another overlap_policy than its root "
+                             f"{type(root).__name__} ({given} against {policy}); the policy is the whole model's: "
+                             "give it to the root's call")
+    policy = policy or OverlapPolicy()
     node_copy = any(not isinstance(m.__dict__[_MARK].reshard_after_forward, bool) for m in [root, *members])
     return StartupRequest(
         mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy), unit_modules=_unit_groups(members),
         unit_merge_key=_reshard_setting,
         dtensor_params=True, stage=is_stage_mesh(marked.mesh),
         initialise_meta=False, sharding="hpz" if node_copy else None,
-        offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None)
+        offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None,
+        prefetch_depth=policy.prefetch_depth, bucket_mb=policy.bucket_mb, compression=policy.compression,
+        compile=policy.compile, expert_parallel=policy.expert_parallel, expert_types=tuple(policy.expert_types),
+        expert_capacity_factor=policy.expert_capacity_factor)
 
 
 def _build(root: nn.Module) -> ShardedModule:
@@ -212,10 +253,25 @@ def _build(root: nn.Module) -> ShardedModule:
     for module in [root, *members]:
         module.__dict__[_RUNTIME] = runtime
     register_grad_step([root, *members], runtime)
+    calls = _calls_by_module(root)
     for unit in runtime.scheduler.units:
-        wanted = unit.modules[0].__dict__[_MARK].reshard_after_forward
-        unit.reshard_after_forward = bool(wanted)
+        unit.reshard_after_forward = bool(calls[id(unit.modules[0])].reshard_after_forward)
     return runtime
+
+
+def _calls_by_module(root: nn.Module) -> dict[int, _Marked]:
+    """Each module's `fully_shard` call: its own, else that of the nearest marked module that
+    holds it (an expert module, split out of its block's unit under expert parallelism)."""
+    calls: dict[int, _Marked] = {}
+
+    def visit(module: nn.Module, call: _Marked) -> None:
+        call = module.__dict__.get(_MARK, call)
+        calls[id(module)] = call
+        for child in module.children():
+            visit(child, call)
+
+    visit(root, root.__dict__[_MARK])
+    return calls
 
 
 def _build_before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
@@ -445,5 +501,5 @@ def mixed_precision_of(policy: MixedPrecisionPolicy) -> Optional[MixedPrecision]
     return MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
 
 
-__all__ = ["fully_shard", "register_fsdp_forward_method", "OverlapFSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "CPUOffloadPolicy", "FSDPModule"]
+__all__ = ["fully_shard", "register_fsdp_forward_method", "OverlapFSDPModule", "OverlapPolicy", "MixedPrecisionPolicy",
+           "OffloadPolicy", "CPUOffloadPolicy", "FSDPModule"]

@@ -29,12 +29,19 @@ def _optimizer_difference(got: dict[str, Any], want: dict[str, Any]) -> float:
                for n in want["state"])
 
 
-def _built(rank: int, world: int, ep: Optional[int], seed: int, steps: int) -> tuple[Any, torch.optim.Optimizer]:
+def _built(rank: int, world: int, ep: Optional[int], seed: int, steps: int,
+           wrapper: str) -> tuple[Any, torch.optim.Optimizer]:
+    """The model wrapped (`ShardedModule`, or `fully_shard` on blocks then the root) and its
+    AdamW after `steps` steps."""
     from overlap import ShardedModule
-    from test_expert_parallel import PER_RANK, _batches, _gpt_moe, _loss
+    from test_expert_parallel import PER_RANK, _batches, _fully_shard, _gpt_moe, _loss
 
     torch.manual_seed(seed)
-    model = ShardedModule(_gpt_moe(seed), expert_parallel=ep)
+    if wrapper == "sharded":
+        model = ShardedModule(_gpt_moe(seed), expert_parallel=ep)
+    else:
+        model = _gpt_moe(seed)
+        _fully_shard(model, "gpt_moe", ep, None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for x, y in _batches(world)[:steps]:
         _loss(model, x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK],
@@ -44,7 +51,12 @@ def _built(rank: int, world: int, ep: Optional[int], seed: int, steps: int) -> t
     return model, optimizer
 
 
-def round_trips(rank: int, world: int, where: str, plan: Plan) -> dict:
+def _runtime(model: Any) -> Any:
+    """The ShardedModule that runs `model` (itself, or `fully_shard`'s)."""
+    return getattr(model, "overlap_runtime", model)
+
+
+def round_trips(rank: int, world: int, where: str, plan: Plan, wrapper: str) -> dict:
     """For each saved size: the largest difference between the saved model's full state (and
     full optimizer state) and what each load gives back: through torch's API and DCP, through
     overlap.checkpoint, through torch's full state dicts (set from every rank's copy), torch's
@@ -61,8 +73,8 @@ def round_trips(rank: int, world: int, where: str, plan: Plan) -> dict:
 
     out: dict = {}
     for ep, targets in plan:
-        model, optimizer = _built(rank, world, ep, seed=0, steps=1)
-        full, full_optim = model.full_state_dict(), model.full_optim_state_dict(optimizer)
+        model, optimizer = _built(rank, world, ep, seed=0, steps=1, wrapper=wrapper)
+        full, full_optim = _runtime(model).full_state_dict(), _runtime(model).full_optim_state_dict(optimizer)
         whole_options = StateDictOptions(full_state_dict=True)
         whole = get_model_state_dict(model, options=whole_options)
         whole_optim = get_optimizer_state_dict(model, optimizer, options=whole_options)
@@ -70,29 +82,40 @@ def round_trips(rank: int, world: int, where: str, plan: Plan) -> dict:
         path = os.path.join(where, f"ep{ep}")
         dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
                  checkpoint_id=path)
-        overlap.checkpoint.save(path + "-overlap", model, optimizer)
+        # overlap.checkpoint holds ShardedModule's optimizer state; fully_shard's goes through DCP.
+        ours = wrapper == "sharded"
+        if ours:
+            overlap.checkpoint.save(path + "-overlap", model, optimizer)
+        else:
+            try:
+                overlap.checkpoint.save(path + "-overlap", _runtime(model), optimizer)
+                out[(ep, "overlap.checkpoint refused")] = "saved"
+            except TypeError as error:
+                out[(ep, "overlap.checkpoint refused")] = str(error)
         for target in targets:
-            other, _ = _built(rank, world, target, seed=1, steps=0)
+            built, _ = _built(rank, world, target, seed=1, steps=0, wrapper=wrapper)
+            other = _runtime(built)               # its full state, read back by the runtime
             before = other.full_state_dict()
             out[(ep, target, "moved")] = _largest_difference(before, full)
-            other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
-            state = {"model": get_model_state_dict(other),
-                     "optimizer": get_optimizer_state_dict(other, other_optimizer)}
+            other_optimizer = torch.optim.AdamW(built.parameters(), lr=1e-2)
+            state = {"model": get_model_state_dict(built),
+                     "optimizer": get_optimizer_state_dict(built, other_optimizer)}
             dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(other, state["model"])
-            set_optimizer_state_dict(other, other_optimizer, state["optimizer"])
+            set_model_state_dict(built, state["model"])
+            set_optimizer_state_dict(built, other_optimizer, state["optimizer"])
             out[(ep, target, "dcp")] = (_largest_difference(other.full_state_dict(), full),
                                         _optimizer_difference(other.full_optim_state_dict(other_optimizer), full_optim))
+            if ours:
+                other.load_full_state_dict(before)
+                other_optimizer = torch.optim.AdamW(built.parameters(), lr=1e-2)
+                overlap.checkpoint.load(path + "-overlap", other, other_optimizer)
+                out[(ep, target, "overlap.checkpoint")] = (
+                    _largest_difference(other.full_state_dict(), full),
+                    _optimizer_difference(other.full_optim_state_dict(other_optimizer), full_optim))
             other.load_full_state_dict(before)
-            other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
-            overlap.checkpoint.load(path + "-overlap", other, other_optimizer)
-            out[(ep, target, "overlap.checkpoint")] = (
-                _largest_difference(other.full_state_dict(), full),
-                _optimizer_difference(other.full_optim_state_dict(other_optimizer), full_optim))
-            other.load_full_state_dict(before)
-            other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
-            set_model_state_dict(other, copy.deepcopy(whole), options=whole_options)
-            set_optimizer_state_dict(other, other_optimizer, copy.deepcopy(whole_optim), options=whole_options)
+            other_optimizer = torch.optim.AdamW(built.parameters(), lr=1e-2)
+            set_model_state_dict(built, copy.deepcopy(whole), options=whole_options)
+            set_optimizer_state_dict(built, other_optimizer, copy.deepcopy(whole_optim), options=whole_options)
             out[(ep, target, "torch full state")] = (
                 _largest_difference(other.full_state_dict(), full),
                 _optimizer_difference(other.full_optim_state_dict(other_optimizer), full_optim))

@@ -327,6 +327,10 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "hpz": {"reshard_after_forward": 1, "env": {"LOCAL_WORLD_SIZE": "1"}},
     "int8-compression": {"env": {"OVERLAP_COMPRESS": "int8"}},
     "compiled": {"env": {"OVERLAP_COMPILE": "1"}},
+    # The runtime's settings through OverlapPolicy on the calls instead of OVERLAP_* variables.
+    "policy-int8-prefetch-1-unit-per-call": {"overlap_policy": {"compression": "int8", "prefetch_depth": 1,
+                                                                "bucket_mb": 0.0001}},
+    "policy-int8-int4-compression": {"overlap_policy": {"compression": "int8-int4"}},
 }
 
 
@@ -337,10 +341,12 @@ def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[st
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    from overlap import fully_shard
+    from overlap import OverlapPolicy, fully_shard
 
     how = COMBINATIONS[name]
     kwargs: dict[str, Any] = {}
+    if "overlap_policy" in how:
+        kwargs["overlap_policy"] = OverlapPolicy(**how["overlap_policy"])
     if how.get("offload_policy") == "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     if how.get("mp_policy") == "bf16":
@@ -362,7 +368,33 @@ def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[st
     materialise(model, seed=0)
     losses = steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, rank, world, keep=keep)
     decided = model.overlap_report().decisions if keep else []
-    return {"overlap": losses, "one-process": one_process(0, 2), "decided": decided}
+    runtime = model.overlap_runtime
+    codec = runtime.collectives.codec
+    settings = {"compression": "none" if codec is None else codec.settings.mode,
+                "prefetch_depth": runtime.overlap_config.prefetch_depth,
+                "units": len(runtime.scheduler.units), "blocks": len(model.blocks)}
+    return {"overlap": losses, "one-process": one_process(0, 2), "decided": decided, "settings": settings}
+
+
+def policy_refusals(rank: int, world: int) -> dict[str, str]:
+    """A block given another OverlapPolicy than its root's, and a policy of another type."""
+    from overlap import OverlapPolicy, fully_shard
+
+    out = {}
+    model = meta_gpt()
+    shard_blocks_then_root(model, fully_shard, overlap_policy=OverlapPolicy(prefetch_depth=1))
+    try:
+        fully_shard(model, overlap_policy=OverlapPolicy(prefetch_depth=2))
+        model.to_empty(device="cpu")
+        out["differs"] = "built"
+    except ValueError as error:
+        out["differs"] = str(error)
+    try:
+        fully_shard(meta_gpt(), overlap_policy={"prefetch_depth": 1})
+        out["type"] = "returned"
+    except TypeError as error:
+        out["type"] = str(error)
+    return out
 
 
 def bucket_layout(rank: int, world: int) -> dict[str, Any]:

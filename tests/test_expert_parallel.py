@@ -4,7 +4,8 @@ rank's loss): the GPT-MoE of overlap.models.moe and Hugging Face's Qwen3-MoE, ro
 router chooses and skewed (experts and whole ranks that receive no token), dropless and with
 an expert capacity (the GPT-MoE's own; `expert_capacity_factor=` on Qwen3-MoE's), SGD and AdamW, torch's clip over all experts; the full state dict gathers
 every expert, and checkpoints (torch.distributed.checkpoint, overlap.checkpoint) load at
-another expert-parallel size, without it, and into one process (tests/expert_checkpoint_cases.py)."""
+another expert-parallel size, without it, and into one process (tests/expert_checkpoint_cases.py).
+The same under `fully_shard` with `OverlapPolicy(expert_parallel=E)`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -128,21 +129,37 @@ def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def _fully_shard(model: torch.nn.Module, kind: str, expert_parallel: int, capacity: Optional[float]) -> None:
+    """`fully_shard` as FSDP2's users call it, each transformer block then the root, with the
+    runtime's expert parallelism asked for on the root's call."""
+    from overlap import OverlapPolicy, fully_shard
+
+    for block in (model.blocks if kind == "gpt_moe" else model.model.layers):
+        fully_shard(block)
+    fully_shard(model, overlap_policy=OverlapPolicy(expert_parallel=expert_parallel,
+                                                    expert_capacity_factor=capacity if kind == "qwen3_moe" else None))
+
+
 def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, optimizer: str,
-          clip: float, capacity: Optional[float], chunks: Optional[int] = None) -> dict:
+          clip: float, capacity: Optional[float], chunks: Optional[int] = None, wrapper: str = "sharded") -> dict:
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from overlap import ShardedModule
 
     model = _model(kind, capacity)
     _skew(model, routing)
-    opt = _optimizer(model.parameters(), optimizer)           # built before wrapping, as users do
-    # The GPT-MoE's router applies its own capacity; Hugging Face's routers have none.
-    with pytest.MonkeyPatch.context() as env:
-        if chunks is not None:
-            env.setenv("OVERLAP_EXPERT_CHUNKS", str(chunks))
-        model = ShardedModule(model, expert_parallel=expert_parallel,
-                              expert_capacity_factor=capacity if kind == "qwen3_moe" else None)
+    if wrapper == "fully_shard":
+        _fully_shard(model, kind, expert_parallel, capacity)
+        opt = _optimizer(model.parameters(), optimizer)       # over the DTensor parameters, as with FSDP2
+    else:
+        opt = _optimizer(model.parameters(), optimizer)       # built before wrapping, as users do
+        # The GPT-MoE's router applies its own capacity; Hugging Face's routers have none.
+        with pytest.MonkeyPatch.context() as env:
+            if chunks is not None:
+                env.setenv("OVERLAP_EXPERT_CHUNKS", str(chunks))
+            model = ShardedModule(model, expert_parallel=expert_parallel,
+                                  expert_capacity_factor=capacity if kind == "qwen3_moe" else None)
     dropped: list[int] = []
     _count_dropped(model, dropped)
     losses, norms = [], []
@@ -156,8 +173,9 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
-    return {"losses": losses, "norms": norms, "dropped": sum(dropped),
-            "state": model.full_state_dict(rank0_only=True)}
+    state = model.full_state_dict(rank0_only=True) if wrapper == "sharded" else \
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {"losses": losses, "norms": norms, "dropped": sum(dropped), "state": state}
 
 
 def reshard(rank: int, world: int) -> dict:
@@ -190,8 +208,9 @@ def refusals(rank: int, world: int) -> dict:
     out = {}
     from torch.distributed.device_mesh import init_device_mesh
 
-    for name, make in (("mesh", lambda: ShardedModule(_gpt_moe(), expert_parallel=2,
-                                                      mesh=init_device_mesh("cpu", (world,)))),
+    # A 1-D mesh over every rank shards as the world does; a 2-D one (hybrid by mesh) is refused.
+    for name, make in (("mesh", lambda: ShardedModule(_gpt_moe(), expert_parallel=2, mesh=init_device_mesh(
+                            "cpu", (1, world), mesh_dim_names=("replicate", "shard")))),
                        ("no_experts", lambda: ShardedModule(nn.Sequential(nn.Linear(4, 4)), expert_parallel=2)),
                        ("indivisible", lambda: ShardedModule(_gpt_moe(), expert_parallel=3)),
                        ("no_capacity", lambda: ShardedModule(_qwen3_moe(), expert_parallel=2,
@@ -237,6 +256,14 @@ CASES = {
     "w4-ep4-skewed-adamw": (4, "gpt_moe", 4, "skewed", "adamw", 0.0, None),
     "w4-ep4-normal-sgd": (4, "gpt_moe", 4, "normal", "sgd", 0.0, None),
 }
+# The same under `fully_shard` (blocks, then the root with OverlapPolicy(expert_parallel=E)),
+# the state read through torch's state-dict API.
+FULLY_SHARD_CASES = {
+    "fully_shard-w2-ep2-normal-adamw-clip": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None),
+    "fully_shard-w2-ep2-qwen3-skewed-sgd-capacity": (2, "qwen3_moe", 2, "skewed", "sgd", 0.0, 1.0),
+    "fully_shard-w4-ep2-skewed-adamw-clip": (4, "gpt_moe", 2, "skewed", "adamw", 0.05, None),
+    "fully_shard-w4-ep4-normal-sgd-capacity": (4, "gpt_moe", 4, "normal", "sgd", 0.0, 0.5),
+}
 # Checkpoints: (expert-parallel size saved at, the sizes it loads at), per world.
 CHECKPOINT_PLANS = {2: ((2, (2, None)),), 4: ((2, (4, None)), (4, (2,)))}
 
@@ -246,8 +273,11 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, CaseLaunch]:
     out = {}
     for world in (2, 4):
         cases = {name: RankCase(train, case[1:]) for name, case in CASES.items() if case[0] == world}
-        cases["checkpoints"] = RankCase(round_trips, (str(tmp_path_factory.mktemp(f"ep-w{world}")),
-                                                      CHECKPOINT_PLANS[world]))
+        cases.update({name: RankCase(train, case[1:] + (None, "fully_shard"))
+                      for name, case in FULLY_SHARD_CASES.items() if case[0] == world})
+        for wrapper in ("sharded", "fully_shard"):
+            cases[f"checkpoints-{wrapper}"] = RankCase(
+                round_trips, (str(tmp_path_factory.mktemp(f"ep-w{world}-{wrapper}")), CHECKPOINT_PLANS[world], wrapper))
         if world == 2:
             cases["refusals"] = RankCase(refusals)
             cases["diverge"] = RankCase(diverge)          # last: the ranks part
@@ -258,9 +288,9 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, CaseLaunch]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *FULLY_SHARD_CASES])
 def test_trains_like_one_process(launches, case: str) -> None:
-    world, kind, ep, routing, optimizer, clip, capacity, *_ = CASES[case]
+    world, kind, ep, routing, optimizer, clip, capacity, *_ = {**CASES, **FULLY_SHARD_CASES}[case]
     reference = one_process(world, kind, routing, optimizer, clip, capacity)
     assert (reference["dropped"] > 0) == (capacity is not None), reference["dropped"]     # the capacity binds
     outcomes = [outcome.result() for outcome in launches[world][case]]
@@ -312,19 +342,24 @@ def test_a_rank_that_skips_a_moe_layer_is_a_named_error_on_every_rank(launches) 
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("wrapper", ["sharded", "fully_shard"])
 @pytest.mark.parametrize("world", CHECKPOINT_PLANS)
-def test_a_checkpoint_loads_at_another_expert_parallel_size_and_into_one_process(launches, world: int) -> None:
+def test_a_checkpoint_loads_at_another_expert_parallel_size_and_into_one_process(launches, world: int,
+                                                                                 wrapper: str) -> None:
     """Saved sharded (each rank its rows of its experts, placed among every expert), loaded at
     the same size, another and without expert parallelism, model and AdamW state equal; torch's
     full state dict and the file converted for one process hold every expert whole."""
-    outcomes = [outcome.result() for outcome in launches[world]["checkpoints"]]
+    outcomes = [outcome.result() for outcome in launches[world][f"checkpoints-{wrapper}"]]
     for rank, result in enumerate(outcomes):
         for ep, targets in CHECKPOINT_PLANS[world]:
             assert result[(ep, "torch full state dict")] == 0.0, result
             for target in targets:
                 assert result[(ep, target, "moved")] > 0, result
                 assert result[(ep, target, "dcp")] == (0.0, 0.0), (ep, target, result)
-                assert result[(ep, target, "overlap.checkpoint")] == (0.0, 0.0), (ep, target, result)
+                if wrapper == "sharded":
+                    assert result[(ep, target, "overlap.checkpoint")] == (0.0, 0.0), (ep, target, result)
+                else:
+                    assert "saves it as FSDP2's does" in result[(ep, "overlap.checkpoint refused")], result
                 assert result[(ep, target, "torch full state")] == (0.0, 0.0), (ep, target, result)
             if rank == 0:
                 assert result[(ep, "one process")] == 0.0, result

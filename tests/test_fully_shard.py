@@ -24,7 +24,7 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     directory = str(tmp_path_factory.mktemp("fully_shard"))
     two = {f"example-{mode}": RankCase(cases.example_flow, (directory, mode)) for mode in MODES}
     two.update({"torchtitan": RankCase(cases.torchtitan_flow), "torchtune": RankCase(cases.torchtune_load),
-                "calls": RankCase(cases.module_calls)})
+                "calls": RankCase(cases.module_calls), "policy-refusals": RankCase(cases.policy_refusals)})
     two.update({f"combination-{name}": RankCase(cases.combination, (name,)) for name in cases.COMBINATIONS})
     two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES})
     two.update({f"buckets-{mb}": RankCase(cases.bucket_layout, env={"OVERLAP_BUCKET_MB": mb}) for mb in ("64", "0.0001")})
@@ -103,6 +103,22 @@ def test_every_mode_reached_through_fully_shard_trains_like_one_process(launches
     for outcome in launches[2][f"combination-{name}"]:
         result = outcome.result()
         _close(result["overlap"], result["one-process"], tol)
+        policy = cases.COMBINATIONS[name].get("overlap_policy", {})
+        settings = result["settings"]
+        if "compression" in policy:
+            assert settings["compression"] == policy["compression"], settings
+        if "prefetch_depth" in policy:
+            assert settings["prefetch_depth"] == policy["prefetch_depth"], settings
+        if "bucket_mb" in policy:              # smaller than a block: one unit per block
+            assert settings["units"] == settings["blocks"], settings
+
+
+@pytest.mark.timeout(900)
+def test_an_overlap_policy_is_the_whole_models(launches) -> None:
+    for outcome in launches[2]["policy-refusals"]:
+        result = outcome.result()
+        assert "was given another overlap_policy than its root" in result["differs"], result
+        assert "overlap_policy must be overlap.OverlapPolicy" in result["type"], result
 
 
 @pytest.mark.timeout(900)

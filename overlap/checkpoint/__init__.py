@@ -37,6 +37,7 @@ from overlap.checkpoint.state import (EXTRA, MODEL, PARAM_GROUPS, CheckpointMism
                                       model_items, optimizer_items, optimizer_targets, stored_shape,
                                       streamed_keys)
 from overlap.optim.paged import PagedAdamW, paged_of
+from overlap.runtime.process_group import level_group_counts
 
 if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule
@@ -65,12 +66,15 @@ _CHECKPOINT_GROUPS: dict[tuple[Any, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
-    return _gloo_group(tuple(dist.get_process_group_ranks(model.collectives.all_group)))
+    return _gloo_group(model.collectives.all_group)
 
 
-def _gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+def _gloo_group(parent: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The checkpoint group over `parent`'s ranks, made by them at their first call."""
+    ranks = tuple(dist.get_process_group_ranks(parent))
     key = (dist.group.WORLD, ranks)
     if key not in _CHECKPOINT_GROUPS:
+        level_group_counts(parent)          # see [Note: groups made by some ranks only]
         group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
         # Every rank leaves only once all are connected: a rank that raises right after (a
         # refused checkpoint) must not close its side while another is still connecting.

@@ -46,6 +46,10 @@ def stored_shape(value: Any) -> Optional[tuple[int, ...]]:
 
 def _param_places(model: "ShardedModule") -> dict[int, tuple[str, "FlatGroup", int]]:
     """id(parameter) -> (its name, its flat group, its slot index)."""
+    if any(group.dtensor_params for unit in model.scheduler.all_units for group in unit.groups):
+        raise TypeError("overlap.checkpoint saves an optimizer's state for ShardedModule's parameters; a model "
+                        "sharded with fully_shard saves it as FSDP2's does: dcp.save({'model': "
+                        "get_model_state_dict(model), 'optimizer': get_optimizer_state_dict(model, optimizer)}, ...)")
     groups = {id(param): (group, index) for unit in model.scheduler.all_units for group in unit.groups
               for index, param in enumerate(group.params)}
     return {id(param): (name, *groups[id(param)]) for name, param in model.named_parameters()}

@@ -48,7 +48,7 @@ from overlap.kernels.backends import KernelBackend
 from overlap.runtime.codec import Codec, WireFormat
 from overlap.runtime.issue import CollectiveCall, issue
 from overlap.runtime.pending import COMPLETED, Pending, wait_watched
-from overlap.runtime.process_group import all_gather_flat, device_backend, reduce_scatter_flat
+from overlap.runtime.process_group import all_gather_flat, device_backend, level_group_counts, reduce_scatter_flat
 from overlap.runtime.timing import StepLog, clock_for
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     See [Note: the flags stay on the host]."""
     if dist.get_world_size(group) == 1 or device_backend(group, "cpu") == "gloo":
         return group                       # one rank: `any_rank` communicates nothing
+    level_group_counts(group)          # see [Note: groups made by some ranks only]
     made = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
     dist.barrier(group=made)            # every rank connected before any goes on (see order_check's)
     return made

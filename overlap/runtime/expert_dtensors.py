@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from overlap.runtime.expert_parallel import ExpertGroups
-from overlap.runtime.row_dtensors import RowDTensor, RowShard, row_dtensor
+from overlap.runtime.row_dtensors import RowDTensor, RowShard, combine_norms_over, row_dtensor, shard_mesh
 
 
 @lru_cache(maxsize=None)
@@ -36,8 +36,13 @@ def expert_mesh(groups: ExpertGroups, device_type: str) -> DeviceMesh:
     # expert-parallel group g, each listing its members as make_groups does.
     plane = [[groups.ranks[g * groups.size + e] for g in range(len(groups.ranks) // groups.size)]
              for e in range(groups.size)]
-    return DeviceMesh.from_group([groups.ep_groups[0], groups.shard_group], device_type,
+    mesh = DeviceMesh.from_group([groups.ep_groups[0], groups.shard_group], device_type,
                                  mesh=torch.tensor(plane), mesh_dim_names=("ep", "efsdp"))
+    # Every element of every expert lies on one rank of the plane, which holds the same ranks
+    # as the non-expert parameters' mesh: their norms combine there, so that torch's clip
+    # sums every parameter's (see [Note: norms on another mesh]).
+    combine_norms_over(mesh, shard_mesh(groups.all_group, device_type))
+    return mesh
 
 
 def experts_shape(local_shape: torch.Size, groups: ExpertGroups) -> torch.Size:

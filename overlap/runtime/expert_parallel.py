@@ -73,6 +73,7 @@ from overlap.base.expert_capacity import capacity_factor_error, drop_over_capaci
 from overlap.base.step_record import ALL_TO_ALL
 from overlap.runtime.issue import issue
 from overlap.runtime.pending import Pending
+from overlap.runtime.process_group import level_group_counts
 
 # Expert modules recognised by class name: Hugging Face's (transformers 5 layout: 3-D expert
 # weights, forward(hidden_states, top_k_index, top_k_weights)) and overlap.models.moe's.
@@ -104,6 +105,7 @@ class ExpertGroups:
     shard_group: dist.ProcessGroup           # the ranks holding this rank's experts
     ep_rank: int
     ranks: tuple[int, ...]                   # the world's ranks in order: rank g·E + e is ranks[g·E + e]
+    all_group: dist.ProcessGroup             # every rank taking part: the non-expert parameters' sharding group
     stage: bool = False                      # a pipeline stage's (see make_groups)
     # See [Note: ranks that part in a mixture of experts].
     watched: _Watched = field(default_factory=_Watched)
@@ -143,12 +145,13 @@ def make_groups(size: int, all_group: dist.ProcessGroup, chunks: int = DEFAULT_C
     if chunks < 1:
         raise ValueError(f"expert chunks={chunks} must be at least 1")
     ranks = dist.get_process_group_ranks(all_group)
+    if stage:
+        level_group_counts(all_group)
 
     def made(members: list[int], mine: bool) -> Optional[dist.ProcessGroup]:
         if not stage:
             return dist.new_group(members)
-        # Named by its members and by how many groups each has made, which the ranks of one
-        # stage agree on: they wrap the same modules in the same order.
+        # Made by its members only: see [Note: groups made by some ranks only].
         return dist.new_group(members, use_local_synchronization=True) if mine else None
 
     ep_groups = shard_group = None
@@ -161,7 +164,7 @@ def make_groups(size: int, all_group: dist.ProcessGroup, chunks: int = DEFAULT_C
         group = made([ranks[g * size + e] for g in range(world // size)], rank % size == e)
         if rank % size == e:
             shard_group = group
-    return ExpertGroups(size, ep_groups, shard_group, rank % size, tuple(ranks), stage)
+    return ExpertGroups(size, ep_groups, shard_group, rank % size, tuple(ranks), all_group, stage)
 
 
 def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
@@ -414,12 +417,10 @@ def expert_parallel_error(size: Optional[int], config: Any, request: Any) -> Opt
         return ("expert_parallel with sharding='hpz' is not supported: hpZ's node copy gathers a node's ranks' "
                 "rows, and an expert unit's rows lie on the ranks holding the same experts; use sharding='full' "
                 "or 'hybrid'")
-    refused = [(request.mesh is not None and not (request.stage and request.mesh.ndim == 1),
-                "a mesh other than a pipeline stage's data-parallel one (tensor parallelism, or hybrid sharding "
-                "by mesh)"),
-               (request.dtensor_params, "fully_shard")]
-    for wanted, what in refused:
-        if wanted:
-            return (f"expert_parallel with {what} is not supported yet: expert parallelism runs over the world, "
-                    "or over the data-parallel ranks of a pipeline stage (mesh['dp'] of a ('pp', 'dp') mesh)")
+    mesh = request.mesh
+    # A 1-D mesh over every rank shards as the world does.
+    if mesh is not None and not (mesh.ndim == 1 and (request.stage or mesh.size() == dist.get_world_size())):
+        return ("expert_parallel with a mesh other than a pipeline stage's data-parallel one or one over every rank "
+                "(tensor parallelism, or hybrid sharding by mesh) is not supported yet: expert parallelism runs over "
+                "the world, or over the data-parallel ranks of a pipeline stage (mesh['dp'] of a ('pp', 'dp') mesh)")
     return None

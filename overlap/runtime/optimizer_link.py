@@ -253,7 +253,9 @@ class OptimizerLink:
             groups[id(group)] = group
             for key in sorted(state[number]):
                 value = state[number][key]
-                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == param.shape:
+                # Shaped like this rank's part (under fully_shard the parameter is a DTensor of
+                # the full shape, its state's local blocks are parts).
+                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == group.params[index].shape:
                     gathers.setdefault((id(group), key), []).append((number, index))
         for (group_id, key), members in gathers.items():
             group = groups[group_id]

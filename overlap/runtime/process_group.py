@@ -21,6 +21,29 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# [Note: groups made by some ranks only]
+# A group that only its members make (`new_group(..., use_local_synchronization=True)`: a
+# pipeline stage's expert groups, the side groups of a model over some ranks) is named by torch
+# after its ranks and how many groups the caller belongs to already. Members whose counts
+# differ (one of them took part in a group the other did not: a tied head's group over the
+# first and last stage, an earlier job in the same processes) name it differently and wait for
+# each other until the timeout. So before making such groups the members, who share `parent`,
+# bring their counts level: each one below the highest makes groups of itself alone until it
+# reaches it. Then they make the same groups in the same order and agree on every name.
+
+
+def level_group_counts(parent: dist.ProcessGroup) -> None:
+    """See [Note: groups made by some ranks only]. Every rank of `parent` calls it."""
+    from torch.distributed.distributed_c10d import _world
+
+    if dist.get_world_size(parent) == 1:
+        return
+    counts: list[Optional[int]] = [None] * dist.get_world_size(parent)
+    dist.all_gather_object(counts, len(_world.pg_names), group=parent)
+    for _ in range(max(counts) - len(_world.pg_names)):
+        dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+
+
 def device_backend(group: dist.ProcessGroup, device_type: str) -> Optional[str]:
     """The backend that runs `device_type` tensors in `group` ("gloo", "nccl"), None if none
     does. `dist.get_backend` cannot say: a group from `init_process_group()` without a

@@ -407,6 +407,32 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     return [row_dtensor(value, spec.mesh, spec.placements, spec.shape, spec.stride) for value, spec in zip(out, specs)]
 
 
+# [Note: norms on another mesh]
+# torch's clip stacks every gradient's norm, which DTensor allows only on one mesh. Under
+# expert parallelism the expert parameters live on the (ep, efsdp) plane and the others on the
+# 1-D mesh over the same ranks, and each element of either lies on exactly one rank: so the
+# norm of a tensor on the plane is this rank's part combined over that 1-D mesh, where it
+# stacks with the rest. The plane's maker names the 1-D mesh once, here.
+_NORM_MESHES: dict[DeviceMesh, DeviceMesh] = {}
+
+
+def combine_norms_over(mesh: DeviceMesh, flat: DeviceMesh) -> None:
+    """Norms of tensors sharded (and nowhere replicated) on `mesh` combine over `flat`, a 1-D
+    mesh over the same ranks."""
+    if sorted(mesh.mesh.flatten().tolist()) != sorted(flat.mesh.flatten().tolist()) or flat.ndim != 1:
+        raise ValueError(f"norms on {mesh} cannot combine over {flat}: another set of ranks")
+    _NORM_MESHES[mesh] = flat
+
+
+def _norm_mesh(tensor: DTensor) -> Optional[DeviceMesh]:
+    """The 1-D mesh `tensor`'s norm combines over: its own, or the one named for its plane."""
+    if len(tensor.placements) == 1:
+        return tensor._spec.mesh
+    if all(isinstance(p, Shard) for p in tensor.placements):
+        return _NORM_MESHES.get(tensor._spec.mesh)
+    return None
+
+
 def _norms(func: Any, args: tuple, kwargs: dict) -> Any:
     """Whole-tensor norms of row-sharded tensors: each rank's rows' norm (an empty block's is
     0, where torch refuses an empty tensor's infinity norm), combined over the ranks when the
@@ -421,18 +447,19 @@ def _norms(func: Any, args: tuple, kwargs: dict) -> Any:
     else:
         tensors, single = list(args[0]), False
         order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    if not all(isinstance(t, RowDTensor) and len(t.placements) == 1 for t in tensors):
+    meshes = [_norm_mesh(t) if isinstance(t, RowDTensor) else None for t in tensors]
+    if any(mesh is None for mesh in meshes):
         return _ELSEWHERE
     order = float(order)
     # How the ranks' norms combine: DTensor's own placements for these orders.
     partial = Partial("max") if order == math.inf else Partial("min") if order == -math.inf else \
         Partial("sum") if order == 0 else _NormPartial(norm_type=order)
     out = []
-    for tensor in tensors:
+    for tensor, mesh in zip(tensors, meshes):
         local = tensor._local_tensor
         norm = torch.linalg.vector_norm(local, order) if local.numel() else torch.full(
             (), math.inf if order == -math.inf else 0.0, dtype=local.dtype, device=local.device)
-        spec = DTensorSpec(tensor._spec.mesh, (partial,),
+        spec = DTensorSpec(mesh, (partial,),
                            tensor_meta=TensorMeta(torch.Size([]), (), norm.dtype))
         out.append(DTensor(norm, spec, requires_grad=False))
     return out[0] if single else out
