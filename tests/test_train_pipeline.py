@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -28,21 +29,42 @@ ACCEPTED = [
     ["--pp", "2", "--moe", "--experts", "4", "--pp-schedule", "GPipe", "--microbatches", "1"],
     ["--pp", "2", "--moe", "--experts", "4", "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4",
      "--capacity-factor", "1.0"],
+    # The same MoE stages with their experts split over each stage's two ranks: the parity
+    # case, and two stages per rank with a capacity. They come after --pp 4, whose tied-head
+    # group holds ranks 0 and 3 only: the stages' ranks belong to different numbers of groups
+    # when their expert groups are made ([Note: groups made by some ranks only]).
+    ["--pp", "2", "--moe", "--experts", "4", "--pp-schedule", "GPipe", "--microbatches", "1", "--expert-parallel", "2"],
+    ["--pp", "2", "--moe", "--experts", "4", "--pp-schedule", "Interleaved1F1B", "--microbatches", "4",
+     "--expert-parallel", "2", "--capacity-factor", "1.0", "--mixed-precision", "bf16"],
+    # The runtime's own options (OverlapPolicy on each stage's root call).
+    ["--pp", "2", "--compress", "int8", "--prefetch-depth", "1", "--bucket-mb", "0.001"],
 ]
+# Which of ACCEPTED ask the runtime for settings, and what rank 0's report then prints (of
+# its first stage's runtime): the all-to-alls of split experts, the compressed bytes, the
+# prefetch depth and bucket size.
+PRINTED = {8: ["all-to-all: "], 9: ["all-to-all: "],
+           10: ["before compression)", "prefetch depth 1, bucket 0.001 MB"]}
 
 
-def _losses_per_step(argv: list[str]):
+def _losses_per_step(argv: list[str], printed: Optional[list[str]] = None):
     """Each step's train loss (mean over ranks) and the final validation loss, or the
-    JobError's text."""
+    JobError's text; what the job printed is appended to `printed`."""
+    import contextlib
+    import io
+
     from overlap.train.options import JobError, build_parser
     from overlap.train.rank import train
 
     seen: list[float] = []
+    out = io.StringIO()
     try:
-        with _recording(seen):
+        with _recording(seen), contextlib.redirect_stdout(out):
             losses = train(build_parser().parse_args(argv), torch.device("cpu"))
     except JobError as exc:
         return f"JobError: {exc}"
+    finally:
+        if printed is not None:
+            printed.append(out.getvalue())
     return seen, losses.val
 
 
@@ -70,20 +92,17 @@ class _recording:
 
 
 def _pipeline_runs(rank: int, world: int, directory: str) -> dict:
-    return {"accepted": [_losses_per_step([*FEW, *flags]) for flags in ACCEPTED],
+    printed: list[str] = []
+    return {"accepted": [_losses_per_step([*FEW, *flags], printed) for flags in ACCEPTED], "printed": printed,
             "uneven": _losses_per_step([*FEW, "--pp", "3"]), **_resumed_runs(directory),
             "traced": _traced(os.path.join(directory, "trace")), "sampled": _samples([*FEW, "--pp", "2"])}
 
 
 def _samples(argv: list[str]) -> str:
     """What the job prints from its first sample on (rank 0), after --steps 4 of `argv`."""
-    import contextlib
-    import io
-
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        _losses_per_step([*argv, "--sample", "2", "--sample-len", "24"])
-    text = printed.getvalue()
+    printed: list[str] = []
+    _losses_per_step([*argv, "--sample", "2", "--sample-len", "24"], printed)
+    text = printed[0]
     return text[text.find("--- sample 1 ---"):]
 
 
@@ -170,14 +189,26 @@ def test_two_stages_per_rank_train_as_the_job_without_stages(launches, index: in
 
 
 @pytest.mark.timeout(600)
-def test_moe_stages_train_as_the_moe_job_without_stages(launches) -> None:
+@pytest.mark.parametrize("index", (6, 8), ids=["experts-whole", "expert-parallel-2"])
+def test_moe_stages_train_as_the_moe_job_without_stages(launches, index: int) -> None:
     """GPT-MoE blocks in two stages: each block's routers' loss joins the backward where it is
-    made and the reported loss, so the losses are the job's without stages at dp 2."""
+    made and the reported loss, so the losses are the job's without stages at dp 2; also with
+    each stage's experts split over its two ranks (`--expert-parallel 2`, tokens sent by
+    all-to-all)."""
     reference, reference_val = launches[2]["reference"][0].result()["moe"]
     for outcome in launches[4]["pipeline"]:
-        losses, val = outcome.result()["accepted"][6]
+        losses, val = outcome.result()["accepted"][index]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
         assert math.isclose(val, reference_val, rel_tol=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_the_runtimes_options_reach_every_stage(launches) -> None:
+    printed = launches[4]["pipeline"][0].result()["printed"]
+    for index, wanted in PRINTED.items():
+        for text in wanted:
+            assert text in printed[index], (ACCEPTED[index], text, printed[index])
+    assert "all-to-all: " not in printed[6] and "before compression)" not in printed[0]   # the checks can fail
 
 
 @pytest.mark.timeout(600)
@@ -243,12 +274,8 @@ def test_a_pipeline_run_writes_its_trace_and_timeline(launches) -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pp", "2", "--moe", "--expert-parallel", "2"], "--expert-parallel with --pp is not supported yet"),
-    (["--pp", "2", "--compress", "int8"], "--compress with --pp: the stages are sharded with overlap.fully_shard, "
-                                          "which takes FSDP2's arguments; set OVERLAP_COMPRESS=<mode> instead"),
-    (["--pp", "2", "--compile"], "set OVERLAP_COMPILE=1 instead"),
-    (["--pp", "2", "--prefetch-depth", "1"], "set OVERLAP_PREFETCH_DEPTH=<n> instead"),
-    (["--pp", "2", "--bucket-mb", "1"], "set OVERLAP_BUCKET_MB=<mb> instead"),
+    (["--pp", "2", "--moe", "--expert-parallel", "2", "--pp-schedule", "InterleavedZeroBubble"],
+     "--expert-parallel with --pp-schedule InterleavedZeroBubble is not supported yet"),
     (["--pp", "2", "--offload", "disk", "--mixed-precision", "bf16"], "offload disk with --pp is not supported yet"),
     (["--microbatches", "2"], "--microbatches needs --pp"),
     (["--pp-schedule", "GPipe"], "--pp-schedule needs --pp"),

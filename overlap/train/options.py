@@ -25,10 +25,8 @@ V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 def stages_per_rank(schedule: str) -> int:
     """Pipeline stages each rank holds under `schedule`."""
     return 1 if schedule in ("1F1B", "GPipe") else 2
-# The job's options that set the runtime's arguments, and the variable each stands for: under
-# --pp the stages are sharded with overlap.fully_shard, whose arguments are FSDP2's.
-RUNTIME_OPTIONS = {"compress": "OVERLAP_COMPRESS=<mode>", "compile": "OVERLAP_COMPILE=1",
-                   "prefetch_depth": "OVERLAP_PREFETCH_DEPTH=<n>", "bucket_mb": "OVERLAP_BUCKET_MB=<mb>"}
+# The schedules that split backward into an input and a weight step.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 class JobError(ValueError):
@@ -215,14 +213,10 @@ def check_pipeline(args: argparse.Namespace) -> None:
         raise JobError(f"--microbatches {args.microbatches} must divide --batch {args.batch}")
     if args.pp_schedule == "1F1B" and args.microbatches < args.pp:
         raise JobError(f"--pp-schedule 1F1B needs --microbatches >= --pp {args.pp} (got {args.microbatches})")
-    if args.expert_parallel is not None:
-        raise JobError("--expert-parallel with --pp is not supported yet: the stages are sharded with "
-                       "overlap.fully_shard, which does not split experts (docs/pipeline.md)")
-    for option, variable in RUNTIME_OPTIONS.items():
-        if getattr(args, option) is not None:
-            flag = "--" + option.replace("_", "-")
-            raise JobError(f"{flag} with --pp: the stages are sharded with overlap.fully_shard, which takes FSDP2's "
-                           f"arguments; set {variable} instead")
+    if args.expert_parallel is not None and args.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise JobError(f"--expert-parallel with --pp-schedule {args.pp_schedule} is not supported yet: the schedule "
+                       "splits backward into an input and a weight step, and a MoE layer's all-to-alls run once per "
+                       "backward (docs/pipeline.md); use 1F1B, GPipe, Interleaved1F1B or LoopedBFS")
     if offload_tier(args) == "disk":
         raise JobError("offload disk with --pp is not supported yet: the disk tier steps with overlap.optim.AdamW "
                        "over a ShardedModule's parameters; use --offload cpu")

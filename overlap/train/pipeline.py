@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn import functional as F
 
-from overlap import fully_shard
+from overlap import OverlapPolicy, fully_shard
 from overlap.models import GPT, GPTConfig
 from overlap.models.moe import GPTMoE, MoEConfig
 from overlap.observe.report import OverlapMonitor
@@ -88,7 +88,7 @@ class _Stage(nn.Module):
                 if torch.is_grad_enabled():
                     x = _RouterLoss.apply(x, weighted[-1])
         if weighted:
-            self.router_losses.append(float(sum(weighted)))
+            self.router_losses.append(float(sum(weighted).detach()))
             if torch.is_grad_enabled() and not self.last:
                 # A stage's output is detached in place after a split backward's input step,
                 # which the view `_RouterLoss` returns does not allow.
@@ -145,7 +145,11 @@ class PipelineSteps:
             stage = _Stage(gpt, stage_blocks(args.layers, count, index), index == 0, index == count - 1)
             for block in stage.blocks.values():
                 fully_shard(block, **policy)
-            self.modules.append(fully_shard(stage, **policy))
+            # The job's runtime options, each stage's (the same on every stage).
+            runtime = OverlapPolicy(prefetch_depth=args.prefetch_depth, bucket_mb=args.bucket_mb,
+                                    compression=args.compress, compile=args.compile,
+                                    expert_parallel=args.expert_parallel)
+            self.modules.append(fully_shard(stage, overlap_policy=runtime, **policy))
             stages.append(PipelineStage(self.modules[-1], index, count, device, group=self.pp_group))
         self.first = any(module.first for module in self.modules)
         self.last = any(module.last for module in self.modules)
