@@ -24,9 +24,9 @@ import shutil
 import tempfile
 from typing import Callable, Optional, Sequence
 
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median,
-                    parse_with_worker_options, rotated, script_main, slower_rank, spread, start_rank, timed_steps,
-                    write_json, write_text)
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
+                    rotated, script_main, slower_rank, spread, spread_cell, start_rank, timed_steps, write_json,
+                    write_text)
 
 WORLD_SIZE = 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2")
@@ -139,8 +139,7 @@ def run_driver(args: argparse.Namespace) -> int:
     for call in CALLS:
         cells = [call, summary["FSDP2"][call]["ms"]]
         for variant in VARIANTS[:2]:
-            ratio = summary[variant][call]["over_fsdp2"]
-            cells += [summary[variant][call]["ms"], f"{ratio['median']:.2f} ({ratio['min']:.2f}–{ratio['max']:.2f})"]
+            cells += [summary[variant][call]["ms"], spread_cell(summary[variant][call]["over_fsdp2"])]
         rows.append(cells)
     table = markdown_table(["call", "FSDP2 ms", "ShardedModule ms", "÷ FSDP2", "fully_shard ms", "÷ FSDP2"], rows)
     write_text(os.path.join(args.out, "state_dict_api.md"), table + "\n")
