@@ -462,6 +462,13 @@ def write_json(path: str, data: Any) -> None:
         f.write("\n")
 
 
+def write_results(out_dir: str, name: str, data: Any, table: str) -> None:
+    """<out_dir>/<name>.json with `data` and <out_dir>/<name>.md with `table`, which is printed."""
+    write_json(os.path.join(out_dir, f"{name}.json"), data)
+    write_text(os.path.join(out_dir, f"{name}.md"), table + "\n")
+    print(table)
+
+
 def write_text(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
