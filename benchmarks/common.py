@@ -378,8 +378,8 @@ def spread_cell(values: Optional[Any], digits: int = 2, scale: float = 1.0) -> s
 
 def spread_table(summary: dict[str, dict]) -> str:
     """A markdown table of named spreads (see `spread`): median and range of each."""
-    return markdown_table(["figure", "median", "range"], [[name, f"{s['median']:.3f}", f"{s['min']:.3f}–{s['max']:.3f}"]
-                                                           for name, s in summary.items()])
+    rows = [[name, f"{s['median']:.3f}", f"{s['min']:.3f}–{s['max']:.3f}"] for name, s in summary.items()]
+    return markdown_table(["figure", "median", "range"], rows)
 
 
 def paired_ratios(per_round: Sequence[dict[str, Sequence[float]]], pairs: Sequence[tuple[str, str]],
