@@ -25,14 +25,13 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 import zlib
 from typing import Optional, Sequence
 
 import torch
 
 from common import (PeakMemory, RunRecord, forwarded, launch, markdown_table, median, parse_with_worker_options,
-                    quartiles, script_main, start_rank, write_json)
+                    quartiles, script_main, seconds_of, slowest_of_ranks, start_rank, timed_steps, write_json)
 
 WORLD_SIZE = 2
 MIB = 2**20
@@ -41,15 +40,6 @@ MIB = 2**20
 # The candidate checksums, and how much each hashes per measurement.
 HASHES = {"crc32": zlib.crc32, "blake2b": lambda data: hashlib.blake2b(data).digest()}
 HASHED_BYTES = 64 * MIB
-
-
-def _hash_seconds(fn, data: bytes, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(data)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -71,22 +61,17 @@ def run_worker(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    def slowest(seconds: float) -> float:
-        value = torch.tensor(seconds)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return float(value)
+    def slowest(value: float) -> float:
+        return slowest_of_ranks([value])[0]
 
     def timed(fn) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        return slowest(time.perf_counter() - start)
+        return slowest(timed_steps(fn, 1)[0])
 
     data = os.urandom(HASHED_BYTES)
     hash_gib_s = {}
     for name, fn in HASHES.items():
         dist.barrier()
-        hash_gib_s[name] = HASHED_BYTES / 2**30 / slowest(_hash_seconds(fn, data))
+        hash_gib_s[name] = HASHED_BYTES / 2**30 / slowest(min(seconds_of(lambda: fn(data)) for _ in range(3)))
     del data
     step()
     held = sum(p.numel() * p.element_size() for p in model.parameters())

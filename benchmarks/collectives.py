@@ -27,7 +27,7 @@ import torch
 
 from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, on_link, parse_choices,
                     parse_links, parse_sizes, parse_with_worker_options, script_main, slower_rank, start_rank,
-                    write_json, write_text)
+                    write_json, write_results)
 
 WORLD_SIZE = 2
 REDUCE_SCATTER_WAYS = ("reduce_scatter", "all_to_all+sum", "all_reduce+slice")
@@ -176,10 +176,7 @@ def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("collectives.py", args.argv)
     results = measure(args)
     markdown = f"Command: `{record.command}` (gloo, {WORLD_SIZE} ranks, fp32)\n\n{table(results)}"
-    write_json(os.path.join(args.out, "collectives.json"),
-               dict(**record.fields(), world_size=WORLD_SIZE, results=results))
-    write_text(os.path.join(args.out, "collectives.md"), markdown + "\n")
-    print(markdown)
+    write_results(args.out, "collectives", dict(**record.fields(), world_size=WORLD_SIZE, results=results), markdown)
     return 0
 
 

@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import json
 import os
+import platform
 import re
 import shlex
 import signal
@@ -115,31 +116,46 @@ class RunRecord:
     """What a result file records of the run that wrote it: the commit (with '+changes' when
     tracked files were edited), the command, when it started, the torch build, and the host's
     load average when it started and ended (this host is shared: the load says how far the
-    timings can be trusted). Start one when the run starts; `fields()` when writing."""
+    timings can be trusted). Start one when the run starts; `fields()` when writing, or
+    `host_load()` and `host()` for the files that keep the load under "meta" or "host".
+    `hidden`: arguments the command names by a placeholder (no path of this machine goes
+    into a result file)."""
 
-    def __init__(self, script: str, argv: Sequence[str]) -> None:
+    def __init__(self, script: str, argv: Sequence[str], hidden: Optional[dict[str, str]] = None) -> None:
         import torch
 
-        self.command = shlex.join(["python", f"benchmarks/{script}", *argv])     # runnable as written
+        shown = [(hidden or {}).get(arg, arg) for arg in argv]
+        self.command = shlex.join(["python", f"benchmarks/{script}", *shown])     # runnable as written
         self.commit = git_commit()
         self.started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         self.torch = torch.__version__
         self.loadavg_before = list(os.getloadavg())
+        self._wall_start = time.perf_counter()
 
     def fields(self) -> dict[str, Any]:
         return dict(commit=self.commit, command=self.command, time=self.started, torch=self.torch,
                     cpus=os.cpu_count(), loadavg_before=self.loadavg_before, loadavg_after=list(os.getloadavg()))
 
+    def host_load(self, **extra: Any) -> dict[str, Any]:
+        """The load (1, 5, 15 min) before and now, and the seconds since the start."""
+        return dict(load_1_5_15min_before=self.loadavg_before, load_1_5_15min_after=list(os.getloadavg()),
+                    wall_s=time.perf_counter() - self._wall_start, **extra)
+
+    def host(self, **extra: Any) -> dict[str, Any]:
+        """The machine, the torch build and the load before and now."""
+        return dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=self.torch, **extra,
+                    load_before=self.loadavg_before, load_after=list(os.getloadavg()))
+
 
 def launch(script: str, nproc: int, worker_args: Sequence[str], timeout_s: float, prefix: Sequence[str] = (),
-           python: str = sys.executable) -> Any:
+           python: str = sys.executable, env: Optional[dict] = None) -> Any:
     """Run `script` on `nproc` local ranks (torchrun; each rank on one thread) with
     `worker_args` and a `--result FILE` for rank 0 to write, behind the link's `prefix`, within
-    `timeout_s`; what rank 0 wrote there."""
+    `timeout_s`, with `env` added to the environment; what rank 0 wrote there."""
     with tempfile.TemporaryDirectory() as scratch:
         result = os.path.join(scratch, "result.json")
         command = [*prefix, *torchrun(script, nproc, [*worker_args, "--result", result], python)]
-        run_with_deadline(command, timeout_s, env=single_thread_env())
+        run_with_deadline(command, timeout_s, env={**single_thread_env(), **(env or {})})
         return read_json(result)
 
 
@@ -242,6 +258,13 @@ def proc_status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def peak_rss() -> int:
+    """The largest resident memory of this process so far, in bytes (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class PeakMemory:
     """The largest value (bytes) of each /proc/self/status field in `fields` while the `with`
     block runs, sampled every `interval_s` on a thread of its own; `growth(field)` is the peak
@@ -312,6 +335,13 @@ def from_every_rank(mine: Any) -> list[Any]:
     return ranks
 
 
+def seconds_of(call: Callable[[], object]) -> float:
+    """The wall seconds one call of `call` takes."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 def timed_steps(step: Callable[[], object], count: int) -> list[float]:
     """The seconds each of `count` calls of `step` took, every rank starting each call together
     (a barrier first: a rank that ran ahead does not time its wait for the others)."""
@@ -335,6 +365,21 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
     """Per-round values (paired ratios, shares) as a result file records them: each round's,
     their median, smallest and largest."""
     return dict(per_round=list(values), median=median(values), min=min(values), max=max(values))
+
+
+def spread_cell(values: Optional[Any], digits: int = 2, scale: float = 1.0) -> str:
+    """'median (min–max)' of a spread (see `spread`) or of a list of values; '–' for none."""
+    if not values:
+        return "–"
+    stats = values if isinstance(values, dict) else spread(values)
+    low, middle, high = (f"{stats[key] * scale:.{digits}f}" for key in ("min", "median", "max"))
+    return f"{middle} ({low}–{high})"
+
+
+def spread_table(summary: dict[str, dict]) -> str:
+    """A markdown table of named spreads (see `spread`): median and range of each."""
+    rows = [[name, f"{s['median']:.3f}", f"{s['min']:.3f}–{s['max']:.3f}"] for name, s in summary.items()]
+    return markdown_table(["figure", "median", "range"], rows)
 
 
 def paired_ratios(per_round: Sequence[dict[str, Sequence[float]]], pairs: Sequence[tuple[str, str]],
@@ -367,6 +412,29 @@ def rotated(variants: Sequence[str], round_index: int) -> list[str]:
     return [*variants[shift:], *variants[:shift]]
 
 
+def in_turns(variants: Sequence[str], rounds: int, measure: Callable[[str], Any]) -> dict[str, list]:
+    """Variant -> `measure(variant)` in each of `rounds` rounds, the variants taking turns in
+    every round (`rotated`), so that load that drifts falls on all of them alike."""
+    measured: dict[str, list] = {variant: [] for variant in variants}
+    for round_index in range(rounds):
+        for variant in rotated(variants, round_index):
+            measured[variant].append(measure(variant))
+    return measured
+
+
+@contextlib.contextmanager
+def patched(*replacements: tuple[Any, str, Any]) -> Iterator[None]:
+    """Each (owner, name, value): `owner.name` is `value` inside the block, its own again after."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 def median(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("median of no values")
@@ -392,6 +460,13 @@ def write_json(path: str, data: Any) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
+
+
+def write_results(out_dir: str, name: str, data: Any, table: str) -> None:
+    """<out_dir>/<name>.json with `data` and <out_dir>/<name>.md with `table`, which is printed."""
+    write_json(os.path.join(out_dir, f"{name}.json"), data)
+    write_text(os.path.join(out_dir, f"{name}.md"), table + "\n")
+    print(table)
 
 
 def write_text(path: str, text: str) -> None:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 import peers
-from common import markdown_table, median, write_json, write_text
+from common import markdown_table, spread_cell, write_json, write_text
 from compare_summary import BASELINE, PHASES, WORLD_SIZE, paired_rounds, peak_bytes, ratio_of, step_ms
 from gpt_options import MODEL_FIELDS
 
@@ -57,8 +57,7 @@ def time_table(summary: dict) -> str:
 
 def _paired_cell(summary: dict, link: str, impl: str, peers_: Sequence[str]) -> str:
     """"median (min–max)" of the per-round paired ratios."""
-    rounds = paired_rounds(summary, link, impl, peers_)
-    return "–" if not rounds else f"{median(rounds):.2f} ({min(rounds):.2f}–{max(rounds):.2f})"
+    return spread_cell(paired_rounds(summary, link, impl, peers_))
 
 
 def ratio_table(summary: dict) -> str:

@@ -9,14 +9,13 @@ memory they cost).
 from __future__ import annotations
 
 import argparse
-import resource
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 import peers
-from common import PROCESS_GROUP_TIMEOUT, from_every_rank, write_json
+from common import PROCESS_GROUP_TIMEOUT, from_every_rank, peak_rss, write_json
 from gpt_options import model_config, token_batch
 
 if TYPE_CHECKING:
@@ -52,32 +51,6 @@ def _overlap_trace(model) -> dict[str, list]:
                              wait_start=ms(c.wait[0] if c.wait else None), wait_end=ms(c.wait[1] if c.wait else None))
                         for c in record.collectives],
     }
-
-
-def _memory_step(impl: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step, batch) -> dict[str, dict]:
-    """One training step under MemTracker: the bytes of each category at the step's peak,
-    and the peak total within forward and within backward (the optimizer step's is the
-    overall peak when it exceeds both).
-
-    ShardedModule's gathered parameters live in flat buffers that are not nn.Parameters;
-    they are registered with the tracker and show as 'Other'. FSDP2's unsharded parameters
-    are nn.Parameters while gathered and show as 'Parameter'.
-    """
-    # _ModState (private) names the per-module snapshots that hold forward and backward peaks.
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
-
-    tracker = MemTracker()
-    # DeepSpeed's ZeRO optimizer is a wrapper; the torch optimizer inside holds the state.
-    tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
-    if impl == peers.OVERLAP:
-        tracker.track_external(*[group.full for unit in model.scheduler.all_units for group in unit.groups])
-    with tracker:
-        step(batch)
-    peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    snapshots = tracker.memory_tracking[model].snapshots
-    phases = {phase: max(next(iter(snap.values()))["Total"] for snap in snapshots[state])
-              for phase, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW))}
-    return dict(peak={str(getattr(key, "value", key)): int(value) for key, value in peak.items()}, phases=phases)
 
 
 def _build_model(args: argparse.Namespace, config: "GPTConfig") -> torch.nn.Module:
@@ -128,10 +101,9 @@ def run_worker(args: argparse.Namespace) -> None:
         if impl in peers.SHARDED_MODULE:
             comm.append(_overlap_step_comm(model))
             trace = _overlap_trace(model)
-    memory = _memory_step(impl, model, optimizer, train_step, batches[total_steps]) if args.memory else None
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-    mine = dict(step_s=step_s, phase_s=phase_s, loss=losses, memory=memory, peak_rss=peak_rss, comm=comm,
+    memory = peers.tracked_memory(model, optimizer, lambda: train_step(batches[total_steps]),
+                                  flat_buffers=impl == peers.OVERLAP) if args.memory else None
+    mine = dict(step_s=step_s, phase_s=phase_s, loss=losses, memory=memory, peak_rss=peak_rss(), comm=comm,
                 trace=trace, first_step_s=first_step_s)
     ranks = from_every_rank(mine) if distributed else [mine]
     if rank == 0:

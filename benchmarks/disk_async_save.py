@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from common import PeakMemory, git_commit, markdown_table, median, parse_count, parse_recorded, spread, write_json
+from common import (PeakMemory, RunRecord, median, parse_count, parse_recorded, single_rank_env, spread, spread_table,
+                    write_json)
 from gpt_options import gpt_config
 
 MODES = ("staged", "streamed")
@@ -40,8 +41,7 @@ def run(args: argparse.Namespace) -> dict:
     from overlap.optim import AdamW
 
     streamed_keys = checkpoint.streamed_keys
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.update(single_rank_env(), MASTER_PORT=str(args.port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         config = gpt_config(parse_count(args.model_params), args.model_layers)
@@ -109,7 +109,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    load_before, started, commit = os.getloadavg(), time.time(), git_commit()
+    record = RunRecord("disk_async_save.py", args.argv)
     with tempfile.TemporaryDirectory(prefix="disk-async-save-", dir=args.dir or ".") as directory:
         os.environ["OVERLAP_OFFLOAD_DIR"] = directory
         args.dir = directory
@@ -120,17 +120,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                           ("anon_growth_gib", "anon_growth_bytes", 2**-30))}
     summary["step_during_save_s_streamed_over_staged"] = spread(
         [median(r["streamed"]["steps_s"]) / median(r["staged"]["steps_s"]) for r in counted])
-    result = dict(meta=dict(command="python benchmarks/disk_async_save.py " + " ".join(args.argv),
-                            commit=commit, time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                            host_load=dict(load_1_5_15min_before=list(load_before),
-                                           load_1_5_15min_after=list(os.getloadavg()),
-                                           wall_s=time.time() - started),
-                            params=measured["params"], state_gib=measured["state_bytes"] / 2**30),
-                  summary=summary, rounds=counted)
+    meta = dict(command=record.command, commit=record.commit, time=record.started, host_load=record.host_load(),
+                params=measured["params"], state_gib=measured["state_bytes"] / 2**30)
     if args.out:
-        write_json(args.out, result)
-    rows = [[name, f"{s['median']:.3f}", f"{s['min']:.3f}–{s['max']:.3f}"] for name, s in summary.items()]
-    print(markdown_table(["figure", "median", "range"], rows))
+        write_json(args.out, dict(meta=meta, summary=summary, rounds=counted))
+    print(spread_table(summary))
     return 0
 
 

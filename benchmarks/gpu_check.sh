@@ -10,17 +10,8 @@
 #   quant_kernels   tests/test_quant_kernels.py's CUDA cases: every backend against the torch
 #                   reference
 #   offload ... overhead
-#                   benchmarks/gpu_checks.py, one process per step (its docstring says what
-#                   each checks): offload="cpu" against none, its host<->device copies' bandwidth
-#                   against a plain pinned copy and their overlap with compute; offload="disk"
-#                   against none in bf16 and its 16-bit shard's host->device refresh; compressed
-#                   collectives at world size 1, the step record's
-#                   CUDA clock against CUPTI, no host syncs in steady state, (two_level)
-#                   hybrid sharding and hpZ over a second group of one rank (their chained
-#                   streams), an emulated slow link (the exposed share of the injected
-#                   communication against the overlap report's, beside FSDP2's), device
-#                   selection and stream-race parity, kernels past 2**31 elements, ShardedModule
-#                   against FSDP2 and the plain model on a ~1B-parameter GPT
+#                   benchmarks/gpu_checks.py, one process per step (CHECKS below names each
+#                   step's checks; that file's docstring says what each one checks)
 #   sanitized       two parity steps under TORCH_CUDA_SANITIZER=1 (cross-stream use without an
 #                   event, memory freed while a stream reads it)
 #   kernel_tests    tests/test_kernels.py's CUDA cases

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from common import PROCESS_GROUP_TIMEOUT, single_rank_env
+from common import PROCESS_GROUP_TIMEOUT, patched, single_rank_env
 
 if TYPE_CHECKING:
     from overlap import MixedPrecision
@@ -141,16 +141,10 @@ def timed_steps(step: Callable[[int], torch.Tensor], device: torch.device, warmu
     return seconds, [float(loss) for loss in losses]
 
 
-@contextlib.contextmanager
-def collectives_issued_alone() -> Iterator[None]:
+def collectives_issued_alone() -> contextlib.AbstractContextManager[None]:
     """ShardedModules built inside run their gathers and reductions as collectives (on their
     streams, into buffers they free) at world size 1 too, as with more ranks, for the checks
     to delay, time and poison; by default one rank copies in place or gathers nothing."""
     from overlap.runtime.collectives import Collectives
 
-    saved = Collectives.local_when_alone
-    Collectives.local_when_alone = False
-    try:
-        yield
-    finally:
-        Collectives.local_when_alone = saved
+    return patched((Collectives, "local_when_alone", False))

@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from common import patched
+
 # torch.cuda._sleep cycles injected around each side-stream collective: ~0.5 ms at ~2 GHz.
 SLEEP_CYCLES = 1_000_000
 
@@ -109,8 +111,6 @@ class Injection:
         from overlap.runtime.host_tier import HostTier
 
         targets = _collective_functions() + ([(dist, "all_reduce", "all_reduce")] if self.all_reduce else [])
-        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
-        saved.append((HostTier, "on", HostTier.on))
         free = FlatGroup.free
 
         def poisoned_free(group: FlatGroup) -> None:
@@ -119,17 +119,10 @@ class Injection:
                     group.full.detach().fill_(float("nan"))
             free(group)
 
-        for owner, name, kind in targets:
-            setattr(owner, name, self._wrap(kind, getattr(owner, name)))
-        HostTier.on = self._delayed_copies(HostTier.on)
-        if self.poison:
-            FlatGroup.free = poisoned_free
-        try:
+        with patched(*[(owner, name, self._wrap(kind, getattr(owner, name))) for owner, name, kind in targets],
+                     (HostTier, "on", self._delayed_copies(HostTier.on)),
+                     (FlatGroup, "free", poisoned_free if self.poison else free)):
             yield self
-        finally:
-            for owner, name, fn in saved:
-                setattr(owner, name, fn)
-            FlatGroup.free = free
 
 
 def race_injection(rehearse: bool) -> Injection:

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from common import patched
 from gpu_harness import Checks, deterministic, device_for, one_rank_group, one_rank_on, synchronize
 from gpu_injection import race_injection
 from gpu_training import (finite_run, identical_runs, parity_configs, small_gpt, train_plain, train_sharded,
@@ -111,11 +112,8 @@ def second_level_of_one(kind: str, device: torch.device) -> Iterator[None]:
             return ShardingGroups(groups.shard, second)
         return ShardingGroups(groups.shard, None, second)
 
-    startup.resolve_sharding = with_second_level
-    try:
+    with patched((startup, "resolve_sharding", with_second_level)):
         yield
-    finally:
-        startup.resolve_sharding = resolve
 
 
 def _second_level_parity(checks: Checks, rehearse: bool, kind: str) -> None:
@@ -137,9 +135,9 @@ def _second_level_parity(checks: Checks, rehearse: bool, kind: str) -> None:
         from_copies["from the node copy"] += copy.secondary is not None
         return gather(copy, *args, **kwargs)
 
-    NodeCopy.gather = counted_gather
     try:
-        with one_rank_on(device), deterministic(), second_level_of_one(kind, device):
+        with patched((NodeCopy, "gather", counted_gather)), one_rank_on(device), deterministic(), \
+                second_level_of_one(kind, device):
             plain = train_sharded(config, device, None)
             injection = race_injection(rehearse)
             from_copies.clear()
@@ -148,8 +146,6 @@ def _second_level_parity(checks: Checks, rehearse: bool, kind: str) -> None:
     except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
         checks.error(kind, exc)
         return
-    finally:
-        NodeCopy.gather = gather
     identical, finite = identical_runs(plain, poked), finite_run(poked)
     worst = worst_parameter(plain, reference, rtol=1e-4, atol=1e-5)
     steps = len(plain["losses"])

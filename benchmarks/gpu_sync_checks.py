@@ -1,6 +1,9 @@
 """Host waits and the step record's clock: steady-state steps make no call that syncs the host
 with the device (those the runtime makes on purpose counted), and the record's time of the
-collectives in flight agrees with what CUPTI saw on the side streams."""
+collectives in flight agrees with what CUPTI saw on the side streams.
+
+`count_sync_calls` also serves tests/test_host_syncs.py, which counts on CPU the calls of
+overlap's steady-state step that would block the host on CUDA."""
 from __future__ import annotations
 
 import contextlib
@@ -10,16 +13,26 @@ import sys
 import tempfile
 import traceback
 from collections import Counter
-from typing import Any, Callable, Iterator
+from types import FrameType
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from common import patched
 from gpu_harness import ROOT, Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on, synchronize
 from gpu_training import flush_record, small_gpt, token_batches
 
 SYNC_WARMUP, SYNC_STEPS = 3, 3
 # The checks' own frames, passed over when naming where a sync was made.
 CHECKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+# (owner, method): each blocks the host until the device catches up when its tensor or
+# event is on the device.
+SYNC_CALLS: list[tuple[Any, str]] = [
+    (torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "to"),
+    (torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "elapsed_time"),
+    (torch.cuda.Stream, "synchronize"),
+]
+Where = Callable[[str, tuple, dict, FrameType], Optional[str]]
 
 
 def _where(exc: BaseException) -> str:
@@ -39,36 +52,60 @@ def _where(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def counted_host_waits() -> Iterator[Counter]:
-    """Count, by caller, the host waits `set_sync_debug_mode` does not flag: an event's or a
-    stream's `synchronize()`, `torch.cuda.synchronize()` and the runtime's polling waits."""
+def counted_calls(targets: Sequence[tuple[Any, str, str]], where: Where) -> Iterator[Counter]:
+    """Count the calls of each (owner, method, label) of `targets` inside the block, under what
+    `where(label, args, kwargs, caller's frame)` names them (None: not counted)."""
     seen: Counter = Counter()
 
     def counting(label: str, fn: Callable) -> Callable:
         def run(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            path = caller.f_code.co_filename
-            path = os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)
-            seen[f"{label} at {path}:{caller.f_lineno}"] += 1
+            key = where(label, args, kwargs, sys._getframe(1))
+            if key is not None:
+                seen[key] += 1
             return fn(*args, **kwargs)
         return run
 
+    with patched(*[(owner, name, counting(label, getattr(owner, name))) for owner, name, label in targets]):
+        yield seen
+
+
+def count_sync_calls() -> contextlib.AbstractContextManager[Counter]:
+    """Count, by "owner.method in file:function" (the caller in overlap), the calls of
+    SYNC_CALLS (`Tensor.to` only with a device: a copy between host and device) that overlap's
+    own code makes inside the block. On CPU the same Python runs, so the counts say which of
+    those calls the steady-state step makes; whether each would synchronise depends on its
+    tensor being on the device, which a CPU run cannot show."""
+    import overlap
+    import overlap.kernels
+
+    # Where the package's own code lives (overlap.kernels is installed from kernels/).
+    package = (os.path.dirname(overlap.__file__) + os.sep, list(overlap.kernels.__path__)[0] + os.sep)
+
+    def in_overlap(label: str, args: tuple, kwargs: dict, caller: FrameType) -> Optional[str]:
+        code = caller.f_code
+        moves = label != "Tensor.to" or "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])
+        return f"{label} in {os.path.basename(code.co_filename)}:{code.co_name}" \
+            if code.co_filename.startswith(package) and moves else None
+
+    return counted_calls([(owner, name, f"{owner.__name__}.{name}") for owner, name in SYNC_CALLS], in_overlap)
+
+
+def counted_host_waits() -> contextlib.AbstractContextManager[Counter]:
+    """Count, by caller, the host waits `set_sync_debug_mode` does not flag: an event's or a
+    stream's `synchronize()`, `torch.cuda.synchronize()` and the runtime's polling waits."""
     from overlap.runtime import step_counter, timing
+
+    def at_caller(label: str, args: tuple, kwargs: dict, caller: FrameType) -> str:
+        path = caller.f_code.co_filename
+        path = os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)
+        return f"{label} at {path}:{caller.f_lineno}"
 
     # `polling` makes the host wait for a CUDA event by querying it: the step record's read
     # of a step not yet complete (overlap/runtime/timing.py).
-    targets = [(torch.cuda.Event, "synchronize", "Event.synchronize"),
-               (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
-               (torch.cuda, "synchronize", "torch.cuda.synchronize"),
-               (timing, "polling", "polling wait"), (step_counter, "polling", "polling wait")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
-    for owner, name, label in targets:
-        setattr(owner, name, counting(label, getattr(owner, name)))
-    try:
-        yield seen
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
+    return counted_calls([(torch.cuda.Event, "synchronize", "Event.synchronize"),
+                          (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
+                          (torch.cuda, "synchronize", "torch.cuda.synchronize"),
+                          (timing, "polling", "polling wait"), (step_counter, "polling", "polling wait")], at_caller)
 
 
 @contextlib.contextmanager

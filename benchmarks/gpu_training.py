@@ -7,7 +7,7 @@ import copy
 import os
 import sys
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -92,13 +92,7 @@ def train_sharded(config: dict, device: torch.device, injection: Optional[Inject
     records = _delivered_records(model)
     with injection.active() if injection is not None else contextlib.nullcontext():
         for idx, targets in token_batches(device, steps or parity_steps(device)):
-            total = torch.zeros((), device=device)
-            for k in range(micro):
-                part = slice(k * idx.shape[0] // micro, (k + 1) * idx.shape[0] // micro)
-                with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
-                    loss = model(idx[part], targets[part]) / micro
-                    loss.backward()
-                total += loss.detach().float()
+            total = _backward_in_parts(model, idx, targets, micro, model.no_sync)
             optimizer.step()
             optimizer.zero_grad()
             synchronize(device)
@@ -112,6 +106,21 @@ def train_sharded(config: dict, device: torch.device, injection: Optional[Inject
     if [r.step for r in records] != list(range(1, len(losses) + 1)):
         raise AssertionError(f"step records of steps {[r.step for r in records]} after {len(losses)} steps")
     return dict(losses=losses, allocated=allocated, state=model.full_state_dict(), recorded=recorded)
+
+
+def _backward_in_parts(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, parts: int,
+                       no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                       ) -> torch.Tensor:
+    """Forward and backward of the batch in `parts` equal parts, each loss divided by `parts`
+    (every part but the last inside `no_sync()`); their summed loss."""
+    total = torch.zeros((), device=idx.device)
+    for k in range(parts):
+        part = slice(k * idx.shape[0] // parts, (k + 1) * idx.shape[0] // parts)
+        with no_sync() if k < parts - 1 else contextlib.nullcontext():
+            loss = model(idx[part], targets[part]) / parts
+            loss.backward()
+        total += loss.detach().float()
+    return total
 
 
 def _delivered_records(model) -> list:
@@ -139,12 +148,7 @@ def train_plain(config: dict, device: torch.device) -> dict:
     losses = []
     for idx, targets in token_batches(device, parity_steps(device)):
         model = master if dtype is None else copy.deepcopy(master).to(dtype)
-        total = torch.zeros((), device=device)
-        for k in range(micro):
-            part = slice(k * idx.shape[0] // micro, (k + 1) * idx.shape[0] // micro)
-            loss = model(idx[part], targets[part]) / micro
-            loss.backward()
-            total += loss.detach().float()
+        total = _backward_in_parts(model, idx, targets, micro)
         if dtype is not None:
             for ours, theirs in zip(master.parameters(), model.parameters()):
                 ours.grad = None if theirs.grad is None else theirs.grad.float()

@@ -54,24 +54,6 @@ def _once(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def timed(candidates: dict[str, Callable[[], None]], device: torch.device, repeats: int,
-          reset: Optional[Callable[[], None]] = None) -> dict[str, float]:
-    """Median seconds of each candidate. Candidates take turns within every repeat, so a
-    change in machine load (this host is shared) moves all of them alike. `reset`, untimed,
-    runs before every call: in-place ops start from the same values each time (halving a
-    gradient over and over would reach subnormal floats, which are many times slower)."""
-    reset = reset or (lambda: None)
-    for fn in candidates.values():
-        reset()
-        fn()
-    times: dict[str, list[float]] = {label: [] for label in candidates}
-    for _ in range(repeats):
-        for label, fn in candidates.items():
-            reset()
-            times[label].append(_once(fn, device))
-    return {label: statistics.median(t) for label, t in times.items()}
-
-
 def _flatten_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     offsets, end = [], 0
     for t in tensors:
@@ -119,12 +101,9 @@ def measure_case(name: str, sizes: list[tuple[int, ...]], src_dtype: torch.dtype
     candidates["copy (one flat tensor)" if src_dtype == dst_dtype else "copy+cast (one flat tensor)"] = \
         lambda: same.copy_(plain)
     candidates.update(torch_ops_for_pack(srcs, flat))
-    for backend_name in backends:
-        backend = get_backend(backend_name, device)
-        candidates[f"overlap {backend_name}"] = lambda b=backend: b.pack(srcs, flat, offsets)
+    candidates = _with_backends(candidates, lambda b: b.pack(srcs, flat, offsets), device, backends)
     op = f"pack {str(src_dtype)[6:]}->{str(dst_dtype)[6:]}"
-    return [{"case": name, "op": op, "impl": label, "tensors": len(srcs), "elements": total, "ms": seconds * 1e3,
-             "GB/s": nbytes / seconds / 1e9} for label, seconds in timed(candidates, device, repeats).items()]
+    return _rows(name, op, len(srcs), total, nbytes, timed(candidates, device, repeats))
 
 
 def measure_runtime_calls(device: torch.device, backends: list[str], repeats: int) -> list[dict]:
@@ -156,11 +135,8 @@ def measure_runtime_calls(device: torch.device, backends: list[str], repeats: in
     }
     rows = []
     for op, (call, nbytes) in calls.items():
-        candidates = _working(dict(plain[op]))
-        candidates.update({f"overlap {name}": (lambda b=get_backend(name, device): call(b)) for name in backends})
-        rows += [{"case": "runtime_shard", "op": op, "impl": label, "tensors": 1, "elements": numel,
-                  "ms": seconds * 1e3, "GB/s": nbytes / seconds / 1e9}
-                 for label, seconds in timed(candidates, device, repeats, resets.get(op)).items()]
+        candidates = _with_backends(_working(dict(plain[op])), call, device, backends)
+        rows += _rows("runtime_shard", op, 1, numel, nbytes, timed(candidates, device, repeats, resets.get(op)))
     return rows
 
 
@@ -217,14 +193,21 @@ class Spread(NamedTuple):
     cpu_median_s: Optional[float]
 
 
-def timed_samples(candidates: dict, device: torch.device, repeats: int) -> dict:
-    """A Spread per candidate, the candidates taking turns in every repeat as `timed` does."""
+def timed(candidates: dict, device: torch.device, repeats: int, reset: Optional[Callable[[], None]] = None
+          ) -> dict[str, Spread]:
+    """A Spread per candidate. Candidates take turns within every repeat, so a change in
+    machine load (this host is shared) moves all of them alike. `reset`, untimed, runs before
+    every call: in-place ops start from the same values each time (halving a gradient over and
+    over would reach subnormal floats, which are many times slower)."""
+    reset = reset or (lambda: None)
     for fn in candidates.values():
+        reset()
         fn()
     wall: dict = {label: [] for label in candidates}
     cpu: dict = {label: [] for label in candidates}
     for _ in range(repeats):
         for label, fn in candidates.items():
+            reset()
             start = time.thread_time()
             wall[label].append(_once(fn, device))
             cpu[label].append(time.thread_time() - start)
@@ -234,6 +217,19 @@ def timed_samples(candidates: dict, device: torch.device, repeats: int) -> dict:
         spread[label] = Spread(statistics.median(t), quartiles[2] - quartiles[0],
                                statistics.median(cpu[label]) if device.type == "cpu" else None)
     return spread
+
+
+def _rows(case: str, op: str, tensors: int, elements: int, nbytes: int, times: dict[str, Spread]) -> list[dict]:
+    """The table's rows of one case and op: each candidate's median (and IQR, CPU median) ms and GB/s."""
+    return [{"case": case, "op": op, "impl": label, "tensors": tensors, "elements": elements, "ms": t.median_s * 1e3,
+             "iqr_ms": t.iqr_s * 1e3, "cpu_ms": None if t.cpu_median_s is None else t.cpu_median_s * 1e3,
+             "GB/s": nbytes / t.median_s / 1e9} for label, t in times.items()]
+
+
+def _with_backends(candidates: dict[str, Callable[[], None]], call: Callable, device: torch.device,
+                   backends: list[str]) -> dict[str, Callable[[], None]]:
+    """`candidates` and, for each of `backends`, `call(backend)` as "overlap <name>"."""
+    return {**candidates, **{f"overlap {name}": (lambda b=get_backend(name, device): call(b)) for name in backends}}
 
 
 class PlainTorchQuant:
@@ -333,13 +329,8 @@ def measure_quantized(device: torch.device, backends: list[str], repeats: int, b
     """Rows in the table's format (plus iqr_ms) for every quantised kernel at `block`."""
     rows = []
     for op, (call, plain, nbytes) in quantized_cases(device, block).items():
-        candidates = dict(plain)
-        candidates.update({f"overlap {name}": (lambda b=get_backend(name, device): call(b)) for name in backends})
-        rows += [{"case": f"quant_shard(block {block})", "op": op, "impl": label, "tensors": 1,
-                  "elements": QUANT_NUMEL, "ms": t.median_s * 1e3, "iqr_ms": t.iqr_s * 1e3,
-                  "cpu_ms": None if t.cpu_median_s is None else t.cpu_median_s * 1e3,
-                  "GB/s": nbytes / t.median_s / 1e9}
-                 for label, t in timed_samples(candidates, device, repeats).items()]
+        candidates = _with_backends(plain, call, device, backends)
+        rows += _rows(f"quant_shard(block {block})", op, 1, QUANT_NUMEL, nbytes, timed(candidates, device, repeats))
     return rows
 
 
@@ -393,7 +384,7 @@ def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) ->
         candidates[(block, "quantize")] = lambda q=q, s=scales, b=block: backend.quantize_int8(x, q, s, b)
         candidates[(block, "accumulate")] = lambda q=q, s=scales, b=block: backend.dequantize_accumulate(
             dst, q, s, b, 8, 2)
-    times = timed_samples(candidates, device, repeats)
+    times = timed(candidates, device, repeats)
     for row in rows:
         for op in ("quantize", "accumulate"):
             t = times[(row["block"], op)]

@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import tempfile
 from typing import Optional, Sequence
 
-from common import (PROCESS_GROUP_TIMEOUT, RunRecord, markdown_table, median, on_link, parse_with_worker_options,
-                    read_json, rotated, run_with_deadline, script_main, single_thread_env, timed_steps, torchrun,
-                    write_json, write_text)
+from common import (RunRecord, forwarded, from_every_rank, in_turns, launch, markdown_table, median, on_link,
+                    parse_with_worker_options, script_main, start_rank, timed_steps, write_json, write_results)
 
 WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
@@ -75,11 +73,8 @@ def _all_to_all(model, count: int) -> tuple[float, float, float]:
 
 def run_worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank = dist.get_rank()
+    rank, _ = start_rank()
     variants = args.variants.split(",")
     built = {variant: _build(variant, args) for variant in variants}
     gen = torch.Generator().manual_seed(rank)
@@ -97,20 +92,17 @@ def run_worker(args: argparse.Namespace) -> None:
 
     for variant in variants:
         steps(variant, 2)                                          # warm-up: the runtime learns its order
-    step_s: dict[str, list[float]] = {variant: [] for variant in variants}
-    all_to_all: dict[str, list[tuple[float, float, float]]] = {variant: [] for variant in variants}
-    for round_index in range(args.rounds):
-        for variant in rotated(variants, round_index):
-            step_s[variant].append(median(steps(variant, args.steps)))
-            all_to_all[variant].append(_all_to_all(built[variant][0], args.steps))
+    # Per round: the median step and the all-to-all figures of those steps.
+    measured = in_turns(variants, args.rounds, lambda v: (median(steps(v, args.steps)),
+                                                          _all_to_all(built[v][0], args.steps)))
     reports = {}
     for variant, (model, _) in built.items():
         if variant != "FSDP2":
             mean = model.overlap_report().mean_step()
             reports[variant] = dict(gathered_bytes=mean.gathered_bytes, reduced_bytes=mean.reduced_bytes,
                                     comm_ms=mean.comm_s * 1e3, hidden_fraction=mean.hidden_fraction)
-    ranks: list[Optional[dict]] = [None] * WORLD_SIZE
-    dist.all_gather_object(ranks, dict(step_s=step_s, all_to_all=all_to_all, reports=reports))
+    ranks = from_every_rank(dict(step_s={v: [m[0] for m in ms] for v, ms in measured.items()},
+                                 all_to_all={v: [m[1] for m in ms] for v, ms in measured.items()}, reports=reports))
     if rank == 0:
         write_json(args.result, dict(ranks=ranks))
 
@@ -125,15 +117,10 @@ def _hidden_share(per_round: list[list[list[float]]]) -> Optional[float]:
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("moe.py", args.argv)
-    with tempfile.TemporaryDirectory() as scratch:
-        result = os.path.join(scratch, "result.json")
-        worker = ["--worker", "--result", result, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                  "--width", str(args.width), "--layers", str(args.layers), "--seq", str(args.seq),
-                  "--batch", str(args.batch), "--expert-hidden", str(args.expert_hidden), "--variants", args.variants]
-        with on_link(args.link) as prefix:
-            run_with_deadline([*prefix, *torchrun(os.path.abspath(__file__), WORLD_SIZE, worker)], args.timeout,
-                              env={**os.environ, **single_thread_env()})
-        data = read_json(result)
+    worker = ["--worker", *forwarded(args, ("rounds", "steps", "width", "layers", "seq", "batch", "expert_hidden",
+                                            "variants"))]
+    with on_link(args.link) as prefix:
+        data = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout, prefix)
     ranks = data["ranks"]
     variants = args.variants.split(",")
     # A round's step takes as long as its slowest rank.
@@ -152,9 +139,6 @@ def run_driver(args: argparse.Namespace) -> int:
             all_to_all_hidden_share=_hidden_share(per_round),
             gathered_mb_per_rank=None if report is None else round(report["gathered_bytes"] / 2**20, 2),
             reduced_mb_per_rank=None if report is None else round(report["reduced_bytes"] / 2**20, 2))
-    write_json(os.path.join(args.out, f"moe_{args.link}.json"),
-               dict(**record.fields(), link=args.link, world=WORLD_SIZE, params=_config(args).num_params,
-                    summary=summary, **data))
     table = markdown_table(
         ["variant", "step ms", "÷ no EP, per round: median (range)", "gathered MB/rank", "reduced MB/rank",
          "all-to-all MB (all ranks)", "blocked in all-to-all ms", "all-to-all hidden"],
@@ -164,8 +148,8 @@ def run_driver(args: argparse.Namespace) -> int:
           s["all_to_all_mb_per_step"], s["all_to_all_blocked_ms"],
           "–" if s["all_to_all_hidden_share"] is None else f"{100 * s['all_to_all_hidden_share']:.0f}%"]
          for v, s in summary.items()])
-    write_text(os.path.join(args.out, f"moe_{args.link}.md"), table + "\n")
-    print(table)
+    write_results(args.out, f"moe_{args.link}", dict(**record.fields(), link=args.link, world=WORLD_SIZE,
+                                                     params=_config(args).num_params, summary=summary, **data), table)
     return 0
 
 

@@ -29,19 +29,15 @@ overlap.optim.AdamW (offload="disk" needs it, and bf16 gathers: `--precision bf1
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import sys
 import tempfile
 import time
 from typing import Optional, Sequence
 
-from common import (git_commit, markdown_table, median, run_with_deadline, script_main, single_thread_env,
-                    torchrun, write_json)
+from common import (RunRecord, forwarded, launch, median, parse_with_worker_options, script_main, spread, spread_table,
+                    write_json)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-logger = logging.getLogger("offload")
 MODES = ("none", "cpu")
 # [Note: what overlapping the update could hide]
 # Stepping a unit's host shard while backward goes on (as offload="disk" steps its buckets)
@@ -134,60 +130,37 @@ def run_worker(args: argparse.Namespace) -> None:
         rounds.append(dict(order=list(order), step_s={mode: m["step"] for mode, m in measured.items()},
                            phases={mode: {k: v for k, v in m.items() if k != "step"} for mode, m in measured.items()}))
     if rank == 0:
-        with open(args.result, "w") as f:
-            json.dump(dict(rounds=rounds, model=dict(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head,
-                                                     seq=config.block_size, batch=batch, params=config.num_params)), f)
+        write_json(args.result, dict(rounds=rounds, model=dict(layers=config.n_layer, hidden=config.n_embd,
+                                                               heads=config.n_head, seq=config.block_size, batch=batch,
+                                                               params=config.num_params)))
 
 
 # ---- driver ---------------------------------------------------------------------------------------
 
-def _spread(values: list[float]) -> dict:
-    return dict(per_round=values, median=median(values), min=min(values), max=max(values))
-
-
-def run_driver_result(args: argparse.Namespace) -> dict:
-    started, load_before, commit = time.time(), os.getloadavg(), git_commit(REPO)
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        worker = ["--worker", "--result", result_path, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                  "--precision", args.precision, "--modes", ",".join(args.modes), "--optimizer", args.optimizer,
-                  "--model-layers", str(args.model_layers)]
-        if args.model_params is not None:
-            worker += ["--model-params", args.model_params]
-        if args.clip is not None:
-            worker += ["--clip", str(args.clip)]
-        with tempfile.TemporaryDirectory(prefix="offload-", dir=".") as state_dir:
-            env = {**single_thread_env(), "OVERLAP_OFFLOAD_DIR": state_dir}
-            run_with_deadline(torchrun(os.path.abspath(__file__), 2, worker), args.timeout, env=env)
-        with open(result_path) as f:
-            measured = json.load(f)
+def run_driver(args: argparse.Namespace) -> int:
+    record = RunRecord("offload.py", args.argv)
+    options = ("rounds", "steps", "precision", "optimizer", "model_layers", "model_params", "clip")
+    worker = ["--worker", "--modes", ",".join(args.modes), *forwarded(args, options)]
+    with tempfile.TemporaryDirectory(prefix="offload-", dir=".") as state_dir:
+        measured = launch(os.path.abspath(__file__), 2, worker, args.timeout, env={"OVERLAP_OFFLOAD_DIR": state_dir})
     counted = measured["rounds"][1:]                  # the first round warms both models up
     first, second = args.modes
-    ratios = [median(r["step_s"][second]) / median(r["step_s"][first]) for r in counted]
-    summary = {f"step_{second}_over_{first}": _spread(ratios),
-               **{f"median_step_ms_{mode}": _spread([1e3 * median(r["step_s"][mode]) for r in counted])
+    summary = {f"step_{second}_over_{first}": spread([median(r["step_s"][second]) / median(r["step_s"][first])
+                                                       for r in counted]),
+               **{f"median_step_ms_{mode}": spread([1e3 * median(r["step_s"][mode]) for r in counted])
                   for mode in args.modes},
-               **{f"{figure}_{mode}": _spread([median(r["phases"][mode][key]) * scale for r in counted])
+               **{f"{figure}_{mode}": spread([median(r["phases"][mode][key]) * scale for r in counted])
                   for mode in args.modes for figure, key, scale in PHASE_FIGURES},
-               **({f"clip_binding_share_{mode}": _spread([sum(r["phases"][mode]["clip_bound"]) /
-                                                          len(r["phases"][mode]["clip_bound"]) for r in counted])
+               **({f"clip_binding_share_{mode}": spread([sum(r["phases"][mode]["clip_bound"]) /
+                                                         len(r["phases"][mode]["clip_bound"]) for r in counted])
                    for mode in args.modes} if args.clip is not None else {})}
-    meta = dict(command="python benchmarks/offload.py " + " ".join(args.argv), commit=commit,
+    meta = dict(command=record.command, commit=record.commit,
                 world=2, backend="gloo", rounds=args.rounds, rounds_counted=len(counted), steps=args.steps,
                 precision=args.precision, modes=list(args.modes), optimizer=args.optimizer, clip=args.clip,
-                model=measured["model"], time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                host_load=dict(load_1_5_15min_before=list(load_before), load_1_5_15min_after=list(os.getloadavg()),
-                               wall_s=time.time() - started))
-    return dict(meta=meta, summary=summary, rounds=measured["rounds"])
-
-
-def run_driver(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    result = run_driver_result(args)
+                model=measured["model"], time=record.started, host_load=record.host_load())
     if args.out:
-        write_json(args.out, result)
-    rows = [[name, f"{s['median']:.3f}", f"{s['min']:.3f}–{s['max']:.3f}"] for name, s in result["summary"].items()]
-    print(markdown_table(["figure", "median", "range"], rows))
+        write_json(args.out, dict(meta=meta, summary=summary, rounds=measured["rounds"]))
+    print(spread_table(summary))
     return 0
 
 
@@ -208,9 +181,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "the share of steps where it bound is recorded")
     parser.add_argument("--out", help="result JSON")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the launch may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse_with_worker_options(parser, argv)
     if args.rounds < 2 or args.steps < 1:
         parser.error("--rounds must be >= 2 (the first is a warm-up) and --steps >= 1")
     args.modes = tuple(args.modes.split(","))
@@ -219,7 +190,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if "disk" in args.modes and (args.optimizer != "overlap" or args.precision != "bf16"):
         parser.error("offload disk steps with overlap.optim.AdamW and keeps bf16 gathers: add --optimizer overlap "
                      "--precision bf16")
-    args.argv = [a for a in argv]
     return args
 
 

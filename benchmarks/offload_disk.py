@@ -24,12 +24,8 @@ thread counting while the kernel steps a bucket; with the GIL held it would stop
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
-import platform
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from common import git_commit, parse_count
+from common import RunRecord, parse_count, peak_rss, proc_status_kib, rotated, seconds_of, spread, write_json
 
 from overlap.optim import adamw_step, extension_available
 from overlap.optim.paged import Hyper, PagedAdamW, Segment
@@ -94,15 +90,6 @@ def gil_check() -> dict:
             "kernel_calls": calls, "bucket_params": n}
 
 
-def _status_bytes(field: str) -> int:
-    """A field of /proc/self/status (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux 4.0+); False where that is not possible."""
     try:
@@ -113,12 +100,6 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def measure(count: int, rounds: int, directory: str) -> dict:
     shard_sizes = [min(SHARD_PARAMS, count - s) for s in range(0, count, SHARD_PARAMS)]
     masters = [torch.randn(n) * 0.02 for n in shard_sizes]
@@ -127,7 +108,7 @@ def measure(count: int, rounds: int, directory: str) -> dict:
     # The engine's own memory: the peak RSS from its creation to the end of its first step
     # above the RSS before it (masters, gradients and resident shards already counted).
     reset = _reset_peak_rss()
-    rss_before = _status_bytes("VmRSS")
+    rss_before = 1024 * proc_status_kib("VmRSS")
     engine = PagedAdamW(shard_sizes, directory=directory)
     try:
         engine.load_masters(masters)
@@ -159,12 +140,12 @@ def measure(count: int, rounds: int, directory: str) -> dict:
 
         fns = {"io": io, "update": update, "pipelined": pipelined}
         pipelined()                          # untimed
-        engine_rss_growth = _status_bytes("VmHWM") - rss_before if reset else None
+        engine_rss_growth = 1024 * proc_status_kib("VmHWM") - rss_before if reset else None
         del masters
         raw = []
         for r in range(rounds):
-            order = MODES[r % 3:] + MODES[:r % 3]
-            raw.append({mode: _time(fns[mode]) for mode in order} | {"order": list(order)})
+            order = rotated(MODES, r)
+            raw.append({mode: seconds_of(fns[mode]) for mode in order} | {"order": order})
             assert torch.isfinite(resident[0][:1000].float()).all(), "the step produced non-finite values"
         io_bytes = 2 * sum(b.nbytes for b in engine.buckets)
         peak = engine.peak_buffers
@@ -174,17 +155,14 @@ def measure(count: int, rounds: int, directory: str) -> dict:
     vs_sum = [x["pipelined"] / (x["io"] + x["update"]) for x in raw]
     vs_max = [x["pipelined"] / max(x["io"], x["update"]) for x in raw]
     hidden = [(x["io"] + x["update"] - x["pipelined"]) / min(x["io"], x["update"]) for x in raw]
-
-    def summary(values: list[float]) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
     return {"params": count, "shards": len(shard_sizes), "buckets": len(engine.buckets),
             "file_bytes": io_bytes // 2, "io_bytes_per_step": io_bytes, "buffer_bytes": buffer_bytes,
             "peak_buffers": peak, "engine_peak_rss_growth_bytes": engine_rss_growth, "rounds": raw,
-            "pipelined_over_sum": summary(vs_sum), "pipelined_over_max": summary(vs_max),
-            "share_of_shorter_hidden": summary(hidden),
-            "disk_gbps_io_alone": summary([io_bytes / x["io"] / 1e9 for x in raw]),
-            "disk_gbps_pipelined": summary([io_bytes / x["pipelined"] / 1e9 for x in raw]),
-            "update_params_per_s": summary([count / x["update"] for x in raw])}
+            "pipelined_over_sum": spread(vs_sum), "pipelined_over_max": spread(vs_max),
+            "share_of_shorter_hidden": spread(hidden),
+            "disk_gbps_io_alone": spread([io_bytes / x["io"] / 1e9 for x in raw]),
+            "disk_gbps_pipelined": spread([io_bytes / x["pipelined"] / 1e9 for x in raw]),
+            "update_params_per_s": spread([count / x["update"] for x in raw])}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -199,7 +177,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not extension_available():
         parser.error("overlap._C was not built: the paged step has no kernel to measure")
     sizes = [parse_count(s) for s in args.sizes.split(",")]
-    load_before, commit = os.getloadavg(), git_commit()
+    record = RunRecord("offload_disk.py", sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="offload-disk-bench-", dir=args.dir or ".") as directory:
         dd = dd_direct(directory, args.dd_mib) | {"mib": args.dd_mib}
         print(f"dd direct IO: write {dd['write_gbps']:.2f} GB/s, read {dd['read_gbps']:.2f} GB/s", flush=True)
@@ -219,21 +197,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"disk {entry['disk_gbps_io_alone']['median']:.2f} GB/s  engine RSS growth "
                   f"{(entry['engine_peak_rss_growth_bytes'] or 0) / 2**20:.0f} MiB "
                   f"(buffers {entry['buffer_bytes'] / 2**20:.0f} MiB)", flush=True)
-    result = {
-        "commit": commit, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                 "torch": torch.__version__, "threads": torch.get_num_threads(),
-                 "load_before": load_before, "load_after": os.getloadavg()},
-        "dd_direct": dd, "gil": gil,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "results": entries,
-    }
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
-
-
+    write_json(args.out, {"commit": record.commit, "command": record.command,
+                          "host": record.host(threads=torch.get_num_threads()), "dd_direct": dd, "gil": gil,
+                          "peak_rss_gib": peak_rss() / 2**30,
+                          "results": entries})
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

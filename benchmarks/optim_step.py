@@ -26,16 +26,13 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
-import platform
 import statistics
 import sys
-import time
 from typing import Callable, Optional
 
 import torch
 
-from common import git_commit, parse_count, write_json
+from common import RunRecord, parse_count, seconds_of, write_json
 
 from overlap.optim import AdamW, extension_available
 
@@ -80,14 +77,8 @@ def copy_bandwidth(repeats: int = 5) -> float:
     src = torch.rand(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
+    best = min(seconds_of(lambda: dst.copy_(src)) for _ in range(repeats))
     return 2 * COPY_BYTES / best
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def make_params(count: int) -> list[torch.Tensor]:
@@ -107,7 +98,7 @@ def measure_size(count: int, threads: int, impls: dict[str, Callable], rounds: i
         for name, make in impls.items():
             optimizer = make(params)
             optimizer.step()   # creates the state, untimed
-            times[name].append(min(_seconds(optimizer.step) for _ in range(steps)))
+            times[name].append(min(seconds_of(optimizer.step) for _ in range(steps)))
             del optimizer
             gc.collect()
         copies.append(copy_bandwidth(repeats=3))
@@ -167,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     sizes = [parse_count(s) for s in (args.sizes or (FULL_SIZES if args.full else QUICK_SIZES)).split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     impls, skipped = implementations()
-    load_before, commit = os.getloadavg(), git_commit()
+    record = RunRecord("optim_step.py", sys.argv[1:] if argv is None else argv)
     entries, too_big = [], []
     for count in sizes:
         if not fits(count):
@@ -179,10 +170,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             LOG.info("%dM parameters, %d thread(s)...", count / 1e6, t)
             entries.append(measure_size(count, t, impls, args.rounds, args.steps))
     result = {
-        "commit": commit, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                 "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                 "load_before": load_before, "load_after": os.getloadavg()},
+        "commit": record.commit, "command": record.command,
+        "host": record.host(cpu_capability=torch.backends.cpu.get_cpu_capability()),
         "bytes_per_update": BYTES_PER_UPDATE, "skipped_implementations": skipped,
         "skipped_sizes_for_memory": too_big, "results": entries,
     }

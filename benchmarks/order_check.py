@@ -18,7 +18,7 @@ import time
 from typing import Optional, Sequence
 
 from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
-                    script_main, slower_rank, start_rank, write_json, write_text)
+                    script_main, slower_rank, start_rank, write_json, write_results)
 
 WORLD_SIZE = 2
 
@@ -131,7 +131,6 @@ def run_driver(args: argparse.Namespace) -> int:
                        for name in ranks[0]["all_reduce_s"]},
         units=ranks[0]["units"], flags=ranks[0]["flags"])
     summary["words_ms_per_step"] = round(summary["words_per_step"] * summary["word_us"] / 1e3, 2)
-    write_json(os.path.join(args.out, "order_check.json"), dict(**record.fields(), summary=summary, **data))
     table = markdown_table(
         ["", "µs or ms"],
         [["step, with the check (median of rounds)", f"{summary['step_ms_with_check']} ms"],
@@ -142,8 +141,7 @@ def run_driver(args: argparse.Namespace) -> int:
          [f"bookkeeping of one step ({summary['units']} units)", f"{summary['bookkeeping_us']} µs"],
          *[[f"end-of-backward all-reduce, {name} ({summary['flags']} flags)", f"{value} µs"]
            for name, value in summary["all_reduce_us"].items()]])
-    write_text(os.path.join(args.out, "order_check.md"), table + "\n")
-    print(table)
+    write_results(args.out, "order_check", dict(**record.fields(), summary=summary, **data), table)
     return 0
 
 

@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import resource
-import shlex
 import sys
 import tempfile
 import time
@@ -43,14 +42,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 import peers
-from common import (PROCESS_GROUP_TIMEOUT, checkout_python, git_commit, read_json, run_with_deadline,
-                    script_main, single_rank_env, single_thread_env, torchrun, write_json, write_text)
+from common import (REPOSITORY as REPO, RunRecord, checkout_python, from_every_rank, git_commit, read_json,
+                    run_with_deadline, script_main, single_rank_env, single_thread_env, start_rank, torchrun,
+                    write_json, write_text)
 from overhead_report import (BASELINE_SUFFIX, DEEPSPEED, FSDP2, FSDP2_TUNED, OVERLAP, OVERLAP_FULLY_SHARD,
                              host_s_per_unit, host_table, share_table, summarize)
 
 log = logging.getLogger("overhead")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH = 8                       # each unit is one nn.Linear(WIDTH, WIDTH)
 PROFILE_UNITS = 16
 PROFILE_ENTRIES = 40            # rows of each table in the profile
@@ -220,15 +219,11 @@ def _profile(step, batch: torch.Tensor, steps: int, package_root: str) -> str:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
     if args.ranks_per_node:
         # Two emulated nodes on one machine: hybrid and hpZ read the node size from the
         # launcher's LOCAL_WORLD_SIZE, which torchrun set to every rank here.
         os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, _ = start_rank()
     (units,) = args.units
     torch.manual_seed(args.seed)
     plain = Chain(units)
@@ -258,8 +253,7 @@ def run_worker(args: argparse.Namespace) -> None:
         _overlap_facts(model._overlap_runtime) if args.worker == OVERLAP_FULLY_SHARD else {}
     if args.profile_out:
         write_text(args.profile_out, _profile(wrapped_step, batch, args.steps, facts["package_root"]))
-    ranks = [None] * world
-    dist.all_gather_object(ranks, mine)
+    ranks = from_every_rank(mine)
     if rank == 0:
         write_json(args.result, dict(ranks=ranks, **facts))
 
@@ -319,24 +313,20 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     return runs
 
 
-def _command(args: argparse.Namespace) -> str:
-    """The command line as run, with the baseline checkout named by a placeholder (no path of
-    this machine goes into a result file)."""
-    argv = ["<baseline>" if args.baseline and arg == args.baseline else arg for arg in args.argv]
-    return "python benchmarks/overhead.py " + shlex.join(argv)
-
-
-def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, started: dict) -> str:
+def _launched_cpu_s() -> float:
+    """CPU seconds the launched processes (and theirs) have used so far."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    meta = dict(command=_command(args), commit=started["commit"],
+    return children.ru_utime + children.ru_stime
+
+
+def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, record: RunRecord,
+                  cpu_before: float) -> str:
+    meta = dict(command=record.command, commit=record.commit,
                 baseline_commit=git_commit(args.baseline) if args.baseline else None,
                 units=args.units, world=args.world, rounds=args.rounds, warmup=args.warmup, steps=args.steps,
                 batch=args.batch, width=WIDTH, optimizer=f"SGD(lr={args.lr})", skipped=args.skipped,
-                torch=torch.__version__, python=platform.python_version(), cpus=os.cpu_count(),
-                time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                host_load=dict(load_1_5_15min_before=started["load"], load_1_5_15min_after=list(os.getloadavg()),
-                               wall_s=time.perf_counter() - started["wall"],
-                               launched_cpu_s=children.ru_utime + children.ru_stime - started["children_cpu"]),
+                torch=record.torch, python=platform.python_version(), cpus=os.cpu_count(), time=record.started,
+                host_load=record.host_load(launched_cpu_s=_launched_cpu_s() - cpu_before),
                 profile=os.path.relpath(args.profile, REPO) if args.profile else None)
     text = "\n\n".join([
         f"Command: `{meta['command']}`",
@@ -400,7 +390,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def write_profile(args: argparse.Namespace) -> None:
+def write_profile(args: argparse.Namespace, record: RunRecord) -> None:
     """The profile of one more launch of ShardedModule's default row, 1 rank, PROFILE_UNITS units."""
     with tempfile.TemporaryDirectory() as scratch:
         profile_out = os.path.join(scratch, "profile.txt")
@@ -409,20 +399,20 @@ def write_profile(args: argparse.Namespace) -> None:
         with open(profile_out) as f:
             profile = f.read()
     header = (f"ShardedModule (full sharding, no compression), {PROFILE_UNITS} units, 1 rank: the {args.steps} "
-              f"steps after {args.warmup + args.steps} others; commit {git_commit(REPO)}\n{_command(args)}\n\n")
+              f"steps after {args.warmup + args.steps} others; commit {record.commit}\n{record.command}\n\n")
     write_text(args.profile, header + profile)
     log.info("profile written to %s", args.profile)
 
 
 def run_driver(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    started = dict(load=list(os.getloadavg()), wall=time.perf_counter(), commit=git_commit(REPO),
-                   children_cpu=sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2]))
+    record = RunRecord("overhead.py", args.argv, hidden={args.baseline: "<baseline>"})
+    cpu_before = _launched_cpu_s()
     runs = run_all(args)
     if args.profile:
-        write_profile(args)
+        write_profile(args, record)
     summary = summarize(runs, bool(args.baseline))
-    print(write_outputs(args, runs, summary, started))
+    print(write_outputs(args, runs, summary, record, cpu_before))
     return 0
 
 

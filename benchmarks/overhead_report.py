@@ -3,10 +3,8 @@ ratios to FSDP2 (and to the baseline checkout's same row), and the overlap repor
 share of the step, from the launches' records."""
 from __future__ import annotations
 
-from typing import Optional
-
 import peers
-from common import markdown_table, median, spread
+from common import markdown_table, median, slower_rank, spread, spread_cell
 
 OVERLAP, FSDP2, FSDP2_TUNED, DEEPSPEED = "overlap", peers.FSDP2, peers.FSDP2_TUNED, peers.DEEPSPEED
 # The same runtime through `from overlap import fully_shard`: DTensor parameters, the optimizer
@@ -18,7 +16,7 @@ BASELINE_SUFFIX = "-base"
 
 def _per_step(run: dict, key: str) -> list[float]:
     """Each timed step's time, the slower rank's."""
-    return [max(times) for times in zip(*(rank[key] for rank in run["ranks"]))]
+    return slower_rank(rank[key] for rank in run["ranks"])
 
 
 def host_s_per_unit(run: dict) -> float:
@@ -65,14 +63,6 @@ def summarize(runs: list[dict], baseline: bool) -> dict[str, dict[str, dict[str,
     return summary
 
 
-def _range(spread: Optional[dict], digits: int = 2, scale: float = 1.0) -> str:
-    """'median (min–max)' of a per-round spread, or '–'."""
-    if spread is None:
-        return "–"
-    values = [spread[key] * scale for key in ("median", "min", "max")]
-    return f"{values[0]:.{digits}f} ({values[1]:.{digits}f}–{values[2]:.{digits}f})"
-
-
 def host_table(summary: dict) -> str:
     rows = []
     for world, by_units in summary.items():
@@ -80,10 +70,10 @@ def host_table(summary: dict) -> str:
             for row, entry in by_row.items():
                 ratios = entry["ratios"]
                 rows.append([world, units, row, f"{entry['step_ms']['median']:.2f}",
-                             f"{entry['plain_ms']['median']:.2f}", _range(entry["cpu_per_wall"]),
-                             _range(entry["host_us_per_unit"], 0),
-                             _range(ratios.get(FSDP2_TUNED)), _range(ratios.get(FSDP2)),
-                             _range(ratios.get(row + BASELINE_SUFFIX))])
+                             f"{entry['plain_ms']['median']:.2f}", spread_cell(entry["cpu_per_wall"]),
+                             spread_cell(entry["host_us_per_unit"], 0),
+                             spread_cell(ratios.get(FSDP2_TUNED)), spread_cell(ratios.get(FSDP2)),
+                             spread_cell(ratios.get(row + BASELINE_SUFFIX))])
     return markdown_table(["ranks", "units", "row", "step ms", "plain ms", "CPU/wall", "host µs/unit/step (range)",
                            f"÷ {FSDP2_TUNED}", f"÷ {FSDP2}", "÷ baseline"], rows)
 
@@ -97,7 +87,7 @@ def share_table(summary: dict) -> str:
                 if "runtime_share" not in entry:
                     continue
                 report = entry["report_ms"]
-                share = _range(entry["runtime_share"], 0, 100)
+                share = spread_cell(entry["runtime_share"], 0, 100)
                 rows.append([world, units, row, entry["settings"]["runtime_units"], share, f"{report['runtime']:.2f}",
                              f"{report['span']:.2f}", f"{report['compute']:.2f}",
                              f"{report['gather_wait'] + report['reduce_wait']:.2f}"])

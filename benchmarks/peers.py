@@ -187,6 +187,33 @@ def ddp(model: torch.nn.Module, impl: str, bucket_mb: float) -> torch.nn.Module:
     return wrapped
 
 
+def tracked_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], object],
+                   flat_buffers: bool) -> dict[str, dict]:
+    """One call of `step` under MemTracker: the bytes of each category at the step's peak,
+    and the peak total within forward and within backward (the optimizer step's is the
+    overall peak when it exceeds both).
+
+    ShardedModule's gathered parameters live in flat buffers that are not nn.Parameters;
+    with `flat_buffers` they are registered with the tracker and show as 'Other'. FSDP2's
+    unsharded parameters are nn.Parameters while gathered and show as 'Parameter'.
+    """
+    # _ModState (private) names the per-module snapshots that hold forward and backward peaks.
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    tracker = MemTracker()
+    # DeepSpeed's ZeRO optimizer is a wrapper; the torch optimizer inside holds the state.
+    tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
+    if flat_buffers:
+        tracker.track_external(*[group.full for unit in model.scheduler.all_units for group in unit.groups])
+    with tracker:
+        step()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    snapshots = tracker.memory_tracking[model].snapshots
+    phases = {phase: max(next(iter(snap.values()))["Total"] for snap in snapshots[state])
+              for phase, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW))}
+    return dict(peak={str(getattr(key, "value", key)): int(value) for key, value in peak.items()}, phases=phases)
+
+
 def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
     """(model to call, optimizer, step function) for `impl`."""
     if impl in COMPILED and impl != OVERLAP_COMPILED:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
                     proc_status_kib, rotated, script_main, slower_rank, start_rank, timed_steps, write_json,
-                    write_text)
+                    write_results)
 
 WORLD_SIZE, PP = 4, 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather", "FSDP2 reshard",
@@ -233,8 +233,6 @@ def run_driver(args: argparse.Namespace) -> int:
             gathered_mb_per_rank=round(max(median([m[0] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
             reduced_mb_per_rank=round(max(median([m[1] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
             peak_rise_mb_per_rank=round(max(median(r["peak_rise_mb"][variant]) for r in ranks), 1))
-    write_json(os.path.join(args.out, "pipeline.json"), dict(**record.fields(), world=WORLD_SIZE, pp=PP,
-                                                             schedule="1F1B", summary=summary, **data))
     table = markdown_table(
         ["variant", "step ms", "÷ FSDP2's faster, per round: median (range)", "gathered MB/rank/step",
          "reduced MB/rank/step", "peak memory rise MB/rank"],
@@ -242,9 +240,8 @@ def run_driver(args: argparse.Namespace) -> int:
           s["gathered_mb_per_rank"], s["reduced_mb_per_rank"], s["peak_rise_mb_per_rank"]]
          for v, s in summary.items()])
     decided = sorted({d for r in ranks for d in r["decided"]})
-    write_text(os.path.join(args.out, "pipeline.md"), table + "\n\n" + "\n".join(decided) + "\n")
-    print(table)
-    print("\n".join(decided))
+    write_results(args.out, "pipeline", dict(**record.fields(), world=WORLD_SIZE, pp=PP, schedule="1F1B",
+                                             summary=summary, **data), "\n\n".join([table, "\n".join(decided)]))
     return 0
 
 

@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional, Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from common import RunRecord, free_port, quartiles, read_json, write_json  # noqa: E402
-from netns import throttled_namespace  # noqa: E402
+from common import (RunRecord, forwarded, on_link, quartiles, read_json, run_with_deadline, single_thread_env,
+                    torchrun, write_json)
 
 DEPTHS = (0, 1, 2, 3)
 BUCKETS = (None, 25.0, 50.0)        # None: no merging
@@ -103,22 +100,17 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _run_link(name: str, rate: str, args: argparse.Namespace) -> dict:
+def _run_link(rate: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "grid.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-port", str(free_port()), os.path.abspath(__file__), "--worker", "--out", out,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--batch", str(args.batch), "--depths", *map(str, args.depths), "--buckets", *args.buckets]
-        env = dict(os.environ, OMP_NUM_THREADS="1", OVERLAP_LOG="INFO")
+        worker = ["--worker", "--out", out, *forwarded(args, ("steps", "warmup", "batch")),
+                  "--depths", *map(str, args.depths), "--buckets", *args.buckets]
         started = time.perf_counter()
-        with throttled_namespace(rate, f"overlap-grid-{name}") as prefix:
-            proc = subprocess.run(prefix + command, env=env, capture_output=True, text=True,
-                                  timeout=args.timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"link {name} ({rate}) failed:\n{proc.stderr[-4000:]}")
+        with on_link(rate) as prefix:
+            output = run_with_deadline([*prefix, *torchrun(os.path.abspath(__file__), 2, worker)], args.timeout,
+                                       env={**single_thread_env(), "OVERLAP_LOG": "INFO"})
         results = read_json(out)
-    plans = [line for line in proc.stderr.splitlines() if "plan at step" in line]
+    plans = [line for line in output.splitlines() if "plan at step" in line]
     return {"rate": rate, "results": results, "plan_log": plans, "wall_s": time.perf_counter() - started}
 
 
@@ -198,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name, _, rate = spec.partition("=")
         if not rate:
             parser.error(f"--links entry {spec!r} is invalid; expected name=rate, e.g. slow=2gbit")
-        link = _run_link(name, rate, args)
+        link = _run_link(rate, args)
         buckets = [None if b == "none" else float(b) for b in args.buckets]
         # Links kept from an earlier run keep that run's record.
         summary[name] = {**link, **_report(name, link, args.depths, buckets), "meta": record.fields()}

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cluster import NODES, Cluster, node_cpus, two_node_cluster     # noqa: E402
-from common import RunRecord, write_json                            # noqa: E402
+from common import RunRecord, markdown_table, write_json            # noqa: E402
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
@@ -356,9 +356,7 @@ def ending(outcome: Outcome, reference: tuple[int, float, float], tolerance: flo
 def table(runs: list[Outcome], reference: tuple[int, float, float], tolerance: float) -> str:
     """Kill point x runs x recovered, and how the runs with that kill ended, with the times
     from each kill to the first step after the resume."""
-    rows = ["| kill point | runs | kills fired | recovered | run ended exact | within tolerance | failed | "
-            "kill to first step after resume (s) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = []
     endings = [ending(outcome, reference, tolerance) for outcome in runs]
     points = dict.fromkeys(kill.point for outcome in runs for kill in outcome.kills)
     for point in points:
@@ -367,11 +365,10 @@ def table(runs: list[Outcome], reference: tuple[int, float, float], tolerance: f
         times = sorted(kill.recovered_s for kill in kills if kill.recovered_s is not None)
         spread = (f"{times[0]:.1f}-{times[-1]:.1f} (median {statistics.median(times):.1f})" if len(times) > 1
                   else (f"{times[0]:.1f}" if times else "-"))
-        rows.append(f"| {point} | {len(mine)} | {sum(k.fired for k in kills)} | "
-                    f"{sum(k.recovered_s is not None for k in kills)} | {sum(e == 'exact' for _, e in mine)} | "
-                    f"{sum(e == 'within tolerance' for _, e in mine)} | {sum(e == 'failed' for _, e in mine)} | "
-                    f"{spread} |")
-    return "\n".join(rows)
+        rows.append([point, len(mine), sum(k.fired for k in kills), sum(k.recovered_s is not None for k in kills),
+                     *(sum(e == end for _, e in mine) for end in ("exact", "within tolerance", "failed")), spread])
+    return markdown_table(["kill point", "runs", "kills fired", "recovered", "run ended exact", "within tolerance",
+                           "failed", "kill to first step after resume (s)"], rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

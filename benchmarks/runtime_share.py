@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import sys
-import time
 from typing import Optional, Sequence
 
-from common import (checkout_python, git_commit, markdown_table, parse_recorded, run_with_deadline, single_thread_env,
-                    spread, write_json)
+from common import (REPOSITORY, RunRecord, checkout_python, git_commit, markdown_table, parse_recorded,
+                    run_with_deadline, single_thread_env, spread, write_json)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 logger = logging.getLogger("runtime_share")
 
 # "step 112.3 ms (forward+backward): compute 80.1 ms, runtime 12.8 ms, gather wait 3.1 ms, reduce wait 2.0 ms"
@@ -46,7 +43,7 @@ def parse_report(output: str) -> dict[str, float]:
 def run_once(checkout: str, steps: int, timeout_s: float, env: Optional[dict] = None) -> dict[str, float]:
     # -P: the working directory (this checkout) does not go on the path ahead of the package
     # the interpreter's own checkout installed.
-    command = [checkout_python(checkout) if checkout != REPO else sys.executable, "-P", "-m", "overlap", "train",
+    command = [checkout_python(checkout) if checkout != REPOSITORY else sys.executable, "-P", "-m", "overlap", "train",
                "--steps", str(steps), "--eval-every", str(steps), "--sample", "0"]
     output = run_with_deadline(command, timeout_s, env={**single_thread_env(), **(env or {})})
     report = parse_report(output)
@@ -57,9 +54,9 @@ def run_once(checkout: str, steps: int, timeout_s: float, env: Optional[dict] = 
 def run(args: argparse.Namespace) -> dict:
     # name -> (checkout, environment); "this, order step": without the order word before every
     # collective (OVERLAP_ORDER_CHECK=step), whose round trips the report counts as runtime.
-    checkouts = {"this": (REPO, {}), "this, order step": (REPO, {"OVERLAP_ORDER_CHECK": "step"}),
+    checkouts = {"this": (REPOSITORY, {}), "this, order step": (REPOSITORY, {"OVERLAP_ORDER_CHECK": "step"}),
                  **({"baseline": (args.baseline, {})} if args.baseline else {})}
-    started, load_before, commit = time.time(), os.getloadavg(), git_commit(REPO)
+    record = RunRecord("runtime_share.py", args.argv, hidden={args.baseline: "<baseline>"})
     rounds = []
     for index in range(args.rounds):
         runs = {}
@@ -71,12 +68,9 @@ def run(args: argparse.Namespace) -> dict:
     summary = {name: dict(runtime_share=spread([r[name]["runtime_share"] for r in rounds])) for name in checkouts}
     if args.baseline:
         summary["step_this_over_baseline"] = spread([r["this"]["span"] / r["baseline"]["span"] for r in rounds])
-    meta = dict(command="python benchmarks/runtime_share.py " + " ".join(
-                    "<baseline>" if a == args.baseline else a for a in args.argv),
-                commit=commit, baseline_commit=git_commit(args.baseline) if args.baseline else None,
-                steps=args.steps, rounds=args.rounds, time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                host_load=dict(load_1_5_15min_before=list(load_before), load_1_5_15min_after=list(os.getloadavg()),
-                               wall_s=time.time() - started))
+    meta = dict(command=record.command, commit=record.commit,
+                baseline_commit=git_commit(args.baseline) if args.baseline else None,
+                steps=args.steps, rounds=args.rounds, time=record.started, host_load=record.host_load())
     return dict(meta=meta, summary=summary, rounds=rounds)
 
 

@@ -24,9 +24,9 @@ import shutil
 import tempfile
 from typing import Callable, Optional, Sequence
 
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median,
-                    parse_with_worker_options, rotated, script_main, slower_rank, spread, start_rank, timed_steps,
-                    write_json, write_text)
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
+                    in_turns, script_main, slower_rank, spread, spread_cell, start_rank, timed_steps, write_json,
+                    write_results)
 
 WORLD_SIZE = 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2")
@@ -111,12 +111,8 @@ def run_worker(args: argparse.Namespace) -> None:
         calls[variant] = _calls(model, optimizer, os.path.join(scratch, variant.replace(" ", "_")))
         for call in calls[variant].values():      # warm-up: the first call of each builds what it caches
             timed_steps(call, 1)
-    times = {variant: {call: [] for call in CALLS} for variant in VARIANTS}
-    for round_index in range(args.rounds):
-        for variant in rotated(VARIANTS, round_index):
-            for call in CALLS:
-                times[variant][call] += timed_steps(calls[variant][call], 1)
-    ranks = from_every_rank(times)
+    measured = in_turns(VARIANTS, args.rounds, lambda v: {call: timed_steps(calls[v][call], 1)[0] for call in CALLS})
+    ranks = from_every_rank({v: {call: [r[call] for r in rounds] for call in CALLS} for v, rounds in measured.items()})
     dist.barrier()
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -133,18 +129,14 @@ def run_driver(args: argparse.Namespace) -> int:
                                     over_fsdp2=spread([ours / theirs for ours, theirs in
                                                        zip(per_round[variant][call], per_round["FSDP2"][call])]))
                          for call in CALLS} for variant in VARIANTS}
-    write_json(os.path.join(args.out, "state_dict_api.json"),
-               dict(**record.fields(), world=WORLD_SIZE, summary=summary, **data))
     rows = []
     for call in CALLS:
         cells = [call, summary["FSDP2"][call]["ms"]]
         for variant in VARIANTS[:2]:
-            ratio = summary[variant][call]["over_fsdp2"]
-            cells += [summary[variant][call]["ms"], f"{ratio['median']:.2f} ({ratio['min']:.2f}–{ratio['max']:.2f})"]
+            cells += [summary[variant][call]["ms"], spread_cell(summary[variant][call]["over_fsdp2"])]
         rows.append(cells)
     table = markdown_table(["call", "FSDP2 ms", "ShardedModule ms", "÷ FSDP2", "fully_shard ms", "÷ FSDP2"], rows)
-    write_text(os.path.join(args.out, "state_dict_api.md"), table + "\n")
-    print(table)
+    write_results(args.out, "state_dict_api", dict(**record.fields(), world=WORLD_SIZE, summary=summary, **data), table)
     return 0
 
 

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 from typing import Optional, Sequence
 
 import torch
 
-from common import (RunRecord, forwarded, launch, markdown_table, median, paired_ratios, script_main, slowest_of_ranks,
-                    timed_steps, write_json)
+import peers
+from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, paired_ratios, peak_rss,
+                    script_main, slowest_of_ranks, timed_steps, write_json)
 from gpt_options import SMALL_MODEL
 
 IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
@@ -42,8 +42,6 @@ def _build(args: argparse.Namespace):
     from overlap.models.gpt import Block
     from overlap.models.tensor_parallel_plan import gpt_tp_plan
 
-    import peers
-
     mesh = init_device_mesh("cpu", (DP, dist.get_world_size() // DP), mesh_dim_names=("dp", "tp"))
     config = GPTConfig(**(SMALL_MODEL if args.tiny else {}))
     torch.manual_seed(0)
@@ -54,21 +52,6 @@ def _build(args: argparse.Namespace):
     else:
         model = peers.fsdp2(model, args.worker == "fsdp2-tp-tuned", args.fsdp2_prefetch, mesh=mesh["dp"])
     return model, mesh, config
-
-
-def _memory_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> int:
-    """The peak of MemTracker's total over one step (the gathered flat buffers of ShardedModule
-    are registered with it, as in compare.py)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    if hasattr(model, "scheduler"):
-        tracker.track_external(*[group.full for unit in model.scheduler.all_units for group in unit.groups])
-    with tracker:
-        step()
-    peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    return int(peak.get("Total", 0))
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -90,13 +73,12 @@ def run_worker(args: argparse.Namespace) -> None:
         losses.append(float(loss.detach()))
 
     times = slowest_of_ranks(timed_steps(step, args.warmup + args.steps))[args.warmup:]
-    tracked = torch.tensor(_memory_step(model, optimizer, step))
-    peak_rss = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)   # Linux reports KiB
-    memory = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(memory, torch.stack([tracked, peak_rss]).long())
+    # The gathered flat buffers of ShardedModule are registered with MemTracker, as in compare.py.
+    tracked = peers.tracked_memory(model, optimizer, step, flat_buffers=hasattr(model, "scheduler"))
+    memory = from_every_rank((tracked["peak"].get("Total", 0), peak_rss()))
     if dist.get_rank() == 0:
         write_json(args.result, dict(impl=args.worker, step_s=times, losses=losses,
-                                     peak_tracked=[int(m[0]) for m in memory], peak_rss=[int(m[1]) for m in memory]))
+                                     peak_tracked=[m[0] for m in memory], peak_rss=[m[1] for m in memory]))
     dist.barrier()
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 import time
 from typing import Optional, Sequence
@@ -22,15 +21,11 @@ from typing import Optional, Sequence
 import torch
 
 from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
-                    script_main, start_rank, write_json)
+                    peak_rss, script_main, start_rank, write_json)
 
 WORLD_SIZE = 2
 GIB = 2**30
 MODES = ("eager", "meta")
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -43,7 +38,7 @@ def run_worker(args: argparse.Namespace) -> None:
     rank, _ = start_rank()
     config = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                        block_size=args.seq)
-    before = _peak_rss()
+    before = peak_rss()
     dist.barrier()
     start = time.perf_counter()
     torch.manual_seed(0)
@@ -55,7 +50,7 @@ def run_worker(args: argparse.Namespace) -> None:
     sharded = ShardedModule(model, unit_types=(Block,), prefetch_depth=1, bucket_mb=1.0)
     dist.barrier()
     wrap_s = time.perf_counter() - start
-    after_wrap = _peak_rss()
+    after_wrap = peak_rss()
     shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
     largest_unit = max(sum(g.padded_numel * g.master_dtype.itemsize for g in unit.groups)
                        for unit in sharded.scheduler.all_units)
@@ -65,7 +60,7 @@ def run_worker(args: argparse.Namespace) -> None:
         tokens = torch.randint(0, args.vocab, (1, args.seq + 1))
         sharded(tokens[:, :-1], tokens[:, 1:]).backward()
         optimizer.step()
-        after_step = _peak_rss()
+        after_step = peak_rss()
     mine = dict(before=before, after_wrap=after_wrap, after_step=after_step, wrap_s=wrap_s,
                 shard_bytes=shard_bytes, largest_unit_bytes=largest_unit)
     ranks = from_every_rank(mine)

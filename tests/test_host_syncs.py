@@ -7,8 +7,8 @@ What a CPU run can prove: the same Python runs as on CUDA (only the stream branc
 differ), so these are the calls overlap's step makes; whether a call would synchronise
 depends on its tensor being on the device, which a CPU run cannot tell apart. The CUDA clock
 and the stream protocol are checked with fakes (tests/test_timing.py,
-tests/test_all_reduce_stream.py); benchmarks/sync_check.py runs the step on a GPU under
-`torch.cuda.set_sync_debug_mode("error")`.
+tests/test_all_reduce_stream.py); benchmarks/gpu_checks.py's sync_free check runs the step on a
+GPU under `torch.cuda.set_sync_debug_mode("error")`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ WARMUP, STEPS = 2, 3
 
 
 def _steady_state_calls(rank: int, world: int, compression: str | None, sharding: str | None) -> dict:
-    from sync_check import count_sync_calls
+    from gpu_sync_checks import count_sync_calls
 
     from overlap import ShardedModule
 
