@@ -14,6 +14,7 @@ waited on (hidden).
     python benchmarks/moe.py --rounds 5 --steps 3 --link loopback
     python benchmarks/moe.py --rounds 5 --steps 3 --link 2gbit      # a throttled network namespace
     python benchmarks/moe.py --variants "no EP,EP 2/1,EP 2,EP 2/4"    # EP 2 with 1, 2 (default) and 4 chunks
+    python benchmarks/moe.py --variants "no EP,EP 2,fully_shard EP 2"  # the same through overlap.fully_shard
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
 # "EP <E>" at the runtime's default chunk count; "EP <E>/<C>" with each MoE layer's tokens in C
 # chunks (OVERLAP_EXPERT_CHUNKS), e.g. "EP 2/4".
-VARIANT_FORM = re.compile(r"(no EP|FSDP2|EP [124](/[1-9])?)$")
+# "fully_shard EP <E>": overlap.fully_shard on each block, then the root with
+# OverlapPolicy(expert_parallel=E) (DTensor parameters, as FSDP2's users hold them).
+VARIANT_FORM = re.compile(r"(no EP|FSDP2|(fully_shard )?EP [124](/[1-9])?)$")
 
 
 def _config(args: argparse.Namespace):
@@ -47,13 +50,20 @@ def _build(variant: str, args: argparse.Namespace):
 
     torch.manual_seed(0)
     model = GPTMoE(_config(args))
+    os.environ.pop("OVERLAP_EXPERT_CHUNKS", None)          # set below for "EP <E>/<chunks>" only
     if variant == "FSDP2":
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+    elif variant.startswith("fully_shard "):
+        from overlap import OverlapPolicy
+        from overlap import fully_shard as overlap_fully_shard
+
+        for block in model.blocks:
+            overlap_fully_shard(block)
+        overlap_fully_shard(model, overlap_policy=OverlapPolicy(expert_parallel=int(variant.split()[-1])))
     else:
         ep, _, chunks = variant.split()[1].partition("/") if variant != "no EP" else (None, "", "")
-        os.environ.pop("OVERLAP_EXPERT_CHUNKS", None)
         if chunks:
             os.environ["OVERLAP_EXPERT_CHUNKS"] = chunks
         model = ShardedModule(model, unit_types=(MoEBlock,), expert_parallel=None if ep is None else int(ep))
@@ -172,7 +182,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if "no EP" not in variants or len(set(variants)) != len(variants) or not all(
             VARIANT_FORM.match(v) for v in variants):
         parser.error(f"--variants {args.variants!r}: expected distinct variants among {', '.join(VARIANTS)} "
-                     "or 'EP <E>/<chunks>', 'no EP' among them")
+                     "or 'EP <E>/<chunks>' or 'fully_shard EP <E>', 'no EP' among them")
     return args
 
 

@@ -127,15 +127,17 @@ def test_collectives_tiny(tmp_path):
 @pytest.mark.timeout(120)
 def test_moe_tiny(tmp_path):
     """Every variant timed in its round, expert parallelism's all-to-alls counted, the others' not."""
+    variants = "no EP,EP 2,EP 4,FSDP2,fully_shard EP 2"
     proc = _run("moe.py", "--rounds", "1", "--steps", "1", "--width", "32", "--layers", "1", "--expert-hidden", "32",
-                "--seq", "16", "--out", str(tmp_path), timeout=110)
+                "--seq", "16", "--variants", variants, "--out", str(tmp_path), timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "moe_loopback.json") as f:
         data = json.load(f)
     summary = data["summary"]
-    assert set(summary) == {"no EP", "EP 2", "EP 4", "FSDP2"}
+    assert set(summary) == set(variants.split(","))
     assert all(entry["step_ms"] > 0 for entry in summary.values())
-    assert summary["EP 2"]["all_to_all_mb_per_step"] > 0 and summary["no EP"]["all_to_all_mb_per_step"] == 0
+    assert summary["no EP"]["all_to_all_mb_per_step"] == 0
+    assert summary["EP 2"]["all_to_all_mb_per_step"] > 0 and summary["fully_shard EP 2"]["all_to_all_mb_per_step"] > 0
     assert data["commit"] and data["command"].startswith("python benchmarks/moe.py")
 
 

@@ -299,3 +299,20 @@ def test_pp_must_be_at_least_two(capsys):
     with pytest.raises(SystemExit):
         main(["--pp", "1"])
     assert "argument --pp: '1' must be >= 2" in capsys.readouterr().err
+
+
+def _compiled_run(rank: int, world: int) -> dict:
+    printed: list[str] = []
+    return {"losses": _losses_per_step([*FEW, "--pp", "2", "--compile"], printed), "printed": printed[0]}
+
+
+@pytest.mark.slow          # four ranks compiling every stage's blocks (40 s from a cold cache): in `make test-all`
+@pytest.mark.timeout(600)
+def test_compiled_stages_train_and_say_their_compile_time_once() -> None:
+    from distributed import run_distributed
+
+    results = run_distributed(_compiled_run, 4, timeout=500)
+    for result in results:
+        losses, val = result["losses"]
+        assert all(math.isfinite(x) and 0 < x < 6 for x in [*losses, val]) and losses[-1] < losses[0], losses
+    assert results[0]["printed"].count("compiled the blocks in ") == 1, results[0]["printed"]
