@@ -71,9 +71,12 @@ def test_flags_go_over_gloo(monkeypatch, config, new_group):
     over the same ranks, made only by them."""
     import torch.distributed as dist
 
+    from overlap.runtime import collectives
     from overlap.runtime.collectives import host_group
 
-    made = []
+    made, levelled = [], []
+    # See [Note: groups made by some ranks only]: the members level their counts first.
+    monkeypatch.setattr(collectives, "level_group_counts", levelled.append)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [4, 5])
@@ -84,6 +87,7 @@ def test_flags_go_over_gloo(monkeypatch, config, new_group):
     assert host_group(group) == ("gloo group" if new_group else group)
     assert made == ([([4, 5], {"backend": "gloo", "use_local_synchronization": True})] if new_group else [])
     assert connected == (["gloo group"] if new_group else [])         # all connected before any goes on
+    assert levelled == ([group] if new_group else [])
 
 
 @pytest.mark.parametrize("nccl,found", [("eth", "eth0"), ("=eth1", "eth1"), ("ib,eth", "eth0"), ("^docker,lo", None),
