@@ -24,7 +24,8 @@ import re
 from typing import Optional, Sequence
 
 from common import (RunRecord, forwarded, from_every_rank, in_turns, launch, markdown_table, median, on_link,
-                    parse_with_worker_options, script_main, start_rank, timed_steps, write_json, write_results)
+                    parse_with_worker_options, script_main, spread, start_rank, timed_steps, write_json,
+                    write_results)
 
 WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
@@ -149,6 +150,10 @@ def run_driver(args: argparse.Namespace) -> int:
             all_to_all_hidden_share=_hidden_share(per_round),
             gathered_mb_per_rank=None if report is None else round(report["gathered_bytes"] / 2**20, 2),
             reduced_mb_per_rank=None if report is None else round(report["reduced_bytes"] / 2**20, 2))
+        twin = variant.removeprefix("fully_shard ")       # the same expert parallelism under ShardedModule
+        if twin != variant and twin in rounds:
+            summary[variant]["ratio_to_" + twin.replace(" ", "_")] = spread(
+                [round(mine / theirs, 3) for mine, theirs in zip(rounds[variant], rounds[twin])])
     table = markdown_table(
         ["variant", "step ms", "÷ no EP, per round: median (range)", "gathered MB/rank", "reduced MB/rank",
          "all-to-all MB (all ranks)", "blocked in all-to-all ms", "all-to-all hidden"],
@@ -158,6 +163,9 @@ def run_driver(args: argparse.Namespace) -> int:
           s["all_to_all_mb_per_step"], s["all_to_all_blocked_ms"],
           "–" if s["all_to_all_hidden_share"] is None else f"{100 * s['all_to_all_hidden_share']:.0f}%"]
          for v, s in summary.items()])
+    twins = [f"{v} ÷ {v.removeprefix('fully_shard ')}, per round: {s[key]['median']} ({s[key]['min']}–{s[key]['max']})"
+             for v, s in summary.items() for key in s if key.startswith("ratio_to_")]
+    table += "".join(f"\n{line}" for line in twins)
     write_results(args.out, f"moe_{args.link}", dict(**record.fields(), link=args.link, world=WORLD_SIZE,
                                                      params=_config(args).num_params, summary=summary, **data), table)
     return 0

@@ -138,6 +138,7 @@ def test_moe_tiny(tmp_path):
     assert all(entry["step_ms"] > 0 for entry in summary.values())
     assert summary["no EP"]["all_to_all_mb_per_step"] == 0
     assert summary["EP 2"]["all_to_all_mb_per_step"] > 0 and summary["fully_shard EP 2"]["all_to_all_mb_per_step"] > 0
+    assert summary["fully_shard EP 2"]["ratio_to_EP_2"]["median"] > 0
     assert data["commit"] and data["command"].startswith("python benchmarks/moe.py")
 
 
