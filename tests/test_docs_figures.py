@@ -1224,6 +1224,14 @@ FIGURES: list[Figure] = [
     *[Figure("docs/moe.md", "| FSDP2 | {0:.1f} | {1:.3f} ({2:.3f}–{3:.3f}) | – | – | – |", f"moe_{link}.json",
              tuple(at("summary", "FSDP2", key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max")))
       for link in ("loopback", "2gbit")],
+    # docs/moe.md's expert parallelism under fully_shard against ShardedModule's, same rounds.
+    *[Figure("docs/moe.md", f"| `fully_shard`, E {e} | {{0:.3f}} ({{1:.3f}}–{{2:.3f}}) | {{3:.3f}} ({{4:.3f}}–{{5:.3f}}) | "
+             "{6:.0%} (`ShardedModule`: {7:.0%}) |", "moe_fully_shard_2gbit.json",
+             (*(at("summary", f"fully_shard EP {e}", f"ratio_to_EP_{e}", key) for key in ("median", "min", "max")),
+              *(at("summary", f"fully_shard EP {e}", key) for key in ("ratio_median", "ratio_min", "ratio_max")),
+              at("summary", f"fully_shard EP {e}", "all_to_all_hidden_share"),
+              at("summary", f"EP {e}", "all_to_all_hidden_share")))
+      for e in (2, 4)],
     Figure("docs/moe.md", "on the slow link: EP 2 {0:.3f}, EP 4\n{1:.3f}", "moe_2gbit.json",
            (at("summary", "EP 2", "ratio_median"), at("summary", "EP 4", "ratio_median"))),
     Figure("docs/moe.md", "The all-to-alls hand {0:.2f} MB a step to gloo", "moe_2gbit.json",
