@@ -16,7 +16,7 @@ from overlap.base.config import config_from_env
 DEFAULT_TEXT = "coriolanus.txt"
 VAL_FRACTION = 0.1
 # torch.distributed.pipelining's Schedule<name>: one stage per rank, then two per rank
-# (stages r and r + pp). The V-shaped ones are refused: see `check_pipeline`.
+# (stages r and r + pp; under the V-shaped ones r and 2 pp - 1 - r).
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                 "DualPipeV")
 V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -122,7 +122,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                                "overlap.fully_shard and driven by torch's pipeline schedule (docs/pipeline.md)")
     pipeline.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
                           help=f"the schedule under --pp (default {PP_SCHEDULES[0]}); all but 1F1B and GPipe hold "
-                               "two stages per rank; the V-shaped ones are refused (docs/pipeline.md)")
+                               "two stages per rank (docs/pipeline.md)")
     pipeline.add_argument("--microbatches", type=_positive_int, default=None, metavar="M",
                           help="microbatches of each --batch under --pp (default: N); M must divide --batch")
     checkpoints = parser.add_argument_group("checkpoints")
@@ -199,12 +199,6 @@ def check_pipeline(args: argparse.Namespace) -> None:
         return
     args.pp_schedule = args.pp_schedule or PP_SCHEDULES[0]
     args.microbatches = args.microbatches or args.pp
-    if args.pp_schedule in V_SHAPED_SCHEDULES:
-        raise JobError(f"--pp-schedule {args.pp_schedule}: torch {torch.__version__.split('+')[0]}'s schedule.eval() "
-                       "fails for the V-shaped schedules (the local hand-over between a rank's two stages expects a "
-                       "backward), and the job validates every --eval-every steps and at the end; use "
-                       "--pp-schedule InterleavedZeroBubble, or drive the V-shaped schedule from a script "
-                       "(docs/pipeline.md)")
     stages = args.pp * stages_per_rank(args.pp_schedule)
     if args.layers < stages:
         raise JobError(f"--pp {args.pp} with --pp-schedule {args.pp_schedule} makes {stages} stages and needs at "

@@ -19,6 +19,14 @@ output unchanged and, in backward, gives the block's loss the gradient 1 (Megatr
 auxiliary-loss scaler); the schedule's scaling by the microbatches then averages it with the
 rest. For the report, each stage keeps its microbatches' weighted losses, and after the step
 their sum over the stages joins the last stage's mean.
+
+[Note: validation through the stages]
+Validation runs no schedule: each rank runs its stages on the whole batch in stage order,
+receiving a stage's input from the rank of the stage before and sending its output to the
+rank of the next (or keeping it, where that stage is its own), and the last stage's rank takes
+the loss. Forward alone needs no microbatches, and torch 2.13's `schedule.eval()` fails under
+the V-shaped schedules (it runs their backward hand-over between a rank's two stages). The
+loss is the whole batch's mean, as the job without stages takes it.
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ from overlap.models import GPT, GPTConfig
 from overlap.models.moe import GPTMoE, MoEConfig
 from overlap.observe.report import OverlapMonitor
 from overlap.train.batches import ByteBatches
-from overlap.train.options import stages_per_rank
+from overlap.train.options import V_SHAPED_SCHEDULES, stages_per_rank
 from overlap.train.schedule import learning_rate
 
 
@@ -113,9 +121,17 @@ def stage_blocks(layers: int, stages: int, index: int) -> range:
 
 
 def stage_indices(schedule: str, pp: int, pp_rank: int) -> list[int]:
-    """The stages rank `pp_rank` of the pipeline dimension holds under `schedule`: itself, or
-    under the interleaved schedules also its stage of the second loop."""
-    return [pp_rank] if stages_per_rank(schedule) == 1 else [pp_rank, pp_rank + pp]
+    """The stages rank `pp_rank` of the pipeline dimension holds under `schedule`: itself;
+    under the interleaved schedules also its stage of the second loop; under the V-shaped ones
+    its stage on the way back (rank 0 holds the first and the last)."""
+    if stages_per_rank(schedule) == 1:
+        return [pp_rank]
+    return [pp_rank, 2 * pp - 1 - pp_rank] if schedule in V_SHAPED_SCHEDULES else [pp_rank, pp_rank + pp]
+
+
+def stage_owner(schedule: str, pp: int, index: int) -> int:
+    """The rank of the pipeline dimension that holds stage `index` (see `stage_indices`)."""
+    return next(rank for rank in range(pp) if index in stage_indices(schedule, pp, rank))
 
 
 class PipelineSteps:
@@ -156,12 +172,13 @@ class PipelineSteps:
         kind = getattr(pipelining, f"Schedule{args.pp_schedule}")
         self.schedule = kind(stages if len(stages) > 1 else stages[0], n_microbatches=args.microbatches,
                              loss_fn=_loss)
-        # The ranks that hold the first and the last stage (the first and the last row), of
-        # each data-parallel index: see [Note: the tied head across stages]. Every rank makes
-        # every group, in the same order.
+        # The ranks that hold the first and the last stage (rows of the mesh), of each
+        # data-parallel index: see [Note: the tied head across stages]. Every rank makes every
+        # group, in the same order. Under the V-shaped schedules one rank holds both: no group.
         self.tie_group = None
-        for column in range(world // pp):
-            ranks = [int(mesh.mesh[0, column]), int(mesh.mesh[pp - 1, column])]
+        last_row = stage_owner(args.pp_schedule, pp, count - 1)
+        for column in range(world // pp) if last_row != 0 else ():
+            ranks = [int(mesh.mesh[0, column]), int(mesh.mesh[last_row, column])]
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 self.tie_group = group
@@ -169,10 +186,11 @@ class PipelineSteps:
         # the runtimes' DTensors from here on. The report and the monitor are the first stage's.
         runtimes = [module.overlap_runtime for module in self.modules]
         self.module, self.runtime = self.modules[0], runtimes[0]
-        # At most one copy per rank: the first and the last stage are on the first and last row.
-        tied = [module.wte.weight if module.first else module.lm_head.weight
-                for module in self.modules if module.first or module.last]
-        self.tied = tied[0] if tied else None
+        # This rank's copies of the tied weight: one where the first and the last stage are on
+        # different rows, both where they are on the same (the V-shaped schedules).
+        self.tied = [module.wte.weight if module.first else module.lm_head.weight
+                     for module in self.modules if module.first or module.last]
+        self.indices, self.count = indices, count
         # One shard of the global batch per data-parallel rank: a run resumed at another world
         # size (several shards per rank) needs --checkpoint-dir, which --pp refuses.
         (self.shard,) = shards
@@ -202,13 +220,14 @@ class PipelineSteps:
         optimizer.zero_grad(set_to_none=True)
         return float(torch.stack(losses).detach().mean()) + router if self.last else None
 
-    def _router_loss(self) -> float:
-        """The routers' weighted loss of the schedule's last run, averaged over its
-        microbatches and summed over the stages (collective over the pipeline; 0 without
-        MoE blocks): see [Note: the routers' loss across stages]."""
+    def _router_loss(self, forwards: Optional[int] = None) -> float:
+        """The routers' weighted loss of the last `forwards` of each stage (the schedule's
+        last run: its microbatches), averaged over them and summed over the stages
+        (collective over the pipeline; 0 without MoE blocks): see [Note: the routers' loss
+        across stages]."""
         if not self.args.moe:
             return 0.0
-        count = self.args.microbatches
+        count = forwards or self.args.microbatches
         # The last `count` forwards are the run's (torch's first run infers shapes with one more).
         total = torch.tensor(sum(sum(module.router_losses[-count:]) for module in self.modules), dtype=torch.float64)
         for module in self.modules:
@@ -218,15 +237,17 @@ class PipelineSteps:
 
     def _sum_tied_grads(self) -> None:
         """See [Note: the tied head across stages]."""
-        if self.tied is None:
+        if not self.tied:
             return
-        grad = self.tied.grad
-        total = grad.full_tensor()
-        dist.all_reduce(total, group=self.tie_group)
+        grads = [param.grad for param in self.tied]
+        total = sum(grad.full_tensor() for grad in grads)
+        if self.tie_group is not None:
+            dist.all_reduce(total, group=self.tie_group)
         # The two copies' rows split alike only if their stages' flat layouts do: each takes
         # its own rows of the sum, where its placement puts them.
-        shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
-        grad.to_local().copy_(total[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+        for grad in grads:
+            shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+            grad.to_local().copy_(total[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
 
     def _clip(self, max_norm: float) -> None:
         """torch's clip over the whole model: each stage's squared norm summed over the stages
@@ -259,17 +280,36 @@ class PipelineSteps:
 
     @torch.no_grad()
     def val_loss(self, draws: int) -> Optional[float]:
-        """This rank's mean loss over `draws` validation batches, on the last stage."""
+        """This rank's mean loss over `draws` validation batches, on the last stage. See
+        [Note: validation through the stages]."""
         for module in self.modules:
             module.eval()
         losses: list[float] = []
         for draw in range(draws):
             inputs, targets = self.batches.get("val", self.args.batch, draw, self.shard)
-            these: list[torch.Tensor] = []              # the schedule clears the list it is given
-            self.schedule.eval(*((inputs,) if self.first else ()),
-                               **({"target": targets, "losses": these} if self.last else {}))
-            router = self._router_loss()
-            losses += [float(loss) + router for loss in these]
+            loss = self._through_stages(inputs, targets)
+            router = self._router_loss(forwards=1)
+            if loss is not None:
+                losses.append(loss + router)
         for module in self.modules:
             module.train()
         return sum(losses) / len(losses) if self.last else None
+
+    def _through_stages(self, inputs: torch.Tensor, targets: torch.Tensor) -> Optional[float]:
+        """The whole batch through every stage in order, each rank running its own and handing
+        the activations on; the loss on the rank of the last stage, else None."""
+        me, schedule, pp = dist.get_rank(self.pp_group), self.args.pp_schedule, self.args.pp
+        shape = (*inputs.shape, self.args.hidden)
+        dtype = torch.bfloat16 if self.args.mixed_precision == "bf16" else torch.float32
+        x, loss = inputs, None
+        for index, module in sorted(zip(self.indices, self.modules), key=lambda pair: pair[0]):
+            before = stage_owner(schedule, pp, index - 1) if index > 0 else me
+            if before != me:
+                x = torch.empty(shape, dtype=dtype, device=inputs.device)
+                dist.recv(x, group=self.pp_group, group_src=before)
+            x = module(x)
+            if index == self.count - 1:
+                loss = float(_loss(x, targets))
+            elif (after := stage_owner(schedule, pp, index + 1)) != me:
+                dist.send(x.contiguous(), group=self.pp_group, group_dst=after)
+        return loss
