@@ -129,28 +129,36 @@ def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _fully_shard(model: torch.nn.Module, kind: str, expert_parallel: int, capacity: Optional[float]) -> None:
-    """`fully_shard` as FSDP2's users call it, each transformer block then the root, with the
-    runtime's expert parallelism asked for on the root's call."""
+def _fully_shard(model: torch.nn.Module, kind: str, expert_parallel: int, capacity: Optional[float],
+                 mesh: bool = False) -> None:
+    """`fully_shard` as FSDP2's users call it, each transformer block then the root (over a 1-D
+    mesh of every rank with `mesh`), with the runtime's expert parallelism asked for on the
+    root's call."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     from overlap import OverlapPolicy, fully_shard
 
+    over = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))} if mesh else {}
     for block in (model.blocks if kind == "gpt_moe" else model.model.layers):
-        fully_shard(block)
-    fully_shard(model, overlap_policy=OverlapPolicy(expert_parallel=expert_parallel,
-                                                    expert_capacity_factor=capacity if kind == "qwen3_moe" else None))
+        fully_shard(block, **over)
+    fully_shard(model, **over, overlap_policy=OverlapPolicy(
+        expert_parallel=expert_parallel, expert_capacity_factor=capacity if kind == "qwen3_moe" else None))
 
 
 def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, optimizer: str,
-          clip: float, capacity: Optional[float], chunks: Optional[int] = None, wrapper: str = "sharded") -> dict:
+          clip: float, capacity: Optional[float], chunks: Optional[int] = None, wrapper: str = "sharded",
+          mesh: bool = False) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
 
     from overlap import ShardedModule
 
     model = _model(kind, capacity)
     _skew(model, routing)
     if wrapper == "fully_shard":
-        _fully_shard(model, kind, expert_parallel, capacity)
+        _fully_shard(model, kind, expert_parallel, capacity, mesh)
         opt = _optimizer(model.parameters(), optimizer)       # over the DTensor parameters, as with FSDP2
     else:
         opt = _optimizer(model.parameters(), optimizer)       # built before wrapping, as users do
@@ -158,7 +166,8 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
         with pytest.MonkeyPatch.context() as env:
             if chunks is not None:
                 env.setenv("OVERLAP_EXPERT_CHUNKS", str(chunks))
-            model = ShardedModule(model, expert_parallel=expert_parallel,
+            over = {"mesh": init_device_mesh("cpu", (world,))} if mesh else {}
+            model = ShardedModule(model, expert_parallel=expert_parallel, **over,
                                   expert_capacity_factor=capacity if kind == "qwen3_moe" else None)
     dropped: list[int] = []
     _count_dropped(model, dropped)
@@ -238,14 +247,15 @@ def diverge(rank: int, world: int) -> str:
 
 
 # (world, kind, expert_parallel, routing, optimizer, clip, capacity factor: None is dropless[,
-# chunks of each layer's tokens: OVERLAP_EXPERT_CHUNKS, the default where absent])
+# chunks of each layer's tokens: OVERLAP_EXPERT_CHUNKS, the default where absent]); a name
+# ending in "-mesh" wraps over a 1-D mesh of every rank, which shards as the world does.
 CASES = {
     "w2-ep2-skewed-sgd-1chunk": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None, 1),
     "w2-ep2-normal-adamw-clip-3chunks": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None, 3),
     "w2-ep2-skewed-sgd-capacity-4chunks": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, 0.5, 4),
     "w2-ep2-normal-adamw-clip": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None),
     "w2-ep2-skewed-sgd": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None),
-    "w2-ep2-normal-sgd": (2, "gpt_moe", 2, "normal", "sgd", 0.0, None),
+    "w2-ep2-normal-sgd-mesh": (2, "gpt_moe", 2, "normal", "sgd", 0.0, None),
     "w2-ep2-qwen3-adamw": (2, "qwen3_moe", 2, "normal", "adamw", 0.0, None),
     "w2-ep2-skewed-sgd-capacity": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, 1.0),
     "w2-ep2-normal-adamw-capacity": (2, "gpt_moe", 2, "normal", "adamw", 0.0, 0.5),
@@ -257,11 +267,12 @@ CASES = {
     "w4-ep4-normal-sgd": (4, "gpt_moe", 4, "normal", "sgd", 0.0, None),
 }
 # The same under `fully_shard` (blocks, then the root with OverlapPolicy(expert_parallel=E)),
-# the state read through torch's state-dict API.
+# the state read through torch's state-dict API; the cases named "mesh" shard over a 1-D
+# mesh of every rank, as FSDP2's users pass one.
 FULLY_SHARD_CASES = {
     "fully_shard-w2-ep2-normal-adamw-clip": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None),
     "fully_shard-w2-ep2-qwen3-skewed-sgd-capacity": (2, "qwen3_moe", 2, "skewed", "sgd", 0.0, 1.0),
-    "fully_shard-w4-ep2-skewed-adamw-clip": (4, "gpt_moe", 2, "skewed", "adamw", 0.05, None),
+    "fully_shard-w4-ep2-skewed-adamw-clip-mesh": (4, "gpt_moe", 2, "skewed", "adamw", 0.05, None),
     "fully_shard-w4-ep4-normal-sgd-capacity": (4, "gpt_moe", 4, "normal", "sgd", 0.0, 0.5),
 }
 # Checkpoints: (expert-parallel size saved at, the sizes it loads at), per world.
@@ -272,8 +283,9 @@ CHECKPOINT_PLANS = {2: ((2, (2, None)),), 4: ((2, (4, None)), (4, (2,)))}
 def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, CaseLaunch]:
     out = {}
     for world in (2, 4):
-        cases = {name: RankCase(train, case[1:]) for name, case in CASES.items() if case[0] == world}
-        cases.update({name: RankCase(train, case[1:] + (None, "fully_shard"))
+        cases = {name: RankCase(train, (*case[1:], *(None,) * (8 - len(case)), "sharded", name.endswith("-mesh")))
+                 for name, case in CASES.items() if case[0] == world}
+        cases.update({name: RankCase(train, case[1:] + (None, "fully_shard", name.endswith("-mesh")))
                       for name, case in FULLY_SHARD_CASES.items() if case[0] == world})
         for wrapper in ("sharded", "fully_shard"):
             cases[f"checkpoints-{wrapper}"] = RankCase(

@@ -181,6 +181,16 @@ def test_two_stages_train_as_the_job_without_stages_on_the_same_global_batch(lau
         assert math.isclose(val, reference_val, rel_tol=1e-4)
 
 
+def _same_losses_as(launches, index: int, reference: str) -> None:
+    """ACCEPTED[index]'s losses on every rank: the reference run's, within the stage layouts'
+    rounding."""
+    losses_reference, val_reference = launches[2]["reference"][0].result()[reference]
+    for outcome in launches[4]["pipeline"]:
+        losses, val = outcome.result()["accepted"][index]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_reference), rtol=1e-4, atol=1e-5)
+        assert math.isclose(val, val_reference, rel_tol=1e-4)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("index", (4, 5, 11, 12), ids=["InterleavedZeroBubble", "Interleaved1F1B", "ZBVZeroBubble",
                                                       "DualPipeV"])
@@ -188,11 +198,7 @@ def test_two_stages_per_rank_train_as_the_job_without_stages(launches, index: in
     """Four stages at (pp 2, dp 2), each rank holding two: the schedule's microbatch losses
     make the same global-batch mean, and the tied head is summed across the first and last
     row (under the V-shaped schedules on rank 0's row, which holds both)."""
-    reference, reference_val = launches[2]["reference"][0].result()["reference"]
-    for outcome in launches[4]["pipeline"]:
-        losses, val = outcome.result()["accepted"][index]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
-        assert math.isclose(val, reference_val, rel_tol=1e-4)
+    _same_losses_as(launches, index, "reference")
 
 
 @pytest.mark.timeout(600)
@@ -202,11 +208,7 @@ def test_moe_stages_train_as_the_moe_job_without_stages(launches, index: int) ->
     made and the reported loss, so the losses are the job's without stages at dp 2; also with
     each stage's experts split over its two ranks (`--expert-parallel 2`, tokens sent by
     all-to-all)."""
-    reference, reference_val = launches[2]["reference"][0].result()["moe"]
-    for outcome in launches[4]["pipeline"]:
-        losses, val = outcome.result()["accepted"][index]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
-        assert math.isclose(val, reference_val, rel_tol=1e-4)
+    _same_losses_as(launches, index, "moe")
 
 
 @pytest.mark.timeout(600)
@@ -220,11 +222,7 @@ def test_the_runtimes_options_reach_every_stage(launches) -> None:
 
 @pytest.mark.timeout(600)
 def test_two_stages_with_offload_train_as_the_job_with_offload(launches) -> None:
-    reference, reference_val = launches[2]["reference"][0].result()["offload cpu"]
-    for outcome in launches[4]["pipeline"]:
-        losses, val = outcome.result()["accepted"][2]           # --pp 2 --offload cpu --eager-init
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
-        assert math.isclose(val, reference_val, rel_tol=1e-4)
+    _same_losses_as(launches, 2, "offload cpu")                 # --pp 2 --offload cpu --eager-init
 
 
 @pytest.mark.timeout(600)
