@@ -8,11 +8,12 @@ from overlap.base.mixed_precision import MixedPrecision
 
 if TYPE_CHECKING:
     from overlap.fsdp import OverlapPolicy, fully_shard, register_fsdp_forward_method
+    from overlap.schedule_prefetch import follow_schedule
     from overlap.sharded_module import ShardedModule
 
 __all__ = ["Config", "MixedPrecision", "ShardedModule", "config_from_env", "fully_shard",
            "register_fsdp_forward_method", "OverlapPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
-           "FSDPModule"]
+           "FSDPModule", "follow_schedule"]
 # FSDP2's names, for `from overlap import fully_shard, MixedPrecisionPolicy` (the policies and
 # FSDPModule are torch's own classes), and OverlapPolicy, fully_shard's settings beyond FSDP2's.
 _FULLY_SHARD = ("fully_shard", "register_fsdp_forward_method", "OverlapPolicy", "MixedPrecisionPolicy",
@@ -27,6 +28,9 @@ def __getattr__(name: str) -> Any:
     if name == "ShardedModule":
         from overlap.sharded_module import ShardedModule
         return ShardedModule
+    if name == "follow_schedule":
+        from overlap.schedule_prefetch import follow_schedule
+        return follow_schedule
     if name in _FULLY_SHARD:
         from overlap import fsdp
         return getattr(fsdp, name)

@@ -387,8 +387,8 @@ class ShardedModule(nn.Module):
     def overlap_report(self) -> OverlapReport:
         """How much communication ran under compute, per step and per unit, measured so far,
         with the runtime's choices that a user can override."""
-        decision = self.scheduler.keep_decision
-        return self.overlap_monitor.report([] if decision is None else [decision])
+        decisions = (self.scheduler.keep_decision, self.scheduler.schedule_decision)
+        return self.overlap_monitor.report([decision for decision in decisions if decision is not None])
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None,
                       step_fn: Optional[Callable[[], object]] = None, *,

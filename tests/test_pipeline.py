@@ -57,11 +57,12 @@ def train_microbatched(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
                  microbatches: tuple[int, ...] = (MICROBATCHES,) * STEPS, bf16: bool = False,
-                 checkpointing: bool = False, evaluate: bool = False) -> dict[str, torch.Tensor]:
+                 checkpointing: bool = False, evaluate: bool = False, follow: bool = False) -> dict[str, torch.Tensor]:
     """This rank's stages after STEPS steps, as the whole model's state-dict keys and values.
     `wrap`: "sharded" (`ShardedModule(stage, mesh=...)`) or "fully_shard" (FSDP2's pattern:
     each block, then the stage), where the gradients are reduced once per step: the
-    reduce-scatters issued are counted too (under "reductions")."""
+    reduce-scatters issued are counted too (under "reductions"). `follow`: prefetch between
+    passes follows the schedules' actions (`overlap.follow_schedule`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed import pipelining
     from torch.distributed.fsdp import FSDPModule
@@ -72,7 +73,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from overlap import MixedPrecision, ShardedModule, fully_shard
+    from overlap import MixedPrecision, ShardedModule, follow_schedule, fully_shard
     from overlap.runtime.collectives import Collectives
 
     from torch._dynamo.utils import counters
@@ -110,6 +111,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
     for before, count in zip(microbatches, microbatches[1:]):
         runners.append(runners[-1] if count == before else
                        kind(stages if multi else stages[0], n_microbatches=count, loss_fn=_loss))
+    followers = [follow_schedule(runner) for runner in dict.fromkeys(runners)] if follow else []
     optimizer = torch.optim.SGD([p for sharded in wrapped.values() for p in sharded.parameters()], lr=0.1)
     reductions, issue = [0], Collectives.reduce_scatter
     # Reductions issued before the stage's final gradient step, per step: during the backward
@@ -156,6 +158,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
     units = sum(len((sharded.overlap_runtime if wrap == "fully_shard" else sharded).scheduler.all_units)
                 for sharded in wrapped.values())
     out = {"reductions": reductions[0], "gathers": per_step, "units": units, "early": early,
+           "followed": [(follower.in_order, follower.out_of_order) for follower in followers],
            "trained": [len(runtime.overlap_monitor.report().steps) for index, sharded in wrapped.items() if index == 0
                        for runtime in [sharded.overlap_runtime if wrap == "fully_shard" else sharded]],
            "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions],
@@ -196,10 +199,24 @@ def launches() -> dict[int, CaseLaunch]:
             cases.update({f"{wrap}:{schedule}:bf16": RankCase(train_stages, (schedule, wrap,
                                                                               (MICROBATCHES,) * STEPS, True))
                           for wrap in ("sharded", "fully_shard") for schedule in ("1F1B", "ZBVZeroBubble")})
+            # Forced to regather, with the gathers between passes in the order of the schedule's
+            # actions: each schedule with one unit per block, two with a unit per Linear.
+            followed = (MICROBATCHES,) * STEPS, False, False, False, True
+            cases.update({f"{wrap}:{schedule}:regather:followed": RankCase(
+                train_stages, (schedule, wrap, *followed), env={"OVERLAP_KEEP_UNITS": "0"})
+                for wrap in ("sharded", "fully_shard") for schedule in SCHEDULES})
+            cases.update({f"fully_shard:{schedule}:regather:followed:small-units": RankCase(
+                train_stages, (schedule, "fully_shard", *followed),
+                env={"OVERLAP_KEEP_UNITS": "0", "OVERLAP_BUCKET_MB": "0.0001"}) for schedule in ("1F1B", "DualPipeV")})
+            # The planner's choice (every unit kept), followed.
+            cases["fully_shard:Interleaved1F1B:followed"] = RankCase(train_stages, ("Interleaved1F1B", "fully_shard",
+                                                                                    *followed))
             # The schedule's evaluation after each step.
             cases.update({f"{wrap}:1F1B:evaluated": RankCase(
                 train_stages, ("1F1B", wrap, (MICROBATCHES,) * STEPS, False, False, True))
                 for wrap in ("sharded", "fully_shard")})
+            cases["fully_shard:1F1B:evaluated:followed"] = RankCase(
+                train_stages, ("1F1B", "fully_shard", (MICROBATCHES,) * STEPS, False, False, True, True))
             # Activation checkpointing: the recompute in the input step, the weight step later.
             cases.update({f"{wrap}:ZBVZeroBubble:checkpointing": RankCase(
                 train_stages, ("ZBVZeroBubble", wrap, (MICROBATCHES,) * STEPS, False, True))
@@ -213,6 +230,7 @@ def launches() -> dict[int, CaseLaunch]:
                                                       env={"OVERLAP_COMPRESS": "int8"})
         if world == 2:
             cases["input-only backward outside a stage"] = RankCase(input_only_backward)
+            cases["follow_schedule over another module"] = RankCase(follow_refused)
         return cases
     return {world: CaseLaunch(cases(world), world_size=world, timeout=300) for world in (2, 4)}
 
@@ -232,11 +250,21 @@ INT8 = {"rtol": 5e-2, "atol": 5e-3}           # with int8 on the wire
 def _check_parity(launches, world: int, case: str, tolerance: dict = EXACT) -> None:
     reference = _one_process(world // 2)
     seen: set[str] = set()
-    regather = case.endswith(":regather")
+    regather = ":regather" in case
     for outcome in launches[world][case]:
         result = dict(outcome.result())
         reductions, units = result.pop("reductions"), result.pop("units")
         gathers, decided, early = result.pop("gathers"), result.pop("decided"), result.pop("early")
+        followed, followers = result.pop("followed"), [d for d in decided if "follow_schedule" in d]
+        decided = [d for d in decided if d not in followers]
+        if ":followed" in case:
+            # Every action the schedule ran was watched; from the second step on, each came as
+            # the step before ran them.
+            ((in_order, out_of_order),) = followed
+            assert in_order + out_of_order > 0 and out_of_order * STEPS <= in_order + out_of_order, followed
+            assert followers, decided
+        else:
+            assert not followed and not followers, (followed, followers)
         # The first stage's overlap report holds the training steps, and no evaluation. (The
         # others' also hold the backward torch's stage runs to infer shapes, after each switch
         # from evaluation to training: a backward pass, so a step of the runtime.)
@@ -250,7 +278,7 @@ def _check_parity(launches, world: int, case: str, tolerance: dict = EXACT) -> N
         # backward (a zero-bubble schedule's weight steps bring gradients no hook sees).
         if not any(schedule in case for schedule in ZERO_BUBBLE):
             assert early == [0] + [units] * (STEPS - 1), early
-        if world == 4 and not case.endswith(":evaluated"):       # an evaluation gathers too
+        if world == 4 and ":evaluated" not in case:       # an evaluation gathers too
             # After the first step (whose shape inference and first forwards run before the
             # schedule asks), each unit is gathered once per step; forced to regather, at
             # least once per microbatch.
@@ -270,6 +298,29 @@ def test_stages_forced_to_regather_per_microbatch_train_alike(launches, schedule
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
+def test_prefetch_following_the_schedule_trains_alike(launches, wrap: str, schedule: str) -> None:
+    """`overlap.follow_schedule`: the units gathered between passes in the order of the
+    schedule's actions train as one process; where the same schedule regathers without it,
+    no step after the first gathers more."""
+    case = f"{wrap}:{schedule}:regather:followed"
+    _check_parity(launches, 4, case)
+    if f"{wrap}:{schedule}:regather" in launches[4].cases:
+        for alone, with_order in zip(launches[4][f"{wrap}:{schedule}:regather"], launches[4][case]):
+            assert all(b <= a for a, b in zip(alone.result()["gathers"][1:], with_order.result()["gathers"][1:])), \
+                (alone.result()["gathers"], with_order.result()["gathers"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ("fully_shard:1F1B:regather:followed:small-units",
+                                  "fully_shard:DualPipeV:regather:followed:small-units",
+                                  "fully_shard:Interleaved1F1B:followed"))
+def test_prefetch_following_the_schedule_with_several_units_or_kept_ones(launches, case: str) -> None:
+    _check_parity(launches, 4, case)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
 def test_a_changed_count_of_microbatches_reduces_every_gradient_once(launches, wrap: str) -> None:
     """4, 2, then 4 microbatches: the third step reduces early at its second backward, as the
@@ -281,7 +332,7 @@ def test_a_changed_count_of_microbatches_reduces_every_gradient_once(launches, w
         units, early = result.pop("units"), result.pop("early")
         assert early == [0, 0, units], early
         assert result.pop("reductions") == (STEPS + 1) * units
-        for key in ("gathers", "decided", "trained", "compiled graphs", "offload"):
+        for key in ("gathers", "decided", "trained", "compiled graphs", "offload", "followed"):
             result.pop(key)
         for key, value in result.items():
             torch.testing.assert_close(value, reference[key], **EXACT, msg=lambda m: f"{key}: {m}")
@@ -305,8 +356,11 @@ def test_bf16_stages_train_alike(launches, wrap: str, schedule: str) -> None:
 @pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
 def test_an_evaluation_between_steps_is_no_training_step(launches, wrap: str) -> None:
     """torch's `schedule.eval()` ends at the stage's final gradient step too: it reduces
-    nothing, is no step of the report, and leaves the next step's early reductions as they were."""
+    nothing, is no step of the report, and leaves the next step's early reductions as they were
+    (and, for `fully_shard`, the order `follow_schedule` learned: the training steps' still)."""
     _check_parity(launches, 4, f"{wrap}:1F1B:evaluated")
+    if wrap == "fully_shard":
+        _check_parity(launches, 4, f"{wrap}:1F1B:evaluated:followed")
 
 
 @pytest.mark.timeout(600)
@@ -362,3 +416,24 @@ def test_an_input_only_backward_outside_a_stage_is_refused_on_every_rank(launche
     for outcome in launches[2]["input-only backward outside a stage"]:
         error = outcome.result()
         assert "zero-bubble" in error and "ended without computing their parameters' gradients" in error, error
+
+
+def follow_refused(rank: int, world: int) -> str:
+    """`follow_schedule` over a stage whose module no overlap wrap shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from overlap import follow_schedule
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    stage = PipelineStage(nn.Linear(WIDTH, WIDTH), rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    with pytest.raises(TypeError) as refused:
+        follow_schedule(Schedule1F1B(stage, n_microbatches=2, loss_fn=_loss))
+    return str(refused.value)
+
+
+@pytest.mark.timeout(600)
+def test_following_a_schedule_over_other_modules_is_refused_on_every_rank(launches) -> None:
+    for outcome in launches[2]["follow_schedule over another module"]:
+        error = outcome.result()
+        assert "stage" in error and "Linear" in error and "ShardedModule" in error, error

@@ -106,7 +106,11 @@ class Prefetcher:
         self._this_forward = []
         if root is not None and root.gather_state is GatherState.SHARDED:   # else kept from the last pass
             self.start_gather(root, Mark.GATHER)
-        self._prefetch_after(self.forward_order, -1, None, self.prefetch_depth)
+        self.prefetch_forward_start()
+
+    def prefetch_forward_start(self, minimum: int = 0) -> None:
+        """Gather the first units of forward ahead of it (the root is the caller's)."""
+        self._prefetch_after(self.forward_order, -1, None, max(self.prefetch_depth, minimum))
 
     def gather_for_forward(self, unit: Unit) -> None:
         position = len(self._this_forward)
@@ -129,10 +133,10 @@ class Prefetcher:
 
     # ---- backward -------------------------------------------------------------------------
 
-    def prefetch_backward_start(self) -> None:
+    def prefetch_backward_start(self, minimum: int = 0) -> None:
         """Backward starts with the root's own layers (head, loss): gather the first units of
         backward under them."""
-        self._prefetch_after(self.backward_order, -1, None, self.backward_depth)
+        self._prefetch_after(self.backward_order, -1, None, max(self.backward_depth, minimum))
 
     def begin_backward(self) -> None:
         self._this_backward = []

@@ -39,6 +39,22 @@ gradients are reduced, before the optimizer writes their shards (`_close_step`).
 step keeps them again if the schedule asked in this one, its first forwards included. A
 kept unit whose shards changed since its gather anyway (a step taken without reducing) is
 gathered again at the next forward. Which units: overlap.plan.microbatch_keep.
+
+[Note: the next pass, told by a pipeline schedule]
+Between two passes of a stage, a pipeline schedule runs other work on the rank: another
+stage's passes, or a wait for a neighbour's activations or gradients. Left to itself, the end
+of a pass frees every unit that is not kept, and the next pass gathers its first units when it
+begins; after a forward, the first units of backward are prefetched, which a forward that
+comes first instead (1F1B's warm-up, GPipe) frees unused. Told which of the stage's passes
+comes next and whether the rank runs it right after (`tell_next_pass`, by
+overlap.schedule_prefetch from the schedule's list of actions), the last unit of a forward
+stays gathered only where this stage's backward comes before its next forward, and where the
+stage's next pass is the rank's next action, the end of a pass keeps the root gathered for it
+and starts the gathers of that pass's first units, within the prefetch depth and the memory
+budget, so that they run behind the schedule's work in between. A stage whose pass comes after
+another stage's is asked by the rank's follower once that action has run (`prepare_pass`).
+Such units are gathered early, not kept: they are freed after they compute as any other, and
+with everything else when the step's gradients are reduced.
 """
 from __future__ import annotations
 
@@ -60,6 +76,10 @@ from overlap.runtime.order_check import BEGIN_FORWARD, END_BACKWARD, END_FORWARD
 from overlap.runtime.prefetch import Prefetcher
 from overlap.runtime.step_counter import StepCounter
 from overlap.runtime.unit import GatherState, Unit
+
+# The passes a pipeline schedule tells a stage of: see [Note: the next pass, told by a
+# pipeline schedule]. OTHER: none that gathers (a weight step, or none left in the step).
+NEXT_FORWARD, NEXT_BACKWARD, NEXT_OTHER = "forward", "backward", "other"
 
 
 class _AfterInputGrads(torch.autograd.Function):
@@ -110,6 +130,12 @@ class Scheduler:
         self._keeping = False              # keeping now: asked in this step or the last
         self._keep_asked = False           # set_reshard_after_backward(False) since the step began
         self.keep_decision: Optional[str] = None
+        # See [Note: the next pass, told by a pipeline schedule]: the pass told to follow the
+        # one running now (None: not told), and the pass gathered for since the last ended.
+        self._next_pass: Optional[str] = None
+        self._next_immediate = False
+        self._prepared: Optional[str] = None
+        self.schedule_decision: Optional[str] = None     # what tells it, for the report
         # From the first backward hook of a pass to its end-of-backward callback. A unit's
         # forward that runs meanwhile is activation checkpointing's recompute; the unit's own
         # state cannot tell (under reentrant checkpointing it is still FORWARD).
@@ -237,7 +263,8 @@ class Scheduler:
 
     def begin_forward(self) -> None:
         """Called before the wrapped module's forward: recover, gather the root, prefetch."""
-        self._recover()
+        prepared, self._prepared = self._prepared, None
+        self._recover(discard=prepared != NEXT_FORWARD)
         if self._keeping:
             for unit in self.all_units:
                 if unit.kept and unit.gather_state is GatherState.GATHERED and unit.gathered_is_stale:
@@ -257,17 +284,19 @@ class Scheduler:
             self.root.install_views()
             self.root.enter_forward()
 
-    def _recover(self) -> None:
+    def _recover(self, discard: bool = True) -> None:
         """Bring every unit back to sharded after a forward or backward that did not finish
         (an exception in forward, or a forward with no backward); an unfinished backward's
         reductions are not published. Reductions issued early in this step (a guess of its last
         backward that another forward proved wrong) stay: see [Note: the last microbatch's
-        reductions]."""
+        reductions]. Units gathered for this forward, at the end of the pass before, stay
+        (`discard` False): see [Note: the next pass, told by a pipeline schedule]."""
         if self._reduced_early:
             self.reduction.wait_all()
         else:
             self.reduction.abandon(self.all_units)
-        self._discard_all()
+        if discard:
+            self._discard_all()
         self.in_backward = False
         self._reached.clear()
         self._grads_came.clear()
@@ -356,8 +385,9 @@ class Scheduler:
             outermost = unit.leave_forward()
             # A unit that is never freed (one rank: [Note: one rank computing in the master
             # dtype]) stays gathered for its backward: a free would release nothing.
+            backward_next = backward_follows and self._next_pass in (None, NEXT_BACKWARD)
             if (reshards and outermost and unit.all_members_ran and not self._keeps(unit) and not unit.never_freed
-                    and not (backward_follows and self.prefetch.ends_forward(unit))):
+                    and not (backward_next and self.prefetch.ends_forward(unit))):
                 self._reshard(unit)
 
     def end_forward(self, output: Any) -> None:
@@ -368,8 +398,12 @@ class Scheduler:
             self.log.mark(Mark.POST_FORWARD, self.root.name)
         if self.order is not None:
             self.order.boundary(END_FORWARD)
+        next_pass, self._next_pass = self._next_pass, None
         if torch.is_grad_enabled() and _hook_outputs(output, self._root_pre_backward):
-            self.prefetch.prefetch_backward_start()
+            if next_pass is None or (next_pass == NEXT_BACKWARD and self._next_immediate):
+                self.prefetch.prefetch_backward_start()
+            elif next_pass == NEXT_FORWARD and self._next_immediate:
+                self.prepare_pass(NEXT_FORWARD)
         else:
             # No backward can follow: the step ends here (evaluation, generation). The root
             # stays gathered until the next forward, as FSDP2's root does: layers of the root
@@ -398,6 +432,31 @@ class Scheduler:
         self._recover()
         for unit in self.all_units:
             unit.end_pass()
+
+    # ---- told by a pipeline schedule --------------------------------------------------------
+
+    def tell_next_pass(self, next_pass: Optional[str], immediate: bool) -> None:
+        """Which pass of this stage follows the one about to begin: NEXT_FORWARD,
+        NEXT_BACKWARD or NEXT_OTHER (none this step, or not one that gathers; None: not told),
+        and whether the rank runs it right after (`immediate`) or runs other stages' actions
+        first. See [Note: the next pass, told by a pipeline schedule]."""
+        if next_pass not in (None, NEXT_FORWARD, NEXT_BACKWARD, NEXT_OTHER):
+            raise ValueError(f"tell_next_pass: {next_pass!r} is no pass")
+        self._next_pass, self._next_immediate = next_pass, immediate
+
+    def prepare_pass(self, next_pass: str) -> None:
+        """Between passes: start gathering what the pass `next_pass` (NEXT_FORWARD or
+        NEXT_BACKWARD) computes first, the root and the first units in its order (as many as
+        the prefetch depth, at least one)."""
+        root = self.root
+        if root is not None and root.gather_state is GatherState.SHARDED:
+            self.prefetch.start_gather(root, Mark.PREFETCH)
+        # At least the first unit: the pass gathers it first in any case, here only earlier.
+        if next_pass == NEXT_FORWARD:
+            self.prefetch.prefetch_forward_start(minimum=1)
+        else:
+            self.prefetch.prefetch_backward_start(minimum=1)
+        self._prepared = next_pass
 
     # ---- gathered parameters released ------------------------------------------------------
 
@@ -460,6 +519,7 @@ class Scheduler:
                 unit.remove_views()
         for group in self._leaf_groups:
             group.release_leaves()
+        self._prepared = None
         self._backwards_this_step = 0
         self._reduced_early = False
         self._keeping, self._keep_asked = self._keep_asked, False
@@ -480,6 +540,7 @@ class Scheduler:
         if self.in_backward:
             return
         self.in_backward = True
+        self._prepared = None
         self._backwards_this_step += 1
         self._reduce_early = self._keeping and self._backwards_this_step == self._backwards_last_step
         for group in self._leaf_groups:
@@ -591,9 +652,13 @@ class Scheduler:
                 self.order.boundary(END_BACKWARD)
             self._hold_leaf_grads(None if self.sync_grads else self._upcast_groups)
             self.reduction.end_backward(self.all_units, self.sync_grads, self.order)
-            self._end_pass()
+            next_pass, self._next_pass = self._next_pass, None
+            prepare = not self.sync_grads and next_pass in (NEXT_FORWARD, NEXT_BACKWARD) and self._next_immediate
+            self._end_pass(keep=self.root if prepare else None)
             self.prefetch.end_backward()
             self.in_backward = False
             self.log.mark(Mark.END_BACKWARD, "")
             if self.sync_grads:
                 self._close_step()
+            elif prepare:
+                self.prepare_pass(next_pass)

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn import functional as F
 
-from overlap import OverlapPolicy, fully_shard
+from overlap import OverlapPolicy, follow_schedule, fully_shard
 from overlap.models import GPT, GPTConfig
 from overlap.models.moe import GPTMoE, MoEConfig
 from overlap.observe.report import OverlapMonitor
@@ -185,6 +185,8 @@ class PipelineSteps:
         # Built now, on every rank (a collective over the stage's ranks): the parameters are
         # the runtimes' DTensors from here on. The report and the monitor are the first stage's.
         runtimes = [module.overlap_runtime for module in self.modules]
+        # Gathers between passes in the order of the schedule's actions (overlap/schedule_prefetch.py).
+        follow_schedule(self.schedule)
         self.module, self.runtime = self.modules[0], runtimes[0]
         # This rank's copies of the tied weight: one where the first and the last stage are on
         # different rows, both where they are on the same (the V-shaped schedules).
