@@ -7,6 +7,8 @@ the second half, the final norm and an untied head), each stage sharded over its
   stage: one reduction per step (told by the schedule), units kept gathered across the step's
   microbatches as the planner chooses under the memory budget; and `fully_shard` forced to
   gather again per microbatch (`keep_units = 0`, OVERLAP_KEEP_UNITS=0's setting);
+- both `fully_shard` settings again with the gathers between passes in the order of the
+  schedule's actions (`overlap.follow_schedule`, what `overlap train --pp` does);
 - FSDP2 with `reshard_after_forward` True and False (its reduce-scatter by all-to-all, as
   benchmarks/peers.py tunes it for gloo).
 All are built in one launch and alternate over the rounds, the first rotating; each round keeps
@@ -30,7 +32,7 @@ from common import (RunRecord, forwarded, from_every_rank, launch, markdown_tabl
 
 WORLD_SIZE, PP = 4, 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather", "FSDP2 reshard",
-            "FSDP2 no reshard")
+            "FSDP2 no reshard", "overlap fully_shard, followed", "overlap fully_shard, regather, followed")
 
 
 def _stage(index: int, args: argparse.Namespace):
@@ -153,6 +155,8 @@ def run_worker(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.nn import functional as F
 
+    from overlap import follow_schedule
+
     rank, _ = start_rank()
     counter = _Bytes()
     mesh = init_device_mesh("cpu", (PP, WORLD_SIZE // PP), mesh_dim_names=("pp", "dp"))
@@ -167,6 +171,8 @@ def run_worker(args: argparse.Namespace) -> None:
         stage = PipelineStage(module, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
         built[variant] = (Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn),
                           torch.optim.AdamW(module.parameters(), lr=1e-4), module)
+        if variant.endswith(", followed"):
+            follow_schedule(built[variant][0])
     gen = torch.Generator().manual_seed(dp_rank)
     idx = torch.randint(0, 8192, (args.microbatches, args.seq), generator=gen)
 
@@ -195,7 +201,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     for variant in VARIANTS:
         steps(variant, 1)                                          # warm-up: builds the runtimes
-        if variant == "overlap fully_shard, regather":
+        if variant.startswith("overlap fully_shard, regather"):
             built[variant][2].overlap_runtime.scheduler.keep_units = 0
     decided = built["overlap fully_shard"][2].overlap_report().decisions
     counter.take()
