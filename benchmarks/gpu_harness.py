@@ -80,6 +80,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def all_finite(values: Sequence[float]) -> bool:
     return all(math.isfinite(v) for v in values)
 
