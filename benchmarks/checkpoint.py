@@ -1,19 +1,8 @@
-"""Time to save and load a sharded checkpoint of the benchmark model and its AdamW state,
-synchronous against asynchronous save, and with checksums against without, alternated
-round by round.
-
-One launch of 2 gloo ranks (one thread each) trains the 23.2M-parameter GPT for a step, then
-per round: a synchronous `overlap.checkpoint.save` with checksums and one without
-(`checksums=False`), in alternating order (blocking time = its whole time), an `async_save`
-(blocking time = until it returns, the state staged in host memory) followed by training
-steps while the files are written, the same number of steps with no save in flight, and a
-`load` of the checkpoint verified and one unverified (`verify=False`), in alternating order.
-Times are the slower rank's. Before the rounds, each rank measures how fast the two
-candidate checksums hash (zlib's crc32, hashlib's blake2b) with both ranks hashing at once,
-as during a save. The cost of checksums is the ratio of each round's pair (the
-two run back to back, so they share the host's load), as median and range over rounds. Also
-the growth of resident memory during a synchronous save, against this rank's parts of
-weights and optimizer state.
+"""Time to save and load a sharded checkpoint of the benchmark GPT and its AdamW state on 2
+gloo ranks: synchronous against asynchronous save (with training steps while the files are
+written), with checksums against without, and load verified against unverified; each pair
+alternated round by round and its cost given as per-round ratios. Also how fast the candidate
+checksums hash, and the growth of resident memory during a synchronous save.
 
     python benchmarks/checkpoint.py --rounds 8 --out docs/results/checkpoint.json
 """
@@ -30,13 +19,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from common import (PeakMemory, RunRecord, forwarded, launch, markdown_table, median, parse_with_worker_options,
-                    quartiles, script_main, seconds_of, slowest_of_ranks, start_rank, timed_steps, write_json)
+from common import (PeakMemory, RunRecord, arg_parser, forwarded, launch, markdown_table, median,
+                    parse_with_worker_options, quartiles, require_min, script_main, seconds_of, slowest_of_ranks,
+                    start_rank, timed_steps, write_json)
 
 WORLD_SIZE = 2
 MIB = 2**20
-
-
 # The candidate checksums, and how much each hashes per measurement.
 HASHES = {"crc32": zlib.crc32, "blake2b": lambda data: hashlib.blake2b(data).digest()}
 HASHED_BYTES = 64 * MIB
@@ -163,13 +151,12 @@ def run_driver(args: argparse.Namespace) -> int:
     text = report(result, stats)
     print(text)
     if args.out:
-        write_json(args.out, dict(**record.fields(), **result,
-                                  summary=stats, table=text))
+        write_json(args.out, dict(**record.fields(), **result, summary=stats, table=text))
     return 0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="training steps after each async save")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
@@ -177,9 +164,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--timeout", type=float, default=900, help="seconds the launch may take")
     args = parse_with_worker_options(parser, argv)
-    for name in ("rounds", "steps", "batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
+    require_min(parser, args, 1, "rounds", "steps", "batch")
     return args
 
 

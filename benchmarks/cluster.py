@@ -1,17 +1,10 @@
-"""An emulated two-node cluster on one machine: two network namespaces, each a "node" whose
-ranks talk over its own unthrottled loopback, joined by a veth pair throttled with `tc tbf`
-on both ends (the inter-node link). Each node runs its own torchrun; they meet through c10d
-rendezvous on node 0's veth address. Needs root (`ip netns`).
+"""An emulated two-node cluster on one machine: two network namespaces (nodes), each with its own
+unthrottled loopback, joined by a veth pair throttled with `tc tbf` (the inter-node link); each
+node runs its own torchrun, meeting through c10d rendezvous on node 0's veth address. gloo uses
+the veth (GLOO_SOCKET_IFNAME); between ranks of one node the kernel delivers locally. With
+`cpus` each node's launcher runs under `taskset` on its own CPUs (`node_cpus`). Needs root.
 
     python benchmarks/cluster.py --rate 1gbit --nproc-per-node 2 -- script.py args...
-
-gloo is told to use the veth (GLOO_SOCKET_IFNAME), so every rank is reached at its node's
-veth address: between ranks of one node the kernel delivers that locally (the throttle is
-not on that path), between nodes the packets cross the pair.
-
-With `cpus` each node's launcher runs under `taskset` on its own CPUs (`node_cpus` splits
-the machine's), as nodes have cores of their own: a job that sizes its threads by the CPUs
-it may use then gives each rank its node's share, not the whole machine's.
 """
 from __future__ import annotations
 
@@ -24,6 +17,8 @@ import sys
 import uuid
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
+
+from common import arg_parser
 
 NODES = 2
 # Addresses exist only inside the namespaces made here, and go with them.
@@ -61,9 +56,8 @@ class Cluster:
     def torchrun(self, node: int, nproc_per_node: int, script_and_args: Sequence[str],
                  python: str = sys.executable, run_id: Optional[str] = None, nnodes: str = str(NODES),
                  max_restarts: int = 0, rdzv_conf: Sequence[str] = (), cpus: Optional[str] = None) -> list[str]:
-        """The command that starts node `node`'s ranks (run both nodes' commands at once);
-        `nnodes` "MIN:MAX" makes the job elastic, `rdzv_conf` adds "key=value" rendezvous settings,
-        `cpus` (a taskset list, e.g. "0" or "2-3") confines the node to those CPUs."""
+        """The command that starts node `node`'s ranks: `nnodes` "MIN:MAX" makes the job elastic,
+        `rdzv_conf` adds "key=value" settings, `cpus` (a taskset list) confines the node."""
         conf = ",".join([f"is_host={'true' if node == 0 else 'false'}", *rdzv_conf])
         pinned = ["taskset", "-c", cpus] if cpus is not None else []
         return [*self.prefix(node), *pinned, "env", f"GLOO_SOCKET_IFNAME={self.interfaces[node]}",
@@ -74,8 +68,7 @@ class Cluster:
 
 
 def node_cpus(node: int) -> Optional[str]:
-    """Node `node`'s equal share of the CPUs this process may use, as a taskset list; None
-    where there are fewer CPUs than nodes or no taskset."""
+    """Node `node`'s share of the CPUs this process may use, as a taskset list (None: no share)."""
     available = sorted(os.sched_getaffinity(0))
     share = len(available) // NODES
     if share == 0 or shutil.which("taskset") is None:
@@ -85,8 +78,7 @@ def node_cpus(node: int) -> Optional[str]:
 
 @contextlib.contextmanager
 def two_node_cluster(rate: Optional[str]) -> Iterator[Cluster]:
-    """Create the two namespaces and the veth pair (throttled to `rate`, e.g. '1gbit'; None:
-    unthrottled); everything is deleted on exit."""
+    """The two namespaces and the veth pair (throttled to `rate`, None: not), deleted on exit."""
     if os.geteuid() != 0:
         raise PermissionError("the emulated cluster needs root for `ip netns` and `tc`")
     tag = uuid.uuid4().hex[:6]
@@ -113,8 +105,7 @@ def two_node_cluster(rate: Optional[str]) -> Iterator[Cluster]:
 
 def run_on_cluster(rate: Optional[str], nproc_per_node: int, script_and_args: Sequence[str], timeout_s: float,
                    env: Optional[dict] = None) -> list[subprocess.CompletedProcess]:
-    """Run a torchrun job across the two emulated nodes; returns each node's completed
-    process (output captured). Both launchers are killed at the deadline."""
+    """Run a torchrun job across the two nodes; each node's completed process (killed at the deadline)."""
     with two_node_cluster(rate) as cluster:
         run_id = uuid.uuid4().hex
         procs = [subprocess.Popen(cluster.torchrun(node, nproc_per_node, script_and_args, run_id=run_id),
@@ -135,7 +126,7 @@ def run_on_cluster(rate: Optional[str], nproc_per_node: int, script_and_args: Se
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rate", default=None, help="inter-node rate for tc tbf, e.g. 1gbit (default: unthrottled)")
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800)

@@ -1,17 +1,9 @@
-"""Gloo's ways to reduce-scatter a gradient, and its all-gather, timed on 2 ranks.
+"""Gloo's ways to reduce-scatter a gradient, and its all-gather, timed on 2 ranks (docs/benchmarks.md).
 
-A size S is the full (unsharded) fp32 tensor: a reduce-scatter turns S bytes on each rank
-into this rank's summed S/N chunk; an all-gather turns an S/N shard into the S-byte whole.
-Every way below ends with the same result in a separate output buffer:
-
-- reduce_scatter: `reduce_scatter_tensor`.
-- all_to_all+sum: `all_to_all_single` (rank r receives chunk r from every rank), then a
-  local sum of the N chunks (what ShardedModule does on gloo; see overlap/collectives.py).
-- all_reduce+slice: `all_reduce` in place, then a copy of this rank's chunk.
-- all_gather: `all_gather_into_tensor` (for reference: the other ZeRO-3 collective).
-
-Each timing starts after a barrier and ends when the op and its local work are done; a
-repetition counts as the slower rank's time, and the median over repetitions is reported.
+A size S is the full fp32 tensor. Ways, each ending with the result in its own buffer:
+`reduce_scatter_tensor`; `all_to_all_single` then a local sum of the chunks (ShardedModule on
+gloo); `all_reduce` then a copy of this rank's chunk; and `all_gather_into_tensor`. Each timing
+starts after a barrier; a repetition is the slower rank's; the median is reported.
 
     python benchmarks/collectives.py --sizes-mb 1,8,32 --links loopback,2gbit
 """
@@ -20,14 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, on_link, parse_choices,
+from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, on_link, parse_choices,
                     parse_links, parse_sizes, parse_with_worker_options, script_main, slower_rank, start_rank,
-                    write_json, write_results)
+                    timed_steps, to_driver, write_results)
 
 WORLD_SIZE = 2
 REDUCE_SCATTER_WAYS = ("reduce_scatter", "all_to_all+sum", "all_reduce+slice")
@@ -35,16 +26,13 @@ OPS = (*REDUCE_SCATTER_WAYS, "all_gather")
 MIB = 2**20
 
 
-# ---- worker -------------------------------------------------------------------------------
-
 def _rank_input(numel: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s full tensor: seeded so that every rank can compute every rank's input."""
+    """Rank `rank`'s full tensor (seeded: every rank can compute every rank's)."""
     return torch.randn(numel, generator=torch.Generator().manual_seed(rank))
 
 
 def _op(name: str, full: torch.Tensor, rank: int, world: int) -> tuple[Callable[[], None], torch.Tensor]:
-    """One repetition of `name` as a closure over buffers allocated here, and the tensor its
-    result lands in (this rank's summed chunk, or the gathered whole)."""
+    """One repetition of `name` as a closure, and the tensor its result lands in."""
     import torch.distributed as dist
 
     chunk = torch.empty(full.numel() // world)
@@ -79,8 +67,6 @@ def _expected(name: str, numel: int, rank: int, world: int) -> torch.Tensor:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
     rank, world = start_rank()
     times: dict[str, dict[str, list[float]]] = {}
     for size_mb in args.sizes_mb:
@@ -91,20 +77,8 @@ def run_worker(args: argparse.Namespace) -> None:
             run()
             if not torch.allclose(output, _expected(name, numel, rank, world), rtol=1e-5, atol=1e-5):
                 raise RuntimeError(f"{name} at {size_mb:g} MB gave a wrong result on rank {rank}")
-            samples = []
-            for repetition in range(args.warmup + args.iters):
-                dist.barrier()
-                start = time.perf_counter()
-                run()
-                if repetition >= args.warmup:
-                    samples.append(time.perf_counter() - start)
-            times.setdefault(f"{size_mb:g}", {})[name] = samples
-    ranks = from_every_rank(times)
-    if rank == 0:
-        write_json(args.result, dict(world_size=world, ranks=ranks))
-
-
-# ---- driver -------------------------------------------------------------------------------
+            times.setdefault(f"{size_mb:g}", {})[name] = timed_steps(run, args.warmup + args.iters)[args.warmup:]
+    to_driver(args.result, times, world_size=world)
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, dict]]]:
     """link -> size (MB) -> op -> {ms, gbps}: median over repetitions of the slower rank."""
@@ -151,7 +125,7 @@ def table(results: dict) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--sizes-mb", default="1,8,32", help="full tensor sizes in MiB, comma-separated")
     parser.add_argument("--links", default="loopback,2gbit", help="loopback and/or tc rates, e.g. loopback,2gbit")
     parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
@@ -180,9 +154,5 @@ def run_driver(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

@@ -1,13 +1,9 @@
-"""Pieces the benchmark scripts share: links by name, launching rank programs with a
-deadline, statistics, and markdown tables.
-
-The benchmark scripts run as `python benchmarks/<name>.py`, so this directory is on
-`sys.path` and they import this file as `common` (and the link runner as `netns`).
-"""
+"""The harness the benchmark scripts share (they run as `python benchmarks/<name>.py`, so
+this directory is on `sys.path`): options, launches under a deadline, rank helpers, paired
+per-round statistics, run records, tables and result files."""
 from __future__ import annotations
 
 import argparse
-
 import contextlib
 import datetime
 import json
@@ -74,8 +70,7 @@ def parse_count(text: str) -> int:
 
 @contextlib.contextmanager
 def on_link(link: str) -> Iterator[list[str]]:
-    """The command prefix that runs a program on `link`: nothing for plain loopback, a
-    throttled network namespace (kept for the whole block) for a rate."""
+    """The command prefix for `link`: none for loopback, a throttled namespace for a rate."""
     if link == LOOPBACK:
         yield []
     else:
@@ -84,24 +79,20 @@ def on_link(link: str) -> Iterator[list[str]]:
 
 
 def torchrun(script: str, nproc: int, args: Sequence[str], python: str = sys.executable) -> list[str]:
-    """The command that launches `script` on `nproc` local ranks (with the interpreter `python`)."""
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             script, *args]
 
 
 def checkout_python(checkout: str) -> str:
-    """The interpreter of another checkout of the project: `make setup` there builds its
-    environment in .venv, with that checkout's package installed in editable mode."""
+    """The interpreter of another checkout (`make setup` there builds its .venv)."""
     return os.path.join(checkout, ".venv", "bin", "python")
 
 
-# This checkout: the repository the benchmarks are run from.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit(checkout: str = REPOSITORY) -> str:
-    """The commit `checkout` is at, with '+changes' when its tracked files differ from it;
-    "unknown" for a copy of the tree without its history (or without git)."""
+    """The commit `checkout` is at, '+changes' when tracked files differ; "unknown" without git."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True, check=True).stdout
 
@@ -113,13 +104,10 @@ def git_commit(checkout: str = REPOSITORY) -> str:
 
 
 class RunRecord:
-    """What a result file records of the run that wrote it: the commit (with '+changes' when
-    tracked files were edited), the command, when it started, the torch build, and the host's
-    load average when it started and ended (this host is shared: the load says how far the
-    timings can be trusted). Start one when the run starts; `fields()` when writing, or
-    `host_load()` and `host()` for the files that keep the load under "meta" or "host".
-    `hidden`: arguments the command names by a placeholder (no path of this machine goes
-    into a result file)."""
+    """What a result file records of its run: commit, command, start, torch build and the host's
+    load before and after (the host is shared). `fields()`, or `host_load()` / `host()` for
+    files that keep the load under "meta" or "host". `hidden`: arguments shown by a placeholder
+    (no path of this machine goes into a result file)."""
 
     def __init__(self, script: str, argv: Sequence[str], hidden: Optional[dict[str, str]] = None) -> None:
         import torch
@@ -137,21 +125,18 @@ class RunRecord:
                     cpus=os.cpu_count(), loadavg_before=self.loadavg_before, loadavg_after=list(os.getloadavg()))
 
     def host_load(self, **extra: Any) -> dict[str, Any]:
-        """The load (1, 5, 15 min) before and now, and the seconds since the start."""
         return dict(load_1_5_15min_before=self.loadavg_before, load_1_5_15min_after=list(os.getloadavg()),
                     wall_s=time.perf_counter() - self._wall_start, **extra)
 
     def host(self, **extra: Any) -> dict[str, Any]:
-        """The machine, the torch build and the load before and now."""
         return dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=self.torch, **extra,
                     load_before=self.loadavg_before, load_after=list(os.getloadavg()))
 
 
 def launch(script: str, nproc: int, worker_args: Sequence[str], timeout_s: float, prefix: Sequence[str] = (),
            python: str = sys.executable, env: Optional[dict] = None) -> Any:
-    """Run `script` on `nproc` local ranks (torchrun; each rank on one thread) with
-    `worker_args` and a `--result FILE` for rank 0 to write, behind the link's `prefix`, within
-    `timeout_s`, with `env` added to the environment; what rank 0 wrote there."""
+    """Run `script` on `nproc` single-threaded local ranks behind `prefix` within `timeout_s`;
+    what rank 0 wrote to the `--result FILE` it is given."""
     with tempfile.TemporaryDirectory() as scratch:
         result = os.path.join(scratch, "result.json")
         command = [*prefix, *torchrun(script, nproc, [*worker_args, "--result", result], python)]
@@ -160,8 +145,8 @@ def launch(script: str, nproc: int, worker_args: Sequence[str], timeout_s: float
 
 
 def forwarded(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
-    """The options `names` of `args` as a command line again, for a launched rank: `--name
-    value`, a bare `--name` for True, nothing for None or False."""
+    """The options `names` of `args` as a command line again (a bare flag for True, none for
+    None or False), for a launched rank."""
     out: list[str] = []
     for name in names:
         value = getattr(args, name)
@@ -171,9 +156,8 @@ def forwarded(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
 
 
 def run_with_deadline(command: Sequence[str], timeout_s: float, env: Optional[dict] = None) -> str:
-    """Run `command` in its own process group and return its output. On a timeout, or when
-    this process is interrupted, the whole group (a launcher and its ranks) is killed. A
-    failure raises with the output's tail."""
+    """Run `command` in its own process group and return its output; on a timeout or an
+    interrupt the whole group is killed; a failure raises with the output's tail."""
     proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, **(env or {})})
     try:
@@ -192,8 +176,7 @@ def run_with_deadline(command: Sequence[str], timeout_s: float, env: Optional[di
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher's group and, as torchrun starts each rank in a session of its own,
-    every process below the launcher too."""
+    """SIGKILL the launcher's group and its children (torchrun starts each rank in its own session)."""
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -205,14 +188,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def script_main(argv: Optional[Sequence[str]], parse_args: Callable[[Sequence[str]], Any],
                 run_worker: Callable[[Any], None], run_driver: Callable[[Any], int]) -> int:
-    """Entry of a benchmark script, which is both the driver and, with --worker, the
-    program each launched rank runs."""
+    """Entry of a script that is the driver and, with --worker, each launched rank's program."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
         run_worker(args)
         _exit_worker()
     _exit_cleanly_on_sigterm()
     return run_driver(args)
+
+
+def arg_parser(doc: Optional[str]) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def require_min(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum: int, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < minimum:
+            parser.error(f"--{name.replace('_', '-')} must be >= {minimum}, got {getattr(args, name)}")
 
 
 def parse_recorded(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
@@ -230,20 +222,14 @@ def parse_with_worker_options(parser: argparse.ArgumentParser, argv: Sequence[st
 
 
 def _exit_cleanly_on_sigterm() -> None:
-    """Turn SIGTERM (from `timeout`, a test runner) into SystemExit, so that launched ranks
-    are killed and network namespaces deleted on the way out."""
+    """SIGTERM becomes SystemExit: launched ranks are killed and namespaces deleted on the way out."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _exit_worker() -> None:
-    """End a rank program at once, skipping interpreter teardown.
-
-    At teardown, gloo's worker threads can still hold the last reference to a Python
-    object and wait for the GIL while the main thread, holding it, joins them from the
-    process group's destructor: a hang (or an abort from a joinable thread) after all the
-    work is done. So the process group is not destroyed either; the results are written
-    before this is called.
-    """
+    """End a rank program at once, its results written: at interpreter teardown gloo's threads
+    may wait for the GIL while the main thread joins them from the process group's destructor
+    (a hang after all the work), so the process group is not destroyed either."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -259,16 +245,15 @@ def proc_status_kib(field: str) -> int:
 
 
 def peak_rss() -> int:
-    """The largest resident memory of this process so far, in bytes (Linux reports KiB)."""
+    """The largest resident memory of this process so far, in bytes."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class PeakMemory:
-    """The largest value (bytes) of each /proc/self/status field in `fields` while the `with`
-    block runs, sampled every `interval_s` on a thread of its own; `growth(field)` is the peak
-    over the value on entry."""
+    """The peak (bytes) of each /proc/self/status field while the block runs, sampled every
+    `interval_s` on a thread; `growth(field)` is the peak over the value on entry."""
 
     def __init__(self, fields: Sequence[str], interval_s: float) -> None:
         self.fields, self.interval_s = tuple(fields), interval_s
@@ -297,27 +282,23 @@ class PeakMemory:
 
 
 def single_thread_env() -> dict[str, str]:
-    """Each rank (or the single process) computes on one thread, as the 2-core host allows."""
     return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
-    """A TCP port free on this host now, for a rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def single_rank_env() -> dict[str, str]:
-    """What torchrun would give the one rank of a world of one (env:// rendezvous on a free
-    local port), for launching it without torchrun's agent process."""
+    """The environment torchrun gives the one rank of a world of one."""
     return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                 LOCAL_WORLD_SIZE="1")
 
 
 def start_rank() -> tuple[int, int]:
-    """A launched rank's start: one compute thread (the ranks share the host's cores) and the
-    gloo process group, with PROCESS_GROUP_TIMEOUT; (rank, world size)."""
+    """A launched rank's start: one compute thread and the gloo process group; (rank, world size)."""
     import torch
     import torch.distributed as dist
 
@@ -335,16 +316,32 @@ def from_every_rank(mine: Any) -> list[Any]:
     return ranks
 
 
+def to_driver(result: str, mine: Any, **extra: Any) -> None:
+    """Every rank's `mine` as "ranks", with `extra`, in the driver's result file (rank 0 writes)."""
+    import torch.distributed as dist
+
+    ranks = from_every_rank(mine)
+    if dist.get_rank() == 0:
+        write_json(result, dict(ranks=ranks, **extra))
+
+
+def train_step(model: Any, optimizer: Any, *batch: Any) -> Callable[[], None]:
+    """One training step of `model(*batch)` (a loss) with `optimizer`."""
+    def step() -> None:
+        model(*batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
 def seconds_of(call: Callable[[], object]) -> float:
-    """The wall seconds one call of `call` takes."""
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
 
 
 def timed_steps(step: Callable[[], object], count: int) -> list[float]:
-    """The seconds each of `count` calls of `step` took, every rank starting each call together
-    (a barrier first: a rank that ran ahead does not time its wait for the others)."""
+    """The seconds of each of `count` calls of `step`, each after a barrier."""
     import torch.distributed as dist
 
     times = []
@@ -357,13 +354,12 @@ def timed_steps(step: Callable[[], object], count: int) -> list[float]:
 
 
 def slower_rank(per_rank: Iterable[Sequence[float]]) -> list[float]:
-    """Each step's (or repetition's) time as the slower rank's, from one list of times per rank."""
+    """Each step's time as the slower rank's, from one list of times per rank."""
     return [max(times) for times in zip(*per_rank)]
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
-    """Per-round values (paired ratios, shares) as a result file records them: each round's,
-    their median, smallest and largest."""
+    """Per-round values (paired ratios, shares) as result files record them."""
     return dict(per_round=list(values), median=median(values), min=min(values), max=max(values))
 
 
@@ -384,9 +380,8 @@ def spread_table(summary: dict[str, dict]) -> str:
 
 def paired_ratios(per_round: Sequence[dict[str, Sequence[float]]], pairs: Sequence[tuple[str, str]],
                   label: str = "{row} / {peer}") -> dict[str, dict]:
-    """For each (row, peer) of `pairs` that ran: the ratio of their median steps in each round
-    of `per_round` (row -> step times) and its spread. Rows alternate within a round, so each
-    ratio pairs runs made under the same load, and load that drifts between rounds cancels."""
+    """For each (row, peer) of `pairs` that ran: the spread of the ratio of their median steps in
+    each round of `per_round` (row -> step times): runs of one round share the host's load."""
     out = {}
     for row, peer in pairs:
         ratios = [median(r[row]) / median(r[peer]) for r in per_round if r.get(row) and r.get(peer)]
@@ -396,8 +391,7 @@ def paired_ratios(per_round: Sequence[dict[str, Sequence[float]]], pairs: Sequen
 
 
 def slowest_of_ranks(times: Sequence[float]) -> list[float]:
-    """Each of this rank's `times` replaced by the largest any rank measured at that position
-    (a collective: every rank calls it with as many times)."""
+    """Each of `times` as the largest any rank measured at that position (a collective)."""
     import torch
     import torch.distributed as dist
 
@@ -407,14 +401,13 @@ def slowest_of_ranks(times: Sequence[float]) -> list[float]:
 
 
 def rotated(variants: Sequence[str], round_index: int) -> list[str]:
-    """Round `round_index`'s order of the variants: the first rotates, so none always runs first."""
+    """Round `round_index`'s order of the variants: the first rotates."""
     shift = round_index % len(variants)
     return [*variants[shift:], *variants[:shift]]
 
 
 def in_turns(variants: Sequence[str], rounds: int, measure: Callable[[str], Any]) -> dict[str, list]:
-    """Variant -> `measure(variant)` in each of `rounds` rounds, the variants taking turns in
-    every round (`rotated`), so that load that drifts falls on all of them alike."""
+    """Variant -> `measure(variant)` in each of `rounds` rounds, the variants taking turns."""
     measured: dict[str, list] = {variant: [] for variant in variants}
     for round_index in range(rounds):
         for variant in rotated(variants, round_index):
@@ -424,7 +417,7 @@ def in_turns(variants: Sequence[str], rounds: int, measure: Callable[[str], Any]
 
 @contextlib.contextmanager
 def patched(*replacements: tuple[Any, str, Any]) -> Iterator[None]:
-    """Each (owner, name, value): `owner.name` is `value` inside the block, its own again after."""
+    """Each (owner, name, value): `owner.name` is `value` inside the block."""
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
     for owner, name, value in replacements:
         setattr(owner, name, value)
@@ -442,7 +435,7 @@ def median(values: Sequence[float]) -> float:
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float]:
-    """(25th, 75th) percentile; both equal the value itself for fewer than two values."""
+    """(25th, 75th) percentile; the value itself for one value."""
     if len(values) < 2:
         return values[0], values[0]
     q = statistics.quantiles(values, n=4, method="inclusive")

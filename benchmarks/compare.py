@@ -1,30 +1,18 @@
-"""ShardedModule against FSDP2 and DDP (defaults and tuned), DeepSpeed ZeRO-3 and a single
-process without communication.
+"""ShardedModule against FSDP2 and DDP (defaults and tuned), DeepSpeed ZeRO-3 and a single process
+without communication (docs/benchmarks.md).
 
-Every implementation (`peers.py` builds them) trains the same GPT (`overlap.models.GPT`)
-from the same seed on the same synthetic batches with the same AdamW implementation. Each
-run is one launch (torchrun, 2 gloo ranks, one thread each; the single-process baseline
-`local` runs rank 0's batches alone: the compute floor). Implementations alternate
-A B C D A B C D ... over rounds so that load from other programs on the host falls on all
-of them alike. Per (link, implementation): the median
-step time over all timed steps of all rounds (a step's time is the slower rank's), peak
-memory per rank by category (MemTracker, in one extra step outside the timed ones) and
-peak RSS, and bytes sent per rank per step.
+Every implementation (peers.py) trains the same GPT from the same seed on the same batches with
+the same AdamW, one launch each (2 gloo ranks; `local` runs rank 0's batches alone), alternating
+over rounds. Per (link, implementation): the median step (the slower rank's), peak memory per
+rank by category (MemTracker, one extra step) and peak RSS, bytes sent per rank per step.
+Compiled rows (docs/compile.md) are paired with their eager twins round by round. `--merge`
+summarises earlier runs of the same settings as one run, and runs nothing.
 
     python benchmarks/compare.py --links loopback,10gbit,2gbit --rounds 3 --steps 20
     python benchmarks/compare.py --quick            # tiny model, one round: a smoke run
     python benchmarks/compare.py --merge a/compare.json b/compare.json --out merged
 
-Compiled rows, run when --impls names them (docs/compile.md): overlap-compiled
-(`compile=True`), and fsdp2-tuned-compiled, ddp-tuned-compiled and local-compiled with each
-block compiled before wrapping (torchtitan's recipe). Each is paired with its eager twin round
-by round (compiled ÷ eager), and its first step (where it compiles) is reported per round.
-
-`--merge` summarises the launches of earlier runs of the same model and settings as one run
-(rounds measured at different times, or links measured separately), and runs nothing.
-
-Writes <out>/compare.json, <out>/compare.md and <out>/compare.png, and prints the tables.
-Emulated links (a rate such as 2gbit) need root: see netns.py.
+Writes <out>/compare.json, <out>/compare.md and <out>/compare.png. Emulated links need root.
 """
 from __future__ import annotations
 
@@ -35,8 +23,9 @@ import tempfile
 from typing import Optional, Sequence
 
 import peers
-from common import (LOOPBACK, checkout_python, forwarded, git_commit, on_link, parse_choices, parse_links,
-                    parse_recorded, read_json, run_with_deadline, script_main, single_thread_env, torchrun)
+from common import (LOOPBACK, arg_parser, checkout_python, forwarded, git_commit, on_link, parse_choices, parse_links,
+                    parse_recorded, read_json, require_min, run_with_deadline, script_main, single_thread_env,
+                    torchrun)
 from compare_report import write_outputs
 from compare_summary import BASELINE, WORLD_SIZE, summarize
 from compare_targets import check_targets
@@ -85,7 +74,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--impls", default=None, help="comma-separated, alternated in this order "
                         f"(default: {','.join(IMPLEMENTATIONS)}, less those not installed)")
     parser.add_argument("--links", default=LOOPBACK, help="loopback and/or tc rates, e.g. loopback,10gbit,2gbit")
@@ -134,19 +123,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             raise ValueError(f"--impls {BASELINE} needs --baseline")
     except ValueError as exc:
         parser.error(str(exc))
-    for name in ("rounds", "steps", "batch", *MODEL_FIELDS):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    require_min(parser, args, 1, "rounds", "steps", "batch", *MODEL_FIELDS)
+    require_min(parser, args, 0, "warmup")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     return args
 
 
 def merged_runs(args: argparse.Namespace) -> list[dict]:
-    """The launches recorded in args.merge, rounds renumbered across files; args takes the
-    first file's model and settings, and each file's meta is kept as a source."""
+    """The launches recorded in args.merge, rounds renumbered; args takes the first file's settings."""
     runs, settings, args.sources = [], None, []
     for path in args.merge:
         data = read_json(path)

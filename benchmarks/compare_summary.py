@@ -18,15 +18,10 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def _algorithm_bytes(impl: str, params: int, root_params: int, block_params: int, world: int) -> Optional[int]:
-    """Bytes each rank sends per step by the algorithm of FSDP2 or DDP, ring-equivalent: an
-    all-gather or reduce-scatter of S bytes sends S(N-1)/N, an all-reduce twice that.
-
-    FSDP2 gathers each block in forward and again in backward and the root (embeddings,
-    final norm, tied head) once, as it keeps the root gathered from forward into backward,
-    then reduce-scatters every gradient once; tuned, it keeps the last block gathered too.
-    DDP all-reduces every gradient. ShardedModule records what it sends, so it needs no
-    formula; DeepSpeed's traffic depends on its persistence threshold and is not counted.
-    """
+    """Bytes each rank sends per step by FSDP2's or DDP's algorithm, ring-equivalent (an
+    all-gather or reduce-scatter of S bytes sends S(N-1)/N, an all-reduce twice that): FSDP2
+    gathers each block twice and the root once (tuned: the last block once too), then
+    reduce-scatters every gradient; DDP all-reduces every gradient. None for the others."""
     share = (world - 1) / world
     if impl in (peers.DDP, peers.DDP_TUNED):
         return int(2 * params * 4 * share)
@@ -91,8 +86,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
 
 
 def compiled_over_eager(runs: list[dict]) -> dict[str, dict[str, list[float]]]:
-    """link -> compiled row -> per round, its median step time ÷ its eager twin's in the same
-    round (paired: load on the host that varies between rounds cancels)."""
+    """link -> compiled row -> per round, its median step ÷ its eager twin's in the same round."""
     per_round = {(run["link"], run["round"], run["impl"]): median(slower_rank(r["step_s"] for r in run["ranks"]))
                  for run in runs}
     ratios: dict[str, dict[str, list[float]]] = {}

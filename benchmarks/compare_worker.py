@@ -1,10 +1,7 @@
 """The program each launch of compare.py runs (`compare.py --worker IMPL`): one implementation
-trains the benchmark model for the warm-up and timed steps, then rank 0 writes every rank's
-step times, phases, losses, memory and, for ShardedModule, its records of the collectives.
-
-overlap and the torch.distributed parts are imported where they are used: the driver, which
-only launches runs and summarises them, does without them (and without the start-up time and
-memory they cost).
+trains the model, then rank 0 writes every rank's step times, phases, losses, memory and, for
+ShardedModule, its records of the collectives. overlap and torch.distributed are imported where
+used: the driver does without them.
 """
 from __future__ import annotations
 
@@ -54,8 +51,7 @@ def _overlap_trace(model) -> dict[str, list]:
 
 
 def _build_model(args: argparse.Namespace, config: "GPTConfig") -> torch.nn.Module:
-    """The benchmark model: the GPT, or (`--model mlp`) many narrow layers where compiling
-    helps on CPU (narrow_mlp.py)."""
+    """The GPT, or (`--model mlp`) narrow_mlp.NarrowMLP."""
     if args.model == "mlp":
         from narrow_mlp import NarrowMLP
 

@@ -1,24 +1,16 @@
-"""What compressed collectives cost in accuracy: `overlap train` once per compression mode.
-
-Each mode runs the main job at its defaults (byte-level GPT, 4 layers, d=128, 2 gloo ranks,
-AdamW, seed 0, 300 steps) one after the other, and the run's printed losses and the overlap
-report's bytes are read back: the train and validation loss at every evaluation, the final
-ones, and the bytes each rank sent per step, compressed and before compression. The target
-is a final validation loss within 1% (int8) and 2% (int8-int4) of the uncompressed run's.
+"""What compressed collectives cost in accuracy: `overlap train` at its defaults once per
+compression mode, its losses and the report's bytes per step read back (docs/compression.md).
 
     python benchmarks/compression_accuracy.py
 """
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import sys
 from typing import Optional, Sequence
 
-from common import RunRecord, markdown_table, run_with_deadline, write_json
+from common import RunRecord, arg_parser, markdown_table, run_with_deadline, write_json
 
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("none", "int8", "int8-int4")
 EVAL = re.compile(r"step (\d+): train loss ([0-9.]+), val loss ([0-9.]+)")
 FINAL = re.compile(r"final step \d+: loss ([0-9.]+) .*val loss ([0-9.]+)")
@@ -26,11 +18,9 @@ MOVED = re.compile(r"moved ([0-9.]+) MB/step(?: \(([0-9.]+) MB before compressio
 
 
 def run_mode(mode: str, steps: Optional[int], timeout_s: float) -> dict:
-    """One `overlap train --compress MODE` run, its output read back."""
     shorter = [] if steps is None else ["--steps", str(steps), "--eval-every", str(max(1, min(50, steps)))]
     command = [sys.executable, "-m", "overlap", "train", "--compress", mode, *shorter]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    output = run_with_deadline(command, timeout_s, env=env)
+    output = run_with_deadline(command, timeout_s, env={"OMP_NUM_THREADS": "1"})
     evals = [dict(step=int(s), train_loss=float(t), val_loss=float(v)) for s, t, v in EVAL.findall(output)]
     final, moved = FINAL.search(output), MOVED.search(output)
     if final is None or moved is None or not evals:
@@ -42,7 +32,7 @@ def run_mode(mode: str, steps: Optional[int], timeout_s: float) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--out", default="bench_out/compression_accuracy.json")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's 300)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")

@@ -1,18 +1,9 @@
-"""An asynchronous checkpoint save of an offload="disk" model: its masters and moments written
-from the state file (streamed) against staged in host memory first (as every other tier's
-state is), alternated round by round in one process.
+"""`async_save` under offload="disk": its masters and moments streamed from the state file against
+staged in host memory first (as every other tier's), alternated round by round in one process
+(docs/offload_disk.md): the seconds it blocked, until complete, of the steps taken meanwhile,
+and the peak of anonymous resident memory above its level before the save.
 
     python benchmarks/disk_async_save.py --model-params 200M --rounds 4 --out docs/results/disk_async_save.json
-
-One gloo rank trains a GPT of about `--model-params` parameters (built on the meta device,
-bf16 gathers, overlap.optim.AdamW) for a step, then per round: `async_save`, `--steps`
-training steps while its files are written, `wait()`. "staged" is the same save with no key
-streamed (`overlap.checkpoint.streamed_keys` made to return none), so DCP's writer gets a
-host copy of every value. Per round and mode: the seconds `async_save` blocked, the seconds
-until the save was complete, the seconds of each step taken during it, and the peak of the
-process's anonymous resident memory (RssAnon: the staged copies are anonymous memory, while
-the pages a streamed save reads are the state file's page cache, RssFile, which the kernel
-may drop) above its level before the save, sampled every 10 ms.
 """
 from __future__ import annotations
 

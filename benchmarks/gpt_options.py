@@ -1,5 +1,4 @@
-"""The benchmark GPT as the scripts take it: its size on the command line, the small model of
-smoke runs, and the synthetic batches every implementation trains on."""
+"""The benchmark GPT as the scripts take it: options, the smoke runs' model, synthetic batches."""
 from __future__ import annotations
 
 import argparse
@@ -10,17 +9,14 @@ import torch
 if TYPE_CHECKING:
     from overlap.models import GPTConfig
 
-# GPTConfig's fields the options set.
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")
-# The benchmark model: GPTConfig's defaults (23.2M parameters, tied head); written out so that
-# a driver need not import overlap.
+# GPTConfig's defaults (23.2M parameters), written out so that a driver need not import overlap.
 BENCHMARK_MODEL = dict(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, block_size=128)
 # A smoke run's model: seconds a step.
 SMALL_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
 
 
 def add_model_options(parser: argparse.ArgumentParser, defaults: dict[str, int]) -> None:
-    """--n-layer, --n-embd, --n-head, --vocab-size and --block-size, with `defaults`."""
     for field in MODEL_FIELDS:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=defaults[field])
 
@@ -32,8 +28,7 @@ def model_config(args: argparse.Namespace) -> "GPTConfig":
 
 
 def token_batch(args: argparse.Namespace, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`args.batch` sequences of random tokens, inputs and targets, from `args.seed`: different
-    per rank and step, the same for every implementation."""
+    """`args.batch` random sequences (inputs, targets) per rank and step, the same for every implementation."""
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
     tokens = torch.randint(args.vocab_size, (args.batch, args.block_size + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]

@@ -1,28 +1,15 @@
 #!/usr/bin/env bash
-# The check to run first on a machine with a GPU (written for one H200 with torch, triton and
-# cupy-cuda13x, perhaps nvcc, no internet), within 8 minutes (one 10-minute call with time
-# to spare): each step has a cap, the caps add up to the budget, and the plan is printed first. It prints PASS, FAIL or SKIP per check, with
-# its figures and, for a SKIP, why. Newest code first:
-#   install         the package, without compiling anything, so that every later step can
-#                   import it whatever the extension's build does
-#   extension       overlap._C with its CUDA kernels where nvcc is found (sm_80, sm_90, PTX);
-#                   without nvcc the ext backend's CUDA half is a SKIP
-#   quant_kernels   tests/test_quant_kernels.py's CUDA cases: every backend against the torch
-#                   reference
-#   offload ... overhead
-#                   benchmarks/gpu_checks.py, one process per step (CHECKS below names each
-#                   step's checks; that file's docstring says what each one checks)
-#   sanitized       two parity steps under TORCH_CUDA_SANITIZER=1 (cross-stream use without an
-#                   event, memory freed while a stream reads it)
-#   kernel_tests    tests/test_kernels.py's CUDA cases
-#   kernel_memcheck, kernel_racecheck
-#                   compute-sanitizer's memcheck and racecheck over the extension's and CuPy's cases
-#   kernel_bandwidth benchmarks/kernel_bandwidth.py on CUDA: each backend's GB/s next to a copy
-#
-# One GPU is one rank: NCCL's collectives are then local copies. What this cannot show
-# (it needs N > 1 ranks): transfers between GPUs and their overlap with compute, the link
-# model the planner fits, gradients summed across ranks, the check that ranks run the same
-# units, and races between ranks.
+# The check to run first on a machine with a GPU (one H200 with torch, triton and cupy, perhaps
+# nvcc, no internet), within 8 minutes: each step has a cap, the caps add up to the budget, and
+# the plan is printed first. It prints PASS, FAIL or SKIP per check, with its figures or why:
+#   install          the package without compiling, so that later steps import it whatever happens
+#   extension        overlap._C with its CUDA kernels where nvcc is found
+#   quant_kernels, kernel_tests   the CUDA cases of tests/test_quant_kernels.py, tests/test_kernels.py
+#   offload ... overhead          benchmarks/gpu_checks.py, one process per step (CHECKS below)
+#   kernel_memcheck, kernel_racecheck   compute-sanitizer over the extension's and CuPy's cases
+#   kernel_bandwidth benchmarks/kernel_bandwidth.py on CUDA
+# One GPU is one rank: what needs more (transfers between GPUs, the planner's link fit,
+# gradients summed across ranks, races between ranks) is not checked.
 #
 # Run from the repository root:
 #   bash benchmarks/gpu_check.sh              on a GPU machine; without a GPU, every step SKIPs
@@ -42,16 +29,11 @@ mkdir -p "$OUT_DIR"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 start_s=$SECONDS
 
-# The steps in the order they run, and each one's cap in seconds; the caps add up to at most
-# BUDGET_S, so the script ends within it even when every step runs to its cap.
-# [Note: the caps]
-# The Triton kernels compile once per dtype and specialisation (100+ compiles cold): the
-# quant_kernels step compiles them into TRITON_CACHE_DIR, under bench_out/ (kept on the
-# machine between calls), so that kernel_tests and a rerun find them compiled; its cap is the
-# largest of the test steps for that reason. The extension's cap assumes ninja (the machine
-# step says whether it is there): without it the 8 .cpp and 1 .cu files build one at a time,
-# and the step may stop at its cap, a FAIL that names it, while every later step still runs
-# on the torch, Triton and CuPy backends.
+# The steps in order and each one's cap in seconds, adding up to at most BUDGET_S.
+# [Note: the caps] quant_kernels compiles the Triton kernels (100+ compiles cold) into
+# TRITON_CACHE_DIR, kept between calls, so its cap is the largest of the test steps. The
+# extension's cap assumes ninja; without it the build may stop at its cap (a FAIL), and every
+# later step still runs on the torch, Triton and CuPy backends.
 BUDGET_S=480
 STEPS=(machine install extension quant_kernels offload compressed report_timing sync_free two_level slow_link parity
        sanitized large_index overhead kernel_tests kernel_memcheck kernel_racecheck kernel_bandwidth)
@@ -83,14 +65,12 @@ status=0
 declare -A COUNT=([PASS]=0 [FAIL]=0 [SKIP]=0)
 step() { echo; echo "=== $1 (cap $((CAP[$1] * SCALE)) s; at $((SECONDS - start_s)) s)"; }
 verdict() { echo "$1 $2: $3"; COUNT[$1]=$((COUNT[$1] + 1)); [ "$1" = FAIL ] && status=1; return 0; }
-# The seconds step $1 may run: its cap, or what is left of the budget if less (0 when spent);
-# both times SCALE.
+# The seconds step $1 may run: its cap or what is left of the budget, times SCALE.
 limit() {
     local cap=$((CAP[$1] * SCALE)) left=$((BUDGET_S * SCALE - (SECONDS - start_s)))
     echo $(( left < cap ? (left > 0 ? left : 0) : cap ))
 }
-# Run "$@" under step $1's limit, output to the terminal and $OUT_DIR/$1.log; returns its
-# status (124 when the limit stopped it).
+# Run "$@" under step $1's limit, teed to $OUT_DIR/$1.log; its status (124: stopped at the limit).
 capped() {
     local name=$1; shift
     local seconds; seconds=$(limit "$name")
@@ -150,8 +130,7 @@ for name in ("triton", "cupy-cuda13x", "cupy-cuda12x", "pytest", "setuptools"):
     except importlib.metadata.PackageNotFoundError:
         versions[name] = None
     print(name, versions[name] or "not installed")
-# cupy-cuda13x needs a driver of the CUDA 13 series (580 or later); on an older driver CuPy
-# does not load and the CuPy backend drops out of every CUDA case (cupy-cuda12x serves there).
+# cupy-cuda13x needs driver 580 or later; otherwise the CuPy backend drops out (cupy-cuda12x serves).
 if versions["cupy-cuda13x"] and driver and int(driver.split(".")[0]) < 580:
     print(f"cupy: cupy-cuda13x needs driver >= 580, this one is {driver}: the CuPy backend is unavailable; "
           "install cupy-cuda12x for it to be checked")
@@ -171,9 +150,8 @@ step install
 if [ "$mode" != gpu ]; then
     verdict SKIP install "no CUDA device, or a rehearsal: the install in place is kept"
 else
-    # CXX names no compiler, so setup.py installs the package without the extension (with a
-    # warning) in seconds; the extension step builds it. --no-deps: the machine's torch is
-    # used as it is, nothing is fetched.
+    # CXX names no compiler: setup.py installs without the extension in seconds; --no-deps: the
+    # machine's torch as it is.
     CXX=overlap-no-compiler capped install "$PY" -m pip install --no-build-isolation --no-deps -e .
     rc=$?
     if [ "$rc" = 0 ] && "$PY" -c "import overlap, overlap.kernels"; then

@@ -1,10 +1,6 @@
-"""What every check of gpu_checks.py stands on: the verdicts, a process group of one rank,
-deterministic kernels, and the few helpers for devices, dtypes and timed steps.
-
-Step times come from CUDA events read once after the timed steps, never from a sync per step:
-a loop that syncs every step lets the host never run ahead, which hides any sync the code
-under test makes itself.
-"""
+"""What the checks of gpu_checks.py stand on: verdicts, a process group of one rank,
+deterministic kernels, devices, dtypes and timed steps (by CUDA events read once after the
+timed steps: a sync per step would hide any sync the code under test makes)."""
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +23,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Checks:
-    """Collects the verdicts; `failed` says whether any check failed."""
-
     def __init__(self) -> None:
         self.failed = False
 
@@ -40,14 +34,12 @@ class Checks:
         self.report("PASS" if ok else "FAIL", name, detail)
 
     def error(self, name: str, exc: BaseException) -> None:
-        """A check that raised is a failed check."""
         self.report("FAIL", name, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
 
 
 @contextlib.contextmanager
 def one_rank_group(backend: Optional[str]) -> Iterator[None]:
-    """A process group of this process alone, as torchrun would set it up; `backend=None` is
-    `init_process_group()` with no backend named."""
+    """A process group of this process alone; `backend=None`: none named."""
     os.environ.update(single_rank_env())
     kwargs = {} if backend is None else {"backend": backend}
     dist.init_process_group(timeout=PROCESS_GROUP_TIMEOUT, **kwargs)
@@ -59,8 +51,7 @@ def one_rank_group(backend: Optional[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def one_rank_on(device: torch.device) -> Iterator[None]:
-    """`one_rank_group` with the backend for `device` (nccl, or gloo for a rehearsal), the
-    device made current."""
+    """`one_rank_group` with nccl (gloo in a rehearsal), the device made current."""
     with one_rank_group("nccl" if device.type == "cuda" else "gloo"):
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -69,10 +60,9 @@ def one_rank_on(device: torch.device) -> Iterator[None]:
 
 @contextlib.contextmanager
 def deterministic() -> Iterator[None]:
-    """Kernels that give the same bits on every run (SDPA's backward, cuBLAS's split-K
-    reductions otherwise may not), so that "plain == injected" tests the streams, not the
-    kernels. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when its handle is made: `main` sets it
-    before any CUDA work. warn_only: an op with no deterministic kernel warns, naming itself."""
+    """Kernels that give the same bits on every run, so that "plain == injected" tests the
+    streams, not the kernels (`main` sets CUBLAS_WORKSPACE_CONFIG before cuBLAS's handle is
+    made). warn_only: an op with no deterministic kernel warns, naming itself."""
     saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
@@ -90,6 +80,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def all_finite(values: Sequence[float]) -> bool:
     return all(math.isfinite(v) for v in values)
 
@@ -102,7 +97,6 @@ def bf16() -> "MixedPrecision":
 
 def lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor],
             context: Callable[[], Any]) -> Callable[[int], torch.Tensor]:
-    """One training step of a language model on batch `i` of `data` (inputs are the targets)."""
 
     def step(i: int) -> torch.Tensor:
         with context():
@@ -117,10 +111,8 @@ def lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list
 
 def timed_steps(step: Callable[[int], torch.Tensor], device: torch.device, warmup: int, steps: int,
                 at_window: Optional[Callable[[], None]] = None) -> tuple[list[float], list[float]]:
-    """Run `step(i)` `warmup` times, call `at_window()`, then `steps` more times; the seconds
-    of each of the last `steps`, and every step's returned (detached) loss. On CUDA each
-    step's end is an event on the compute stream and nothing waits until the last one (see
-    the module's note); each loss is read after the window."""
+    """`warmup` steps, `at_window()`, `steps` timed steps; their seconds (CUDA events, read
+    after the last one) and every step's loss."""
     losses = [step(i) for i in range(warmup)]
     if at_window is not None:
         at_window()
@@ -142,9 +134,8 @@ def timed_steps(step: Callable[[int], torch.Tensor], device: torch.device, warmu
 
 
 def collectives_issued_alone() -> contextlib.AbstractContextManager[None]:
-    """ShardedModules built inside run their gathers and reductions as collectives (on their
-    streams, into buffers they free) at world size 1 too, as with more ranks, for the checks
-    to delay, time and poison; by default one rank copies in place or gathers nothing."""
+    """ShardedModules built inside issue their collectives at world size 1 as with more ranks
+    (by default one rank copies in place), for the checks to delay, time and poison."""
     from overlap.runtime.collectives import Collectives
 
     return patched((Collectives, "local_when_alone", False))

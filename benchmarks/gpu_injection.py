@@ -1,6 +1,7 @@
 """Delays, counts and poison injected into the collectives ShardedModule and FSDP2 issue on one
-device: what makes a missing wait between streams, or a buffer freed while a stream still
-reads it, show as a different or non-finite result."""
+device: a missing wait between streams, or a buffer freed while a stream still reads it, then
+shows as a different or non-finite result.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,7 @@ SLEEP_CYCLES = 1_000_000
 
 
 def _collective_functions() -> list[tuple[Any, str, str]]:
-    """(owner, attribute, kind) of every function through which ShardedModule and FSDP2 issue
-    a collective, looked up on its owner at each call."""
+    """(owner, attribute, kind) of every function through which ShardedModule and FSDP2 issue a collective."""
     from overlap.runtime import collectives
     from overlap.runtime.collectives import Collectives
 
@@ -35,22 +35,16 @@ def _collective_functions() -> list[tuple[Any, str, str]]:
 
 
 class Injection:
-    """While `active()`: every collective ShardedModule or FSDP2 issues is counted by kind with
-    its largest buffer's bytes; on CUDA `cycles(kind, nbytes)` of `torch.cuda._sleep` run on
-    the current stream (the collective's own side stream) before it, and with `after` once
-    more after it (delaying the completion work queued behind it); with `poison` every freed
-    gathered buffer is NaN-filled before its storage goes back to the allocator. A consumer
-    that does not wait for a collective, or a buffer freed while a stream still reads it,
-    then shows as a different or non-finite result."""
+    """While `active()`: every collective is counted by kind with its largest buffer's bytes; on
+    CUDA `cycles(kind, nbytes)` of `torch.cuda._sleep` run on its stream before it (and with
+    `after`, after it); with `poison` every freed gathered buffer is NaN-filled first."""
 
     def __init__(self, cycles: Optional[Callable[[str, int], int]] = None, after: bool = False,
                  poison: bool = False, all_reduce: bool = False) -> None:
         self.cycles = cycles
         self.after = after
         self.poison = poison
-        # `dist.all_reduce` too: hybrid sharding's all-reduce across replicas, on a stream of
-        # its own (the step's norm and flags all-reduces are counted too, and delayed where
-        # their tensors are on the GPU).
+        # `dist.all_reduce` too (hybrid's across replicas; the step's norm and flags ones as well).
         self.all_reduce = all_reduce
         self.calls: Counter = Counter()
         self.nbytes: Counter = Counter()
@@ -86,9 +80,7 @@ class Injection:
         return run
 
     def _delayed_copies(self, on: Callable) -> Callable:
-        """`HostTier.on`, with the injected delay queued first on the copy's stream (the
-        download stream of reduced gradients, the all-gather stream of uploads): a copy whose
-        consumer does not wait for its event then reads or frees too early."""
+        """`HostTier.on` with the delay queued first on the copy's stream (downloads, uploads)."""
         def delayed(tier: Any, stream: Optional[torch.cuda.Stream]) -> Any:
             context = on(tier, stream)
             if stream is None or self.cycles is None:
@@ -126,7 +118,6 @@ class Injection:
 
 
 def race_injection(rehearse: bool) -> Injection:
-    """Delays before and after every collective, all-reduces included, and before every
-    offload copy on its stream (none on CPU), and poisoned frees."""
+    """Delays around every collective and before every offload copy (none on CPU), poisoned frees."""
     return Injection(cycles=None if rehearse else (lambda kind, nbytes: SLEEP_CYCLES), after=True, poison=True,
                      all_reduce=True)

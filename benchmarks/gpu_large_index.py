@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_harness import Checks, device_for, synchronize
+from gpu_harness import Checks, device_for, empty_cache, synchronize
 
 
 def check_large_index(checks: Checks, rehearse: bool) -> None:
@@ -58,7 +58,6 @@ def check_large_index(checks: Checks, rehearse: bool) -> None:
                                f"{sum(t.numel() for t in got):,} output elements {'equal' if same else 'DIFFER'} "
                                "to torch's")
                 del expected, got
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                empty_cache(device)
             except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
                 checks.report("FAIL", f"large_index[{name}.{label}]", f"{type(exc).__name__}: {exc}")

@@ -1,6 +1,6 @@
-"""offload="cpu" and offload="disk" on one device: parity against offload="none" under injected
-races, the host<->device copies' bandwidth against a plain pinned copy, their overlap with
-compute, and the disk tier's 16-bit shard refresh."""
+"""offload="cpu" and "disk" on one device: parity against offload="none" under injected races,
+the host<->device copies' bandwidth and overlap with compute, the disk tier's 16-bit refresh.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -13,22 +13,16 @@ from gpu_harness import Checks, all_finite, bf16, collectives_issued_alone, devi
 from gpu_injection import race_injection
 from gpu_training import parity_steps, small_gpt, token_batches
 
-# Bytes each copy of the bandwidth and overlap checks moves: 256 MiB, long enough (several ms
-# on PCIe) that a launch's few µs do not count.
-OFFLOAD_COPY_NUMEL = 64 * 2**20
-# offload="cpu" against "none": losses and parameters within this relative tolerance.
-OFFLOAD_RTOL = 1e-3
-# The offload copies must reach this share of a plain pinned copy's bandwidth, and hide this
-# share of their time under compute when they run beside it.
+OFFLOAD_COPY_NUMEL = 64 * 2**20          # 256 MiB a copy: several ms, launches do not count
+OFFLOAD_RTOL = 1e-3                      # "cpu" against "none": losses and parameters
+# Shares of a plain pinned copy's bandwidth to reach, and of the copy to hide under compute.
 OFFLOAD_BANDWIDTH_SHARE, OFFLOAD_HIDDEN_SHARE = 0.8, 0.5
 
 
 def _runs_against_none(device: torch.device, offload: str, wrap: dict, optimizer_class: type) -> dict:
-    """`parity_steps` steps of a GPT with offload "none" and `offload`, collectives issued as with
-    more ranks and `offload` under the race injection (delays on the collectives' streams and
-    before each upload and download on its stream); losses, states, where parameters and
-    gradients lived (device, pinned, dtype, grad device, grad dtype) and, for "disk", where the
-    gathered 16-bit shards lived ("disk": a state file in a fresh temporary directory)."""
+    """A GPT with offload "none" and with `offload` under the race injection: losses, states,
+    where parameters and gradients lived (device, pinned, dtype, grad device, grad dtype) and,
+    for "disk", the gathered 16-bit shards."""
     from overlap import ShardedModule
 
     out = {}
@@ -65,8 +59,7 @@ def _offload_parity(checks: Checks, device: torch.device) -> None:
         ref, got = runs["none"], runs["cpu"]
         identical = ref["losses"] == got["losses"] and all(torch.equal(got["state"][k], v)
                                                             for k, v in ref["state"].items())
-        # On CUDA "none" steps AdamW on the device and "cpu" on the host: the same arithmetic in
-        # another order (fused kernels, another sqrt), so close as the disk check's, not equal.
+        # "none" steps AdamW on the device, "cpu" on the host: another order, so close, not equal.
         close = all(math.isclose(a, b, rel_tol=OFFLOAD_RTOL) for a, b in zip(ref["losses"], got["losses"]))
         states = all(torch.allclose(got["state"][k].float(), v.float(), rtol=OFFLOAD_RTOL, atol=1e-5)
                      for k, v in ref["state"].items())
@@ -81,8 +74,7 @@ def _offload_parity(checks: Checks, device: torch.device) -> None:
 
 
 def _elapsed_ms(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
-    """The fastest of `repeats` runs of `run`, timed by events on the compute stream (`run`
-    makes the compute stream wait for whatever it queued elsewhere)."""
+    """The fastest of `repeats` runs of `run`, by events on the compute stream."""
     best = math.inf
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -95,8 +87,6 @@ def _elapsed_ms(run: Callable[[], None], device: torch.device, repeats: int = 3)
 
 
 def _offload_copies(checks: Checks, device: torch.device) -> None:
-    """The offload copies' bandwidth against a plain pinned copy, and how much of them runs
-    hidden under compute on the compute stream."""
     from overlap.kernels.backends import get_backend
     from overlap.runtime.host_tier import HostTier
     from overlap.runtime.pending import COMPLETED
@@ -143,8 +133,7 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
 
     compute_ms = _elapsed_ms(matmuls, device)
     for name, copy_ms in (("h2d", ours_h2d), ("d2h", ours_d2h)):
-        # The copy is queued first (its stream waits only for what the compute stream queued
-        # before it), the matmuls after it on the compute stream; the end waits for both.
+        # The copy is queued first, the matmuls after it; the end waits for both.
         def both() -> None:
             if name == "h2d":
                 place.gather_source(master, torch.float32, encoded=False, local=False)
@@ -164,10 +153,7 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
                        f"{100 * hidden:.0f}% of the copy hidden (pass at >= {100 * OFFLOAD_HIDDEN_SHARE:.0f}%)")
 
 
-# ---- offload="disk": parity, the 16-bit shard's refresh -------------------------------------------
-
-# The refresh must reach this share of a plain pinned copy's bandwidth over the same bytes: it
-# is one copy per bucket, each a few MB, so launches cost a little more than in one big copy.
+# The refresh's share of a plain pinned copy's bandwidth (one copy per bucket: more launches).
 DISK_REFRESH_SHARE = 0.7
 
 
@@ -180,8 +166,6 @@ def _disk_parity(checks: Checks, device: torch.device) -> None:
         checks.error("offload[disk_parity_bf16]", exc)
         return
     ref, got = runs["none"], runs["disk"]
-    # The disk tier steps the masters with the CPU kernel, "none" on the device: the same
-    # arithmetic, not the same order of operations, so close rather than identical.
     identical = ref["losses"] == got["losses"]
     close = all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(ref["losses"], got["losses"]))
     masters = all(torch.allclose(got["state"][k].float(), v.float(), rtol=1e-3, atol=1e-5)
@@ -198,8 +182,7 @@ def _disk_parity(checks: Checks, device: torch.device) -> None:
 
 
 def _disk_refresh(checks: Checks, device: torch.device) -> None:
-    """The bandwidth of the 16-bit shard's refresh (host -> device, one copy per bucket, as a
-    step queues it) against one plain pinned copy of the same bytes."""
+    """The 16-bit shard's refresh (one copy per bucket) against one plain pinned copy."""
     from overlap import ShardedModule
     from overlap.optim.paged import paged_of
 

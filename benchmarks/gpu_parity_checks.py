@@ -1,7 +1,8 @@
 """Parity checks on one device: ShardedModule trained plainly and with races injected on its
-streams gives the same bits, stays finite and equals the unsharded model: the parity
-configurations, compressed collectives, hybrid and hpZ over a second group of one rank, under
-torch's CUDA sanitizer; and where `init_process_group`'s forms put the shards."""
+streams gives the same bits, stays finite and equals the unsharded model (the parity
+configurations, compressed collectives, hybrid and hpZ, under torch's CUDA sanitizer); and
+where `init_process_group`'s forms put the shards.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,7 @@ from gpu_training import (finite_run, identical_runs, parity_configs, small_gpt,
                           worst_parameter)
 
 
-# Losses of compressed training against uncompressed, per step: the CPU suite measures within
-# 0.55% (tests/test_compression.py); this checks the GPU path, not the codec's accuracy.
+# Compressed losses against uncompressed (the CPU suite measures 0.55%: this checks the GPU path).
 COMPRESSED_LOSS_RTOL = 0.02
 
 
@@ -92,13 +92,9 @@ def check_compressed(checks: Checks, rehearse: bool) -> None:
 
 @contextlib.contextmanager
 def second_level_of_one(kind: str, device: torch.device) -> Iterator[None]:
-    """ShardedModules built inside shard over every rank with a second group of this one rank:
-    hybrid sharding's replicate group (`kind="hybrid"`: each reduced gradient shard is
-    all-reduced across the replicas on a stream of its own, chained behind its reduce-scatter)
-    or hpZ's node group (`kind="hpz"`: forward keeps a node copy, backward re-gathers from it
-    over the node). With one rank `resolve_sharding` builds neither (nothing to replicate, the
-    node is every rank); with collectives issued as if not alone, the group of one runs their
-    streams, events and buffers as several nodes would."""
+    """ShardedModules built inside get a second group of this one rank: hybrid's replicate group
+    or hpZ's node group, which `resolve_sharding` builds for no single rank; with collectives
+    issued as if not alone, it runs their streams, events and buffers as several nodes would."""
     from overlap.control import startup
     from overlap.runtime.mesh import ShardingGroups, connect
 
@@ -117,16 +113,13 @@ def second_level_of_one(kind: str, device: torch.device) -> Iterator[None]:
 
 
 def _second_level_parity(checks: Checks, rehearse: bool, kind: str) -> None:
-    """Parity of a GPT sharded as `kind` over one rank and a group of one (see
-    `second_level_of_one`), trained plainly and under the race injection (delays on every
-    collective's stream, the all-reduce's included; poisoned frees): bit-identical, finite,
-    equal to the unsharded model, and the second level's collectives issued every step."""
+    """A GPT sharded as `kind` (`second_level_of_one`) plainly and under the race injection:
+    bit-identical, finite, equal to the unsharded model, the second level issued every step."""
     from overlap.runtime.node_copy import NodeCopy
 
     device = device_for(rehearse)
     config = parity_configs()["gpt_fp32_depth2"]
-    # What only the second level issues: the all-reduce across replicas, or backward's
-    # gathers from the node copy (in place of gathers over every rank), counted here.
+    # Backward's gathers from the node copy, counted (hpZ's second level).
     from_copies = Counter()
     gather = NodeCopy.gather
 
@@ -176,10 +169,8 @@ SANITIZED_STEPS = 2
 
 
 def check_sanitized(checks: Checks, rehearse: bool) -> None:
-    """Two steps of one parity configuration, plain and injected, with TORCH_CUDA_SANITIZER=1
-    set before torch was imported (gpu_check.sh does): torch's sanitizer raises on a kernel that
-    uses a tensor another stream writes without an event between them, or memory freed while a
-    stream still reads it: the direct test of "buffers held until the consumer waited"."""
+    """Two parity steps, plain and injected, under TORCH_CUDA_SANITIZER=1 (set by gpu_check.sh):
+    it raises on cross-stream use without an event, or memory freed while a stream reads it."""
     from torch.cuda._sanitizer import cuda_sanitizer
 
     device = device_for(rehearse)

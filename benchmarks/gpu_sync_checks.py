@@ -1,9 +1,8 @@
 """Host waits and the step record's clock: steady-state steps make no call that syncs the host
-with the device (those the runtime makes on purpose counted), and the record's time of the
-collectives in flight agrees with what CUPTI saw on the side streams.
-
-`count_sync_calls` also serves tests/test_host_syncs.py, which counts on CPU the calls of
-overlap's steady-state step that would block the host on CUDA."""
+with the device (the runtime's deliberate waits counted), and the record's time of the
+collectives in flight agrees with CUPTI's. `count_sync_calls` also serves
+tests/test_host_syncs.py.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +24,7 @@ from gpu_training import flush_record, small_gpt, token_batches
 SYNC_WARMUP, SYNC_STEPS = 3, 3
 # The checks' own frames, passed over when naming where a sync was made.
 CHECKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
-# (owner, method): each blocks the host until the device catches up when its tensor or
-# event is on the device.
+# Each blocks the host until the device catches up when its tensor or event is on the device.
 SYNC_CALLS: list[tuple[Any, str]] = [
     (torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "to"),
     (torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "elapsed_time"),
@@ -36,8 +34,7 @@ Where = Callable[[str, tuple, dict, FrameType], Optional[str]]
 
 
 def _where(exc: BaseException) -> str:
-    """Where a flagged sync was made: the innermost frame in this repository's library code
-    (runtime, kernels, model) and the innermost frame of all."""
+    """Where a flagged sync was made: the innermost frame in this repository's code, and of all."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return "no traceback"
@@ -53,8 +50,8 @@ def _where(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def counted_calls(targets: Sequence[tuple[Any, str, str]], where: Where) -> Iterator[Counter]:
-    """Count the calls of each (owner, method, label) of `targets` inside the block, under what
-    `where(label, args, kwargs, caller's frame)` names them (None: not counted)."""
+    """Count the calls of each (owner, method, label) of `targets` inside the block, by
+    `where(label, args, kwargs, caller's frame)` (None: not counted)."""
     seen: Counter = Counter()
 
     def counting(label: str, fn: Callable) -> Callable:
@@ -70,11 +67,9 @@ def counted_calls(targets: Sequence[tuple[Any, str, str]], where: Where) -> Iter
 
 
 def count_sync_calls() -> contextlib.AbstractContextManager[Counter]:
-    """Count, by "owner.method in file:function" (the caller in overlap), the calls of
-    SYNC_CALLS (`Tensor.to` only with a device: a copy between host and device) that overlap's
-    own code makes inside the block. On CPU the same Python runs, so the counts say which of
-    those calls the steady-state step makes; whether each would synchronise depends on its
-    tensor being on the device, which a CPU run cannot show."""
+    """Count, by "owner.method in file:function", the calls of SYNC_CALLS (`Tensor.to` only with a
+    device) that overlap's own code makes inside the block (on CPU too: whether each would
+    synchronise depends on its tensor being on the device)."""
     import overlap
     import overlap.kernels
 
@@ -91,8 +86,7 @@ def count_sync_calls() -> contextlib.AbstractContextManager[Counter]:
 
 
 def counted_host_waits() -> contextlib.AbstractContextManager[Counter]:
-    """Count, by caller, the host waits `set_sync_debug_mode` does not flag: an event's or a
-    stream's `synchronize()`, `torch.cuda.synchronize()` and the runtime's polling waits."""
+    """Count, by caller, the host waits `set_sync_debug_mode` does not flag."""
     from overlap.runtime import step_counter, timing
 
     def at_caller(label: str, args: tuple, kwargs: dict, caller: FrameType) -> str:
@@ -100,8 +94,7 @@ def counted_host_waits() -> contextlib.AbstractContextManager[Counter]:
         path = os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)
         return f"{label} at {path}:{caller.f_lineno}"
 
-    # `polling` makes the host wait for a CUDA event by querying it: the step record's read
-    # of a step not yet complete (overlap/runtime/timing.py).
+    # `polling`: the step record's wait for a step not yet complete (overlap/runtime/timing.py).
     return counted_calls([(torch.cuda.Event, "synchronize", "Event.synchronize"),
                           (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
                           (torch.cuda, "synchronize", "torch.cuda.synchronize"),
@@ -110,7 +103,7 @@ def counted_host_waits() -> contextlib.AbstractContextManager[Counter]:
 
 @contextlib.contextmanager
 def _sync_debug_mode(device: torch.device) -> Iterator[None]:
-    """Every synchronizing CUDA call raises (nothing on CPU, which has no such mode)."""
+    """Every synchronizing CUDA call raises (nothing on CPU)."""
     if device.type != "cuda":
         yield
         return
@@ -122,9 +115,8 @@ def _sync_debug_mode(device: torch.device) -> Iterator[None]:
 
 
 def check_sync_free(checks: Checks, rehearse: bool) -> None:
-    """Steady-state training steps (inputs already on the device, losses kept on it) make no
-    call that synchronizes the host with the device, except the waits the runtime makes on
-    purpose, which are counted and printed."""
+    """Steady-state steps make no call that synchronizes the host with the device, but the
+    runtime's deliberate waits, counted and printed."""
     from overlap import ShardedModule
 
     device = device_for(rehearse)
@@ -133,8 +125,6 @@ def check_sync_free(checks: Checks, rehearse: bool) -> None:
             name = f"sync_free[{mode}]"
             try:
                 torch.manual_seed(0)
-                # The side streams' gathers and reductions, as with more ranks: their waits are
-                # what this counts.
                 with collectives_issued_alone():
                     model = ShardedModule(small_gpt(), prefetch_depth=1, mixed_precision=bf16(), compression=mode)
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -216,16 +206,14 @@ def check_report_timing(checks: Checks, rehearse: bool) -> None:
     busy: dict[Any, float] = {}
     for e in device_work:
         busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e["dur"]
-    # The compute stream does the most work; the collectives' work runs on every other one:
-    # the all-gather and reduce-scatter streams (casts, accumulation) and NCCL's own.
+    # The compute stream does the most work; the collectives' work runs on every other one.
     compute_stream = max(busy, key=busy.get)
     side = [(e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6) for e in device_work
             if e["args"].get("stream") != compute_stream]
     cupti_s = length(union(side))
     recorded_s = length(union(c.in_flight for c in record.collectives))
     stats = analyse_step(record)
-    # Events bracket each collective on its stream, so each adds a few µs of hand-over
-    # between streams that no kernel shows; at world size 1 NCCL's work is a local copy.
+    # Each collective's events add a few µs of hand-over between streams that no kernel shows.
     allowance = 0.25 * cupti_s + 30e-6 * len(record.collectives)
     ok = bool(side) and abs(recorded_s - cupti_s) <= allowance
     checks.verdict("report_timing", ok,

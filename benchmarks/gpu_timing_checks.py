@@ -1,6 +1,7 @@
 """Timing checks on one device: a slow link emulated by sleeps on the collectives' streams (the
 exposed share of the injected time against the overlap report's, beside FSDP2's), and the step
-time and peak memory of ShardedModule, FSDP2 and the plain model on a ~1B-parameter GPT."""
+time and peak memory of ShardedModule, FSDP2 and the plain model on a ~1B-parameter GPT.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from gpu_harness import (Checks, all_finite, bf16, collectives_issued_alone, device_for, lm_step, one_rank_on,
-                         timed_steps)
+from gpu_harness import (Checks, all_finite, bf16, collectives_issued_alone, device_for, empty_cache, lm_step,
+                         one_rank_on, timed_steps)
 from gpu_injection import Injection
 from gpu_training import flush_record
 
@@ -23,15 +24,13 @@ OVERHEAD_STEPS, OVERHEAD_WARMUP = 8, 3
 # The emulated link moves ShardedModule's bytes of a step in this share of its uninjected step.
 LINK_LOAD = 0.5
 SLOW_WARMUP, SLOW_STEPS = 4, 10
-# The report's added exposed time must match the step time's within this share of the
-# injected time (plus EXPOSED_SLACK_S): the report brackets waits with events on the compute
-# stream, so a few µs per wait of hand-over between streams show on one side only.
+# The report's added exposed time must match the step time's within this share of the injected
+# time plus EXPOSED_SLACK_S (a few µs per wait of hand-over between streams show on one side only).
 EXPOSED_TOLERANCE, EXPOSED_SLACK_S = 0.25, 0.5e-3
 
 
 def sleep_rate(device: torch.device) -> float:
-    """`torch.cuda._sleep` cycles per second, measured: it counts SM clock cycles, and the
-    clock boosts."""
+    """`torch.cuda._sleep` cycles per second, measured (it counts SM clock cycles, which boost)."""
     cycles = 20_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(cycles // 10)
@@ -54,9 +53,8 @@ def _gpt_config(rehearse: bool, large: bool) -> "GPTConfig":
 
 def _wrapped_model(kind: str, config: "GPTConfig", device: torch.device, prefetch_depth: Optional[int] = None
              ) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
-    """The GPT of `config` built in place on `device` (seconds, not a minute on the host),
-    wrapped as `kind` ("overlap", "fsdp2" or "plain"), all computing in bf16 with fp32
-    master weights; and the context each forward runs in."""
+    """The GPT of `config` built on `device`, wrapped as `kind` ("overlap", "fsdp2" or "plain"),
+    computing in bf16 with fp32 masters; and the context each forward runs in."""
     from overlap import ShardedModule
     from overlap.models import GPT, Block
 
@@ -86,7 +84,6 @@ def _emulated_run(kind: str, config, device: torch.device, injection: Injection,
             for _ in range(warmup + steps)]
 
     step = lm_step(model, optimizer, data, context)
-
     with injection.active():
         seconds, losses = timed_steps(step, device, warmup, steps, at_window=injection.reset)
     result = dict(step_s=statistics.median(seconds), finite=all_finite(losses), calls=Counter(injection.calls),
@@ -99,15 +96,13 @@ def _emulated_run(kind: str, config, device: torch.device, injection: Injection,
         result["hidden"] = sum(s.hidden_s for s in window) / max(sum(s.comm_s for s in window), 1e-12)
         result["exposed_s"] = statistics.mean(s.exposed_s for s in window)
     del model, optimizer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    empty_cache(device)
     return result
 
 
 def check_slow_link(checks: Checks, rehearse: bool) -> None:
-    """Each collective's bytes over an emulated link of one bandwidth, as a sleep on its stream
-    before it: the share of the injected time that shows in the step time, for ShardedModule
-    (against what its overlap report says was exposed) and for FSDP2 where it communicates."""
+    """Each collective's bytes over an emulated link, as a sleep before it on its stream: the share
+    of the injected time the step time shows (ShardedModule's against its report's; FSDP2's)."""
     device = device_for(rehearse)
     config = _gpt_config(rehearse, large=False)
     warmup, steps = (2, 3) if rehearse else (SLOW_WARMUP, SLOW_STEPS)
@@ -123,8 +118,7 @@ def check_slow_link(checks: Checks, rehearse: bool) -> None:
 
             runs[("overlap", "slow")] = _emulated_run("overlap", config, device, Injection(cycles), warmup, steps)
             runs[("fsdp2", "plain")] = _emulated_run("fsdp2", config, device, Injection(), warmup, steps)
-            # Recent torch gives FSDP2 a path for one rank that copies its shard in place and
-            # calls no collective: then there is nothing to delay.
+            # FSDP2 may copy its shard in place at one rank, calling no collective to delay.
             if sum(runs[("fsdp2", "plain")]["calls"].values()):
                 runs[("fsdp2", "slow")] = _emulated_run("fsdp2", config, device, Injection(cycles), warmup, steps)
     except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
@@ -191,15 +185,13 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
-
                 step = lm_step(model, optimizer, data, context)
                 seconds, losses = timed_steps(step, device, OVERHEAD_WARMUP, OVERHEAD_STEPS)
                 peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
                 results[kind] = dict(step_ms=1e3 * statistics.median(seconds), peak_gib=peak / 2**30,
                                      finite=all_finite(losses), last_loss=losses[-1])
                 del model, optimizer
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                empty_cache(device)
             except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
                 checks.report("FAIL", f"overhead[{kind}]", f"{type(exc).__name__}: {exc}")
     if len(results) < 3:

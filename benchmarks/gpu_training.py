@@ -1,5 +1,5 @@
-"""The models the checks train and the training runs they compare: ShardedModule with and
-without injected races against the unsharded model, step by step."""
+"""The models the checks train, and ShardedModule's runs with and without injected races and
+the unsharded model's, step by step."""
 from __future__ import annotations
 
 import contextlib
@@ -33,9 +33,7 @@ def _feature_net() -> torch.nn.Module:
 
 
 class OddNet(torch.nn.Module):
-    """A language model whose parameters have odd sizes (37, 29, 7 wide; 1-D pieces before
-    matrices): flat offsets and shard boundaries that fall off 16-byte alignment unless the
-    layout rounds them."""
+    """Parameters of odd sizes: offsets off 16-byte alignment unless the layout rounds them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,9 +76,8 @@ def parity_steps(device: torch.device) -> int:
 
 def train_sharded(config: dict, device: torch.device, injection: Optional[Injection],
                   steps: Optional[int] = None) -> dict:
-    """`steps` (default `parity_steps`) steps of ShardedModule under `injection`; its losses, allocated bytes after
-    each step, final state, and the collectives its step records hold (by kind, and the
-    gathers sent compressed)."""
+    """`steps` (default `parity_steps`) steps of ShardedModule under `injection`: losses,
+    allocated bytes per step, final state, and the collectives its step records hold."""
     from overlap import ShardedModule
 
     torch.manual_seed(0)
@@ -111,8 +108,7 @@ def train_sharded(config: dict, device: torch.device, injection: Optional[Inject
 def _backward_in_parts(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, parts: int,
                        no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                        ) -> torch.Tensor:
-    """Forward and backward of the batch in `parts` equal parts, each loss divided by `parts`
-    (every part but the last inside `no_sync()`); their summed loss."""
+    """Forward and backward in `parts` parts (all but the last in `no_sync()`); the summed loss."""
     total = torch.zeros((), device=idx.device)
     for k in range(parts):
         part = slice(k * idx.shape[0] // parts, (k + 1) * idx.shape[0] // parts)
@@ -124,22 +120,21 @@ def _backward_in_parts(model: torch.nn.Module, idx: torch.Tensor, targets: torch
 
 
 def _delivered_records(model) -> list:
-    """The step records `model` delivers from now on, in order (see `flush_record`)."""
+    """The step records `model` delivers from now on."""
     records: list = []
     model.scheduler.step_end_callbacks.append(lambda scheduler: records.append(scheduler.last_step))
     return records
 
 
 def flush_record(model) -> None:
-    """Deliver the last step's record: on CUDA (and in a rehearsal, see [Note: the late host
-    clock] in overlap/runtime/timing.py) each record comes when the next step closes."""
+    """Deliver the last step's record, which otherwise comes when the next step closes (see
+    [Note: the late host clock] in overlap/runtime/timing.py)."""
     model.scheduler.steps.flush(model.scheduler.order)
 
 
 def train_plain(config: dict, device: torch.device) -> dict:
-    """The unsharded model: fp32 master weights; with a 16-bit `param_dtype` each step
-    computes with a copy in that dtype and steps the master with its gradients in fp32, as
-    ShardedModule's mixed precision does."""
+    """The unsharded model with fp32 masters (a 16-bit `param_dtype` computes with a copy, as
+    ShardedModule's mixed precision does)."""
     torch.manual_seed(0)
     master = config["build"]().to(device)
     optimizer = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
@@ -163,8 +158,7 @@ def identical_runs(a: dict, b: dict) -> bool:
 
 
 def worst_parameter(run: dict, reference: dict, rtol: float, atol: float) -> float:
-    """The largest |run - reference| of any parameter element, in units of atol + rtol * |reference|
-    (at most 1.0: every element within the tolerance)."""
+    """The largest |run - reference| in units of atol + rtol * |reference| (<= 1: all within)."""
     return max(float(((run["state"][k].double() - v.double()).abs() / (atol + rtol * v.double().abs())).max())
                for k, v in reference["state"].items() if v.is_floating_point() and v.numel())
 

@@ -1,19 +1,8 @@
-"""Full, hybrid and hpZ sharding, and the planner's choice among them, on the emulated
-two-node cluster (benchmarks/cluster.py): 2 nodes × 2 gloo ranks, unthrottled inside a node,
-a throttled link between them, at one or more rates.
-
-Rows: ShardedModule sharding over all 4 ranks (full); inside each node, replicated across
-(hybrid); hybrid with int8-compressed collectives (hybrid-int8); over all ranks with a node
-copy for backward (hpZ); sharding="auto" (the planner's choice, whose log line is kept). Peers
-on the same 2-D mesh: FSDP2 HSDP with torch's defaults (fsdp2-hsdp) and tuned as compare.py's
-full-shard row is (fsdp2-hsdp-tuned: async unshard, explicit prefetch lists, the all-to-all
-reduce-scatter; `peers.fsdp2`); DDP with its defaults, tuned as in compare.py (ddp-tuned:
-gradient buffers as bucket views, `--ddp-bucket-mb` buckets) and tuned with torch's fp16
-compression hook (ddp-fp16, the compressed peer of hybrid-int8). The benchmark GPT (23.2M
-parameters; `--tiny` for a seconds-long smoke run), batch 4×128 per rank, AdamW (fused where
-the CPU build has it) for all; implementations alternate within each round, rates run one
-after the other. A step's time is the slower rank's. Besides pooled medians, each round's
-median steps give paired per-round ratios against the tuned peers.
+"""Full, hybrid and hpZ sharding, and the planner's choice among them, against FSDP2 HSDP and DDP
+(defaults and tuned, as in compare.py) on the emulated two-node cluster (cluster.py): 2 nodes x 2
+gloo ranks, a throttled link between the nodes, at one or more rates. The benchmark GPT
+(`--tiny` for a smoke run), batch 4x128 per rank, AdamW; implementations alternate within each
+round; a step is the slower rank's; paired per-round ratios against the tuned peers.
 
     python benchmarks/hybrid.py --rate 1gbit,10gbit --rounds 3 --steps 10 --out docs/results/hybrid.json
 """
@@ -23,13 +12,13 @@ import argparse
 import os
 import sys
 import tempfile
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from cluster import run_on_cluster
-from common import (RunRecord, forwarded, markdown_table, median, paired_ratios, parse_recorded, quartiles, read_json,
-                    script_main, slowest_of_ranks, timed_steps, write_json)
+from common import (RunRecord, arg_parser, forwarded, markdown_table, median, paired_ratios, parse_choices,
+                    parse_recorded, quartiles, read_json, script_main, slowest_of_ranks, timed_steps, write_json)
 from gpt_options import SMALL_MODEL
 
 IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
@@ -87,13 +76,10 @@ def run_worker(args: argparse.Namespace) -> None:
     times = slowest_of_ranks(timed_steps(step, args.warmup + args.steps))[args.warmup:]
     if rank == 0:
         write_json(args.result, dict(impl=args.worker, step_s=times, decision=decision))
-    # No destroy_process_group: it hung rank 0 after a finished run (see common._exit_worker,
-    # which ends the process instead).
     dist.barrier()
 
 
 def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
-    """Every implementation, alternated within each round, at one inter-node rate."""
     script = os.path.abspath(__file__)
     steps: dict[str, list[float]] = {impl: [] for impl in args.impls}
     per_round: list[dict[str, list[float]]] = []
@@ -123,7 +109,6 @@ def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
 
 def summarise(args: argparse.Namespace, rate: str, steps: dict[str, list[float]],
               decisions: dict[str, list[str]]) -> dict:
-    """Medians, quartiles, the planner's choice against the best of the grid, and its lines."""
     full = median(steps["overlap-full"]) if "overlap-full" in steps else None
     rows, summary = [], {}
     for impl, values in steps.items():
@@ -154,13 +139,13 @@ def run_driver(args: argparse.Namespace) -> int:
             for pair, entry in rates[rate]["paired"].items():
                 print(f"{rate} {pair}: per round {', '.join(f'{r:.2f}' for r in entry['per_round'])}; "
                       f"median {entry['median']:.2f} [{entry['min']:.2f}-{entry['max']:.2f}]", flush=True)
-            if args.out:            # after each rate, so that a run cut short keeps what it measured
+            if args.out:            # after each rate: a run cut short keeps what it measured
                 write_json(args.out, dict(**record.fields(), rates=rates))
     return 0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rate", default="1gbit", help="inter-node link rates (tc tbf), comma-separated")
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--rounds", type=int, default=2)
@@ -176,16 +161,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parse_recorded(parser, argv)
     args.rates = [rate.strip() for rate in args.rate.split(",") if rate.strip()]
-    args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
-    unknown = [impl for impl in args.impls if impl not in IMPLEMENTATIONS]
-    if unknown:
-        parser.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLEMENTATIONS)}")
+    try:
+        args.impls = parse_choices(args.impls, IMPLEMENTATIONS, "--impls")
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

@@ -1,22 +1,9 @@
-"""Step time of the same GPT-2 under each framework integration, against the hand-written loop.
-
-Variants, each on 2 gloo ranks, the same model (a GPT-2 from its config), per-rank batch,
-AdamW and clipping at 1.0:
-
-- `loop`: the hand-written loop with `ShardedModule` (the reference);
-- `lightning`: Lightning's `Trainer` with `OverlapStrategy`;
-- `hf`: `transformers.Trainer` as `OverlapTrainer`;
-- `lightning-fsdp`, `lightning-fsdp2`, `hf-fsdp`: each framework's own FSDP (Lightning's
-  `FSDPStrategy`; its `ModelParallelStrategy` with `fully_shard` on each block and the root in
-  `configure_model`; Trainer's `fsdp="full_shard"` with `fsdp_version: 2`), where it runs on
-  CPU; a variant that fails records why.
-
-A step is timed from the framework's step-begin hook to its step-end hook (data loading of
-the next batch falls outside for all alike); the first `--warmup` steps are dropped and a
-variant's time in a round is the median of the rest on rank 0. Each variant runs in a launch
-of its own (a failing one cannot leave the next in a broken process group); the variants'
-order rotates every round, and each ratio variant / loop is taken within a round before its
-median over rounds.
+"""Step time of the same GPT-2 under each framework integration, against the hand-written loop
+with `ShardedModule` (`loop`): Lightning with `OverlapStrategy` (`lightning`), `OverlapTrainer`
+(`hf`), and each framework's own FSDP where it runs on CPU (`lightning-fsdp`, `lightning-fsdp2`,
+`hf-fsdp`; a variant that fails records why). 2 gloo ranks, AdamW, clipping at 1.0; a step is
+timed between the framework's step hooks on rank 0. Each variant is a launch of its own, the
+order rotating every round; ratios to the loop are per round.
 
     python benchmarks/integrations.py --rounds 4 --steps 20 --warmup 5 --out docs/results/integrations.json
 """
@@ -28,10 +15,10 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
-from common import (RunRecord, median, parse_recorded, quartiles, rotated, run_with_deadline, script_main,
-                    single_thread_env, torchrun, write_json)
+from common import (RunRecord, arg_parser, median, parse_recorded, quartiles, rotated, run_with_deadline,
+                    script_main, single_thread_env, torchrun, write_json)
 
 VARIANTS = ("loop", "lightning", "hf", "lightning-fsdp", "lightning-fsdp2", "hf-fsdp")
 CONFIG = dict(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -41,7 +28,7 @@ RESULT_MARK = "INTEGRATIONS_RESULT "
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12, help="steps per variant per round, warm-up included")
     parser.add_argument("--warmup", type=int, default=4)
@@ -51,8 +38,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parse_recorded(parser, argv)
 
-
-# ---- the rank program -------------------------------------------------------------------------
 
 def _model():
     import torch
@@ -215,8 +200,6 @@ def run_worker(args: argparse.Namespace) -> None:
         print(RESULT_MARK + json.dumps(result), flush=True)
 
 
-# ---- the driver -------------------------------------------------------------------------------
-
 def _launch(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     command = torchrun(os.path.abspath(__file__), 2, ["--worker", variant, "--steps", str(args.steps)])
     env = {**single_thread_env(), "HF_HUB_OFFLINE": "1"}
@@ -266,8 +249,7 @@ def run_driver(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=1))
     if args.out:
         write_json(args.out, result)
-    # A variant that fails is named (above, and under "failed" in the file: Lightning's FSDP1
-    # strategy refuses the CPU); without the loop every ratio is missing and the run fails.
+    # A failed variant is named (Lightning's FSDP1 refuses the CPU); without the loop the run fails.
     return 1 if "loop" in failed else 0
 
 
@@ -283,9 +265,5 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

@@ -1,22 +1,15 @@
-"""Bandwidth of the flat-buffer kernels per backend, next to torch's own ops and a plain copy.
+"""Bandwidth of the flat-buffer kernels per backend, next to torch's own ops and a plain copy
+(GB/s counts bytes read + written; docs/kernels.md describes the shapes).
 
     python benchmarks/kernel_bandwidth.py [--device cpu|cuda] [--threads N] [--out bench_out/kernels_cpu.json]
 
-Shapes (GB/s counts bytes read + bytes written):
-  llama7b_block   the 9 parameters of one Llama-7B decoder block (up to 4096 x 11008)
-  small_x200      a block of 200 small parameters (64 to 16384 elements)
-  bucket_1b_x64   a 1B-parameter bucket split into 64 tensors
-  runtime_shard   the per-step calls on one rank's shard of the 23.2M-parameter benchmark
-                  GPT over 2 ranks: cast to bf16, in-place pre-division, 2-chunk accumulate
-  quant_shard     the quantised-communication kernels on that shard size, against plain torch
-                  on preallocated buffers; --quant-only runs just these (with IQR), and
-                  --quant-blocks 64,128,... compares block sizes (error, bytes, time)
-On CPU the two big shapes are scaled down (each Llama dimension / 4, the bucket / 64) so a
-run fits in memory and minutes; the table says which shapes were used.
+`--quant-only`: the quantised-communication kernels alone; `--quant-blocks 64,128,...`: their
+error, bytes and time per block size. On CPU the two big shapes are scaled down.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -25,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from common import RunRecord, write_json
+from common import RunRecord, arg_parser, markdown_table, seconds_of, write_json
 from overlap.kernels.backends import available_backends, get_backend
 from overlap.kernels.quantized import DEFAULT_BLOCK
 
@@ -42,24 +35,19 @@ def shapes(device: torch.device) -> dict[str, list[tuple[int, ...]]]:
 
 
 def _once(fn: Callable[[], None], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
+    if device.type != "cuda":
+        return seconds_of(fn)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     fn()
-    return time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _flatten_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(end)
-        end += t.numel()
-    return offsets, end
+    offsets = [0, *itertools.accumulate(t.numel() for t in tensors)]
+    return offsets[:-1], offsets[-1]
 
 
 def torch_ops_for_pack(srcs: list[torch.Tensor], flat: torch.Tensor) -> dict[str, Callable[[], None]]:
@@ -76,8 +64,7 @@ def torch_ops_for_pack(srcs: list[torch.Tensor], flat: torch.Tensor) -> dict[str
 
 
 def _working(ops: dict[str, Callable[[], None]]) -> dict[str, Callable[[], None]]:
-    """The ops that run here: each is tried once, and one this torch lacks for these
-    devices or dtypes is left out with a line saying why."""
+    """The ops that run here (each tried once; one this torch lacks is left out, saying why)."""
     working = {}
     for label, op in ops.items():
         try:
@@ -95,12 +82,10 @@ def measure_case(name: str, sizes: list[tuple[int, ...]], src_dtype: torch.dtype
     offsets, total = _flatten_offsets(srcs)
     flat = torch.empty(total, dtype=dst_dtype, device=device)
     nbytes = total * (srcs[0].element_size() + flat.element_size())
-    candidates: dict[str, Callable[[], None]] = {}
     same = torch.empty(total, dtype=dst_dtype, device=device)
     plain = torch.randn(total, device=device).to(src_dtype)
-    candidates["copy (one flat tensor)" if src_dtype == dst_dtype else "copy+cast (one flat tensor)"] = \
-        lambda: same.copy_(plain)
-    candidates.update(torch_ops_for_pack(srcs, flat))
+    copy = "copy (one flat tensor)" if src_dtype == dst_dtype else "copy+cast (one flat tensor)"
+    candidates = {copy: lambda: same.copy_(plain), **torch_ops_for_pack(srcs, flat)}
     candidates = _with_backends(candidates, lambda b: b.pack(srcs, flat, offsets), device, backends)
     op = f"pack {str(src_dtype)[6:]}->{str(dst_dtype)[6:]}"
     return _rows(name, op, len(srcs), total, nbytes, timed(candidates, device, repeats))
@@ -141,17 +126,14 @@ def measure_runtime_calls(device: torch.device, backends: list[str], repeats: in
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'case':<26} {'op':<22} {'impl':<28} {'tensors':>7} {'elements':>11} {'ms':>9} {'GB/s':>8}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['case']:<26} {r['op']:<22} {r['impl']:<28} {r['tensors']:>7} {r['elements']:>11} "
-              f"{r['ms']:>9.3f} {r['GB/s']:>8.2f}")
+    print(markdown_table(["case", "op", "impl", "tensors", "elements", "ms", "GB/s"],
+                         [[r["case"], r["op"], r["impl"], r["tensors"], r["elements"], f"{r['ms']:.3f}",
+                           f"{r['GB/s']:.2f}"] for r in rows]))
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per case and op, each overlap backend against the plain copy and against the best plain
-    torch expression of the same computation (torch's ops and the reference backend)."""
+    """Per case and op, each overlap backend against the plain copy and the best plain torch
+    expression of the same computation (torch's ops and the reference backend)."""
     summary = []
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
@@ -169,16 +151,16 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def print_summary(summary: list[dict]) -> None:
-    print(f"\n{'case':<26} {'op':<22} {'backend':<8} {'GB/s':>8} {'% of copy':>10} {'x best torch':>13}")
-    for s in summary:
-        of_copy = "-" if s["of_copy"] is None else f"{100 * s['of_copy']:.0f}%"
-        vs_torch = "-" if s["vs_best_torch"] is None else f"{s['vs_best_torch']:.2f}"
-        print(f"{s['case']:<26} {s['op']:<22} {s['backend']:<8} {s['GB/s']:>8.2f} {of_copy:>10} {vs_torch:>13}")
+    print("\n" + markdown_table(["case", "op", "backend", "GB/s", "% of copy", "x best torch"], [
+        [s["case"], s["op"], s["backend"], f"{s['GB/s']:.2f}", _or_dash(s["of_copy"], "{:.0%}"),
+         _or_dash(s["vs_best_torch"], "{:.2f}")] for s in summary]))
+
+
+def _or_dash(value: Optional[float], form: str) -> str:
+    return "-" if value is None else form.format(value)
 
 
 # ---- Block-quantised communication kernels (kernels/quantized.py) ------------------------------
-# Each kernel against the plain torch expression of the same computation on the runtime_shard
-# size, with median and interquartile range; and a sweep of block sizes (error vs speed).
 
 # The runtime_shard size rounded down to a multiple of 4096, so every block size tried divides it.
 QUANT_NUMEL = 11_599_872
@@ -187,18 +169,15 @@ QUANT_NUMEL = 11_599_872
 class Spread(NamedTuple):
     median_s: float
     iqr_s: float
-    # Median CPU time of the calling thread (CPU only; None on CUDA). With one thread it is the
-    # work itself: unlike wall time, it does not grow while other jobs on a shared host hold
-    # the core.
+    # The calling thread's median CPU time (CPU only): unlike wall time, it does not grow while
+    # other jobs hold the core.
     cpu_median_s: Optional[float]
 
 
 def timed(candidates: dict, device: torch.device, repeats: int, reset: Optional[Callable[[], None]] = None
           ) -> dict[str, Spread]:
-    """A Spread per candidate. Candidates take turns within every repeat, so a change in
-    machine load (this host is shared) moves all of them alike. `reset`, untimed, runs before
-    every call: in-place ops start from the same values each time (halving a gradient over and
-    over would reach subnormal floats, which are many times slower)."""
+    """A Spread per candidate, the candidates taking turns within every repeat. `reset`, untimed,
+    runs before every call: halving a gradient over and over would reach slow subnormal floats."""
     reset = reset or (lambda: None)
     for fn in candidates.values():
         reset()
@@ -211,16 +190,16 @@ def timed(candidates: dict, device: torch.device, repeats: int, reset: Optional[
             start = time.thread_time()
             wall[label].append(_once(fn, device))
             cpu[label].append(time.thread_time() - start)
-    spread = {}
-    for label, t in wall.items():
-        quartiles = statistics.quantiles(t, n=4)
-        spread[label] = Spread(statistics.median(t), quartiles[2] - quartiles[0],
-                               statistics.median(cpu[label]) if device.type == "cpu" else None)
-    return spread
+    return {label: Spread(statistics.median(t), _iqr(t), statistics.median(cpu[label]) if device.type == "cpu"
+                          else None) for label, t in wall.items()}
+
+
+def _iqr(values: list[float]) -> float:
+    quartiles = statistics.quantiles(values, n=4)
+    return quartiles[2] - quartiles[0]
 
 
 def _rows(case: str, op: str, tensors: int, elements: int, nbytes: int, times: dict[str, Spread]) -> list[dict]:
-    """The table's rows of one case and op: each candidate's median (and IQR, CPU median) ms and GB/s."""
     return [{"case": case, "op": op, "impl": label, "tensors": tensors, "elements": elements, "ms": t.median_s * 1e3,
              "iqr_ms": t.iqr_s * 1e3, "cpu_ms": None if t.cpu_median_s is None else t.cpu_median_s * 1e3,
              "GB/s": nbytes / t.median_s / 1e9} for label, t in times.items()]
@@ -233,9 +212,9 @@ def _with_backends(candidates: dict[str, Callable[[], None]], call: Callable, de
 
 
 class PlainTorchQuant:
-    """The best plain torch expressions of the quantised kernels' computations, on buffers
-    allocated once: fresh temporaries of this size cost torch on CPU 3-4x the time (new pages
-    on every call). Without the kernels' zero-block and inf/NaN handling, which would cost more."""
+    """The best plain torch expressions of the quantised kernels, on buffers allocated once (fresh
+    temporaries cost torch on CPU 3-4x the time), without the kernels' zero-block and inf/NaN
+    handling."""
 
     def __init__(self, numel: int, block: int, device: torch.device) -> None:
         self.block = block
@@ -246,7 +225,6 @@ class PlainTorchQuant:
         self.nibble_BH = torch.empty(numel // block, block // 2, dtype=torch.int8, device=device)
 
     def quantize(self, x_BK: torch.Tensor, qmax: int) -> torch.Tensor:
-        """scale_B1 = absmax / qmax; work_BK = round(clamp(x / scale)) (as floats); returns work_BK."""
         torch.amax(torch.abs(x_BK, out=self.work_BK), 1, keepdim=True, out=self.scale_B1).div_(qmax)
         return torch.div(x_BK, self.scale_B1, out=self.work_BK).round_().clamp_(-qmax, qmax)
 
@@ -268,8 +246,7 @@ class PlainTorchQuant:
 
     def dequantize_accumulate(self, dst: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
                               chunks: int) -> None:
-        """dst += chunk c's q * scale, one chunk after the other: q converted by copy_, then
-        addcmul_ (4x faster than torch.mul of int8 by fp32 into a buffer, then add_)."""
+        """dst += each chunk's q * scale: copy_, then addcmul_ (4x faster than mul, then add_)."""
         values_BK = self.work_BK.view(-1)[:dst.numel()].view(-1, self.block)
         for c in range(chunks):
             if bits == 8:
@@ -326,7 +303,6 @@ def quantized_cases(device: torch.device, block: int) -> dict[str, tuple[Callabl
 
 
 def measure_quantized(device: torch.device, backends: list[str], repeats: int, block: int) -> list[dict]:
-    """Rows in the table's format (plus iqr_ms) for every quantised kernel at `block`."""
     rows = []
     for op, (call, plain, nbytes) in quantized_cases(device, block).items():
         candidates = _with_backends(plain, call, device, backends)
@@ -335,30 +311,24 @@ def measure_quantized(device: torch.device, backends: list[str], repeats: int, b
 
 
 def print_quant_table(rows: list[dict]) -> None:
-    """Wall-time median and IQR, CPU-time median (CPU only), and each backend against the best
-    plain torch candidate (the reference backend included), by wall and by CPU time."""
-    header = f"{'op':<24} {'impl':<22} {'ms':>8} {'IQR ms':>7} {'CPU ms':>8} {'GB/s':>6} {'x best torch':>12} " \
-             f"{'x (CPU)':>8}"
-    print(header)
-    print("-" * len(header))
+    """Each backend against the best plain torch candidate (the reference backend included), by
+    wall and by CPU time."""
+    table = []
     for r in rows:
         group = [g for g in rows if g["op"] == r["op"] and g["case"] == r["case"]
                  and (not g["impl"].startswith("overlap ") or g["impl"] == "overlap torch")]
-        cpu_ms = "-" if r["cpu_ms"] is None else f"{r['cpu_ms']:.3f}"
-        speedup = cpu_speedup = ""
-        if r["impl"].startswith("overlap ") and r["impl"] != "overlap torch":
-            speedup = f"{min(g['ms'] for g in group) / r['ms']:.2f}"
-            if r["cpu_ms"] is not None:
-                cpu_speedup = f"{min(g['cpu_ms'] for g in group) / r['cpu_ms']:.2f}"
-        print(f"{r['op']:<24} {r['impl']:<22} {r['ms']:>8.3f} {r['iqr_ms']:>7.3f} {cpu_ms:>8} {r['GB/s']:>6.2f} "
-              f"{speedup:>12} {cpu_speedup:>8}")
+        ours = r["impl"].startswith("overlap ") and r["impl"] != "overlap torch"
+        speedup = f"{min(g['ms'] for g in group) / r['ms']:.2f}" if ours else ""
+        cpu_speedup = f"{min(g['cpu_ms'] for g in group) / r['cpu_ms']:.2f}" if ours and r["cpu_ms"] else ""
+        table.append([r["op"], r["impl"], f"{r['ms']:.3f}", f"{r['iqr_ms']:.3f}", _or_dash(r["cpu_ms"], "{:.3f}"),
+                      f"{r['GB/s']:.2f}", speedup, cpu_speedup])
+    print(markdown_table(["op", "impl", "ms", "IQR ms", "CPU ms", "GB/s", "x best torch", "x (CPU)"], table))
 
 
 def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) -> list[dict]:
-    """Per block size: relative RMS error of an int8 and an int4 round trip on normal and on
-    heavy-tailed (Student-t, 3 degrees of freedom) values, the bytes sent per element, and the
-    median and IQR time of the fastest backend's quantize_int8 and 2-chunk int8
-    dequantize_accumulate; all block sizes take turns in every repeat."""
+    """Per block size: the relative RMS error of int8 and int4 round trips on normal and Student-t
+    (3 degrees of freedom) values, bytes per element, and the time of the fastest backend's
+    quantize_int8 and 2-chunk dequantize_accumulate."""
     from overlap.kernels.quantized import empty_quantized
 
     gen = torch.Generator().manual_seed(0)
@@ -399,27 +369,23 @@ def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) ->
         row["excess_bits"] = max(32 / row["block"] + math.log2(row[key]) - best[key] for key in errors)
     print(f"{backend.name} backend, {QUANT_NUMEL} elements; errors: relative RMS of a round trip; "
           "times in ms: wall median (IQR) and CPU-time median")
-    print(f"{'block':>6} {'B/elem int8':>11} {'B/elem int4':>11} {'int8 err N':>10} {'int8 err t3':>11} "
-          f"{'int4 err N':>10} {'int4 err t3':>11} {'excess bits':>11} {'quantize8 ms':>21} {'accumulate8x2 ms':>21}")
-    for r in rows:
-        quantize_ms, accumulate_ms = (f"{r[f'{op}_ms']:.2f} ({r[f'{op}_iqr_ms']:.2f})"
-                                      + ("" if r[f"{op}_cpu_ms"] is None else f" {r[f'{op}_cpu_ms']:.2f}")
-                                      for op in ("quantize", "accumulate"))
-        print(f"{r['block']:>6} {r['bytes_int8']:>11.4f} {r['bytes_int4']:>11.4f} {r['rel_rms_int8_normal']:>10.5f} "
-              f"{r['rel_rms_int8_student_t3']:>11.5f} {r['rel_rms_int4_normal']:>10.4f} "
-              f"{r['rel_rms_int4_student_t3']:>11.4f} {r['excess_bits']:>11.3f} {quantize_ms:>21} {accumulate_ms:>21}")
+    print(markdown_table(["block", "B/elem int8", "B/elem int4", "int8 err N", "int8 err t3", "int4 err N",
+                          "int4 err t3", "excess bits", "quantize8 ms", "accumulate8x2 ms"], [
+        [r["block"], f"{r['bytes_int8']:.4f}", f"{r['bytes_int4']:.4f}", f"{r['rel_rms_int8_normal']:.5f}",
+         f"{r['rel_rms_int8_student_t3']:.5f}", f"{r['rel_rms_int4_normal']:.4f}", f"{r['rel_rms_int4_student_t3']:.4f}",
+         f"{r['excess_bits']:.3f}", *(f"{r[f'{op}_ms']:.2f} ({r[f'{op}_iqr_ms']:.2f})" + ("" if r[f"{op}_cpu_ms"] is None else
+                                                               f" {r[f'{op}_cpu_ms']:.2f}")
+           for op in ("quantize", "accumulate"))] for r in rows]))
     return rows
 
 
 def _meta(device: torch.device, record: RunRecord, **extra: object) -> dict:
-    """A result file's meta, taken when the measurement has ended (the load after it included)."""
     return {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, **extra, **record.fields()}
 
 
 def run_quantized(args: argparse.Namespace, device: torch.device, backends: list[str], repeats: int,
                   record: RunRecord) -> None:
-    """--quant-only / --quant-blocks: the quantised kernels alone, to their own JSON file."""
     result: dict = {}
     if args.quant_blocks:
         result["block_sweep"] = sweep_quant_blocks(device, [int(b) for b in args.quant_blocks.split(",")], repeats)
@@ -427,15 +393,13 @@ def run_quantized(args: argparse.Namespace, device: torch.device, backends: list
         rows = measure_quantized(device, backends, repeats, DEFAULT_BLOCK)
         print_quant_table(rows)
         result["rows"] = rows
-    default = f"bench_out/quant_blocks_{device.type}.json" if args.quant_blocks else \
-        f"bench_out/quant_kernels_{device.type}.json"
-    out = args.out or default
+    out = args.out or f"bench_out/quant_{'blocks' if args.quant_blocks else 'kernels'}_{device.type}.json"
     write_json(out, {"meta": _meta(device, record, repeats=repeats), **result})
     print(f"wrote {out}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=None)

@@ -1,21 +1,18 @@
-"""Padding of the row-aligned flat layout (docs/parameters.md), per unit: the benchmark GPT
-(benchmarks/compare.py's model, units as ShardedModule discovers them, no merging) at 2 and
-8 ranks, and Llama-3-8B's decoder layer and embedding/head unit at 8 and 64 ranks (bf16).
-Arithmetic only (overlap.plan.layout_padding): no process group, no model weights.
+"""Padding of the row-aligned flat layout per unit (docs/parameters.md): the benchmark GPT at 2 and
+8 ranks, Llama-3-8B's decoder layer and embedding/head unit at 8 and 64 ranks (bf16).
+Arithmetic only (overlap.plan.layout_padding).
 
     python benchmarks/layout_padding.py --out docs/results/layout_padding.json
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any, Optional, Sequence
 
 import torch
 
-from common import RunRecord, markdown_table, write_json
+from common import RunRecord, arg_parser, markdown_table, write_json
 from gpt_options import BENCHMARK_MODEL
-
 
 
 def _benchmark_units() -> list[tuple[str, list[tuple[int, ...]]]]:
@@ -52,7 +49,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--out", default="docs/results/layout_padding.json")
     args = parser.parse_args(argv)
     record = RunRecord("layout_padding.py", sys.argv[1:] if argv is None else argv)

@@ -1,18 +1,10 @@
-"""Expert parallelism's step against ZeRO-3 without it and against FSDP2, on a GPT-MoE whose
-experts hold most of its parameters.
+"""Expert parallelism's step against ZeRO-3 without it and against FSDP2, on a GPT-MoE (8 experts,
+top-2) on 4 gloo ranks: `ShardedModule(model)`, `expert_parallel=2` and `=4`, and FSDP2, built
+in one launch and taking turns over rounds; per-round ratios to `ShardedModule(model)`, and
+from the overlap report the bytes gathered, reduced and sent by all-to-all, and the time
+blocked on and hidden of the all-to-alls.
 
-Four gloo ranks train the same GPT-MoE (8 experts, top-2) built four ways in one launch:
-`ShardedModule(model)` (every expert gathered for every unit), `expert_parallel=2` and `=4`,
-and FSDP2 (`fully_shard` on each block, then the root), each with torch's AdamW. Rounds take
-turns over the variants (the first of each round rotating); each round keeps every variant's
-median step, and the summary gives each variant's per-round ratio to `ShardedModule(model)`
-(median and range). Per step, from the overlap report: bytes all-gathered and reduce-scattered,
-and its all-to-all line: the bytes each rank sent the others by all-to-all, the time the step
-was blocked waiting for them (exposed) and the share of their time in flight that was not
-waited on (hidden).
-
-    python benchmarks/moe.py --rounds 5 --steps 3 --link loopback
-    python benchmarks/moe.py --rounds 5 --steps 3 --link 2gbit      # a throttled network namespace
+    python benchmarks/moe.py --rounds 5 --steps 3 --link loopback      # or --link 2gbit
     python benchmarks/moe.py --variants "no EP,EP 2/1,EP 2,EP 2/4"    # EP 2 with 1, 2 (default) and 4 chunks
     python benchmarks/moe.py --variants "no EP,EP 2,fully_shard EP 2"  # the same through overlap.fully_shard
 """
@@ -20,19 +12,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import re
 from typing import Optional, Sequence
 
-from common import (RunRecord, forwarded, from_every_rank, in_turns, launch, markdown_table, median, on_link,
-                    parse_with_worker_options, script_main, spread, start_rank, timed_steps, write_json,
+from common import (RunRecord, arg_parser, forwarded, in_turns, launch, markdown_table, median, on_link,
+                    parse_with_worker_options, script_main, spread, start_rank, timed_steps, to_driver, train_step,
                     write_results)
 
 WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
-# "EP <E>" at the runtime's default chunk count; "EP <E>/<C>" with each MoE layer's tokens in C
-# chunks (OVERLAP_EXPERT_CHUNKS), e.g. "EP 2/4".
-# "fully_shard EP <E>": overlap.fully_shard on each block, then the root with
-# OverlapPolicy(expert_parallel=E) (DTensor parameters, as FSDP2's users hold them).
+# "EP <E>/<C>": each MoE layer's tokens in C chunks (OVERLAP_EXPERT_CHUNKS); "fully_shard EP <E>":
+# overlap.fully_shard with OverlapPolicy(expert_parallel=E).
 VARIANT_FORM = re.compile(r"(no EP|FSDP2|(fully_shard )?EP [124](/[1-9])?)$")
 
 
@@ -72,9 +63,8 @@ def _build(variant: str, args: argparse.Namespace):
 
 
 def _all_to_all(model, count: int) -> tuple[float, float, float]:
-    """Per step over the round just timed (the report's last `count` steps): bytes sent to
-    other ranks by all-to-all, seconds one was in flight or waited on, seconds waited on;
-    zeros for FSDP2, which has no report."""
+    """Per step of the report's last `count` steps: all-to-all bytes sent, seconds in flight,
+    seconds waited on (zeros for FSDP2, which has no report)."""
     if not hasattr(model, "overlap_report"):
         return 0.0, 0.0, 0.0
     steps = model.overlap_report().steps[-count:]
@@ -92,14 +82,7 @@ def run_worker(args: argparse.Namespace) -> None:
     idx = torch.randint(0, 8192, (args.batch, args.seq), generator=gen)
 
     def steps(variant: str, count: int) -> list[float]:
-        model, optimizer = built[variant]
-
-        def step() -> None:
-            model(idx, idx).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return timed_steps(step, count)
+        return timed_steps(train_step(*built[variant], idx, idx), count)
 
     for variant in variants:
         steps(variant, 2)                                          # warm-up: the runtime learns its order
@@ -112,15 +95,12 @@ def run_worker(args: argparse.Namespace) -> None:
             mean = model.overlap_report().mean_step()
             reports[variant] = dict(gathered_bytes=mean.gathered_bytes, reduced_bytes=mean.reduced_bytes,
                                     comm_ms=mean.comm_s * 1e3, hidden_fraction=mean.hidden_fraction)
-    ranks = from_every_rank(dict(step_s={v: [m[0] for m in ms] for v, ms in measured.items()},
-                                 all_to_all={v: [m[1] for m in ms] for v, ms in measured.items()}, reports=reports))
-    if rank == 0:
-        write_json(args.result, dict(ranks=ranks))
+    to_driver(args.result, dict(step_s={v: [m[0] for m in ms] for v, ms in measured.items()},
+                                all_to_all={v: [m[1] for m in ms] for v, ms in measured.items()}, reports=reports))
 
 
 def _hidden_share(per_round: list[list[list[float]]]) -> Optional[float]:
-    """The median over rounds of the all-to-all time not waited on, as a share of its time in
-    flight, summed over ranks; None without all-to-alls."""
+    """The median over rounds of the share of all-to-all time not waited on; None without any."""
     shares = [1 - sum(rank[2] for rank in round_) / total for round_ in per_round
               if (total := sum(rank[1] for rank in round_)) > 0]
     return round(median(shares), 3) if shares else None
@@ -172,7 +152,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and variant")
     parser.add_argument("--width", type=int, default=256)
@@ -194,9 +174,5 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

@@ -1,9 +1,6 @@
-"""A model where Inductor's CPU code beats eager: many narrow residual layers, each a chain of
-LayerNorm, linear, GELU and linear, so that elementwise work and per-op dispatch dominate the
-small matmuls. compare.py's `--model mlp` trains it in place of the GPT (docs/compile.md).
-
-It keeps the GPT's interface (token ids in, the mean cross-entropy out, the blocks in
-`.blocks`), so every implementation in peers.py wraps it unchanged: one unit per block.
+"""A model where Inductor's CPU code beats eager (compare.py's `--model mlp`, docs/compile.md): many
+narrow residual layers (LayerNorm, linear, GELU, linear), so elementwise work and dispatch
+dominate the small matmuls. It keeps the GPT's interface, one unit per block.
 """
 from __future__ import annotations
 
@@ -11,11 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# Residual layers in one block (one unit): enough elementwise chains per compiled graph that
-# fusing them outweighs the compiled call's fixed wrapper cost.
+# Layers per block: enough per compiled graph that fusing outweighs the compiled call's fixed cost.
 LAYERS_PER_BLOCK = 6
-# Hidden width of each layer, as a multiple of the model width.
-EXPANSION = 2
+EXPANSION = 2           # hidden width over the model width
 
 
 class NarrowLayer(nn.Module):
@@ -41,8 +36,6 @@ class NarrowBlock(nn.Module):
 
 
 class NarrowMLP(nn.Module):
-    """Token embedding, `n_layer` blocks of narrow layers, final norm, untied head."""
-
     def __init__(self, n_layer: int, width: int, vocab_size: int) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab_size, width)

@@ -1,9 +1,6 @@
-"""Run a command inside a network namespace whose loopback is throttled: an emulated link.
-
-gloo between ranks on one host talks over loopback, where its transfers are CPU copies
-that compete with compute. A token-bucket filter (`tc ... tbf`) on the namespace's loopback
-turns it into a link of a chosen rate, so time spent on the wire becomes time the CPU is
-free, as with a real network, and overlap becomes measurable. Needs root (`ip netns`).
+"""Run a command inside a network namespace whose loopback is throttled (`tc tbf`): an emulated
+link, on which time spent on the wire is time the CPU is free, as with a real network, unlike
+gloo's loopback copies. Needs root.
 
     python benchmarks/netns.py --rate 2gbit -- torchrun --nproc-per-node 2 script.py
 """
@@ -23,8 +20,7 @@ def _ip(*args: str) -> None:
 
 @contextlib.contextmanager
 def throttled_namespace(rate: Optional[str], name: Optional[str] = None) -> Iterator[list[str]]:
-    """Create a namespace (loopback throttled to `rate`, e.g. '2gbit'; None: unthrottled)
-    and yield the command prefix that runs a program inside it."""
+    """A namespace (loopback throttled to `rate`, None: not); yields the prefix that runs in it."""
     if os.geteuid() != 0:
         raise PermissionError("emulated links need root for `ip netns` and `tc`")
     name = name or f"overlap-{os.getpid()}"
@@ -33,9 +29,8 @@ def throttled_namespace(rate: Optional[str], name: Optional[str] = None) -> Iter
     try:
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
         if rate is not None:
-            subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                            "rate", rate, "burst", "256kb", "latency", "400ms"],
-                           check=True, capture_output=True, text=True)
+            _ip("netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "256kb",
+                "latency", "400ms")
         yield ["ip", "netns", "exec", name]
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)

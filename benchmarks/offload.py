@@ -1,28 +1,13 @@
-"""Step time with offload="cpu" against no offload, on `overlap train`'s default model (GPT,
-4 layers, d=128, 4 heads, seq 64, batch 16 per rank, AdamW as the job builds it), 2 gloo
-ranks on CPU.
+"""Step time with offload="cpu" against no offload on `overlap train`'s default model, 2 gloo ranks.
 
-On a machine without a GPU host and device are one memory: the offloaded run still keeps
-separate host shards and device buffers and copies between them (synchronous copies here),
-so the difference measures the runtime's own overhead of offloading (the copies, the staging
-buffers, the bookkeeping), not a PCIe link.
-
-One launch of 2 ranks builds both models from the same seed and trains them by turns: each
-round runs `--steps` steps of one, then of the other, the order alternating from round to
-round; a step is forward, backward, `optimizer.step()` and `zero_grad()`, its time the slower
-rank's. Per round, the ratio of the two modes' median step times; the summary gives the
-median and range of those paired ratios. The first round is a warm-up and is not counted.
-Each mode's step is also split into forward + backward and the optimizer step, with how busy
-the rank's threads were during forward and backward: what stepping the host shards during
-backward could hide (see [Note: what overlapping the update could hide]).
+Without a GPU host and device are one memory: the difference is the runtime's own cost of
+offloading (copies, staging buffers, bookkeeping), not a PCIe link. One launch builds both
+models and trains them by turns, the order alternating per round (the first round a warm-up);
+per round the ratio of median steps, and each step split into forward + backward and the
+optimizer step with how busy the rank's threads were (see [Note: what overlapping the update
+could hide]).
 
     python benchmarks/offload.py --rounds 9 --steps 20 --out docs/results/offload_cpu.json
-
-`--modes cpu,disk` compares two other tiers (the ratio is the second's step over the
-first's); `--model-params N` trains instead a GPT of about N parameters (`--model-layers`
-blocks, sequences of 128, 2 per rank); `--optimizer overlap` steps both with
-overlap.optim.AdamW (offload="disk" needs it, and bf16 gathers: `--precision bf16`).
-
     python benchmarks/offload.py --modes cpu,disk --precision bf16 --optimizer overlap \
         --model-params 300M --model-layers 12 --rounds 4 --steps 3 --out docs/results/offload_disk_vs_cpu.json
 """
@@ -33,23 +18,20 @@ import os
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
-from common import (RunRecord, forwarded, launch, median, parse_with_worker_options, script_main, spread, spread_table,
-                    write_json)
+from common import (RunRecord, arg_parser, forwarded, launch, median, parse_with_worker_options, require_min,
+                    script_main, slowest_of_ranks, spread, spread_table, write_json)
 
 MODES = ("none", "cpu")
 # [Note: what overlapping the update could hide]
-# Stepping a unit's host shard while backward goes on (as offload="disk" steps its buckets)
-# can hide at most the update's time, and only in cycles backward leaves idle. Per mode and
-# round: the medians of forward + backward (ms), of the optimizer step (ms), and of the
-# fraction of its threads' time each rank's process was on a CPU during forward and
-# backward (1.0: no idle cycle for an update to use).
+# Stepping a host shard while backward goes on (as offload="disk" does) can hide at most the
+# update's time, and only in cycles backward leaves idle: per mode and round, the medians of
+# forward + backward, of the optimizer step, and of the share of its threads' time the process
+# was on a CPU in forward and backward (1.0: no idle cycle for an update to use).
 PHASE_FIGURES = (("median_compute_ms", "compute", 1e3), ("median_update_ms", "update", 1e3),
                  ("busy_in_compute", "busy_in_compute", 1.0))
 
-
-# ---- worker: one launch of 2 ranks ---------------------------------------------------------------
 
 def run_worker(args: argparse.Namespace) -> None:
     import torch
@@ -95,9 +77,6 @@ def run_worker(args: argparse.Namespace) -> None:
 
     def steps(mode: str) -> dict[str, list[float]]:
         model, optimizer = models[mode], optimizers[mode]
-        # Per step: its wall time; forward and backward's wall and this process's CPU time
-        # (all threads); the optimizer step's wall time (see [Note: what overlapping the
-        # update could hide]).
         seconds, compute, compute_cpu, update, clipped = [], [], [], [], []
         for batch in batches:
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -105,8 +84,6 @@ def run_worker(args: argparse.Namespace) -> None:
             loss.backward()
             computed, cpu_computed = time.perf_counter(), time.process_time()
             if args.clip is not None:
-                # torch's clip over the whole model, as a training loop calls it; it binds when
-                # the norm exceeds the limit (every gradient then changes, after backward).
                 clipped.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)) > args.clip)
             optimizer.step()
             stepped = time.perf_counter()
@@ -118,10 +95,9 @@ def run_worker(args: argparse.Namespace) -> None:
             if not torch.isfinite(loss):
                 raise RuntimeError(f"offload={mode}: non-finite loss {float(loss)}")
         # A step takes the slower rank's time; the phases are this rank's (rank 0's).
-        times = torch.tensor(seconds, dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
         busy = [cpu / (wall * threads) for cpu, wall in zip(compute_cpu, compute)]
-        return dict(step=times.tolist(), compute=compute, update=update, busy_in_compute=busy, clip_bound=clipped)
+        return dict(step=slowest_of_ranks(seconds), compute=compute, update=update, busy_in_compute=busy,
+                    clip_bound=clipped)
 
     rounds = []
     for index in range(args.rounds):
@@ -134,8 +110,6 @@ def run_worker(args: argparse.Namespace) -> None:
                                                                heads=config.n_head, seq=config.block_size, batch=batch,
                                                                params=config.num_params)))
 
-
-# ---- driver ---------------------------------------------------------------------------------------
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("offload.py", args.argv)
@@ -165,7 +139,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=9, help="rounds, the first one a warm-up (default 9)")
     parser.add_argument("--steps", type=int, default=20, help="steps of each mode per round (default 20)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
@@ -182,8 +156,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", help="result JSON")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the launch may take")
     args = parse_with_worker_options(parser, argv)
-    if args.rounds < 2 or args.steps < 1:
-        parser.error("--rounds must be >= 2 (the first is a warm-up) and --steps >= 1")
+    require_min(parser, args, 2, "rounds")          # the first is a warm-up
+    require_min(parser, args, 1, "steps")
     args.modes = tuple(args.modes.split(","))
     if len(args.modes) != 2 or len(set(args.modes)) != 2 or not set(args.modes) <= {"none", "cpu", "disk"}:
         parser.error(f"--modes {','.join(args.modes)}: expected two different tiers of none, cpu, disk")
@@ -193,9 +167,5 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

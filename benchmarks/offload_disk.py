@@ -1,29 +1,14 @@
-"""The disk tier's optimizer step alone (overlap/optim/paged.py): IO, update and the
-pipelined step, measured side by side at a few model sizes.
+"""The disk tier's optimizer step alone (overlap/optim/paged.py) at a few model sizes: IO alone,
+update alone and the pipelined step, rotating per round, with per-round ratios
+pipelined / (io + update) and pipelined / max(io, update), the disk bandwidth against `dd`'s
+direct IO, the engine's own memory, and whether its kernel runs without the GIL
+(docs/offload_disk.md).
 
     python benchmarks/offload_disk.py [--sizes 50M,200M,400M] [--rounds 3] [--dir DIR]
                                       [--out docs/results/offload_disk.json]
-
-For each size one state file of 12 bytes per parameter (fp32 master and both moments) is
-created under --dir (default: a temporary directory on the working directory's disk) and
-removed after. Each round runs three modes in turn, in an order that rotates per round:
-  io        every bucket read and written back through the pipeline, no update
-  update    the fused kernel over every bucket, held in the host buffers, no IO
-  pipelined the real step: read k+1 and write k-1 while stepping k
-and the JSON keeps every round's seconds and, per round, the paired ratios
-pipelined / (io + update) (1: nothing overlapped) and pipelined / max(io, update) (1: all of
-it), with their median and range. Disk bandwidth reached = bytes read and written / io time,
-against `dd` with direct IO on a 1 GiB file (--dd-mib), measured once at the start.
-
-Memory: the peak RSS from the engine's creation to the end of its first step, above the RSS
-before it (the engine's own memory, against its buffers), and the whole run's peak RSS.
-
-Also measured once: whether `torch.ops.overlap.adamw_step` runs without the GIL (a Python
-thread counting while the kernel steps a bucket; with the GIL held it would stop counting).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -36,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from common import RunRecord, parse_count, peak_rss, proc_status_kib, rotated, seconds_of, spread, write_json
+from common import (RunRecord, arg_parser, parse_count, peak_rss, proc_status_kib, rotated, seconds_of, spread,
+                    write_json)
 
 from overlap.optim import adamw_step, extension_available
 from overlap.optim.paged import Hyper, PagedAdamW, Segment
@@ -105,8 +91,7 @@ def measure(count: int, rounds: int, directory: str) -> dict:
     masters = [torch.randn(n) * 0.02 for n in shard_sizes]
     grads = [torch.randn(n) * 1e-3 for n in shard_sizes]
     resident = [torch.zeros(n, dtype=torch.bfloat16) for n in shard_sizes]
-    # The engine's own memory: the peak RSS from its creation to the end of its first step
-    # above the RSS before it (masters, gradients and resident shards already counted).
+    # The engine's own memory: its peak RSS to the end of its first step over the RSS before it.
     reset = _reset_peak_rss()
     rss_before = 1024 * proc_status_kib("VmRSS")
     engine = PagedAdamW(shard_sizes, directory=directory)
@@ -166,7 +151,7 @@ def measure(count: int, rounds: int, directory: str) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--sizes", default="50M,200M,400M")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the state files go (default: a temporary directory "

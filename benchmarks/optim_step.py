@@ -1,29 +1,17 @@
 """CPU optimizer step throughput: overlap.optim.AdamW against torch.optim.AdamW (foreach and
-fused) and DeepSpeed's DeepSpeedCPUAdam, in parameters updated per second.
+fused) and DeepSpeedCPUAdam, in parameters updated per second (docs/optim.md).
 
     python benchmarks/optim_step.py [--full] [--sizes 10M,50M] [--threads 1,2] [--rounds 5]
                                     [--out docs/results/optim_step.json]
 
-The quick default steps 10M and 50M parameters; --full steps 50M, 100M, 250M and 500M (each
-size needs 16 bytes per parameter: parameters, gradients and one optimizer's two moments;
-sizes that do not fit the memory available at the time are skipped and listed). Parameters
-are tensors of at most 16M elements, as a model's weights are, fp32 with fp32 gradients.
-
-Implementations take turns within every round (the host is shared; a change in load moves
-all of them alike), each with a fresh optimizer whose first, untimed step creates its state;
-then `--steps` timed steps. Per round, the ratio of each implementation's time to
-overlap's; the JSON keeps the median and range of those paired ratios.
-
-The memory-bandwidth bound: an AdamW step reads parameter, gradient and both moments and
-writes parameter and both moments, 28 bytes per parameter in fp32; a 512 MB tensor copy timed
-in every round (read + write; the best round) gives the bandwidth, and bound = bandwidth / 28
-bytes. A copy also reads each destination line before writing it (write-allocate), which it
-is not credited for, while the in-place update writes lines it has just read: an update can
-exceed this bound, as STREAM's copy understates a machine's bandwidth.
+Sizes that do not fit the memory available (16 bytes a parameter) are skipped and listed.
+Implementations take turns within every round, each with a fresh optimizer (its first step
+untimed); per round each one's time over overlap's. The bound: a 512 MB copy's bandwidth (read
++ write, best round) over the 28 bytes an fp32 AdamW update reads and writes (an update can
+exceed it: a copy is not credited for its write-allocate reads).
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import statistics
@@ -32,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from common import RunRecord, parse_count, seconds_of, write_json
+from common import RunRecord, arg_parser, parse_count, seconds_of, write_json
 
 from overlap.optim import AdamW, extension_available
 
@@ -46,8 +34,7 @@ LOG = logging.getLogger("optim_step")
 
 
 def deepspeed_adam() -> tuple[Optional[Callable], str]:
-    """DeepSpeedCPUAdam's constructor in AdamW mode, or None and why not (its CPU op is built
-    on first use, which needs a compiler and ninja)."""
+    """DeepSpeedCPUAdam's constructor in AdamW mode, or None and why not (its op builds on first use)."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         probe = [torch.zeros(8, requires_grad=True)]
@@ -73,7 +60,6 @@ def implementations() -> tuple[dict[str, Callable], dict[str, str]]:
 
 
 def copy_bandwidth(repeats: int = 5) -> float:
-    """Bytes per second a large torch copy moves (read + write), best of `repeats`."""
     src = torch.rand(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -102,8 +88,7 @@ def measure_size(count: int, threads: int, impls: dict[str, Callable], rounds: i
             del optimizer
             gc.collect()
         copies.append(copy_bandwidth(repeats=3))
-    # The best round's copy: the bound is what memory allows when the host lets it.
-    bandwidth = max(copies)
+    bandwidth = max(copies)                # what memory allows when the host lets it
     bound = bandwidth / BYTES_PER_UPDATE
     entry: dict = {"params": count, "threads": threads, "copy_GBps": bandwidth / 1e9,
                    "bound_params_per_s": bound, "implementations": {}}
@@ -121,7 +106,7 @@ def measure_size(count: int, threads: int, impls: dict[str, Callable], rounds: i
 
 
 def fits(count: int) -> bool:
-    """Whether the size's resident bytes fit in what the machine has available now, with 2 GB spare."""
+    """Whether the size's resident bytes fit in the memory available now, with 2 GB spare."""
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
@@ -144,7 +129,7 @@ def print_table(entries: list[dict]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--full", action="store_true", help=f"sizes {FULL_SIZES}")
     parser.add_argument("--sizes", default=None, help=f"comma-separated parameter counts (default {QUICK_SIZES})")
     parser.add_argument("--threads", default="1,2")

@@ -1,12 +1,9 @@
 """What the check that every rank runs the same units costs per step (overlap/runtime/order_check.py).
 
-Two gloo ranks train the benchmark GPT's shape (6 blocks) with ShardedModule; rounds with
-the check and rounds without it (the scheduler's `order` and the collectives' `watch`
-removed, the order words with them) alternate, the first of each round taking turns, and each
-round's median step time is kept; the summary gives the median and range of the per-round
-ratios. Also timed in isolation: one order word exchange (and how many a step makes), the
-bookkeeping of one step (a note per unit in forward and backward, the fingerprint, the words
-for the all-reduce) and the end-of-backward all-reduce with and without its six extra words.
+Two gloo ranks train a 6-block GPT with ShardedModule; rounds with the check and without it
+alternate, and the per-round ratios of median steps are summarised. Also timed alone: one
+order word exchange, one step's bookkeeping and the end-of-backward all-reduce with and
+without the check's words.
 
     python benchmarks/order_check.py --rounds 5 --steps 10
 """
@@ -14,25 +11,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
-                    script_main, slower_rank, start_rank, write_json, write_results)
+from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, parse_with_worker_options,
+                    script_main, seconds_of, slower_rank, start_rank, to_driver, train_step, write_results)
 
 WORLD_SIZE = 2
 
 
 def _train_steps(model, optimizer, batch, steps: int) -> float:
     """Median seconds of `steps` training steps."""
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        model(*batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return median(times)
+    step = train_step(model, optimizer, *batch)
+    return median([seconds_of(step) for _ in range(steps)])
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -106,10 +98,9 @@ def run_worker(args: argparse.Namespace) -> None:
             collectives.any_rank(flags, words)()
             times[name].append(time.perf_counter() - start)
     all_reduce_s = {name: median(samples) for name, samples in times.items()}
-    ranks = from_every_rank(dict(step_s=step_s, bookkeeping_s=bookkeeping_s, all_reduce_s=all_reduce_s, units=units,
-                                 flags=len(flags), words_per_step=len(issued), word_s=median(word_times)))
-    if rank == 0:
-        write_json(args.result, dict(ranks=ranks, width=args.width, rounds=args.rounds, steps=args.steps))
+    to_driver(args.result, dict(step_s=step_s, bookkeeping_s=bookkeeping_s, all_reduce_s=all_reduce_s, units=units,
+                                flags=len(flags), words_per_step=len(issued), word_s=median(word_times)),
+              width=args.width, rounds=args.rounds, steps=args.steps)
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -146,7 +137,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round and setting")
     parser.add_argument("--width", type=int, default=512, help="model width (the benchmark GPT's is 512)")
@@ -155,9 +146,5 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parse_with_worker_options(parser, argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

@@ -1,28 +1,16 @@
-"""The host cost of a ZeRO-3 runtime itself: issuing collectives, hooks, casts, events and
-bookkeeping, on a model whose compute is negligible.
-
-The model is a chain of tiny units (one `nn.Linear(8, 8)` each), trained with SGD on a batch
-of 2 (forward, backward, `optimizer.step()`, `zero_grad(set_to_none=True)`). Each launch
-times the wrapped model and, in the same process and taking turns step by step, the same
-model unwrapped; then
+"""The host cost of a ZeRO-3 runtime itself (issuing collectives, hooks, casts, events,
+bookkeeping) on a chain of tiny units (`nn.Linear(8, 8)` each) trained with SGD on a batch of 2:
 
     host time per unit per step = (median wrapped step - median plain step) / units
 
-(a step's time is the slower rank's; units are the model's, which ShardedModule's planner may
-merge into fewer buckets: the report table lists how many it ran). Rows: ShardedModule in every sharding and compression
-mode that means something at the world size (at 2 ranks, hybrid and hpZ on two emulated nodes
-of one rank each), FSDP2 as its defaults give it and tuned (benchmarks/peers.py), DeepSpeed
-ZeRO-3 where it is installed, and with --baseline the ShardedModule and fully_shard rows of
-another checkout.
-Rows alternate within each round (A B C ... A B C ...); every ratio is taken per round
-between rows of that round (their median and range are reported, never a ratio of medians
-pooled over rounds).
+the plain model taking turns with the wrapped one in the same launch; a step is the slower
+rank's. Rows: ShardedModule in every sharding and compression mode the world size allows
+(hybrid and hpZ on two emulated nodes of one rank), fully_shard, FSDP2 default and tuned
+(peers.py), DeepSpeed ZeRO-3 where installed, and with --baseline another checkout's rows.
+Rows alternate within each round; ratios are per round. Also the overlap report's "runtime"
+share of the step, and with --profile a cProfile of the 16-unit, 1-rank ShardedModule row.
 
-Also, for every ShardedModule row, the overlap report's "runtime" share of the step
-(overlap/observe/report.py), and with --profile a cProfile of the steady-state steps of the
-16-unit, 1-rank ShardedModule row.
-
-    python benchmarks/overhead.py --units 16 --world 1 2 --rounds 3 --baseline ../baseline \\
+    python benchmarks/overhead.py --units 16 --world 1 2 --rounds 3 --baseline ../baseline \
         --out docs/results/overhead_before.json --profile docs/results/overhead_profile_before.txt
 """
 from __future__ import annotations
@@ -42,9 +30,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 import peers
-from common import (REPOSITORY as REPO, RunRecord, checkout_python, from_every_rank, git_commit, read_json,
-                    run_with_deadline, script_main, single_rank_env, single_thread_env, start_rank, torchrun,
-                    write_json, write_text)
+from common import (REPOSITORY as REPO, RunRecord, arg_parser, checkout_python, git_commit, read_json, require_min,
+                    run_with_deadline, script_main, single_rank_env, single_thread_env, start_rank, to_driver,
+                    torchrun, write_json, write_text)
 from overhead_report import (BASELINE_SUFFIX, DEEPSPEED, FSDP2, FSDP2_TUNED, OVERLAP, OVERLAP_FULLY_SHARD,
                              host_s_per_unit, host_table, share_table, summarize)
 
@@ -53,8 +41,7 @@ log = logging.getLogger("overhead")
 WIDTH = 8                       # each unit is one nn.Linear(WIDTH, WIDTH)
 PROFILE_UNITS = 16
 PROFILE_ENTRIES = 40            # rows of each table in the profile
-# The same names as overlap.base.choices.SHARDINGS and COMPRESSION_MODES; spelled out here so
-# that the driver, which only launches runs, does not import the package.
+# overlap.base.choices.SHARDINGS and COMPRESSION_MODES: the driver does not import the package.
 SHARDINGS = ("full", "hybrid", "hpz")
 COMPRESSIONS = ("none", "int8", "int8-int4")
 
@@ -72,8 +59,7 @@ class Row:
 
 
 def overlap_rows(world: int) -> list[Row]:
-    """ShardedModule in every sharding and compression mode that differs at `world` ranks: on
-    one rank, hybrid and hpZ are full sharding (there is nothing to replicate)."""
+    """ShardedModule in every sharding and compression mode that differs at `world` ranks."""
     shardings = SHARDINGS if world > 1 else ("full",)
     rows = [Row(f"overlap-{sharding}" + ("" if compression == "none" else f"-{compression}"), OVERLAP,
                 sharding, compression) for sharding in shardings for compression in COMPRESSIONS]
@@ -93,10 +79,8 @@ def all_rows(world: int, baseline: bool) -> list[Row]:
             Row(DEEPSPEED, DEEPSPEED), *theirs]
 
 
-# ---- worker: one launch of one row --------------------------------------------------------
-# The worker is this file's, whichever checkout's interpreter runs it: a baseline checkout may
-# predate this script, and what is measured is the `overlap` package that interpreter imports
-# (its editable install of that checkout; the driver checks which one it was).
+# The worker is this file's, whichever checkout's interpreter runs it: what is measured is the
+# `overlap` package that interpreter imports (the driver checks which one it was).
 
 class Unit(torch.nn.Module):
     def __init__(self) -> None:
@@ -183,9 +167,8 @@ def _overlap_facts(model) -> dict[str, Any]:
 
 
 def relative_paths(text: str, package_root: str) -> str:
-    """`text` with this machine's directories replaced: the checkout's root by nothing, the
-    environment's packages by 'site-packages/', the standard library by 'stdlib/'; any other
-    absolute path keeps its file name only."""
+    """`text` without this machine's directories: the checkout's root dropped, 'site-packages/',
+    'stdlib/', and any other absolute path reduced to its file name."""
     import re
     import site
     import sysconfig
@@ -220,8 +203,7 @@ def _profile(step, batch: torch.Tensor, steps: int, package_root: str) -> str:
 
 def run_worker(args: argparse.Namespace) -> None:
     if args.ranks_per_node:
-        # Two emulated nodes on one machine: hybrid and hpZ read the node size from the
-        # launcher's LOCAL_WORLD_SIZE, which torchrun set to every rank here.
+        # Two emulated nodes: hybrid and hpZ read the node size from LOCAL_WORLD_SIZE.
         os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
     rank, _ = start_rank()
     (units,) = args.units
@@ -253,12 +235,8 @@ def run_worker(args: argparse.Namespace) -> None:
         _overlap_facts(model._overlap_runtime) if args.worker == OVERLAP_FULLY_SHARD else {}
     if args.profile_out:
         write_text(args.profile_out, _profile(wrapped_step, batch, args.steps, facts["package_root"]))
-    ranks = from_every_rank(mine)
-    if rank == 0:
-        write_json(args.result, dict(ranks=ranks, **facts))
+    to_driver(args.result, mine, **facts)
 
-
-# ---- driver: the launches, the summary, the outputs --------------------------------------
 
 def _worker_args(args: argparse.Namespace, row: Row, world: int, units: int, result: str) -> list[str]:
     out = ["--worker", row.impl, "--result", result, "--units", str(units), "--sharding", row.sharding,
@@ -344,7 +322,7 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, rec
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--units", type=int, nargs="+", default=[8, 16, 32, 64], help="units in the model")
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2], choices=(1, 2), help="ranks")
     parser.add_argument("--rows", default=None, help="comma-separated rows to run (default: all)")
@@ -373,11 +351,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.argv = list(argv)
     if args.worker:
         return args
-    for name in ("rounds", "steps", "batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 1:
-        parser.error(f"--warmup must be >= 1 (the first step learns the order), got {args.warmup}")
+    require_min(parser, args, 1, "rounds", "steps", "batch", "warmup")      # the first step learns the order
     if min(args.units) < 1:
         parser.error(f"--units must be >= 1, got {args.units}")
     if args.baseline and not os.path.exists(checkout_python(args.baseline)):
@@ -391,7 +365,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def write_profile(args: argparse.Namespace, record: RunRecord) -> None:
-    """The profile of one more launch of ShardedModule's default row, 1 rank, PROFILE_UNITS units."""
     with tempfile.TemporaryDirectory() as scratch:
         profile_out = os.path.join(scratch, "profile.txt")
         _launch(args, Row("overlap-full", OVERLAP), 1, PROFILE_UNITS, os.path.join(scratch, "result.json"),

@@ -1,32 +1,10 @@
-"""Two ways to expose a sharded unit's original parameters, timed per step on 2 gloo ranks.
-
-Every unit (each GPT block, and the root's embeddings and final norm) keeps its parameters
-in one flat buffer padded to a multiple of the world size N; rank r owns elements
-[r*S, (r+1)*S). The layouts compared:
-
-- (A) views: each original parameter is an `nn.Parameter` viewing its block of whole rows in
-  this rank's flat shard, shaped (local_rows, *trailing_dims) (no rows where the rank owns
-  none), in the runtime's row-aligned layout (`overlap.base.layout`, whose shard boundaries
-  fall on row boundaries); its `.grad` views a flat shard-gradient buffer. The all-gather
-  sends the flat shard and receives into one flat full buffer whose `split` views are the
-  parameters; the flat full gradient goes to the reduce-scatter as is.
-- (B) DTensor Shard(0), as FSDP2 keeps them: each parameter is a DTensor sharded on dim 0
-  (ceil(dim0/N) rows per rank, zero padded) over its own padded storage. Forward packs the
-  shards into the all-gather input (`_foreach_copy_`, FSDP2's all_gather_copy_in) and splits
-  the rank-major output into per-parameter full tensors (`split_with_sizes_copy`); backward
-  packs the per-parameter full gradients rank-major (`_chunk_cat`) and views the
-  reduce-scatter output as DTensor gradients.
-- (C) flat shards: one `nn.Parameter` per unit (the optimizer reference only).
-
-Timed, for the whole model per step: the forward parameter path (everything before compute
-can use the parameters), the gradient path (reduce-scatter and any copies around it),
-and `torch.optim.AdamW` with foreach=True and with foreach=None (the per-tensor loop on CPU).
-Persistent buffers are allocated once (as a caching allocator would hand them back), so the
-times hold copies, collectives and dispatch, not allocation. Items alternate A, B, C at each
-repetition, after a barrier; a sample is the slower rank's time; median and IQR are over
-rounds x repetitions, and B − A is taken per repetition (A and B ran back to back) before
-its median. Memory is the bytes of parameters, gradients and optimizer state per
-rank, padding included.
+"""Two ways to expose a sharded unit's original parameters, timed per step on 2 gloo ranks
+(docs/parameters.md): (A) views of whole rows of the runtime's row-aligned flat shard, (B) DTensor
+Shard(0) as FSDP2 keeps them (copies into and out of the collectives), and (C) flat shards, for
+the optimizer only. Timed for the whole model: the forward parameter path, the gradient path,
+and AdamW with foreach=True and foreach=None. Items alternate A, B, C at each repetition after
+a barrier; a sample is the slower rank's; B − A is paired per repetition. Memory: parameters,
+gradients and optimizer state per rank, padding included.
 
     python benchmarks/param_layout.py --rounds 5 --reps 10 --out docs/results/param_layout.json
 """
@@ -43,8 +21,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
-                    quartiles, script_main, slower_rank, start_rank, write_json)
+from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median,
+                    parse_with_worker_options, quartiles, require_min, script_main, slower_rank, start_rank, to_driver,
+                    write_json)
 
 WORLD_SIZE = 2
 LAYOUTS = {"A": "row-aligned views", "B": "DTensor Shard(0)", "C": "flat shards"}
@@ -59,8 +38,13 @@ def _require(condition: bool, message: str) -> None:
         raise RuntimeError(message)
 
 
+def _add(parts: Timings, **seconds: float) -> None:
+    for part, value in seconds.items():
+        parts[part] = parts.get(part, 0.0) + value
+
+
 def _flat_grad(rank: int, unit_index: int, numel: int) -> torch.Tensor:
-    """Rank `rank`'s full gradient of a unit, flat: seeded so every rank can compute every rank's."""
+    """Rank `rank`'s full gradient of a unit (seeded: every rank can compute every rank's)."""
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + unit_index))
 
 
@@ -91,9 +75,8 @@ class Unit:
 
 
 class ViewsUnit:
-    """(A): parameters and gradients are views of the flat shard and its gradient, laid out as
-    the runtime lays them out (overlap.base.layout: shard boundaries on row boundaries), so
-    each parameter is this rank's block of whole rows, shaped (local_rows, *trailing_dims)."""
+    """(A): parameters and gradients view the flat shard and its gradient in the runtime's
+    row-aligned layout: each parameter is this rank's whole rows, (local_rows, *trailing_dims)."""
 
     def __init__(self, unit: Unit, rank: int, world: int) -> None:
         from overlap.base.layout import FlatLayout
@@ -120,7 +103,6 @@ class ViewsUnit:
             param.grad = self.shard_grad[lo:hi].view(shape)
 
     def _laid_out(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-        """One flat tensor per parameter placed at its offset in the padded flat layout."""
         flat = torch.zeros(self.layout.padded_numel)
         for piece, offset in zip(pieces, self.layout.offsets):
             flat[offset:offset + piece.numel()] = piece.reshape(-1)
@@ -201,9 +183,7 @@ class DTensorUnit:
                                     out=self.unsharded_out)
         full = [torch.as_strided(t, shape, value.stride(), 0)
                 for t, shape, value in zip(self.unsharded, self.unit.shapes, self.unit.values)]
-        t3 = time.perf_counter()
-        parts["copy_in"] = parts.get("copy_in", 0.0) + t1 - t0
-        parts["copy_out"] = parts.get("copy_out", 0.0) + t3 - t2
+        _add(parts, copy_in=t1 - t0, copy_out=time.perf_counter() - t2)
         return full
 
     def reduce_grad(self, parts: Timings) -> None:
@@ -213,12 +193,9 @@ class DTensorUnit:
         dist.reduce_scatter_tensor(self.reduce_output, self.reduce_input)
         t2 = time.perf_counter()
         self.land_grads()
-        t3 = time.perf_counter()
-        parts["copy_in"] = parts.get("copy_in", 0.0) + t1 - t0
-        parts["land"] = parts.get("land", 0.0) + t3 - t2
+        _add(parts, copy_in=t1 - t0, land=time.perf_counter() - t2)
 
     def land_grads(self) -> None:
-        """View the reduce-scatter output as each parameter's DTensor gradient (no copy)."""
         offset = 0
         for param, shape, stride, padded, value in zip(self.params, self.local_shapes, self.local_strides,
                                                        self.padded_numels, self.unit.values):
@@ -315,9 +292,8 @@ class Model:
             self.step("C", name)
 
     def memory(self) -> dict[str, dict[str, int]]:
-        """Layout -> bytes of params/grads/optimizer state (one AdamW's) on this rank, and the largest unit's
-        gathered working set (for A the flat full buffer; for B the all-gather output plus the
-        per-parameter full tensors)."""
+        """Layout -> bytes of params/grads/optimizer state (one AdamW's) on this rank, and the
+        largest unit's gathered working set."""
         out = {}
         for layout, units in (("A", self.views), ("B", self.dtensors), ("C", self.views)):
             per_unit = [u.nbytes() for u in units]
@@ -329,8 +305,6 @@ class Model:
                 out[layout]["gathered_largest_unit"] = max(m["gathered"] for m in per_unit)
         return out
 
-
-# ---- worker -------------------------------------------------------------------------------
 
 ITEMS: dict[str, tuple[tuple[str, ...], Callable[[Model, str], Timings]]] = {
     "forward": (("A", "B"), Model.forward),
@@ -363,17 +337,12 @@ def run_worker(args: argparse.Namespace) -> None:
     info = dict(samples=samples, memory=model.memory(),
                 tensors={layout: dict(count=len(params), empty=sum(p.numel() == 0 for p in params))
                          for layout, params in model.params.items()})
-    ranks = from_every_rank(info)
-    if rank == 0:
-        config = model.config
-        write_json(args.result, dict(
-            ranks=ranks, num_params=model.num_params,
-            model=dict(n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
-                       vocab_size=config.vocab_size, block_size=config.block_size),
-            units={name: u.numel for name, u in zip(model.unit_names, model.units)}))
+    config = model.config
+    to_driver(args.result, info, num_params=model.num_params,
+              model=dict(n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
+                         vocab_size=config.vocab_size, block_size=config.block_size),
+              units={name: u.numel for name, u in zip(model.unit_names, model.units)})
 
-
-# ---- driver -------------------------------------------------------------------------------
 
 def _stats(samples_ms: list[float]) -> dict:
     q1, q3 = quartiles(samples_ms)
@@ -430,14 +399,13 @@ def table(stats: dict, memory: dict) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5, help="rounds; each runs every item --reps times")
     parser.add_argument("--reps", type=int, default=10, help="repetitions of each item per round (A, B, C alternate)")
     parser.add_argument("--out", default="docs/results/param_layout.json", help="JSON result file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the launch may take")
     args = parse_with_worker_options(parser, argv)
-    if args.rounds < 1 or args.reps < 1:
-        parser.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
+    require_min(parser, args, 1, "rounds", "reps")
     return args
 
 
@@ -448,13 +416,12 @@ def run_driver(args: argparse.Namespace) -> int:
     provenance = record.fields()
     stats = summarize(raw["ranks"])
     memory = [r["memory"] for r in raw["ranks"]]
-    command = record.command
     host = (f"{os.cpu_count()} cores, 1 thread per rank; 1-min load average {provenance['loadavg_before'][0]:.2f} "
             f"before, {provenance['loadavg_after'][0]:.2f} after (a shared host: other jobs may have run)")
     tensors = raw["ranks"][0]["tensors"]
     counts = ", ".join(f"({k}) {v['count']} ({', '.join(str(r['tensors'][k]['empty']) for r in raw['ranks'])} "
                        f"empty on ranks 0, 1)" for k, v in tensors.items())
-    markdown = (f"Command: `{command}`\n\nGPT {raw['num_params'] / 1e6:.1f}M parameters, {len(raw['units'])} units, "
+    markdown = (f"Command: `{record.command}`\n\nGPT {raw['num_params'] / 1e6:.1f}M parameters, {len(raw['units'])} units, "
                 f"gloo, {WORLD_SIZE} ranks, fp32; {args.rounds} rounds × {args.reps} repetitions; {host}.\n"
                 f"Tensors the optimizer steps: {counts}.\n\n{table(stats, memory)}")
     write_json(args.out, dict(**provenance, world_size=WORLD_SIZE, rounds=args.rounds, reps=args.reps, host=host,

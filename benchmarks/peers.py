@@ -1,13 +1,7 @@
-"""How compare.py builds and steps each implementation: ShardedModule, FSDP2 and DDP as
-their defaults give them and as tuned for a 2-rank gloo job on CPU, DeepSpeed ZeRO-3, and
-the single process without communication.
-
-Every implementation gets the same optimizer implementation (`make_optimizer`), so that
-step-time differences come from sharding and communication, not from a per-tensor loop
-in one and a fused kernel in another.
-
-torch and torch.distributed are imported where they are used: the driver, which only
-launches runs, never imports this file's heavy parts.
+"""How compare.py builds and steps each implementation: ShardedModule, FSDP2 and DDP as their
+defaults give them and tuned for a 2-rank gloo job on CPU, DeepSpeed ZeRO-3, and the single
+process. All get the same optimizer implementation (`make_optimizer`), so that step times
+differ by sharding and communication alone.
 """
 from __future__ import annotations
 
@@ -24,16 +18,14 @@ DDP_TUNED = "ddp-tuned"
 DEEPSPEED = "deepspeed"
 LOCAL = "local"
 IMPLEMENTATIONS = (OVERLAP, FSDP2, FSDP2_TUNED, DDP, DDP_TUNED, DEEPSPEED, LOCAL)
-# Compressed communication (docs/compression.md): ShardedModule's two modes, and tuned DDP
-# with torch's built-in fp16 gradient compression hook. Run when --impls names them.
+# Compressed communication (docs/compression.md), run when --impls names them.
 OVERLAP_INT8 = "overlap-int8"
 OVERLAP_INT8_INT4 = "overlap-int8-int4"
 OVERLAP_AUTO = "overlap-auto"           # the planner decides after the first measured step
 DDP_FP16 = "ddp-fp16"
 COMPRESSED = (OVERLAP_INT8, OVERLAP_INT8_INT4, OVERLAP_AUTO, DDP_FP16)
-# Compiled compute (docs/compile.md): ShardedModule(compile=True); the others with each block
-# compiled before wrapping (`block.compile()`, torchtitan's recipe). Each is the compiled twin
-# of an eager row, and compare.py pairs them round by round.
+# Compiled compute (docs/compile.md): ShardedModule(compile=True), the others with each block
+# compiled before wrapping (torchtitan's recipe); each paired with its eager twin.
 OVERLAP_COMPILED = "overlap-compiled"
 FSDP2_TUNED_COMPILED = "fsdp2-tuned-compiled"
 DDP_TUNED_COMPILED = "ddp-tuned-compiled"
@@ -44,9 +36,7 @@ COMPILED = tuple(EAGER_TWIN)
 ALL = IMPLEMENTATIONS + COMPRESSED + COMPILED
 SHARDED_MODULE = {OVERLAP: "none", OVERLAP_INT8: "int8", OVERLAP_INT8_INT4: "int8-int4", OVERLAP_AUTO: "auto",
                   OVERLAP_COMPILED: "none"}
-# Keep the whole training state on every rank (their memory is not ZeRO-3's).
 REPLICATED = (DDP, DDP_TUNED, DDP_FP16, LOCAL, DDP_TUNED_COMPILED, LOCAL_COMPILED)
-# One process, no torch.distributed: the compute floor.
 SINGLE_PROCESS = (LOCAL, LOCAL_COMPILED)
 
 
@@ -60,8 +50,7 @@ def unavailable() -> dict[str, str]:
 
 
 def optimizer_kwargs() -> dict[str, Any]:
-    """AdamW's fused kernel where this torch build has it for CPU tensors (torch ≥ 2.4),
-    else the multi-tensor (foreach) implementation; the same for every implementation."""
+    """AdamW's fused kernel where this torch has it for CPU tensors, else foreach."""
     probe = torch.nn.Parameter(torch.zeros(1))
     probe.grad = torch.zeros(1)
     try:
@@ -75,28 +64,15 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, **optimizer_kwargs())
 
 
-# ---- FSDP2, tuned ------------------------------------------------------------------------
-# torch 2.13's FSDPModule knobs that bear on a CPU (gloo) job, and what the tuned row does:
-# - `_set_unshard_async_op(True)`: issue the all-gathers with async_op=True. On CPU, FSDP2's
-#   side streams are no-ops, so without it every all-gather blocks the caller: used.
-# - `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`: explicit lists
-#   (the next `depth` blocks); with async unshard they are what makes gathers run ahead: used.
-# - `set_custom_reduce_scatter(ReduceScatter)`: replaces `reduce_scatter_single`, which gloo
-#   emulates slowly, by an all-to-all and a local sum (`AllToAllReduceScatter`): used. FSDP2
-#   calls it without async_op and reads the output right after, so it is synchronous.
-# - `set_reshard_after_forward(False)` / `reshard_after_forward=False` on the last block:
-#   backward needs that block first (as torchtitan does): used.
-# - `set_reduce_scatter_max_input_buffers`, `set_separate_reduce_scatter_group`,
-#   `set_allocate_memory_from_process_group_for_comm`, `set_symm_mem_for_comm`: about
-#   stream memory and NCCL buffers; nothing to gain on CPU streams, which do nothing: unused.
+# FSDP2 tuned for a CPU (gloo) job (docs/benchmarks.md): async unshard (FSDP2's side streams do
+# nothing on CPU, so each all-gather would block), explicit prefetch lists, the reduce-scatter by
+# all-to-all and a local sum (gloo emulates `reduce_scatter_single` slowly), and the last block
+# kept gathered after forward; its stream-memory and NCCL knobs have nothing to gain on CPU.
 
 
 class AllToAllReduceScatter:
-    """FSDP2's ReduceScatter interface over gloo's all-to-all plus a local sum.
-
-    The first and last rank leave their own chunk out of the exchange and read it in
-    place, so every rank receives (N-1)/N of the input, as in a ring reduce-scatter.
-    """
+    """FSDP2's ReduceScatter over gloo's all-to-all plus a local sum (the first and last rank read
+    their own chunk in place: every rank receives (N-1)/N of the input, as in a ring)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -126,11 +102,8 @@ class AllToAllReduceScatter:
 
 
 def fsdp2(model: torch.nn.Module, tuned: bool, depth: int, mesh=None) -> torch.nn.Module:
-    """FSDP2 on `model.blocks` (each block, then the root): torch's defaults, or tuned as the
-    notes above say, with explicit prefetch lists of `depth` blocks. `mesh`: every rank in one
-    dimension by default; a 2-D (replicate, shard) mesh makes it HSDP, tuned the same way (the
-    custom reduce-scatter then runs over the shard group, and FSDP2 all-reduces across
-    replicas itself)."""
+    """FSDP2 on each of `model.blocks`, then the root: defaults, or tuned (prefetch lists of `depth`
+    blocks). A 2-D (replicate, shard) `mesh` makes it HSDP, tuned the same way."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -155,9 +128,8 @@ def fsdp2(model: torch.nn.Module, tuned: bool, depth: int, mesh=None) -> torch.n
 
 
 def deepspeed_zero3_config(batch: int, block_params: int, persistence_threshold: int) -> dict:
-    """ZeRO-3 settings for CPU ranks: gradients reduced while backward goes on, buckets and
-    prefetch sized in elements (DeepSpeed's unit) to a block of the model; parameters smaller
-    than `persistence_threshold` elements stay whole on every rank."""
+    """ZeRO-3 for CPU ranks: buckets and prefetch of a block's elements; parameters below
+    `persistence_threshold` elements stay whole on every rank."""
     return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
@@ -174,8 +146,8 @@ def deepspeed_zero3_config(batch: int, block_params: int, persistence_threshold:
 
 
 def ddp(model: torch.nn.Module, impl: str, bucket_mb: float) -> torch.nn.Module:
-    """DistributedDataParallel as `impl` names it: defaults (DDP), tuned (DDP_TUNED: gradients as
-    bucket views, `bucket_mb` buckets) or tuned with fp16 compression of the all-reduces (DDP_FP16)."""
+    """DDP with its defaults, tuned (gradients as bucket views, `bucket_mb` buckets), or tuned with
+    fp16 compression of the all-reduces (DDP_FP16)."""
     from torch.nn.parallel import DistributedDataParallel
 
     tuned = dict(gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb) if impl != DDP else {}
@@ -189,15 +161,9 @@ def ddp(model: torch.nn.Module, impl: str, bucket_mb: float) -> torch.nn.Module:
 
 def tracked_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], object],
                    flat_buffers: bool) -> dict[str, dict]:
-    """One call of `step` under MemTracker: the bytes of each category at the step's peak,
-    and the peak total within forward and within backward (the optimizer step's is the
-    overall peak when it exceeds both).
-
-    ShardedModule's gathered parameters live in flat buffers that are not nn.Parameters;
-    with `flat_buffers` they are registered with the tracker and show as 'Other'. FSDP2's
-    unsharded parameters are nn.Parameters while gathered and show as 'Parameter'.
-    """
-    # _ModState (private) names the per-module snapshots that hold forward and backward peaks.
+    """One call of `step` under MemTracker: each category's bytes at the peak, and the peak total
+    within forward and within backward. With `flat_buffers` ShardedModule's gathered buffers
+    (not nn.Parameters) are registered and show as 'Other'."""
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
     tracker = MemTracker()

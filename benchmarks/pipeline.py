@@ -1,22 +1,11 @@
-"""ZeRO-3 inside pipeline stages: overlap's ways of sharding a stage against FSDP2's two
-settings, on torch's 1F1B schedule at (pp, dp) = (2, 2).
-
-Four gloo ranks train a GPT split into two stages (embeddings and the first half of the blocks;
-the second half, the final norm and an untied head), each stage sharded over its two dp ranks:
-- `ShardedModule(stage, mesh=mesh["dp"])` and `overlap.fully_shard` on each block and the
-  stage: one reduction per step (told by the schedule), units kept gathered across the step's
-  microbatches as the planner chooses under the memory budget; and `fully_shard` forced to
-  gather again per microbatch (`keep_units = 0`, OVERLAP_KEEP_UNITS=0's setting);
-- both `fully_shard` settings again with the gathers between passes in the order of the
-  schedule's actions (`overlap.follow_schedule`, what `overlap train --pp` does);
-- FSDP2 with `reshard_after_forward` True and False (its reduce-scatter by all-to-all, as
-  benchmarks/peers.py tunes it for gloo).
-All are built in one launch and alternate over the rounds, the first rotating; each round keeps
-every variant's median step. Per step: the bytes each rank all-gathers and reduce-scatters
-(counted at the collectives), the peak rise of the rank's resident memory over what it held
-before the step with every variant's parameters resharded (Linux's VmHWM, reset before each
-step; steps apart from the timed ones), and the step time as per-round ratios to FSDP2's faster
-setting of the round.
+"""ZeRO-3 inside pipeline stages on torch's 1F1B schedule at (pp, dp) = (2, 2), 4 gloo ranks:
+`ShardedModule(stage, mesh=mesh["dp"])`, `overlap.fully_shard` (and forced to gather again per
+microbatch; both `fully_shard` settings again with the gathers between passes following the
+schedule's actions, `overlap.follow_schedule`), against FSDP2 with `reshard_after_forward`
+True and False (its reduce-scatter by all-to-all, as peers.py tunes it). Built in one launch,
+taking turns over rounds; per step the bytes each rank gathers and reduces, the peak rise of
+resident memory (VmHWM, apart from the timed steps), and per-round ratios to FSDP2's faster
+setting.
 
     python benchmarks/pipeline.py --rounds 3 --steps 2
 """
@@ -24,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional, Sequence
+import sys
+from typing import Sequence
 
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
-                    proc_status_kib, rotated, script_main, slower_rank, start_rank, timed_steps, write_json,
+from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, parse_with_worker_options,
+                    proc_status_kib, rotated, script_main, slower_rank, start_rank, timed_steps, to_driver,
                     write_results)
 
 WORLD_SIZE, PP = 4, 2
@@ -97,9 +87,8 @@ def _wrap(variant: str, stage, mesh):
 
 
 def _allocations_through_mmap() -> None:
-    """From now on allocations above 128 kB go straight to the kernel and back when freed, so
-    resident memory follows what the rank holds, not what glibc's heap kept from earlier (set
-    after the timed steps: mapping each allocation costs time)."""
+    """Allocations above 128 kB go to the kernel and back, so that resident memory follows what the
+    rank holds (set after the timed steps: mapping costs time)."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")
@@ -108,8 +97,7 @@ def _allocations_through_mmap() -> None:
 
 
 class _Bytes:
-    """Bytes this rank all-gathers and reduce-scatters, counted at overlap's collectives and at
-    the calls FSDP2 makes."""
+    """Bytes this rank all-gathers and reduce-scatters, at overlap's collectives and FSDP2's calls."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -187,9 +175,8 @@ def run_worker(args: argparse.Namespace) -> None:
         return timed_steps(step, count)
 
     def rise_mb(variant: str) -> float:
-        """One step's peak resident memory over what the rank held before it, every variant's
-        gathered parameters freed first: FSDP2 without resharding keeps its own from one step
-        to the next, which would otherwise count as held before the step."""
+        """One step's peak resident memory over what the rank held before it, gathered parameters
+        freed first (FSDP2 without resharding keeps its own from one step to the next)."""
         for module in built[variant][2].modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -217,9 +204,7 @@ def run_worker(args: argparse.Namespace) -> None:
     for round_index in range(args.rounds):                          # memory apart from the timed steps
         for variant in VARIANTS:
             peak[variant].append(rise_mb(variant))
-    ranks = from_every_rank(dict(step_s=step_s, moved=moved, peak_rise_mb=peak, pp_rank=pp_rank, decided=decided))
-    if rank == 0:
-        write_json(args.result, dict(ranks=ranks))
+    to_driver(args.result, dict(step_s=step_s, moved=moved, peak_rise_mb=peak, pp_rank=pp_rank, decided=decided))
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -252,7 +237,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round and variant")
     parser.add_argument("--width", type=int, default=512)
@@ -264,9 +249,5 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parse_with_worker_options(parser, argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

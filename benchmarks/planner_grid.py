@@ -1,20 +1,12 @@
-"""Fixed prefetch depths x bucket sizes against the planner's automatic choice, per emulated link.
-
-Each link is a network namespace whose loopback is throttled (benchmarks/netns.py). Inside
-it, 2 gloo ranks train the default GPT (`GPTConfig()`, one unit per Block, batch 4 x 128,
-AdamW) with every configuration built side by side and taking turns step by step, so that
-load from other work on a shared machine falls on all of them alike; a configuration's time
-is its median step after warm-up, with the interquartile range of its steps. Since every
-configuration runs once in each step of the loop, each is also compared with the best one
-step by step (its time over the best's in the same step): the median and interquartile range
-of that ratio say how far apart two configurations are, and a range that contains 1 says
-this run cannot tell them apart. The automatic run passes no depth and no bucket size: the probe, the latency rule and the re-plan after the
-first measured step decide, exactly as in a default run.
+"""Fixed prefetch depths x bucket sizes against the planner's automatic choice, per emulated link
+(netns.py): 2 gloo ranks train the default GPT with every configuration built side by side,
+taking turns step by step; each configuration's median step and its step-by-step ratio to the
+best (an IQR that contains 1: this run cannot tell them apart). The automatic run passes no
+depth and no bucket size, as a default run.
 
     python benchmarks/planner_grid.py --links fast=10gbit slow=2gbit --json planner_grid.json
 
-`--json` keeps the links already in the file that this run does not measure, so that links
-can be measured one launch at a time into one file.
+`--json` keeps the links already in the file that this run does not measure.
 """
 from __future__ import annotations
 
@@ -26,8 +18,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from common import (RunRecord, forwarded, on_link, quartiles, read_json, run_with_deadline, single_thread_env,
-                    torchrun, write_json)
+from common import (RunRecord, arg_parser, forwarded, on_link, quartiles, read_json, run_with_deadline,
+                    single_thread_env, torchrun, write_json)
 
 DEPTHS = (0, 1, 2, 3)
 BUCKETS = (None, 25.0, 50.0)        # None: no merging
@@ -71,8 +63,7 @@ def _worker(args: argparse.Namespace) -> None:
         key = "auto" if auto else f"{depth}/{_label(bucket)}"
         models[key] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), depth, bucket)
 
-    # Configurations take turns step by step, so that a slow phase of a shared machine
-    # falls on all of them alike. Warm-up lasts until the planner's first decision.
+    # Warm-up lasts until the planner's first decision.
     warmup = max(args.warmup, FIRST_DECISION_STEP)
     times: dict[str, list[float]] = {key: [] for key in models}
     for step in range(warmup + args.steps):
@@ -115,8 +106,7 @@ def _run_link(rate: str, args: argparse.Namespace) -> dict:
 
 
 def _paired(a: dict, b: dict) -> list[float]:
-    """a's step time over b's, step by step: both ran in the same step of the interleaved
-    loop, so load that slowed the whole step cancels."""
+    """a's step time over b's, step by step of the interleaved loop."""
     return [x / y for x, y in zip(a["steps_s"], b["steps_s"])]
 
 
@@ -157,7 +147,7 @@ def _report(name: str, link: dict, depths: Sequence[int], buckets: Sequence[Opti
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--links", nargs="+", default=["fast=10gbit", "slow=2gbit"], help="name=rate pairs")
     parser.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
     parser.add_argument("--buckets", nargs="+", default=[_label(b) for b in BUCKETS], help="MB, or none")

@@ -1,28 +1,20 @@
-"""Kill `overlap train`'s workers on the emulated two-node cluster (cluster.py) at chosen
-points of torchrun jobs, and measure how they recover: whether every restart met again, how
-long from the kill to the first step after the resume, and whether each job ended on the
-uninterrupted run's final loss.
+"""Kill `overlap train`'s workers on the emulated two-node cluster (cluster.py) at chosen points
+of torchrun jobs, and measure how they recover: whether every restart met again, the time from
+the kill to the first step after the resume, and whether each job ended on the uninterrupted
+run's final loss (docs/train.md). Needs root.
 
     python benchmarks/recovery.py --kills start,step,save --runs 5
     python benchmarks/recovery.py --kills node --runs 5 --nnodes 1:2
     python benchmarks/recovery.py --kills node,rejoin --runs 1 --nnodes 1:2 --steps 40
 
-Each run is one torchrun job killed at every point of `--kills` in turn. Kill points:
-`start` a worker after its round printed its first line and before any checkpoint is
-complete; `step` a worker at a random moment after a checkpoint of its round is complete;
-`save` a worker while an asynchronous save is being written (both workers are paused as soon
-as a `.partial` directory of this round appears, the directory is checked to be still
-there, the worker killed and the other one let go on);
-`node` node 1's agent and worker together, for good (the job must be elastic, `--nnodes
-1:2`, and go on on node 0 alone); `rejoin` node 1's agent started again once the job on
-node 0 alone has saved a checkpoint of its own (node 0's worker is paused from then until
-its agent has seen node 1 waiting, so that the job cannot end first); the job grows back to
-two nodes. Worker kills alternate between the nodes. Each node runs on its own half of the
-machine's CPUs (cluster.node_cpus). Needs root.
+Kill points: `start` a worker before any checkpoint of its round is complete; `step` a worker
+at a random moment after one is; `save` a worker while an asynchronous save is written (both
+paused while that is checked); `node` node 1's agent and worker for good (an elastic job goes
+on alone); `rejoin` node 1's agent started again once node 0 alone has saved. Worker kills
+alternate between the nodes; each node runs on its half of the CPUs.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
@@ -39,19 +31,15 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cluster import NODES, Cluster, node_cpus, two_node_cluster     # noqa: E402
-from common import RunRecord, markdown_table, write_json            # noqa: E402
+from common import RunRecord, arg_parser, markdown_table, write_json  # noqa: E402
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
-# Rendezvous settings for a test-sized job: a round closes a second after enough nodes
-# joined, and a node is declared dead after 5 s without a keep-alive (1 s apart). A shorter
-# expiry (2 s) made loaded machines declare live nodes dead: a node waiting to join then
-# started a job of its own beside the running one.
+# A round closes a second after enough nodes joined; a node is dead after 5 s without a
+# keep-alive (2 s made loaded machines declare live nodes dead, which then started jobs of their own).
 RDZV_CONF = ["last_call_timeout=1", "close_timeout=5", "keep_alive_interval=1", "keep_alive_max_attempt=5"]
-# torch 2.13's c10d rendezvous, sharing its TCP store with the workers, never publishes the
-# workers' store address in a later round to a node that joins then (a node started late or
-# coming back): rank 0's agent keeps the address of its first round, the new node waits for
-# it and both agents exit after 60 s. Elastic jobs opt out of the sharing.
+# torch 2.13's c10d rendezvous sharing its TCP store never tells a node joining a later round
+# the workers' store address (both agents exit after 60 s): elastic jobs opt out of the sharing.
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 HEADER = "overlap train: GPT "
 WORLD = re.compile(r" on (\d+) CPU ranks ")
@@ -65,8 +53,7 @@ POLL_S = 0.01
 
 @dataclass
 class Round:
-    """One start of the job's workers, as rank 0 (node 0: the rendezvous ranks nodes by
-    address) printed it."""
+    """One start of the job's workers, as rank 0 printed it."""
     world: int
     resumed: int                   # the step it resumed at (0: from scratch)
     step: int                      # completed steps on its progress bar
@@ -109,8 +96,7 @@ class Job:
         self.log_paths = [os.path.join(workdir, f"node{node}.log") for node in range(NODES)]
         self.agents: list[Optional[subprocess.Popen]] = [None] * NODES
         self._cache: tuple[int, list[Round]] = (-1, [])
-        # Node 1 first: its agent waits for node 0's rendezvous store, so both are there when
-        # node 0 opens the first round.
+        # Node 1 first: both are there when node 0 opens the first round.
         for node in reversed(range(NODES)):
             self.start_agent(node)
 
@@ -209,8 +195,7 @@ def _current(job: Job, after: int, world: int, node: int):
 
 
 def _fire(job: Job, kill: Kill, after: int, deadline: float) -> bool:
-    """Wait for the kill point in a round later than the first `after`, and kill; False if it
-    never came (the job ended first, or the deadline passed)."""
+    """Wait for the kill point in a round after the first `after`, and kill; False if it never came."""
     world = 1 if kill.point == "rejoin" else NODES
     watched = 0 if kill.point == "rejoin" else kill.node
     if not _wait(_current(job, after, world, watched), deadline):
@@ -284,8 +269,7 @@ def _fire(job: Job, kill: Kill, after: int, deadline: float) -> bool:
 
 def run_schedule(workdir: str, argv: Sequence[str], points: Sequence[str], nnodes: str = "2",
                  python: str = sys.executable, timeout_s: float = 300, env: Optional[dict] = None) -> Outcome:
-    """One torchrun job on the two nodes, killed at `points` in turn (see the module's
-    docstring); returns each kill with its recovery and the job's final line."""
+    """One torchrun job on the two nodes, killed at `points` in turn: each kill with its recovery."""
     unknown = [point for point in points if point not in POINTS]
     if unknown:
         raise ValueError(f"unknown kill points {unknown}; known: {', '.join(POINTS)}")
@@ -341,8 +325,7 @@ def reference_final(workdir: str, argv: Sequence[str], python: str = sys.executa
 
 
 def ending(outcome: Outcome, reference: tuple[int, float, float], tolerance: float) -> str:
-    """How a job ended: "exact" (the uninterrupted final line), "within tolerance" (loss and
-    validation loss), or "failed" (no final line, another one, or a kill that did not recover)."""
+    """"exact" (the uninterrupted final line), "within tolerance" or "failed"."""
     if outcome.final is None or any(kill.recovered_s is None for kill in outcome.kills):
         return "failed"
     if outcome.final == reference:
@@ -354,8 +337,7 @@ def ending(outcome: Outcome, reference: tuple[int, float, float], tolerance: flo
 
 
 def table(runs: list[Outcome], reference: tuple[int, float, float], tolerance: float) -> str:
-    """Kill point x runs x recovered, and how the runs with that kill ended, with the times
-    from each kill to the first step after the resume."""
+    """Per kill point: runs, kills, recoveries, endings and the times to the first step after."""
     rows = []
     endings = [ending(outcome, reference, tolerance) for outcome in runs]
     points = dict.fromkeys(kill.point for outcome in runs for kill in outcome.kills)
@@ -372,7 +354,7 @@ def table(runs: list[Outcome], reference: tuple[int, float, float], tolerance: f
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--kills", default="start,step,save", help="kill points of each run, comma-separated")
     parser.add_argument("--runs", type=int, default=5, help="jobs, each killed at every point (default 5)")
     parser.add_argument("--steps", type=int, default=30)

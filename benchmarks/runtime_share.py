@@ -1,11 +1,6 @@
-"""The overlap report's "runtime" share of the step under `overlap train`'s defaults: the host
-work of the runtime itself (issuing collectives, hooks, casts, bookkeeping) against the step.
-
-Each round runs `overlap train` with its default model and settings (2 gloo ranks on CPU) for
-`--steps` steps, once per checkout (this one, this one with OVERLAP_ORDER_CHECK=step, and with
---baseline another one with its own .venv), alternating within the round, and reads the report `overlap train` prints at the end
-(the mean of its steady steps): span, compute, runtime, gather and reduce waits. Ratios are
-taken per round, between the runs of that round.
+"""The overlap report's "runtime" share of the step under `overlap train`'s defaults (2 gloo ranks):
+each round runs it once per checkout (this one, this one with OVERLAP_ORDER_CHECK=step, and
+--baseline another one), and reads the report's mean steady step; ratios are per round.
 
     python benchmarks/runtime_share.py --rounds 2 --steps 100 --baseline ../baseline \
         --out docs/results/runtime_share.json
@@ -18,8 +13,8 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from common import (REPOSITORY, RunRecord, checkout_python, git_commit, markdown_table, parse_recorded,
-                    run_with_deadline, single_thread_env, spread, write_json)
+from common import (REPOSITORY, RunRecord, arg_parser, checkout_python, git_commit, markdown_table, parse_recorded,
+                    run_with_deadline, single_thread_env, spread, spread_cell, write_json)
 
 logger = logging.getLogger("runtime_share")
 
@@ -41,8 +36,7 @@ def parse_report(output: str) -> dict[str, float]:
 
 
 def run_once(checkout: str, steps: int, timeout_s: float, env: Optional[dict] = None) -> dict[str, float]:
-    # -P: the working directory (this checkout) does not go on the path ahead of the package
-    # the interpreter's own checkout installed.
+    # -P: this checkout does not go on the path ahead of the interpreter's own package.
     command = [checkout_python(checkout) if checkout != REPOSITORY else sys.executable, "-P", "-m", "overlap", "train",
                "--steps", str(steps), "--eval-every", str(steps), "--sample", "0"]
     output = run_with_deadline(command, timeout_s, env={**single_thread_env(), **(env or {})})
@@ -52,8 +46,7 @@ def run_once(checkout: str, steps: int, timeout_s: float, env: Optional[dict] = 
 
 
 def run(args: argparse.Namespace) -> dict:
-    # name -> (checkout, environment); "this, order step": without the order word before every
-    # collective (OVERLAP_ORDER_CHECK=step), whose round trips the report counts as runtime.
+    # "this, order step": without the order word before every collective (counted as runtime).
     checkouts = {"this": (REPOSITORY, {}), "this, order step": (REPOSITORY, {"OVERLAP_ORDER_CHECK": "step"}),
                  **({"baseline": (args.baseline, {})} if args.baseline else {})}
     record = RunRecord("runtime_share.py", args.argv, hidden={args.baseline: "<baseline>"})
@@ -75,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100, help="steps of each `overlap train` run")
     parser.add_argument("--baseline", help="another checkout of the project, with its own .venv")
@@ -90,10 +83,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = run(args)
     if args.out:
         write_json(args.out, result)
-    rows = [[name, f"{100 * s['runtime_share']['median']:.1f}%",
-             f"{100 * s['runtime_share']['min']:.1f}–{100 * s['runtime_share']['max']:.1f}%"]
-            for name, s in result["summary"].items() if "runtime_share" in s]
-    print(markdown_table(["checkout", "runtime share (median)", "range"], rows))
+    print(markdown_table(["checkout", "runtime share % (range)"], [[name, spread_cell(s["runtime_share"], 1, 100)]
+                                                                   for name, s in result["summary"].items()
+                                                                   if "runtime_share" in s]))
     if "step_this_over_baseline" in result["summary"]:
         ratio = result["summary"]["step_this_over_baseline"]
         print(f"step this / baseline: median {ratio['median']:.3f} [{ratio['min']:.3f}–{ratio['max']:.3f}]")

@@ -1,12 +1,8 @@
-"""Which result files the docs cite were measured on a runtime that has since moved on.
-
-A result file records the commit it was measured at. For every file under docs/results that
-README.md, ARCHITECTURE.md or docs/*.md links to, this counts the runtime's lines (overlap/, kernels/, csrc/)
-changed between that commit and HEAD (lines added plus lines removed, from `git diff
---numstat`) against the runtime's lines at HEAD, and lists the files past the threshold: their
-figures describe code that is no longer there. Run it before stopping; rerun what it lists.
-Files cited only by docs/history.md (figures kept under the commit they were measured at, as
-the before and after of a past change) are counted apart: they are meant to be behind.
+"""Which result files the docs cite were measured on a runtime that has since moved on: for every
+file under docs/results that README.md, ARCHITECTURE.md or docs/*.md links to, the runtime's
+lines (overlap/, kernels/, csrc/) changed between its recorded commit and HEAD, as a share of
+the runtime's lines at HEAD; files past the threshold are listed. Files cited only by
+docs/history.md (a past change's before and after) are counted apart.
 
     python benchmarks/stale.py                  # exit status 1 when a cited file is stale
     python benchmarks/stale.py --threshold 10   # percent of the runtime's lines (default 5)
@@ -73,8 +69,7 @@ def changed_lines(commit: str) -> Optional[int]:
 
 
 def recorded_commits(data: object) -> list[str]:
-    """Every commit a result file records (at its top, under "meta", or per part of a file
-    that merges several runs), without the "+changes" mark."""
+    """Every commit a result file records, anywhere in it, without the "+changes" mark."""
     found: list[str] = []
     if isinstance(data, dict):
         for key, value in data.items():
@@ -89,9 +84,8 @@ def recorded_commits(data: object) -> list[str]:
 
 
 def staleness(threshold: float) -> list[dict]:
-    """One row per cited result file: its oldest commit (the one with the most runtime lines
-    changed since), those lines, the share of the runtime's lines they are, and whether that
-    passes `threshold` percent."""
+    """One row per cited result file: its oldest commit, the runtime lines changed since, their
+    share of the runtime's lines and whether that passes `threshold` percent."""
     lines = runtime_lines()
     rows = []
     for path, docs in sorted(cited_files().items()):

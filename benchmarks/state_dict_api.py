@@ -1,18 +1,8 @@
 """What torch's state-dict API costs over overlap's state dicts, against FSDP2 over its own.
 
-Two gloo ranks build the benchmark GPT (6 blocks, d=512, vocab 8192, 23.2M parameters) three
-ways: `ShardedModule(model)`, `overlap.fully_shard` on each block and the root, and torch's
-`fully_shard` the same way (FSDP2); each takes one AdamW step so that its optimizer has state.
-Then, variants taking turns within each round (the first rotating), each call is timed as the
-slower rank's:
-- `model.state_dict()` (the sharded form, DTensor values);
-- `get_model_state_dict(model, full_state_dict=True, cpu_offload=True)`;
-- `get_optimizer_state_dict(model, optimizer, full_state_dict=True, cpu_offload=True)`;
-- `set_model_state_dict(model, full, full_state_dict=True, broadcast_from_rank0=True)`;
-- `dcp.save(model.state_dict())` into a fresh directory, and `dcp.load` of it back into
-  `model.state_dict()` followed by `model.load_state_dict`.
-Per call: the median over the rounds, and the per-round ratios to FSDP2's time for the same
-call in the same round (median and range).
+Two gloo ranks build the benchmark GPT as `ShardedModule(model)`, with `overlap.fully_shard` and
+with FSDP2, each after one AdamW step; the variants take turns over rounds timing each call of
+CALLS (the slower rank's). Per call: the median over rounds and the per-round ratios to FSDP2's.
 
     python benchmarks/state_dict_api.py --rounds 5
 """
@@ -20,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import shutil
 import tempfile
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
-                    in_turns, script_main, slower_rank, spread, spread_cell, start_rank, timed_steps, write_json,
-                    write_results)
+from common import (RunRecord, arg_parser, forwarded, from_every_rank, in_turns, launch, markdown_table, median,
+                    parse_with_worker_options, script_main, slower_rank, spread, spread_cell, start_rank, timed_steps,
+                    to_driver, train_step, write_results)
 
 WORLD_SIZE = 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2")
@@ -36,7 +27,6 @@ CALLS = ("model.state_dict()", "get_model_state_dict (full, cpu_offload)",
 
 
 def _built(variant: str, args: argparse.Namespace):
-    """The wrapped GPT and its AdamW after one step (the same values on every rank)."""
     import torch
 
     from overlap import ShardedModule
@@ -57,14 +47,11 @@ def _built(variant: str, args: argparse.Namespace):
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, 8192, (2, args.seq), generator=torch.Generator().manual_seed(1))
-    model(idx, idx).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    train_step(model, optimizer, idx, idx)()
     return model, optimizer
 
 
 def _calls(model, optimizer, scratch: str) -> dict[str, Callable[[], object]]:
-    """Each timed call of CALLS on `model`; the save and load share a directory under `scratch`."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -112,11 +99,10 @@ def run_worker(args: argparse.Namespace) -> None:
         for call in calls[variant].values():      # warm-up: the first call of each builds what it caches
             timed_steps(call, 1)
     measured = in_turns(VARIANTS, args.rounds, lambda v: {call: timed_steps(calls[v][call], 1)[0] for call in CALLS})
-    ranks = from_every_rank({v: {call: [r[call] for r in rounds] for call in CALLS} for v, rounds in measured.items()})
+    to_driver(args.result, {v: {call: [r[call] for r in rounds] for call in CALLS} for v, rounds in measured.items()})
     dist.barrier()
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
-        write_json(args.result, dict(ranks=ranks))
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -141,7 +127,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=6, help="blocks (23.2M parameters at d=512)")
@@ -151,9 +137,5 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parse_with_worker_options(parser, argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

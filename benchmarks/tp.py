@@ -1,15 +1,7 @@
-"""ZeRO-3 over dp of a tensor-parallel GPT against FSDP2 + TP with the same plan, at (dp, tp)
-= (2, 2): 4 gloo ranks on this host's loopback.
-
-Rows: ShardedModule over mesh["dp"] after `parallelize_module(model, mesh["tp"],
-gpt_tp_plan())` (overlap-tp); FSDP2 over mesh["dp"] of every block and the root after the same
-plan, with torch's defaults (fsdp2-tp) and tuned as benchmarks/compare.py's FSDP2 row is
-(fsdp2-tp-tuned: async unshard, explicit prefetch lists, the all-to-all reduce-scatter;
-`peers.fsdp2`). The benchmark GPT (23.2M parameters; `--tiny` for a seconds-long smoke run),
-batch `--batch` x 128 per dp rank, AdamW for all. Implementations alternate within each
-round; a step's time is the slowest rank's. Peak memory per rank: MemTracker's total over one
-extra step (as compare.py measures), and peak RSS. Paired per-round ratios (overlap-tp's
-median step over the peer's, same round) give median and range.
+"""ZeRO-3 over dp of a tensor-parallel GPT against FSDP2 + TP with the same plan, at (dp, tp) =
+(2, 2) on 4 gloo ranks: ShardedModule over mesh["dp"] after `parallelize_module(model,
+mesh["tp"], gpt_tp_plan())`, FSDP2 with its defaults and tuned (`peers.fsdp2`). Implementations
+alternate within each round; paired per-round ratios; peak memory (MemTracker and RSS).
 
     python benchmarks/tp.py --rounds 3 --steps 4 --out docs/results/tp.json
 """
@@ -18,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -126,9 +118,5 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

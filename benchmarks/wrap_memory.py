@@ -1,11 +1,6 @@
-"""Peak memory and time of wrapping a large GPT with ShardedModule, built eagerly (every rank
-builds the whole model, rank 0's values are broadcast) against built on the meta device
-(each rank materialises module by module and keeps only its parts); optionally one training
-step after it (AdamW).
-
-Each configuration is one launch of 2 gloo ranks, alternated round by round; per rank the
-peak resident memory of the process (ru_maxrss) after imports, after wrapping and after the
-training step, and the wrap's wall time.
+"""Peak memory and time of wrapping a large GPT with ShardedModule, built eagerly (rank 0's values
+broadcast) against on the meta device (each rank materialises only its parts); optionally one
+AdamW step after. Each configuration is one launch of 2 gloo ranks, alternated round by round.
 
     python benchmarks/wrap_memory.py --layers 20 --hidden 2048 --rounds 2 --train-step \
         --out docs/results/wrap_memory.json
@@ -20,8 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, parse_with_worker_options,
-                    peak_rss, script_main, start_rank, write_json)
+from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, parse_with_worker_options,
+                    peak_rss, script_main, start_rank, to_driver, write_json)
 
 WORLD_SIZE = 2
 GIB = 2**30
@@ -35,7 +30,7 @@ def run_worker(args: argparse.Namespace) -> None:
     from overlap.models import GPT, GPTConfig
     from overlap.models.gpt import Block
 
-    rank, _ = start_rank()
+    start_rank()
     config = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                        block_size=args.seq)
     before = peak_rss()
@@ -61,11 +56,9 @@ def run_worker(args: argparse.Namespace) -> None:
         sharded(tokens[:, :-1], tokens[:, 1:]).backward()
         optimizer.step()
         after_step = peak_rss()
-    mine = dict(before=before, after_wrap=after_wrap, after_step=after_step, wrap_s=wrap_s,
-                shard_bytes=shard_bytes, largest_unit_bytes=largest_unit)
-    ranks = from_every_rank(mine)
-    if rank == 0:
-        write_json(args.result, dict(mode=args.mode, params=config.num_params, ranks=ranks))
+    to_driver(args.result, dict(before=before, after_wrap=after_wrap, after_step=after_step, wrap_s=wrap_s,
+                                shard_bytes=shard_bytes, largest_unit_bytes=largest_unit),
+              mode=args.mode, params=config.num_params)
     dist.barrier()
 
 
@@ -101,13 +94,12 @@ def run_driver(args: argparse.Namespace) -> int:
             f"(per rank, the larger of the two; median of {args.rounds} rounds)\n\n{table}")
     print(text)
     if args.out:
-        write_json(args.out, dict(**record.fields(), runs=runs,
-                                  summary=summary, table=text))
+        write_json(args.out, dict(**record.fields(), runs=runs, summary=summary, table=text))
     return 0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
@@ -121,9 +113,5 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parse_with_worker_options(parser, argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))
