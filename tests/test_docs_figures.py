@@ -892,7 +892,7 @@ FIGURES: list[Figure] = [
     Figure("README.md", "| MoE at 2 Gbit/s: all-to-all hidden, EP 4 | {0:.0%} |", "moe_2gbit.json",
            (at("summary", "EP 4", "all_to_all_hidden_share"),)),
     Figure("README.md", "| `fully_shard` host µs per unit, 1 rank | {0:.0f} ({1:.0f}–{2:.0f}) |",
-           "overhead_one_rank.json",
+           "overhead_fully_shard_buckets.json",
            tuple(at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", k) for k in ("median", "min", "max"))),
     Figure("README.md", "| MoE on loopback: all-to-all hidden, EP 2 with 4 chunks (`OVERLAP_EXPERT_CHUNKS=4`) | {0:.0%} |",
            "moe_chunks_loopback.json", (at("summary", "EP 2/4", "all_to_all_hidden_share"),)),
@@ -901,17 +901,17 @@ FIGURES: list[Figure] = [
       for where, ep, chunks, words, name in (("on loopback", 2, 4, "4 chunks", "moe_chunks_loopback.json"),
                                              ("on loopback", 2, 1, "1 chunk", "moe_chunks_loopback.json"),
                                              ("at 2 Gbit/s", 4, 1, "1 chunk", "moe_chunks_2gbit.json"))],
-    # docs/fully_shard.md: one rank, units kept gathered until backward, against the checkout before.
-    *[Figure("docs/fully_shard.md", f"| {label} | {{0:.0f}} ({{1:.0f}}–{{2:.0f}}) | {{3:.2f}} ({{4:.2f}}–{{5:.2f}}) | "
+    # docs/history.md: one rank, units kept gathered until backward, against the checkout before.
+    *[Figure("docs/history.md", f"| {label} | {{0:.0f}} ({{1:.0f}}–{{2:.0f}}) | {{3:.2f}} ({{4:.2f}}–{{5:.2f}}) | "
              "{6:.2f} ({7:.2f}–{8:.2f}) |", "overhead_one_rank.json",
              (*[at("results", "1", "16", impl, "host_us_per_unit", k) for k in ("median", "min", "max")],
               *[at("results", "1", "16", impl, "ratios", f"{impl}-base", k) for k in ("median", "min", "max")],
               *[at("results", "1", "16", impl, "ratios", "fsdp2-tuned", k) for k in ("median", "min", "max")]))
       for impl, label in (("overlap-fully-shard", "`fully_shard`"), ("overlap-full", "`ShardedModule`"))],
-    Figure("docs/fully_shard.md", "| before: `fully_shard` / `ShardedModule` | {0:.0f} / {1:.0f} |",
+    Figure("docs/history.md", "| before: `fully_shard` / `ShardedModule` | {0:.0f} / {1:.0f} |",
            "overhead_one_rank.json", tuple(at("results", "1", "16", f"{impl}-base", "host_us_per_unit", "median")
                                            for impl in ("overlap-fully-shard", "overlap-full"))),
-    Figure("docs/fully_shard.md", "`fully_shard` costs {0:.0f} µs per unit against {1:.0f} before it", "overhead_one_rank.json",
+    Figure("docs/history.md", "`fully_shard` costs {0:.0f} µs per unit against {1:.0f} before it", "overhead_one_rank.json",
            tuple(at("results", "1", "16", impl, "host_us_per_unit", "median")
                  for impl in ("overlap-fully-shard", "overlap-fully-shard-base"))),
     *[Figure("README.md", f"| {words}, `ShardedModule` ÷ FSDP2 | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |", "state_dict_api.json",
