@@ -1206,7 +1206,14 @@ FIGURES: list[Figure] = [
                  "step_ms", "ratio_to_best_fsdp2_median", "ratio_min", "ratio_max", "gathered_mb_per_rank",
                  "reduced_mb_per_rank", "peak_rise_mb_per_rank")))
       for variant in ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather",
-                      "FSDP2 reshard", "FSDP2 no reshard")],
+                      "FSDP2 reshard", "FSDP2 no reshard", "overlap fully_shard, followed",
+                      "overlap fully_shard, regather, followed")],
+    Figure("docs/pipeline.md", "followed ÷ not followed per round {0:.3f} ({1:.3f}–{2:.3f})", "pipeline.json",
+           _paired_variants("overlap fully_shard, followed", "overlap fully_shard")),
+    Figure("docs/pipeline.md", "831.8 (the backward prefetch that 1F1B's warm-up forwards freed unused is gone, and the\n"
+                               "  first unit of the next pass is gathered behind the send and receive waits): {0:.3f}\n"
+                               "  ({1:.3f}–{2:.3f}) per round", "pipeline.json",
+           _paired_variants("overlap fully_shard, regather, followed", "overlap fully_shard, regather")),
     Figure("docs/pipeline.md", "`fully_shard` stages run {0:.3f}× ({1:.3f}–{2:.3f} per round) and `ShardedModule` "
                                "stages {3:.3f}×\n  ({4:.3f}–{5:.3f})", "pipeline.json",
            (*_paired_variants("overlap fully_shard", "FSDP2 reshard"),
