@@ -16,7 +16,8 @@ import overlap
 import overlap.kernels
 
 # Package -> the packages it may import (besides itself). "api" is the public face:
-# overlap/__init__.py, overlap/sharded_module.py, overlap/fsdp.py and overlap/pipeline_stage.py.
+# overlap/__init__.py, overlap/sharded_module.py, overlap/fsdp.py, overlap/pipeline_stage.py and
+# overlap/schedule_prefetch.py.
 ALLOWED: dict[str, set[str]] = {
     "kernels": {"_C"},                  # the compiled extension the ext backend loads
     "models": {"base"},                 # the expert capacity rule the runtime applies too
@@ -34,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
             "optim"},
     "__main__": {"cli"},
 }
-API_MODULES = {"overlap", "overlap.sharded_module", "overlap.fsdp", "overlap.pipeline_stage"}
+API_MODULES = {"overlap", "overlap.sharded_module", "overlap.fsdp", "overlap.pipeline_stage", "overlap.schedule_prefetch"}
 
 
 def _modules() -> list[str]:

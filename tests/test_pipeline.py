@@ -202,12 +202,14 @@ def launches() -> dict[int, CaseLaunch]:
             # Forced to regather, with the gathers between passes in the order of the schedule's
             # actions: each schedule with one unit per block, two with a unit per Linear.
             followed = (MICROBATCHES,) * STEPS, False, False, False, True
-            cases.update({f"{wrap}:{schedule}:regather:followed": RankCase(
-                train_stages, (schedule, wrap, *followed), env={"OVERLAP_KEEP_UNITS": "0"})
-                for wrap in ("sharded", "fully_shard") for schedule in SCHEDULES})
-            cases.update({f"fully_shard:{schedule}:regather:followed:small-units": RankCase(
-                train_stages, (schedule, "fully_shard", *followed),
-                env={"OVERLAP_KEEP_UNITS": "0", "OVERLAP_BUCKET_MB": "0.0001"}) for schedule in ("1F1B", "DualPipeV")})
+            cases.update({f"fully_shard:{schedule}:regather:followed": RankCase(
+                train_stages, (schedule, "fully_shard", *followed), env={"OVERLAP_KEEP_UNITS": "0"})
+                for schedule in SCHEDULES})
+            cases["sharded:1F1B:regather:followed"] = RankCase(train_stages, ("1F1B", "sharded", *followed),
+                                                               env={"OVERLAP_KEEP_UNITS": "0"})
+            cases["fully_shard:DualPipeV:regather:followed:small-units"] = RankCase(
+                train_stages, ("DualPipeV", "fully_shard", *followed),
+                env={"OVERLAP_KEEP_UNITS": "0", "OVERLAP_BUCKET_MB": "0.0001"})
             # The planner's choice (every unit kept), followed.
             cases["fully_shard:Interleaved1F1B:followed"] = RankCase(train_stages, ("Interleaved1F1B", "fully_shard",
                                                                                     *followed))
@@ -298,8 +300,8 @@ def test_stages_forced_to_regather_per_microbatch_train_alike(launches, schedule
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("wrap", ("sharded", "fully_shard"))
+@pytest.mark.parametrize("wrap, schedule", [("fully_shard", schedule) for schedule in SCHEDULES] +
+                         [("sharded", "1F1B")])
 def test_prefetch_following_the_schedule_trains_alike(launches, wrap: str, schedule: str) -> None:
     """`overlap.follow_schedule`: the units gathered between passes in the order of the
     schedule's actions train as one process; where the same schedule regathers without it,
@@ -313,8 +315,7 @@ def test_prefetch_following_the_schedule_trains_alike(launches, wrap: str, sched
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ("fully_shard:1F1B:regather:followed:small-units",
-                                  "fully_shard:DualPipeV:regather:followed:small-units",
+@pytest.mark.parametrize("case", ("fully_shard:DualPipeV:regather:followed:small-units",
                                   "fully_shard:Interleaved1F1B:followed"))
 def test_prefetch_following_the_schedule_with_several_units_or_kept_ones(launches, case: str) -> None:
     _check_parity(launches, 4, case)
