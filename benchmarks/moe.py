@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from common import (RunRecord, arg_parser, forwarded, in_turns, launch, markdown_table, median, on_link,
                     parse_with_worker_options, script_main, spread, start_rank, timed_steps, to_driver, train_step,
                     write_results)
+from tensor_memory import peak_tensor_rise_mb
 
 WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
@@ -89,6 +90,7 @@ def run_worker(args: argparse.Namespace) -> None:
     # Per round: the median step and the all-to-all figures of those steps.
     measured = in_turns(variants, args.rounds, lambda v: (median(steps(v, args.steps)),
                                                           _all_to_all(built[v][0], args.steps)))
+    peak = {v: [peak_tensor_rise_mb(lambda: steps(v, 1)) for _ in range(args.rounds)] for v in variants}
     reports = {}
     for variant, (model, _) in built.items():
         if variant != "FSDP2":
@@ -96,7 +98,8 @@ def run_worker(args: argparse.Namespace) -> None:
             reports[variant] = dict(gathered_bytes=mean.gathered_bytes, reduced_bytes=mean.reduced_bytes,
                                     comm_ms=mean.comm_s * 1e3, hidden_fraction=mean.hidden_fraction)
     to_driver(args.result, dict(step_s={v: [m[0] for m in ms] for v, ms in measured.items()},
-                                all_to_all={v: [m[1] for m in ms] for v, ms in measured.items()}, reports=reports))
+                                all_to_all={v: [m[1] for m in ms] for v, ms in measured.items()}, reports=reports,
+                                peak_tensor_rise_mb=peak))
 
 
 def _hidden_share(per_round: list[list[list[float]]]) -> Optional[float]:
@@ -129,19 +132,22 @@ def run_driver(args: argparse.Namespace) -> int:
             all_to_all_mb_per_step=round(sent / 2**20, 2), all_to_all_blocked_ms=round(blocked * 1e3, 1),
             all_to_all_hidden_share=_hidden_share(per_round),
             gathered_mb_per_rank=None if report is None else round(report["gathered_bytes"] / 2**20, 2),
-            reduced_mb_per_rank=None if report is None else round(report["reduced_bytes"] / 2**20, 2))
+            reduced_mb_per_rank=None if report is None else round(report["reduced_bytes"] / 2**20, 2),
+            peak_tensor_rise_mb_per_rank=round(max(median(r["peak_tensor_rise_mb"][variant]) for r in ranks), 1))
         twin = variant.removeprefix("fully_shard ")       # the same expert parallelism under ShardedModule
         if twin != variant and twin in rounds:
             summary[variant]["ratio_to_" + twin.replace(" ", "_")] = spread(
                 [round(mine / theirs, 3) for mine, theirs in zip(rounds[variant], rounds[twin])])
     table = markdown_table(
         ["variant", "step ms", "÷ no EP, per round: median (range)", "gathered MB/rank", "reduced MB/rank",
-         "all-to-all MB (all ranks)", "blocked in all-to-all ms", "all-to-all hidden"],
+         "all-to-all MB (all ranks)", "blocked in all-to-all ms", "all-to-all hidden",
+         "peak tensor memory rise MB/rank"],
         [[v, s["step_ms"], f"{s['ratio_median']} ({s['ratio_min']}–{s['ratio_max']})",
           "–" if s["gathered_mb_per_rank"] is None else s["gathered_mb_per_rank"],
           "–" if s["reduced_mb_per_rank"] is None else s["reduced_mb_per_rank"],
           s["all_to_all_mb_per_step"], s["all_to_all_blocked_ms"],
-          "–" if s["all_to_all_hidden_share"] is None else f"{100 * s['all_to_all_hidden_share']:.0f}%"]
+          "–" if s["all_to_all_hidden_share"] is None else f"{100 * s['all_to_all_hidden_share']:.0f}%",
+          s["peak_tensor_rise_mb_per_rank"]]
          for v, s in summary.items()])
     twins = [f"{v} ÷ {v.removeprefix('fully_shard ')}, per round: {s[key]['median']} ({s[key]['min']}–{s[key]['max']})"
              for v, s in summary.items() for key in s if key.startswith("ratio_to_")]

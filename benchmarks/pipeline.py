@@ -4,8 +4,8 @@ microbatch; both `fully_shard` settings again with the gathers between passes fo
 schedule's actions, `overlap.follow_schedule`), against FSDP2 with `reshard_after_forward`
 True and False (its reduce-scatter by all-to-all, as peers.py tunes it). Built in one launch,
 taking turns over rounds; per step the bytes each rank gathers and reduces, the peak rise of
-resident memory (VmHWM, apart from the timed steps), and per-round ratios to FSDP2's faster
-setting.
+tensor memory (tensor_memory.py, apart from the timed steps), and per-round ratios to FSDP2's
+faster setting.
 
     python benchmarks/pipeline.py --rounds 3 --steps 2
 """
@@ -17,8 +17,8 @@ import sys
 from typing import Sequence
 
 from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, parse_with_worker_options,
-                    proc_status_kib, rotated, script_main, slower_rank, start_rank, timed_steps, to_driver,
-                    write_results)
+                    rotated, script_main, slower_rank, start_rank, timed_steps, to_driver, write_results)
+from tensor_memory import peak_tensor_rise_mb
 
 WORLD_SIZE, PP = 4, 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather", "FSDP2 reshard",
@@ -84,16 +84,6 @@ def _wrap(variant: str, stage, mesh):
     for module in (root, *stage.blocks):
         module.set_custom_reduce_scatter(comm)
     return root
-
-
-def _allocations_through_mmap() -> None:
-    """Allocations above 128 kB go to the kernel and back, so that resident memory follows what the
-    rank holds (set after the timed steps: mapping costs time)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024)                  # M_MMAP_THRESHOLD
-    libc.malloc_trim(0)
 
 
 class _Bytes:
@@ -175,16 +165,12 @@ def run_worker(args: argparse.Namespace) -> None:
         return timed_steps(step, count)
 
     def rise_mb(variant: str) -> float:
-        """One step's peak resident memory over what the rank held before it, gathered parameters
+        """One step's peak tensor memory over what the rank held before it, gathered parameters
         freed first (FSDP2 without resharding keeps its own from one step to the next)."""
         for module in built[variant][2].modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")                      # resets VmHWM to the current resident size
-        before = proc_status_kib("VmRSS")
-        steps(variant, 1)
-        return (proc_status_kib("VmHWM") - before) / 1024
+        return peak_tensor_rise_mb(lambda: steps(variant, 1))
 
     for variant in VARIANTS:
         steps(variant, 1)                                          # warm-up: builds the runtimes
@@ -200,11 +186,11 @@ def run_worker(args: argparse.Namespace) -> None:
             gathered, reduced = counter.take()
             moved[variant].append((gathered / args.steps, reduced / args.steps))
     peak = {variant: [] for variant in VARIANTS}
-    _allocations_through_mmap()
     for round_index in range(args.rounds):                          # memory apart from the timed steps
         for variant in VARIANTS:
             peak[variant].append(rise_mb(variant))
-    to_driver(args.result, dict(step_s=step_s, moved=moved, peak_rise_mb=peak, pp_rank=pp_rank, decided=decided))
+    to_driver(args.result, dict(step_s=step_s, moved=moved, peak_tensor_rise_mb=peak, pp_rank=pp_rank,
+                                decided=decided))
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -223,12 +209,12 @@ def run_driver(args: argparse.Namespace) -> int:
             ratio_max=round(max(ratios), 3),
             gathered_mb_per_rank=round(max(median([m[0] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
             reduced_mb_per_rank=round(max(median([m[1] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
-            peak_rise_mb_per_rank=round(max(median(r["peak_rise_mb"][variant]) for r in ranks), 1))
+            peak_tensor_rise_mb_per_rank=round(max(median(r["peak_tensor_rise_mb"][variant]) for r in ranks), 1))
     table = markdown_table(
         ["variant", "step ms", "÷ FSDP2's faster, per round: median (range)", "gathered MB/rank/step",
-         "reduced MB/rank/step", "peak memory rise MB/rank"],
+         "reduced MB/rank/step", "peak tensor memory rise MB/rank"],
         [[v, s["step_ms"], f"{s['ratio_to_best_fsdp2_median']} ({s['ratio_min']}–{s['ratio_max']})",
-          s["gathered_mb_per_rank"], s["reduced_mb_per_rank"], s["peak_rise_mb_per_rank"]]
+          s["gathered_mb_per_rank"], s["reduced_mb_per_rank"], s["peak_tensor_rise_mb_per_rank"]]
          for v, s in summary.items()])
     decided = sorted({d for r in ranks for d in r["decided"]})
     write_results(args.out, "pipeline", dict(**record.fields(), world=WORLD_SIZE, pp=PP, schedule="1F1B",

@@ -139,6 +139,7 @@ def test_moe_tiny(tmp_path):
     assert summary["no EP"]["all_to_all_mb_per_step"] == 0
     assert summary["EP 2"]["all_to_all_mb_per_step"] > 0 and summary["fully_shard EP 2"]["all_to_all_mb_per_step"] > 0
     assert summary["fully_shard EP 2"]["ratio_to_EP_2"]["median"] > 0
+    assert all(entry["peak_tensor_rise_mb_per_rank"] > 0 for entry in summary.values())
     assert data["commit"] and data["command"].startswith("python benchmarks/moe.py")
 
 
@@ -264,6 +265,32 @@ def test_overhead_smoke(tmp_path):
     assert numbers and all(math.isfinite(value) for _, value in numbers), [n for n in numbers
                                                                            if not math.isfinite(n[1])]
     assert "| overlap-full |" in proc.stdout
+
+
+def test_peak_tensor_rise_follows_what_the_call_holds():
+    """The peak is the most the call held at once over what was held before it: a buffer freed
+    before the next is allocated counts once, one kept alive counts with the next."""
+    import torch
+
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from tensor_memory import peak_tensor_rise_mb
+    finally:
+        sys.path.remove(BENCHMARKS)
+    before = torch.ones(4 * 2**18)             # 4 MiB held before the call: not part of the rise
+    kept = []
+
+    def one_at_a_time() -> None:
+        for _ in range(3):
+            torch.empty(3 * 2**18).fill_(1.0)  # 3 MiB, freed at once
+
+    def held_together() -> None:
+        kept.append(torch.empty(2 * 2**18).fill_(1.0))
+        torch.empty(3 * 2**18).fill_(1.0)
+
+    assert 3 <= peak_tensor_rise_mb(one_at_a_time) < 3.1
+    assert 5 <= peak_tensor_rise_mb(held_together) < 5.1
+    assert before.sum() > 0 and len(kept) == 1
 
 
 def test_overhead_profile_paths_are_relative():
