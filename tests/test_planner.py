@@ -13,7 +13,7 @@ from overlap.base.config import config_from_env
 from overlap.plan.cost_model import Profile, UnitCost, predict_step, wire_bytes
 from overlap.plan.prefetch import (LATENCY_SHARE, MIN_BUCKETS, choose_bucket_bytes, choose_depths, latency_bucket_bytes, merge_costs)
 from overlap.control.replanner import drifted
-from overlap.control.probe import fit_alpha_beta
+from overlap.control.probe import PROBE_SIZES, fit_alpha_beta
 from overlap.cli.simulate import main as simulate
 from overlap.plan.links import LinkModel
 from distributed import run_distributed
@@ -254,19 +254,47 @@ def _overrides_and_probe(rank: int, world: int, cache: str):
     group = dist.group.WORLD
     probed = probe_link(group, torch.device("cpu"), LINK_DEFAULTS["loopback"], cache)
     cached = probe_link(group, torch.device("cpu"), LINK_DEFAULTS["loopback"], cache)
-    return fixed_state, argument_wins, probed, cached
+    return fixed_state, argument_wins, probed, cached, _probe_after_a_slow_first_size()
+
+
+def _probe_after_a_slow_first_size() -> tuple[list[int], float]:
+    """The probe on a slow link (β 0.1 GB/s, α 0.5 ms) whose first size read three times its time
+    (a loaded host): the sizes timed, and the β fitted. Grown by the ratio of sizes, that first
+    time overruns the budget; the second size must run all the same (with one repeat)."""
+    import torch
+    import torch.distributed as dist
+
+    from overlap.control import probe
+    from overlap.plan.links import LINK_DEFAULTS
+
+    timed = []
+
+    def pair(timer, nbytes: int) -> tuple[float, float]:
+        timed.append(nbytes)
+        seconds = 5e-4 + nbytes / 2 / 0.1e9          # two ranks: half the buffer crosses
+        return (3 * seconds,) * 2 if nbytes == probe.PROBE_SIZES[0] else (seconds,) * 2
+
+    real_pair, probe._Timer.pair = probe._Timer.pair, pair
+    try:
+        samples = probe._measure(dist.group.WORLD, torch.device("cpu"), 0.3)
+    finally:
+        probe._Timer.pair = real_pair
+    return timed, probe.fit_alpha_beta(samples, LINK_DEFAULTS["loopback"])[1]
 
 
 def test_env_overrides_and_probe_cache(tmp_path):
     cache = str(tmp_path / "probe.json")
     results = run_distributed(_overrides_and_probe, 2, cache, timeout=90,
                               env={"OVERLAP_PREFETCH_DEPTH": "3", "OVERLAP_BUCKET_MB": "30", "OVERLAP_PROBE": "0"})
-    for fixed_state, argument_wins, probed, cached in results:
+    for fixed_state, argument_wins, probed, cached, (timed, beta) in results:
         assert fixed_state == (3, 30.0, 3, False)           # env beats the planner: no re-planning
         assert argument_wins == 1                            # argument beats env
         assert probed.source == "probe" and cached.source == "cache"
         assert (cached.alpha, cached.beta) == (probed.alpha, probed.beta)
         assert probed.alpha > 0 and probed.beta > 0
+        first, second = PROBE_SIZES[:2]                      # warm-up, three repeats, then one of the second
+        assert timed == [first] * 4 + [second]
+        assert 0.1e9 <= beta < 0.2e9                         # measured, not the loopback default (0.6 GB/s)
     assert results[0][2] == results[1][2]
     assert os.path.exists(cache)
 

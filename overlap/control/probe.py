@@ -2,9 +2,9 @@
 
 All-gathers and gradient reductions (the primitive the runtime uses on this backend) run at a
 few sizes, smallest first; each timing is the slowest rank's (a collective finishes when its
-last rank does) and the best of a few repeats. The probe stops adding sizes once the next one
-would overrun its time budget: every rank takes that decision from the same all-reduced clock,
-so all ranks issue the same collectives. The fit is a least-squares line time = α + bytes/β.
+last rank does) and the best of a few repeats. The first two sizes always run; the probe stops
+adding sizes once the next one would overrun its time budget: every rank takes that decision
+from the same all-reduced clock, so all ranks issue the same collectives. The fit is a least-squares line time = α + bytes/β.
 """
 from __future__ import annotations
 
@@ -120,28 +120,50 @@ class _Timer:
 
 
 def _measure(group: dist.ProcessGroup, device: torch.device, budget_s: float) -> list[tuple[float, float]]:
-    """(wire bytes, slowest rank's best seconds) for each size the budget allowed."""
+    """(wire bytes, slowest rank's best seconds) for each size the budget allowed: the first
+    two always (a fit needs two sizes), the second with as many repeats as the budget leaves
+    room for, at least one."""
     timer = _Timer(group, device)
     timer.pair(PROBE_SIZES[0])  # warm-up: connection set-up is not latency
     world = timer.world
     samples: list[tuple[float, float]] = []
     spent = 0.0
+    repeats = PROBE_REPEATS
     for index, nbytes in enumerate(PROBE_SIZES):
-        times = torch.tensor([timer.pair(nbytes) for _ in range(PROBE_REPEATS)], dtype=torch.float64)
+        times = torch.tensor([timer.pair(nbytes) for _ in range(repeats)], dtype=torch.float64)
         # Slowest rank per repeat, then the best repeat; the budget clock rides along.
         spent += float(times.sum())
         clock = torch.cat([times.flatten(), torch.tensor([spent], dtype=torch.float64)]).to(device)
         dist.all_reduce(clock, op=dist.ReduceOp.MAX, group=group)
         clock = clock.cpu()
-        best = clock[:-1].view(PROBE_REPEATS, 2).min(dim=0).values
+        best = clock[:-1].view(repeats, 2).min(dim=0).values
         wire = nbytes * (world - 1) / world
         samples += [(wire, float(best[0])), (wire, float(best[1]))]
         spent = float(clock[-1])
-        last_pair = float(best.sum()) * PROBE_REPEATS
-        ratio = PROBE_SIZES[index + 1] / nbytes if index + 1 < len(PROBE_SIZES) else 0.0
-        if spent + last_pair * ratio > budget_s:
+        if index + 1 == len(PROBE_SIZES):
+            break
+        # The next size's repeat, as if its time grew with the bytes alone: from the latency
+        # point that overestimates it many times over, which is why the second size is not
+        # left to this guess (see [Note: the probe's second size]).
+        next_repeat = float(best.sum()) * PROBE_SIZES[index + 1] / nbytes
+        if index == 0:
+            repeats = max(1, min(PROBE_REPEATS, int((budget_s - spent) / next_repeat)))
+        elif spent + next_repeat * PROBE_REPEATS > budget_s:
             break
     return samples
+
+
+# [Note: the probe's second size]
+# With one size measured the fit has no slope, and β would be the link's default, not a
+# measurement. The budget used to decide the second size from the first one's time grown by
+# the ratio of sizes (32): at 64 KB the time is mostly latency, so a slow first point (a
+# loaded host) made the guess overrun the budget and the probe stop there. On an emulated
+# two-node cluster at 1 Gbit/s (two ranks a node, the host loaded), 4 probes of each group the
+# planner probes: all ranks' stopped there 4 times, one rank per node's and a node's once
+# each, and each of those read the default β for the link (0.6 GB/s for loopback, against
+# 0.06-0.1 measured), which once made the planner choose hpZ where hybrid was faster. The
+# second size now always runs, the budget setting only its repeats (at least one) and
+# whether the third size runs; in 4 probes again all ranks' β read 0.081-0.095 GB/s.
 
 
 def probe_link(group: dist.ProcessGroup, device: torch.device, default: LinkModel,
