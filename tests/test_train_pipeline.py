@@ -42,13 +42,14 @@ ACCEPTED = [
     # weight; validation runs through the stages without the schedule.
     ["--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--microbatches", "4"],
     ["--pp", "2", "--pp-schedule", "DualPipeV", "--microbatches", "4"],
+    # Experts split under a schedule that splits backward (ACCEPTED[9]'s flags under DualPipeV).
     ["--pp", "2", "--pp-schedule", "DualPipeV", "--microbatches", "4", "--moe", "--experts", "4",
-     "--mixed-precision", "bf16"],
+     "--expert-parallel", "2", "--capacity-factor", "1.0", "--mixed-precision", "bf16"],
 ]
 # Which of ACCEPTED ask the runtime for settings, and what rank 0's report then prints (of
 # its first stage's runtime): the all-to-alls of split experts, the compressed bytes, the
 # prefetch depth and bucket size.
-PRINTED = {8: ["all-to-all: "], 9: ["all-to-all: "],
+PRINTED = {8: ["all-to-all: "], 9: ["all-to-all: "], 13: ["all-to-all: "],
            10: ["before compression)", "prefetch depth 1, bucket 0.001 MB"]}
 
 
@@ -212,6 +213,18 @@ def test_moe_stages_train_as_the_moe_job_without_stages(launches, index: int) ->
 
 
 @pytest.mark.timeout(600)
+def test_split_experts_under_a_split_backward_train_as_under_full_backwards(launches) -> None:
+    """DualPipeV splits each backward into an input step, which runs every all-to-all, and a
+    weight step from where the parameters join the input's path: the losses are those of
+    Interleaved1F1B with the same flags, within bf16's rounding between stage layouts."""
+    for outcome in launches[4]["pipeline"]:
+        accepted = outcome.result()["accepted"]
+        (split, split_val), (full, full_val) = accepted[13], accepted[9]
+        torch.testing.assert_close(torch.tensor(split), torch.tensor(full), rtol=1e-3, atol=1e-4)
+        assert math.isclose(split_val, full_val, rel_tol=1e-3)
+
+
+@pytest.mark.timeout(600)
 def test_the_runtimes_options_reach_every_stage(launches) -> None:
     printed = launches[4]["pipeline"][0].result()["printed"]
     for index, wanted in PRINTED.items():
@@ -279,8 +292,6 @@ def test_a_pipeline_run_writes_its_trace_and_timeline(launches) -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pp", "2", "--moe", "--expert-parallel", "2", "--pp-schedule", "InterleavedZeroBubble"],
-     "--expert-parallel with --pp-schedule InterleavedZeroBubble is not supported yet"),
     (["--pp", "2", "--offload", "disk", "--mixed-precision", "bf16"], "offload disk with --pp is not supported yet"),
     (["--microbatches", "2"], "--microbatches needs --pp"),
     (["--pp-schedule", "GPipe"], "--pp-schedule needs --pp"),
@@ -288,8 +299,6 @@ def test_a_pipeline_run_writes_its_trace_and_timeline(launches) -> None:
      "--pp 4 with --pp-schedule 1F1B makes 4 stages and needs at least as many --layers (got 2)"),
     (["--pp", "2", "--pp-schedule", "Interleaved1F1B", "--layers", "3"],
      "makes 4 stages and needs at least as many --layers (got 3)"),
-    (["--pp", "2", "--moe", "--expert-parallel", "2", "--pp-schedule", "DualPipeV"],
-     "--expert-parallel with --pp-schedule DualPipeV is not supported yet"),
     (["--pp", "2", "--microbatches", "3", "--batch", "8"], "--microbatches 3 must divide --batch 8"),
     (["--pp", "2", "--microbatches", "1"], "--pp-schedule 1F1B needs --microbatches >= --pp 2 (got 1)"),
 ])

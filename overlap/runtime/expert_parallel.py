@@ -57,6 +57,16 @@ rank: a rank whose experts got no token keeps both in its graph with zero terms,
 experts a zero gradient, so the reductions over the ranks holding the same experts match
 too. Nothing is kept between calls, so a recompute under activation checkpointing or another
 microbatch in flight reissues its own.
+
+[Note: a backward split in two]
+The zero-bubble pipeline schedules (and DualPipeV) split a stage's backward: an input step
+(`torch.autograd.grad` over the stage's input, the graph kept), then a weight step that runs
+one backward per group of parameters, from the nodes where the group's parameters join the
+input's path down to the parameters. Every all-to-all lies on the input's path (tokens go out
+and come back), so the input step issues each once, in the same order on every rank, and no
+weight step reaches one. What a weight step must not meet is a node on two groups' paths:
+the first group's backward frees it, and the second fails. The zero terms of a chunk that got
+no token join the output one parameter at a time for that reason.
 """
 from __future__ import annotations
 
@@ -106,7 +116,6 @@ class ExpertGroups:
     ep_rank: int
     ranks: tuple[int, ...]                   # the world's ranks in order: rank g·E + e is ranks[g·E + e]
     all_group: dist.ProcessGroup             # every rank taking part: the non-expert parameters' sharding group
-    stage: bool = False                      # a pipeline stage's (see make_groups)
     # See [Note: ranks that part in a mixture of experts].
     watched: _Watched = field(default_factory=_Watched)
 
@@ -164,7 +173,7 @@ def make_groups(size: int, all_group: dist.ProcessGroup, chunks: int = DEFAULT_C
         group = made([ranks[g * size + e] for g in range(world // size)], rank % size == e)
         if rank % size == e:
             shard_group = group
-    return ExpertGroups(size, ep_groups, shard_group, rank % size, tuple(ranks), all_group, stage)
+    return ExpertGroups(size, ep_groups, shard_group, rank % size, tuple(ranks), all_group)
 
 
 def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
@@ -269,23 +278,16 @@ class _SendBack(torch.autograd.Function):
     behind compute]); the gradients passed on are only waited for there."""
 
     @staticmethod
-    def forward(ctx: Any, backs: tuple[_Handoff, ...], stage: bool, *parts: torch.Tensor) -> torch.Tensor:
-        ctx.backs, ctx.stage, ctx.lengths = backs, stage, [len(part) for part in parts]
+    def forward(ctx: Any, backs: tuple[_Handoff, ...], *parts: torch.Tensor) -> torch.Tensor:
+        ctx.backs, ctx.lengths = backs, [len(part) for part in parts]
         return torch.cat(parts) if len(parts) > 1 else parts[0].view_as(parts[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        if ctx.stage and torch._C._autograd._get_current_graph_task_keep_graph() and not torch.is_grad_enabled():
-            # The input step of a zero-bubble schedule: its weight step would run parts of this
-            # graph again, which holds collectives that are issued once.
-            raise RuntimeError("expert_parallel in a pipeline stage does not take a backward split into an input "
-                               "step and a weight step (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
-                               "ScheduleDualPipeV); use a schedule with full backwards (ScheduleGPipe, "
-                               "Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS)")
         grads = grad.split(ctx.lengths)
         for back, part in zip(ctx.backs, grads):
             back.send(part)
-        return (None, None, *grads)
+        return (None, *grads)
 
 
 def _wait(pending: list[Pending]) -> None:
@@ -339,7 +341,7 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
         for c in range(count):                                 # chunk c + 1 arrives while chunk c computes
             _wait(dispatches[c])
             tokens_MD, sent_back = tokens[c]
-            tokens_MD = _SendBack.apply((sent_back,), groups.stage, tokens_MD)    # its gradient goes back from here
+            tokens_MD = _SendBack.apply((sent_back,), tokens_MD)    # its gradient goes back from here
             ones_M1 = torch.ones(len(experts_M[c]), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
             out_MD = compute(self, tokens_MD, experts_M[c][:, None], ones_M1)
             if len(experts_M[c]) == 0 and torch.is_grad_enabled():
@@ -347,15 +349,17 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
                 # dispatch's backward all-to-all and give its experts the (zero) gradient whose
                 # reduction the ranks holding the same experts issue.
                 # The attributes: the gathered views the unit computes with (the registered
-                # parameters are this rank's rows, which no gradient may reach).
-                touched = sum(getattr(self, name).reshape(-1)[:1].sum() for name in self._parameters)
-                out_MD = out_MD + (tokens_MD.sum() + touched) * 0
+                # parameters are this rank's rows, which no gradient may reach). Each joins the
+                # output on its own (see [Note: a backward split in two]).
+                out_MD = out_MD + tokens_MD.sum() * 0
+                for name in self._parameters:
+                    out_MD = out_MD + getattr(self, name).reshape(-1)[:1].sum() * 0
             received_sizes, send_sizes = sizes[c]
             back, handoff = _all_to_all(out_MD, send_sizes, received_sizes, routes[c], combines)
             backs.append(back)
             handoffs.append(handoff)
         _wait(combines)
-        back_PD = _SendBack.apply(tuple(handoffs), groups.stage, *backs)
+        back_PD = _SendBack.apply(tuple(handoffs), *backs)
         return torch.zeros_like(hidden_ND).index_add(0, token_P, back_PD * weight_P[:, None].to(back_PD.dtype))
 
     return forward

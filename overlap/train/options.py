@@ -25,8 +25,6 @@ V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 def stages_per_rank(schedule: str) -> int:
     """Pipeline stages each rank holds under `schedule`."""
     return 1 if schedule in ("1F1B", "GPipe") else 2
-# The schedules that split backward into an input and a weight step.
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 class JobError(ValueError):
@@ -207,10 +205,6 @@ def check_pipeline(args: argparse.Namespace) -> None:
         raise JobError(f"--microbatches {args.microbatches} must divide --batch {args.batch}")
     if args.pp_schedule == "1F1B" and args.microbatches < args.pp:
         raise JobError(f"--pp-schedule 1F1B needs --microbatches >= --pp {args.pp} (got {args.microbatches})")
-    if args.expert_parallel is not None and args.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise JobError(f"--expert-parallel with --pp-schedule {args.pp_schedule} is not supported yet: the schedule "
-                       "splits backward into an input and a weight step, and a MoE layer's all-to-alls run once per "
-                       "backward (docs/pipeline.md); use 1F1B, GPipe, Interleaved1F1B or LoopedBFS")
     if offload_tier(args) == "disk":
         raise JobError("offload disk with --pp is not supported yet: the disk tier steps with overlap.optim.AdamW "
                        "over a ShardedModule's parameters; use --offload cpu")
