@@ -95,12 +95,13 @@ def bf16() -> "MixedPrecision":
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor],
+def lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Sequence[tuple[torch.Tensor, ...]],
             context: Callable[[], Any]) -> Callable[[int], torch.Tensor]:
+    """Step i: `model(*data[i])` (a loss) under `context()`, its backward and `optimizer`'s step."""
 
     def step(i: int) -> torch.Tensor:
         with context():
-            loss = model(data[i], data[i])
+            loss = model(*data[i])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
