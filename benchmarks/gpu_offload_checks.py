@@ -10,9 +10,8 @@ from typing import Callable, Optional
 import torch
 
 from common import device_seconds
-from gpu_harness import Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on
-from gpu_injection import race_injection
-from gpu_training import parity_steps, small_gpt, token_batches
+from gpu_harness import (Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on, parity_steps,
+                         race_injection, small_gpt, token_batches)
 
 OFFLOAD_COPY_NUMEL = 64 * 2**20          # 256 MiB a copy: several ms, launches do not count
 OFFLOAD_RTOL = 1e-3                      # "cpu" and "disk" against "none": losses and parameters

@@ -18,9 +18,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from common import patched, train_step
-from gpu_harness import (ROOT, Checks, all_finite, bf16, collectives_issued_alone, device_for, lm_step, one_rank_on,
-                         synchronize)
-from gpu_training import flush_record, small_gpt, token_batches
+from gpu_harness import (ROOT, Checks, all_finite, bf16, collectives_issued_alone, device_for, flush_record, lm_step,
+                         one_rank_on, small_gpt, synchronize, token_batches)
 
 SYNC_WARMUP, SYNC_STEPS = 3, 3
 # The checks' own frames, passed over when naming where a sync was made.

@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from common import device_seconds
-from gpu_harness import (Checks, all_finite, bf16, collectives_issued_alone, device_for, empty_cache, lm_step,
-                         one_rank_on, timed_steps)
-from gpu_injection import Injection
-from gpu_training import flush_record
+from gpu_harness import (Checks, Injection, all_finite, bf16, collectives_issued_alone, device_for, empty_cache,
+                         flush_record, lm_step, one_rank_on, timed_steps)
 
 if TYPE_CHECKING:
     from overlap.models import GPTConfig
