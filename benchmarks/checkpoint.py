@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import zlib
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -168,9 +168,5 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))

@@ -340,6 +340,20 @@ def seconds_of(call: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def device_seconds(call: Callable[[], object], device: Any) -> float:
+    """Seconds of one `call()`: by CUDA events on the current stream on a GPU, else by the host's clock."""
+    if device.type != "cuda":
+        return seconds_of(call)
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def timed_steps(step: Callable[[], object], count: int) -> list[float]:
     """The seconds of each of `count` calls of `step`, each after a barrier."""
     import torch.distributed as dist

@@ -232,12 +232,10 @@ checks_logs=()      # the logs of gpu_checks.py written by this run, counted in 
 checks_step() {
     local name=$1
     step "$name"
-    if [ "$mode" = none ]; then
-        for check in ${CHECKS[$name]//,/ }; do
-            verdict SKIP "$check" "no CUDA device (torch.cuda.is_available() is False)"
-        done
-    elif [ "$installed" != 1 ]; then
-        for check in ${CHECKS[$name]//,/ }; do verdict SKIP "$check" "the package did not install"; done
+    if [ "$mode" = none ] || [ "$installed" != 1 ]; then
+        local why="the package did not install"
+        [ "$mode" = none ] && why="no CUDA device (torch.cuda.is_available() is False)"
+        for check in ${CHECKS[$name]//,/ }; do verdict SKIP "$check" "$why"; done
     else
         if [ "$name" = sanitized ] && [ "$mode" = gpu ]; then
             # Read when torch is imported: the sanitizer wraps every CUDA op of the process.

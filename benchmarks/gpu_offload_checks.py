@@ -5,25 +5,28 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from gpu_harness import Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on
-from gpu_injection import race_injection
-from gpu_training import parity_steps, small_gpt, token_batches
+from common import device_seconds
+from gpu_harness import (Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on, parity_steps,
+                         race_injection, small_gpt, token_batches)
 
 OFFLOAD_COPY_NUMEL = 64 * 2**20          # 256 MiB a copy: several ms, launches do not count
-OFFLOAD_RTOL = 1e-3                      # "cpu" against "none": losses and parameters
+OFFLOAD_RTOL = 1e-3                      # "cpu" and "disk" against "none": losses and parameters
 # Shares of a plain pinned copy's bandwidth to reach, and of the copy to hide under compute.
 OFFLOAD_BANDWIDTH_SHARE, OFFLOAD_HIDDEN_SHARE = 0.8, 0.5
 
 
-def _runs_against_none(device: torch.device, offload: str, wrap: dict, optimizer_class: type) -> dict:
+def _runs_against_none(device: torch.device, offload: str, wrap: dict, optimizer: str) -> dict:
     """A GPT with offload "none" and with `offload` under the race injection: losses, states,
     where parameters and gradients lived (device, pinned, dtype, grad device, grad dtype) and,
-    for "disk", the gathered 16-bit shards."""
+    for "disk", the gathered 16-bit shards. `optimizer`: "torch" or "overlap"'s AdamW."""
     from overlap import ShardedModule
+    from overlap.optim import AdamW
+
+    optimizer_class = AdamW if optimizer == "overlap" else torch.optim.AdamW
 
     out = {}
     batches = token_batches(device, parity_steps(device))
@@ -49,20 +52,31 @@ def _runs_against_none(device: torch.device, offload: str, wrap: dict, optimizer
     return out
 
 
+def _against_none(checks: Checks, device: torch.device, name: str, offload: str, wrap: dict,
+                  optimizer: str) -> Optional[tuple[dict, dict, bool, bool]]:
+    """`_runs_against_none`'s runs ("none"'s, `offload`'s) and whether the losses and the states
+    are within OFFLOAD_RTOL; None after a FAIL of `name` if they raise."""
+    try:
+        runs = _runs_against_none(device, offload, wrap, optimizer)
+    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+        checks.error(name, exc)
+        return None
+    ref, got = runs["none"], runs[offload]
+    # "none" steps AdamW on the device, the others on the host: another order, so close, not equal.
+    close = all(math.isclose(a, b, rel_tol=OFFLOAD_RTOL) for a, b in zip(ref["losses"], got["losses"]))
+    states = all(torch.allclose(got["state"][k].float(), v.float(), rtol=OFFLOAD_RTOL, atol=1e-5)
+                 for k, v in ref["state"].items())
+    return ref, got, close, states
+
+
 def _offload_parity(checks: Checks, device: torch.device) -> None:
     for name, wrap in (("fp32", {}), ("bf16", dict(mixed_precision=bf16()))):
-        try:
-            runs = _runs_against_none(device, "cpu", wrap, torch.optim.AdamW)
-        except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-            checks.error(f"offload[parity_{name}]", exc)
+        compared = _against_none(checks, device, f"offload[parity_{name}]", "cpu", wrap, "torch")
+        if compared is None:
             continue
-        ref, got = runs["none"], runs["cpu"]
+        ref, got, close, states = compared
         identical = ref["losses"] == got["losses"] and all(torch.equal(got["state"][k], v)
                                                             for k, v in ref["state"].items())
-        # "none" steps AdamW on the device, "cpu" on the host: another order, so close, not equal.
-        close = all(math.isclose(a, b, rel_tol=OFFLOAD_RTOL) for a, b in zip(ref["losses"], got["losses"]))
-        states = all(torch.allclose(got["state"][k].float(), v.float(), rtol=OFFLOAD_RTOL, atol=1e-5)
-                     for k, v in ref["state"].items())
         pinned = torch.cuda.is_available()
         places = {(where, pinned_, grad_where) for where, pinned_, _, grad_where, _ in got["places"]}
         on_host = places == {("cpu", pinned, "cpu")}
@@ -75,15 +89,7 @@ def _offload_parity(checks: Checks, device: torch.device) -> None:
 
 def _elapsed_ms(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
     """The fastest of `repeats` runs of `run`, by events on the compute stream."""
-    best = math.inf
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+    return 1e3 * min(device_seconds(run, device) for _ in range(repeats))
 
 
 def _offload_copies(checks: Checks, device: torch.device) -> None:
@@ -101,15 +107,19 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
     device_buffer = torch.empty(n, device=device)
     compute = torch.cuda.current_stream(device)
 
-    def upload() -> None:                      # what a gather sends, as the runtime queues it
+    # `between` runs after the copy is queued, before the compute stream waits for it.
+    def upload(between: Callable[[], None] = lambda: None) -> None:     # what a gather sends, as queued
         place.gather_source(master, torch.float32, encoded=False, local=False)
+        between()
         compute.wait_stream(gather_stream)
 
-    def download() -> None:                    # a reduced gradient going home
+    def download(between: Callable[[], None] = lambda: None, ready: bool = True) -> None:  # a gradient going home
         place.reduce_target(grad_shard, zeros=True)
         place.reduction_issued(COMPLETED)
+        between()
         compute.wait_stream(tier.download_stream)
-        place.grads_ready()
+        if ready:
+            place.grads_ready()
 
     plain_h2d = _elapsed_ms(lambda: device_buffer.copy_(master, non_blocking=True), device)
     plain_d2h = _elapsed_ms(lambda: grad_shard.copy_(device_buffer, non_blocking=True), device)
@@ -132,20 +142,10 @@ def _offload_copies(checks: Checks, device: torch.device) -> None:
             a @ a
 
     compute_ms = _elapsed_ms(matmuls, device)
+    # The copy is queued first, the matmuls after it; the end waits for both.
+    both = {"h2d": lambda: upload(matmuls), "d2h": lambda: download(matmuls, ready=False)}
     for name, copy_ms in (("h2d", ours_h2d), ("d2h", ours_d2h)):
-        # The copy is queued first, the matmuls after it; the end waits for both.
-        def both() -> None:
-            if name == "h2d":
-                place.gather_source(master, torch.float32, encoded=False, local=False)
-                matmuls()
-                compute.wait_stream(gather_stream)
-            else:
-                place.reduce_target(grad_shard, zeros=True)
-                place.reduction_issued(COMPLETED)
-                matmuls()
-                compute.wait_stream(tier.download_stream)
-
-        together_ms = _elapsed_ms(both, device)
+        together_ms = _elapsed_ms(both[name], device)
         place.grads_ready()
         hidden = (compute_ms + copy_ms - together_ms) / copy_ms
         checks.verdict(f"offload[overlap_{name}]", hidden >= OFFLOAD_HIDDEN_SHARE,
@@ -158,18 +158,12 @@ DISK_REFRESH_SHARE = 0.7
 
 
 def _disk_parity(checks: Checks, device: torch.device) -> None:
-    try:
-        from overlap.optim import AdamW
-
-        runs = _runs_against_none(device, "disk", dict(mixed_precision=bf16()), AdamW)
-    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-        checks.error("offload[disk_parity_bf16]", exc)
+    compared = _against_none(checks, device, "offload[disk_parity_bf16]", "disk", dict(mixed_precision=bf16()),
+                             "overlap")
+    if compared is None:
         return
-    ref, got = runs["none"], runs["disk"]
+    ref, got, close, masters = compared
     identical = ref["losses"] == got["losses"]
-    close = all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(ref["losses"], got["losses"]))
-    masters = all(torch.allclose(got["state"][k].float(), v.float(), rtol=1e-3, atol=1e-5)
-                  for k, v in ref["state"].items())
     pinned = torch.cuda.is_available()
     places_ok = got["places"] == {("cpu", pinned, "torch.bfloat16", "cpu", "torch.float32")}
     sent_ok = bool(got["sent"]) and got["sent"] == {device.type}

@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 
 from common import patched
-from gpu_harness import Checks, deterministic, device_for, one_rank_group, one_rank_on, synchronize
-from gpu_injection import race_injection
-from gpu_training import (finite_run, identical_runs, parity_configs, small_gpt, train_plain, train_sharded,
-                          worst_parameter)
+from gpu_harness import (Checks, deterministic, device_for, finite_run, identical_runs, one_rank_group, one_rank_on,
+                         parity_configs, race_injection, small_gpt, synchronize, train_plain, train_sharded,
+                         worst_parameter)
 
 
 # Compressed losses against uncompressed (the CPU suite measures 0.55%: this checks the GPU path).

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from common import patched
-from gpu_harness import ROOT, Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on, synchronize
-from gpu_training import flush_record, small_gpt, token_batches
+from common import patched, train_step
+from gpu_harness import (ROOT, Checks, all_finite, bf16, collectives_issued_alone, device_for, flush_record, lm_step,
+                         one_rank_on, small_gpt, synchronize, token_batches)
 
 SYNC_WARMUP, SYNC_STEPS = 3, 3
 # The checks' own frames, passed over when naming where a sync was made.
@@ -129,28 +129,18 @@ def check_sync_free(checks: Checks, rehearse: bool) -> None:
                     model = ShardedModule(small_gpt(), prefetch_depth=1, mixed_precision=bf16(), compression=mode)
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
                 batches = token_batches(device, SYNC_WARMUP + SYNC_STEPS)
-
-                def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-                    loss = model(*batch)
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    return loss.detach()
-
-                for batch in batches[:SYNC_WARMUP]:
-                    step(batch)
+                step = lm_step(model, optimizer, batches, contextlib.nullcontext)
+                for i in range(SYNC_WARMUP):
+                    step(i)
                 synchronize(device)
                 with counted_host_waits() as waits, _sync_debug_mode(device):
-                    losses = [step(batch) for batch in batches[SYNC_WARMUP:]]
+                    losses = [step(SYNC_WARMUP + i) for i in range(SYNC_STEPS)]
                 finite = all_finite([float(loss) for loss in losses])
-            except RuntimeError as exc:
-                if "synchronizing" not in str(exc):
-                    checks.error(name, exc)
-                    continue
-                checks.report("FAIL", name, f"a host sync in a steady-state step: {exc}; made at {_where(exc)}")
-                continue
             except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-                checks.error(name, exc)
+                if isinstance(exc, RuntimeError) and "synchronizing" in str(exc):
+                    checks.report("FAIL", name, f"a host sync in a steady-state step: {exc}; made at {_where(exc)}")
+                else:
+                    checks.error(name, exc)
                 continue
             kernels = type(model.collectives.kernels).__name__
             unflagged = ", ".join(f"{n / SYNC_STEPS:.1f}/step {where}" for where, n in waits.most_common()) or "none"
@@ -179,19 +169,13 @@ def check_report_timing(checks: Checks, rehearse: bool) -> None:
         with collectives_issued_alone():                 # one device: the collectives to time
             model = ShardedModule(small_gpt(layers=6, width=1024), prefetch_depth=1, bucket_mb=1e-3)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        batches = token_batches(device, 5)
-
-        def step(batch) -> None:
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        for batch in batches[:4]:
-            step(batch)
+        steps = [train_step(model, optimizer, *batch) for batch in token_batches(device, 5)]
+        for step in steps[:4]:
+            step()
         torch.cuda.synchronize()
         with tempfile.TemporaryDirectory() as scratch:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step(batches[4])
+                steps[4]()
                 torch.cuda.synchronize()
             flush_record(model)                                # the record of the profiled step
             path = os.path.join(scratch, "trace.json")

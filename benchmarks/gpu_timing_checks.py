@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from gpu_harness import (Checks, all_finite, bf16, collectives_issued_alone, device_for, empty_cache, lm_step,
-                         one_rank_on, timed_steps)
-from gpu_injection import Injection
-from gpu_training import flush_record
+from common import device_seconds
+from gpu_harness import (Checks, Injection, all_finite, bf16, collectives_issued_alone, device_for, empty_cache,
+                         flush_record, lm_step, one_rank_on, timed_steps)
 
 if TYPE_CHECKING:
     from overlap.models import GPTConfig
@@ -32,13 +31,8 @@ EXPOSED_TOLERANCE, EXPOSED_SLACK_S = 0.25, 0.5e-3
 def sleep_rate(device: torch.device) -> float:
     """`torch.cuda._sleep` cycles per second, measured (it counts SM clock cycles, which boost)."""
     cycles = 20_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(cycles // 10)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / (start.elapsed_time(end) / 1e3)
+    return cycles / device_seconds(lambda: torch.cuda._sleep(cycles), device)
 
 
 def _gpt_config(rehearse: bool, large: bool) -> "GPTConfig":
@@ -49,6 +43,13 @@ def _gpt_config(rehearse: bool, large: bool) -> "GPTConfig":
     if large:
         return GPTConfig(vocab_size=32768, block_size=1024, n_layer=18, n_head=16, n_embd=2048)
     return GPTConfig(vocab_size=8192, block_size=512, n_layer=8, n_head=8, n_embd=1024)
+
+
+def _tokens(config: "GPTConfig", batch: int, count: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """`count` batches of `batch` token sequences, each its own target, the same on every run."""
+    gen = torch.Generator().manual_seed(0)
+    return [(tokens, tokens) for tokens in (torch.randint(0, config.vocab_size, (batch, config.block_size),
+                                                          generator=gen).to(device) for _ in range(count))]
 
 
 def _wrapped_model(kind: str, config: "GPTConfig", device: torch.device, prefetch_depth: Optional[int] = None
@@ -79,11 +80,7 @@ def _emulated_run(kind: str, config, device: torch.device, injection: Injection,
     with collectives_issued_alone():                     # one device: the collectives to delay
         model, context = _wrapped_model(kind, config, device, prefetch_depth=1 if kind == "overlap" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    gen = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, config.vocab_size, (8, config.block_size), generator=gen).to(device)
-            for _ in range(warmup + steps)]
-
-    step = lm_step(model, optimizer, data, context)
+    step = lm_step(model, optimizer, _tokens(config, 8, warmup + steps, device), context)
     with injection.active():
         seconds, losses = timed_steps(step, device, warmup, steps, at_window=injection.reset)
     result = dict(step_s=statistics.median(seconds), finite=all_finite(losses), calls=Counter(injection.calls),
@@ -173,9 +170,7 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
     device = device_for(rehearse)
     config = _gpt_config(rehearse, large=True)
     batch = 2 if rehearse else 8
-    gen = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, config.vocab_size, (batch, config.block_size), generator=gen).to(device)
-            for _ in range(OVERHEAD_STEPS + OVERHEAD_WARMUP)]
+    data = _tokens(config, batch, OVERHEAD_STEPS + OVERHEAD_WARMUP, device)
     results = {}
     with one_rank_on(device):
         for kind in ("plain", "fsdp2", "overlap"):

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from common import RunRecord, arg_parser, markdown_table, seconds_of, write_json
+from common import RunRecord, arg_parser, device_seconds, markdown_table, write_json
 from overlap.kernels.backends import available_backends, get_backend
 from overlap.kernels.quantized import DEFAULT_BLOCK
 
@@ -32,17 +32,6 @@ def shapes(device: torch.device) -> dict[str, list[tuple[int, ...]]]:
         return {"llama7b_block": LLAMA_BLOCK, "small_x200": small, "bucket_1b_x64": [(15_625_000,)] * 64}
     return {"llama7b_block(/4 per dim)": [tuple(d // 4 for d in s) for s in LLAMA_BLOCK], "small_x200": small,
             "bucket_1b_x64(/64)": [(244_140,)] * 64}
-
-
-def _once(fn: Callable[[], None], device: torch.device) -> float:
-    if device.type != "cuda":
-        return seconds_of(fn)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def _flatten_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -188,7 +177,7 @@ def timed(candidates: dict, device: torch.device, repeats: int, reset: Optional[
         for label, fn in candidates.items():
             reset()
             start = time.thread_time()
-            wall[label].append(_once(fn, device))
+            wall[label].append(device_seconds(fn, device))
             cpu[label].append(time.thread_time() - start)
     return {label: Spread(statistics.median(t), _iqr(t), statistics.median(cpu[label]) if device.type == "cpu"
                           else None) for label, t in wall.items()}

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -364,11 +365,12 @@ def summarize(ranks: list[dict]) -> dict[str, dict]:
     return stats
 
 
-def _cell(stats: dict, key: str) -> str:
+def _cell(stats: dict, key: str, sign: str = "") -> str:
+    """'median [q1–q3]' of `key`; `sign` "+" signs each figure (a difference)."""
     if key not in stats:
         return "—"
     s = stats[key]
-    return f"{s['median_ms']:.2f} [{s['q1_ms']:.2f}–{s['q3_ms']:.2f}]"
+    return f"{s['median_ms']:{sign}.2f} [{s['q1_ms']:{sign}.2f}–{s['q3_ms']:{sign}.2f}]"
 
 
 def table(stats: dict, memory: dict) -> str:
@@ -384,10 +386,8 @@ def table(stats: dict, memory: dict) -> str:
               "adamw_foreach/{}/total": "AdamW foreach=True",
               "adamw_default/{}/total": "AdamW foreach=None (per-tensor loop on CPU)"}
     for pattern, label in labels.items():
-        cells = [_cell(stats, pattern.format(layout)) for layout in LAYOUTS]
-        paired = stats.get(pattern.format("B-A"))
-        diff = f"{paired['median_ms']:+.2f} [{paired['q1_ms']:+.2f}–{paired['q3_ms']:+.2f}]" if paired else "—"
-        rows.append([label, *cells, diff])
+        rows.append([label, *(_cell(stats, pattern.format(layout)) for layout in LAYOUTS),
+                     _cell(stats, pattern.format("B-A"), sign="+")])
     for part in ("params", "grads", "optimizer_state", "total", "gathered_largest_unit"):
         per_layout = [max(m[layout][part] for m in memory) if part in memory[0][layout] else None
                       for layout in LAYOUTS]
@@ -432,9 +432,5 @@ def run_driver(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return script_main(argv, parse_args, run_worker, run_driver)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(script_main(None, parse_args, run_worker, run_driver))
