@@ -898,6 +898,10 @@ FIGURES: list[Figure] = [
              tuple(at("summary", variant, k) for k in ("ratio_to_best_fsdp2_median", "ratio_min", "ratio_max")))
       for variant, words in (("overlap fully_shard", "pipeline (pp 2, dp 2, 1F1B): `fully_shard` stages ÷ FSDP2's faster"),
                              ("overlap ShardedModule", "pipeline: `ShardedModule` stages ÷ FSDP2's faster"))],
+    Figure("README.md", "| pipeline: peak tensor memory per rank and step, planner's choice (`fully_shard`) / FSDP2 "
+                        "resharding | {0:.1f} / {1:.1f} MB |", "pipeline.json",
+           (at("summary", "overlap fully_shard", "peak_tensor_rise_mb_per_rank"),
+            at("summary", "FSDP2 reshard", "peak_tensor_rise_mb_per_rank"))),
     Figure("README.md", "| MoE at 2 Gbit/s: EP 4 ÷ no EP | {0:.2f} ({1:.2f}–{2:.2f}) |", "moe_2gbit.json",
            tuple(at("summary", "EP 4", k) for k in ("ratio_median", "ratio_min", "ratio_max"))),
     Figure("README.md", "| MoE at 2 Gbit/s: all-to-all hidden, EP 4 | {0:.0%} |", "moe_2gbit.json",
@@ -1215,7 +1219,7 @@ FIGURES: list[Figure] = [
     *[Figure("docs/pipeline.md", f"| {variant} | {{0:.1f}} | {{1}} ({{2}}–{{3}}) | {{4:.1f}} | {{5:.1f}} | {{6:.1f}} |",
              "pipeline.json", tuple(at("summary", variant, key) for key in (
                  "step_ms", "ratio_to_best_fsdp2_median", "ratio_min", "ratio_max", "gathered_mb_per_rank",
-                 "reduced_mb_per_rank", "peak_rise_mb_per_rank")))
+                 "reduced_mb_per_rank", "peak_tensor_rise_mb_per_rank")))
       for variant in ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather",
                       "FSDP2 reshard", "FSDP2 no reshard", "overlap fully_shard, followed",
                       "overlap fully_shard, regather, followed")],
@@ -1230,17 +1234,19 @@ FIGURES: list[Figure] = [
            (*_paired_variants("overlap fully_shard", "FSDP2 reshard"),
             *_paired_variants("overlap ShardedModule", "FSDP2 reshard"))),
     # docs/moe.md: expert parallelism against ZeRO-3 without it and FSDP2, each link.
-    *[Figure("docs/moe.md", "| no EP | {0:.1f} | 1 | {1:.1f} | {2:.1f} | – |", f"moe_{link}.json",
+    *[Figure("docs/moe.md", "| no EP | {0:.1f} | 1 | {1:.1f} | {2:.1f} | – | {3:.1f} |", f"moe_{link}.json",
              (at("summary", "no EP", "step_ms"), at("summary", "no EP", "gathered_mb_per_rank"),
-              at("summary", "no EP", "reduced_mb_per_rank"))) for link in ("loopback", "2gbit")],
+              at("summary", "no EP", "reduced_mb_per_rank"), at("summary", "no EP", "peak_tensor_rise_mb_per_rank")))
+      for link in ("loopback", "2gbit")],
     *[Figure("docs/moe.md", f"| {variant} | {{0:.1f}} | {{1:.3f}} ({{2:.3f}}–{{3:.3f}}) | {{4:.2f}} | {{5:.2f}} | "
-             "{6:.1f} |", f"moe_{link}.json",
+             "{6:.1f} | {7:.1f} |", f"moe_{link}.json",
              tuple(at("summary", variant, key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max",
                                                           "gathered_mb_per_rank", "reduced_mb_per_rank",
-                                                          "all_to_all_blocked_ms")))
+                                                          "all_to_all_blocked_ms", "peak_tensor_rise_mb_per_rank")))
       for link in ("loopback", "2gbit") for variant in ("EP 2", "EP 4")],
-    *[Figure("docs/moe.md", "| FSDP2 | {0:.1f} | {1:.3f} ({2:.3f}–{3:.3f}) | – | – | – |", f"moe_{link}.json",
-             tuple(at("summary", "FSDP2", key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max")))
+    *[Figure("docs/moe.md", "| FSDP2 | {0:.1f} | {1:.3f} ({2:.3f}–{3:.3f}) | – | – | – | {4:.1f} |", f"moe_{link}.json",
+             tuple(at("summary", "FSDP2", key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max",
+                                                          "peak_tensor_rise_mb_per_rank")))
       for link in ("loopback", "2gbit")],
     # docs/moe.md's expert parallelism under fully_shard against ShardedModule's, same rounds.
     *[Figure("docs/moe.md", f"| `fully_shard`, E {e} | {{0:.3f}} ({{1:.3f}}–{{2:.3f}}) | {{3:.3f}} ({{4:.3f}}–{{5:.3f}}) | "
