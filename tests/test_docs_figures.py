@@ -1244,7 +1244,8 @@ FIGURES: list[Figure] = [
                                                           "gathered_mb_per_rank", "reduced_mb_per_rank",
                                                           "all_to_all_blocked_ms", "peak_tensor_rise_mb_per_rank")))
       for link in ("loopback", "2gbit") for variant in ("EP 2", "EP 4")],
-    *[Figure("docs/moe.md", "| FSDP2 | {0:.1f} | {1:.3f} ({2:.3f}–{3:.3f}) | – | – | – | {4:.1f} |", f"moe_{link}.json",
+    *[Figure("docs/moe.md", "| FSDP2 | {0:.1f} | {1:.3f} ({2:.3f}–{3:.3f}) | – | – | – | {4:.1f} |",
+             f"moe_{link}.json",
              tuple(at("summary", "FSDP2", key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max",
                                                           "peak_tensor_rise_mb_per_rank")))
       for link in ("loopback", "2gbit")],

@@ -4,7 +4,8 @@ All-gathers and gradient reductions (the primitive the runtime uses on this back
 few sizes, smallest first; each timing is the slowest rank's (a collective finishes when its
 last rank does) and the best of a few repeats. The first two sizes always run; the probe stops
 adding sizes once the next one would overrun its time budget: every rank takes that decision
-from the same all-reduced clock, so all ranks issue the same collectives. The fit is a least-squares line time = α + bytes/β.
+from the same all-reduced clock, so all ranks issue the same collectives. The fit is a
+least-squares line time = α + bytes/β.
 """
 from __future__ import annotations
 
