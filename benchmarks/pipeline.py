@@ -1,7 +1,8 @@
 """ZeRO-3 inside pipeline stages on torch's 1F1B schedule at (pp, dp) = (2, 2), 4 gloo ranks:
 `ShardedModule(stage, mesh=mesh["dp"])`, `overlap.fully_shard` (and forced to gather again per
-microbatch; both `fully_shard` settings again with the gathers between passes following the
-schedule's actions, `overlap.follow_schedule`), against FSDP2 with `reshard_after_forward`
+microbatch, or to keep only the first 3 of a stage's 5 units across them; each `fully_shard`
+setting again with the gathers between passes following the schedule's actions,
+`overlap.follow_schedule`), against FSDP2 with `reshard_after_forward`
 True and False (its reduce-scatter by all-to-all, as peers.py tunes it). Built in one launch,
 taking turns over rounds; per step the bytes each rank gathers and reduces, the peak rise of
 tensor memory (tensor_memory.py, apart from the timed steps), and per-round ratios to FSDP2's
@@ -22,7 +23,12 @@ from tensor_memory import peak_tensor_rise_mb
 
 WORLD_SIZE, PP = 4, 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather", "FSDP2 reshard",
-            "FSDP2 no reshard", "overlap fully_shard, followed", "overlap fully_shard, regather, followed")
+            "FSDP2 no reshard", "overlap fully_shard, followed", "overlap fully_shard, regather, followed",
+            "overlap fully_shard, keep 3", "overlap fully_shard, keep 3, followed")
+# Units kept gathered across a step's microbatches where the variant sets it: none ("regather"),
+# or the root and the first blocks ("keep 3" of a stage's five units), as a memory budget
+# too small for all would.
+KEEP = {"regather": 0, "keep 3": 3}
 
 
 def _stage(index: int, args: argparse.Namespace):
@@ -174,8 +180,9 @@ def run_worker(args: argparse.Namespace) -> None:
 
     for variant in VARIANTS:
         steps(variant, 1)                                          # warm-up: builds the runtimes
-        if variant.startswith("overlap fully_shard, regather"):
-            built[variant][2].overlap_runtime.scheduler.keep_units = 0
+        setting = variant.split(", ")[1] if variant.count(", ") else None
+        if setting in KEEP:
+            built[variant][2].overlap_runtime.scheduler.keep_units = KEEP[setting]
     decided = built["overlap fully_shard"][2].overlap_report().decisions
     counter.take()
     step_s = {variant: [] for variant in VARIANTS}
