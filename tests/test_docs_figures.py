@@ -1222,7 +1222,8 @@ FIGURES: list[Figure] = [
                  "reduced_mb_per_rank", "peak_tensor_rise_mb_per_rank")))
       for variant in ("overlap ShardedModule", "overlap fully_shard", "overlap fully_shard, regather",
                       "FSDP2 reshard", "FSDP2 no reshard", "overlap fully_shard, followed",
-                      "overlap fully_shard, regather, followed")],
+                      "overlap fully_shard, regather, followed", "overlap fully_shard, keep 3",
+                      "overlap fully_shard, keep 3, followed")],
     Figure("docs/pipeline.md", "followed ÷ not followed per round {0:.3f} ({1:.3f}–{2:.3f})", "pipeline.json",
            _paired_variants("overlap fully_shard, followed", "overlap fully_shard")),
     Figure("docs/pipeline.md", "831.8 (the backward prefetch that 1F1B's warm-up forwards freed unused is gone, and the\n"
