@@ -64,9 +64,12 @@ The zero-bubble pipeline schedules (and DualPipeV) split a stage's backward: an 
 one backward per group of parameters, from the nodes where the group's parameters join the
 input's path down to the parameters. Every all-to-all lies on the input's path (tokens go out
 and come back), so the input step issues each once, in the same order on every rank, and no
-weight step reaches one. What a weight step must not meet is a node on two groups' paths:
-the first group's backward frees it, and the second fails. The zero terms of a chunk that got
-no token join the output one parameter at a time for that reason.
+weight step reaches one. What it must not meet is two parameters whose paths join the
+input's path at one node: torch 2.13's grouping (`get_param_groups`) then merges them only if
+it meets that node first among the second parameter's, else it keeps a second group that holds
+the node as well, whose backward runs through it again after the first group's has freed it
+("backward through the graph a second time"). The zero terms of a chunk that got no token
+therefore join the output one parameter at a time.
 """
 from __future__ import annotations
 
