@@ -27,10 +27,22 @@ rank of the next (or keeping it, where that stage is its own), and the last stag
 the loss. Forward alone needs no microbatches, and torch 2.13's `schedule.eval()` fails under
 the V-shaped schedules (it runs their backward hand-over between a rank's two stages). The
 loss is the whole batch's mean, as the job without stages takes it.
+
+[Note: compiled blocks under a split backward]
+The zero-bubble and V-shaped schedules take a microbatch's backward in two halves over one
+graph: the input half keeps the graph for the weight half, so a compiled block's backward runs
+in both. Inductor's backward may reuse the memory of the activations it saved ("donated
+buffers"), which is safe only where a graph is freed by its one backward, and AOT autograd
+refuses a backward under a kept graph once its compiled backward donates. With --compile
+under such a schedule the step therefore runs with donation off: torch's
+`_functorch.config.donated_buffer`, read when a block compiles and again when its backward
+runs, patched for the schedule's step only (torchtitan's graph trainer turns it off for the
+same schedules).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -39,6 +51,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.pipelining.schedules import _ComputationType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn import functional as F
@@ -50,6 +63,14 @@ from overlap.observe.report import OverlapMonitor
 from overlap.train.batches import ByteBatches
 from overlap.train.options import V_SHAPED_SCHEDULES, stages_per_rank
 from overlap.train.schedule import learning_rate
+
+
+def _splits_backward(schedule: Any) -> bool:
+    """Whether `schedule` runs some microbatch's backward as an input and a weight half."""
+    halves = (_ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT)
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(part.computation_type in halves for actions in order.values() for action in actions
+               if action is not None for part in action.sub_actions or (action,))
 
 
 class _RouterLoss(torch.autograd.Function):
@@ -172,6 +193,8 @@ class PipelineSteps:
         kind = getattr(pipelining, f"Schedule{args.pp_schedule}")
         self.schedule = kind(stages if len(stages) > 1 else stages[0], n_microbatches=args.microbatches,
                              loss_fn=_loss)
+        # See [Note: compiled blocks under a split backward].
+        self._compiled_split = args.compile and _splits_backward(self.schedule)
         # The ranks that hold the first and the last stage (rows of the mesh), of each
         # data-parallel index: see [Note: the tied head across stages]. Every rank makes every
         # group, in the same order. Under the V-shaped schedules one rank holds both: no group.
@@ -213,8 +236,11 @@ class PipelineSteps:
             group["lr"] = learning_rate(step, self.args)
         losses: list[torch.Tensor] = []
         inputs, targets = self.batches.get("train", self.args.batch, step, self.shard)
-        self.schedule.step(*((inputs,) if self.first else ()),
-                           **({"target": targets, "losses": losses} if self.last else {}))
+        donation = torch._functorch.config.patch(donated_buffer=False) if self._compiled_split else \
+            contextlib.nullcontext()
+        with donation:
+            self.schedule.step(*((inputs,) if self.first else ()),
+                               **({"target": targets, "losses": losses} if self.last else {}))
         router = self._router_loss()
         self._sum_tied_grads()
         self._clip(clip_norm)
