@@ -301,6 +301,13 @@ def test_a_pipeline_run_writes_its_trace_and_timeline(launches) -> None:
      "makes 4 stages and needs at least as many --layers (got 3)"),
     (["--pp", "2", "--microbatches", "3", "--batch", "8"], "--microbatches 3 must divide --batch 8"),
     (["--pp", "2", "--microbatches", "1"], "--pp-schedule 1F1B needs --microbatches >= --pp 2 (got 1)"),
+    (["--pp", "2", "--pp-schedule", "DualPipeV", "--microbatches", "2"],
+     "--pp-schedule DualPipeV needs --microbatches >= its 4 stages (got 2)"),
+    (["--pp", "2", "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "5", "--batch", "10"],
+     "max(1, M // --pp) = 2 rounds: --microbatches 5 must be a multiple of that"),
+    (["--pp", "2", "--world-size", "4", "--moe", "--experts", "4", "--expert-parallel", "4"],
+     "--expert-parallel 4 must divide the 2 ranks that hold each stage (world 4 / --pp 2)"),
+    (["--moe", "--experts", "4", "--expert-parallel", "4"], "--expert-parallel 4 must divide the world size 2"),
 ])
 def test_pipeline_settings_that_cannot_work_are_named_before_any_rank_starts(argv, message, capsys, tmp_path,
                                                                             monkeypatch):

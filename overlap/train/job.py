@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap.train.options import build_parser, check_options
+from overlap.train.options import build_parser, check_options, check_world_size
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -49,6 +49,11 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     world = args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    try:
+        check_world_size(args, world)
+    except ValueError as exc:
+        print(f"overlap train: error: {exc}", file=sys.stderr)
+        return 2
     # [Note: ranks forked from a fork server]
     # A spawned rank is a fresh interpreter that imports torch and this package again (about
     # 2.5 s of CPU each on a 2-core machine, paid by every rank of every launch). The ranks

@@ -205,6 +205,13 @@ def check_pipeline(args: argparse.Namespace) -> None:
         raise JobError(f"--microbatches {args.microbatches} must divide --batch {args.batch}")
     if args.pp_schedule == "1F1B" and args.microbatches < args.pp:
         raise JobError(f"--pp-schedule 1F1B needs --microbatches >= --pp {args.pp} (got {args.microbatches})")
+    # torch's own conditions on these schedules, named before any rank builds one.
+    if args.pp_schedule == "DualPipeV" and args.microbatches < stages:
+        raise JobError(f"--pp-schedule DualPipeV needs --microbatches >= its {stages} stages (got {args.microbatches})")
+    rounds = max(1, args.microbatches // args.pp)
+    if args.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and args.microbatches % rounds:
+        raise JobError(f"--pp-schedule {args.pp_schedule} runs its microbatches in max(1, M // --pp) = {rounds} "
+                       f"rounds: --microbatches {args.microbatches} must be a multiple of that")
     if offload_tier(args) == "disk":
         raise JobError("offload disk with --pp is not supported yet: the disk tier steps with overlap.optim.AdamW "
                        "over a ShardedModule's parameters; use --offload cpu")
@@ -212,9 +219,16 @@ def check_pipeline(args: argparse.Namespace) -> None:
 
 def check_world_size(args: argparse.Namespace, world: int) -> None:
     """Under torchrun, --world-size (if given) must be the world torchrun started; --pp must
-    divide the world."""
+    divide the world, and --expert-parallel the ranks that hold a stage (world/pp, or the world)."""
     if args.world_size is not None and args.world_size != world:
         raise JobError(f"--world-size {args.world_size} but torchrun started {world} ranks; leave --world-size "
                        "out under torchrun, or make it match")
     if args.pp is not None and world % args.pp:
         raise JobError(f"--pp {args.pp} must divide the world size {world}: each stage runs on world/pp ranks")
+    if args.expert_parallel is not None:
+        holders = world if args.pp is None else world // args.pp
+        if holders % args.expert_parallel:
+            where = f"the world size {world}" if args.pp is None else \
+                f"the {holders} ranks that hold each stage (world {world} / --pp {args.pp})"
+            raise JobError(f"--expert-parallel {args.expert_parallel} must divide {where}: the experts split over "
+                           "groups of that many of them")
