@@ -253,6 +253,9 @@ def test_disk_offload_without_bf16_is_refused_before_any_rank_starts(capsys):
     assert main(["--offload", "disk"]) == 2
     err = capsys.readouterr().err
     assert "--offload disk keeps the fp32 masters in a file" in err and "needs --mixed-precision bf16 (got fp32)" in err
+    for compression in ("int8", "int8-int4", "auto"):
+        assert main(["--offload", "disk", "--mixed-precision", "bf16", "--compress", compression]) == 2
+        assert f"--offload disk with --compress {compression} is not supported" in capsys.readouterr().err
 
 
 class _FixedLoss:

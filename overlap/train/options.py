@@ -166,6 +166,11 @@ def check_options(args: argparse.Namespace) -> None:
     if offload_tier(args) == "disk" and args.mixed_precision != "bf16":
         raise JobError("--offload disk keeps the fp32 masters in a file and only the 16-bit copy the gathers send "
                        f"in memory: it needs --mixed-precision bf16 (got {args.mixed_precision})")
+    compression = f"--compress {args.compress}" if args.compress is not None else \
+        f"OVERLAP_COMPRESS={config_from_env().compress}"
+    if offload_tier(args) == "disk" and not compression.endswith("none"):
+        raise JobError(f"--offload disk with {compression} is not supported: the codecs encode the fp32 master "
+                       "shard, which the disk tier keeps in its state file; use --compress none")
     for name, value in (("--expert-parallel", args.expert_parallel), ("--capacity-factor", args.capacity_factor)):
         if not args.moe and value is not None:
             raise JobError(f"{name} {value} needs --moe")
