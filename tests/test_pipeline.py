@@ -75,6 +75,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
 
     from overlap import MixedPrecision, ShardedModule, follow_schedule, fully_shard
     from overlap.runtime.collectives import Collectives
+    from overlap.train.pipeline import _splits_backward
 
     from torch._dynamo.utils import counters
 
@@ -164,7 +165,9 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
            "decided": [d for sharded in wrapped.values() for d in sharded.overlap_report().decisions],
            "compiled graphs": counters["stats"]["unique_graphs"] - graphs,
            "offload": {(sharded.overlap_runtime if wrap == "fully_shard" else sharded).overlap_config.offload
-                       for sharded in wrapped.values()}}
+                       for sharded in wrapped.values()},
+           # What `overlap train --pp --compile` reads to turn Inductor's donated buffers off.
+           "splits backward": _splits_backward(runners[0])}
     if wrap == "sharded":
         # A ShardedModule stage passes for an FSDPModule; FSDP2's calls that reach FSDP2's own
         # state are refused by name.
@@ -273,6 +276,7 @@ def _check_parity(launches, world: int, case: str, tolerance: dict = EXACT) -> N
         trained = result.pop("trained")
         assert (result.pop("compiled graphs") > 0) == case.endswith(":compiled"), case
         assert result.pop("offload") == {"cpu" if case.endswith(":offload-cpu") else "none"}, case
+        assert result.pop("splits backward") == any(schedule in case for schedule in ZERO_BUBBLE), case
         assert all(count == STEPS for count in trained), (case, trained)
         # Both wraps, told by the schedule, reduce once per step after the last microbatch.
         assert reductions == STEPS * units, (reductions, units)
@@ -333,7 +337,7 @@ def test_a_changed_count_of_microbatches_reduces_every_gradient_once(launches, w
         units, early = result.pop("units"), result.pop("early")
         assert early == [0, 0, units], early
         assert result.pop("reductions") == (STEPS + 1) * units
-        for key in ("gathers", "decided", "trained", "compiled graphs", "offload", "followed"):
+        for key in ("gathers", "decided", "trained", "compiled graphs", "offload", "followed", "splits backward"):
             result.pop(key)
         for key, value in result.items():
             torch.testing.assert_close(value, reference[key], **EXACT, msg=lambda m: f"{key}: {m}")
