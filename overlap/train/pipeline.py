@@ -33,11 +33,11 @@ The zero-bubble and V-shaped schedules take a microbatch's backward in two halve
 graph: the input half keeps the graph for the weight half, so a compiled block's backward runs
 in both. Inductor's backward may reuse the memory of the activations it saved ("donated
 buffers"), which is safe only where a graph is freed by its one backward, and AOT autograd
-refuses a backward under a kept graph once its compiled backward donates. With --compile
-under such a schedule the step therefore runs with donation off: torch's
-`_functorch.config.donated_buffer`, read when a block compiles and again when its backward
-runs, patched for the schedule's step only (torchtitan's graph trainer turns it off for the
-same schedules).
+refuses a backward under a kept graph once its compiled backward donates. With compiled
+blocks (--compile or OVERLAP_COMPILE=1) under such a schedule the step therefore runs with
+donation off: torch's `_functorch.config.donated_buffer`, read when a block compiles and again
+when its backward runs, patched for the schedule's step only (torchtitan's graph trainer turns
+it off for the same schedules).
 """
 from __future__ import annotations
 
@@ -193,8 +193,6 @@ class PipelineSteps:
         kind = getattr(pipelining, f"Schedule{args.pp_schedule}")
         self.schedule = kind(stages if len(stages) > 1 else stages[0], n_microbatches=args.microbatches,
                              loss_fn=_loss)
-        # See [Note: compiled blocks under a split backward].
-        self._compiled_split = args.compile and _splits_backward(self.schedule)
         # The ranks that hold the first and the last stage (rows of the mesh), of each
         # data-parallel index: see [Note: the tied head across stages]. Every rank makes every
         # group, in the same order. Under the V-shaped schedules one rank holds both: no group.
@@ -208,6 +206,9 @@ class PipelineSteps:
         # Built now, on every rank (a collective over the stage's ranks): the parameters are
         # the runtimes' DTensors from here on. The report and the monitor are the first stage's.
         runtimes = [module.overlap_runtime for module in self.modules]
+        # See [Note: compiled blocks under a split backward]; --compile or OVERLAP_COMPILE.
+        self._compiled_split = any(runtime.overlap_config.compile for runtime in runtimes) and \
+            _splits_backward(self.schedule)
         # Gathers between passes in the order of the schedule's actions (overlap/schedule_prefetch.py).
         follow_schedule(self.schedule)
         self.module, self.runtime = self.modules[0], runtimes[0]
