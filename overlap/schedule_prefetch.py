@@ -18,11 +18,25 @@ forward longer than its list says, so its first step guesses partly wrong. A wro
 a gather made early or too late, never a result. Units kept gathered across microbatches (the
 planner's choice where the memory allows) need none of this; it pays for the units gathered
 again per microbatch.
+
+[Note: compiled blocks under a split backward]
+The zero-bubble and V-shaped schedules take a microbatch's backward in two halves over one
+graph: the input half keeps the graph for the weight half, so a compiled block's backward runs
+in both. Inductor's backward may reuse the memory of the activations it saved ("donated
+buffers"), which is safe only where a graph is freed by its one backward, and AOT autograd
+refuses a kept graph's backward once the block's compiled backward donates ("compiled with
+non-empty donated buffers"; the GPT's blocks do, a stack of Linears does not). So a followed
+schedule that splits backward runs each step with donation off: torch's
+`_functorch.config.donated_buffer`, read when a block compiles and again when its backward
+runs, patched for the step only; eager code is untouched by it. torchtitan's graph trainer
+turns it off for the same schedules.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
@@ -46,6 +60,12 @@ def _flat(actions: list[Optional[_Action]]) -> list[Key]:
             if part.computation_type in _ACTIONS:
                 out.append((part.stage_index, part.computation_type, part.microbatch_index))
     return out
+
+
+def splits_backward(schedule: Any) -> bool:
+    """Whether `schedule` runs some microbatch's backward as an input and a weight half (on any rank)."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(kind is _ComputationType.BACKWARD_WEIGHT for actions in order.values() for _, kind, _ in _flat(actions))
 
 
 def _scheduler_of(module: nn.Module, index: int) -> Scheduler:
@@ -76,6 +96,9 @@ class ScheduleFollower:
         for scheduler in self._schedulers.values():
             scheduler.schedule_decision = description
         step = schedule.step
+        # See [Note: compiled blocks under a split backward].
+        donation = (lambda: torch._functorch.config.patch(donated_buffer=False)) if splits_backward(schedule) \
+            else contextlib.nullcontext
 
         def stepped(*args: Any, **kwargs: Any) -> Any:
             # Several schedules may drive the same stages (one per count of microbatches):
@@ -85,7 +108,8 @@ class ScheduleFollower:
                 stage.__dict__[_FOLLOWER] = self if training else None
             self._ran = []
             try:
-                return step(*args, **kwargs)
+                with donation():
+                    return step(*args, **kwargs)
             finally:
                 if training and self._ran:
                     self.actions = self._ran
@@ -140,5 +164,7 @@ def follow_schedule(schedule: Any) -> ScheduleFollower:
     """Make the gathers between passes of `schedule`'s stages on this rank follow its list of
     actions (see the module note). The stages' modules are `ShardedModule`s or modules sharded
     by `overlap.fully_shard` (whose runtimes are built here: call it on every rank, as the
-    schedule is made). The overlap report of each stage says so under its decisions."""
+    schedule is made). The overlap report of each stage says so under its decisions. A schedule
+    that splits backward then steps with Inductor's donated buffers off (see [Note: compiled
+    blocks under a split backward])."""
     return ScheduleFollower(schedule)

@@ -75,7 +75,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
 
     from overlap import MixedPrecision, ShardedModule, follow_schedule, fully_shard
     from overlap.runtime.collectives import Collectives
-    from overlap.train.pipeline import _splits_backward
+    from overlap.schedule_prefetch import splits_backward
 
     from torch._dynamo.utils import counters
 
@@ -166,8 +166,8 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
            "compiled graphs": counters["stats"]["unique_graphs"] - graphs,
            "offload": {(sharded.overlap_runtime if wrap == "fully_shard" else sharded).overlap_config.offload
                        for sharded in wrapped.values()},
-           # What `overlap train --pp --compile` reads to turn Inductor's donated buffers off.
-           "splits backward": _splits_backward(runners[0])}
+           # What `follow_schedule` reads to turn Inductor's donated buffers off.
+           "splits backward": splits_backward(runners[0])}
     if wrap == "sharded":
         # A ShardedModule stage passes for an FSDPModule; FSDP2's calls that reach FSDP2's own
         # state are refused by name.

@@ -27,22 +27,10 @@ rank of the next (or keeping it, where that stage is its own), and the last stag
 the loss. Forward alone needs no microbatches, and torch 2.13's `schedule.eval()` fails under
 the V-shaped schedules (it runs their backward hand-over between a rank's two stages). The
 loss is the whole batch's mean, as the job without stages takes it.
-
-[Note: compiled blocks under a split backward]
-The zero-bubble and V-shaped schedules take a microbatch's backward in two halves over one
-graph: the input half keeps the graph for the weight half, so a compiled block's backward runs
-in both. Inductor's backward may reuse the memory of the activations it saved ("donated
-buffers"), which is safe only where a graph is freed by its one backward, and AOT autograd
-refuses a backward under a kept graph once its compiled backward donates. With compiled
-blocks (--compile or OVERLAP_COMPILE=1) under such a schedule the step therefore runs with
-donation off: torch's `_functorch.config.donated_buffer`, read when a block compiles and again
-when its backward runs, patched for the schedule's step only (torchtitan's graph trainer turns
-it off for the same schedules).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 from typing import Any, Optional
 
 import torch
@@ -51,7 +39,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.pipelining.schedules import _ComputationType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn import functional as F
@@ -63,14 +50,6 @@ from overlap.observe.report import OverlapMonitor
 from overlap.train.batches import ByteBatches
 from overlap.train.options import V_SHAPED_SCHEDULES, stages_per_rank
 from overlap.train.schedule import learning_rate
-
-
-def _splits_backward(schedule: Any) -> bool:
-    """Whether `schedule` runs some microbatch's backward as an input and a weight half."""
-    halves = (_ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT)
-    order = getattr(schedule, "pipeline_order", None) or {}
-    return any(part.computation_type in halves for actions in order.values() for action in actions
-               if action is not None for part in action.sub_actions or (action,))
 
 
 class _RouterLoss(torch.autograd.Function):
@@ -206,10 +185,8 @@ class PipelineSteps:
         # Built now, on every rank (a collective over the stage's ranks): the parameters are
         # the runtimes' DTensors from here on. The report and the monitor are the first stage's.
         runtimes = [module.overlap_runtime for module in self.modules]
-        # See [Note: compiled blocks under a split backward]; --compile or OVERLAP_COMPILE.
-        self._compiled_split = any(runtime.overlap_config.compile for runtime in runtimes) and \
-            _splits_backward(self.schedule)
-        # Gathers between passes in the order of the schedule's actions (overlap/schedule_prefetch.py).
+        # Gathers between passes in the order of the schedule's actions, and compiled blocks
+        # under a split backward (overlap/schedule_prefetch.py).
         follow_schedule(self.schedule)
         self.module, self.runtime = self.modules[0], runtimes[0]
         # This rank's copies of the tied weight: one where the first and the last stage are on
@@ -237,11 +214,8 @@ class PipelineSteps:
             group["lr"] = learning_rate(step, self.args)
         losses: list[torch.Tensor] = []
         inputs, targets = self.batches.get("train", self.args.batch, step, self.shard)
-        donation = torch._functorch.config.patch(donated_buffer=False) if self._compiled_split else \
-            contextlib.nullcontext()
-        with donation:
-            self.schedule.step(*((inputs,) if self.first else ()),
-                               **({"target": targets, "losses": losses} if self.last else {}))
+        self.schedule.step(*((inputs,) if self.first else ()),
+                           **({"target": targets, "losses": losses} if self.last else {}))
         router = self._router_loss()
         self._sum_tied_grads()
         self._clip(clip_norm)
