@@ -113,6 +113,11 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
         runners.append(runners[-1] if count == before else
                        kind(stages if multi else stages[0], n_microbatches=count, loss_fn=_loss))
     followers = [follow_schedule(runner) for runner in dict.fromkeys(runners)] if follow else []
+    # Inductor's donated buffers as each stage's forward finds them (off in a followed step
+    # that splits backward: [Note: compiled blocks under a split backward]).
+    donation: set[bool] = set()
+    for sharded in wrapped.values():
+        sharded.register_forward_pre_hook(lambda *_: donation.add(torch._functorch.config.donated_buffer))
     optimizer = torch.optim.SGD([p for sharded in wrapped.values() for p in sharded.parameters()], lr=0.1)
     reductions, issue = [0], Collectives.reduce_scatter
     # Reductions issued before the stage's final gradient step, per step: during the backward
@@ -167,7 +172,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
            "offload": {(sharded.overlap_runtime if wrap == "fully_shard" else sharded).overlap_config.offload
                        for sharded in wrapped.values()},
            # What `follow_schedule` reads to turn Inductor's donated buffers off.
-           "splits backward": splits_backward(runners[0])}
+           "splits backward": splits_backward(runners[0]), "donation": donation}
     if wrap == "sharded":
         # A ShardedModule stage passes for an FSDPModule; FSDP2's calls that reach FSDP2's own
         # state are refused by name.
@@ -276,7 +281,9 @@ def _check_parity(launches, world: int, case: str, tolerance: dict = EXACT) -> N
         trained = result.pop("trained")
         assert (result.pop("compiled graphs") > 0) == case.endswith(":compiled"), case
         assert result.pop("offload") == {"cpu" if case.endswith(":offload-cpu") else "none"}, case
-        assert result.pop("splits backward") == any(schedule in case for schedule in ZERO_BUBBLE), case
+        splits = result.pop("splits backward")
+        assert splits == any(schedule in case for schedule in ZERO_BUBBLE), case
+        assert result.pop("donation") == {not (splits and ":followed" in case)}, case
         assert all(count == STEPS for count in trained), (case, trained)
         # Both wraps, told by the schedule, reduce once per step after the last microbatch.
         assert reductions == STEPS * units, (reductions, units)
@@ -337,7 +344,8 @@ def test_a_changed_count_of_microbatches_reduces_every_gradient_once(launches, w
         units, early = result.pop("units"), result.pop("early")
         assert early == [0, 0, units], early
         assert result.pop("reductions") == (STEPS + 1) * units
-        for key in ("gathers", "decided", "trained", "compiled graphs", "offload", "followed", "splits backward"):
+        for key in ("gathers", "decided", "trained", "compiled graphs", "offload", "followed", "splits backward",
+                    "donation"):
             result.pop(key)
         for key, value in result.items():
             torch.testing.assert_close(value, reference[key], **EXACT, msg=lambda m: f"{key}: {m}")
