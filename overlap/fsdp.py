@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils._pytree import tree_map_only
 
 from overlap.base.config import local_world_size_from_env
 from overlap.base.mixed_precision import MixedPrecision
@@ -104,8 +105,8 @@ class _Marked:
     def same_runtime(self) -> tuple:
         """What every unit of one model must share: one runtime runs them all."""
         mesh = None if self.mesh is None else (tuple(self.mesh.mesh.flatten().tolist()), self.mesh.mesh_dim_names)
-        mp = (self.mp_policy.param_dtype, self.mp_policy.reduce_dtype, self.mp_policy.output_dtype,
-              self.mp_policy.cast_forward_inputs)
+        # `output_dtype` is each call's own: a cast of that module's outputs (`_OutputCast`).
+        mp = (self.mp_policy.param_dtype, self.mp_policy.reduce_dtype, self.mp_policy.cast_forward_inputs)
         return mesh, mp, type(self.offload_policy)
 
 
@@ -138,7 +139,23 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         each.__dict__[_MARK] = marked
         each.__class__ = _fsdp_class(type(each))
         each.register_forward_pre_hook(_build_before_forward, prepend=True, with_kwargs=True)
+        if mp_policy.output_dtype is not None:
+            each.register_forward_hook(_OutputCast(mp_policy.output_dtype))
     return module
+
+
+class _OutputCast:
+    """A module's floating-point outputs cast to `MixedPrecisionPolicy.output_dtype`, as FSDP2
+    casts them after its forward (the module's units compute in `param_dtype` all the same)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return tree_map_only(torch.Tensor, self._cast, output)
+
+    def _cast(self, value: torch.Tensor) -> torch.Tensor:
+        return value.to(self.dtype) if value.is_floating_point() else value
 
 
 def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_after_forward: Union[bool, int],
@@ -168,9 +185,6 @@ def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_afte
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
                         f"{type(mp_policy).__name__}")
-    if mp_policy.output_dtype is not None:
-        raise NotImplementedError("fully_shard: MixedPrecisionPolicy(output_dtype=...) is not supported; cast the "
-                                  "output where it is used")
     if not mp_policy.cast_forward_inputs:
         raise NotImplementedError("fully_shard: MixedPrecisionPolicy(cast_forward_inputs=False) is not supported: "
                                   "floating-point inputs are cast to param_dtype at the root")

@@ -1817,7 +1817,8 @@ SKIPPED: list[tuple[str, str]] = [
     (f"{TRAINING}::test_train_parity_with_activation_checkpointing (mem_eff groupings)",
      "several modules in one fully_shard call are FSDP2's grouping API; ShardedModule chooses units by class"),
     (f"{TRAINING}::test_partial_group_forward_then_standalone (output_dtype policies)",
-     "MixedPrecision has no output dtype"),
+     "ShardedModule's MixedPrecision has no output dtype; fully_shard's output_dtype is checked against FSDP2's "
+     "in tests/test_fully_shard.py"),
     (f"{TRAINING}::test_partial_group_reshard_toggle",
      "set_reshard_after_forward/_backward and reshard() of one group, checked through FSDP2's private state"),
     (f"{TRAINING}::test_layer_by_layer_shard_no_false_positive",
@@ -1837,7 +1838,8 @@ SKIPPED: list[tuple[str, str]] = [
      "forward-mode AD through modules materialised with to_empty after fully_shard: FSDP2's lazy start"),
     (f"{MIXED}::test_float16_on_one_submodule, test_submodules_with_external_inputs (cast off), "
      "test_checkpoint_recompute_casts_outputs",
-     "per-module policies, per-module cast_forward_inputs and output_dtype; MixedPrecision is one policy"),
+     "per-module policies and cast_forward_inputs; MixedPrecision is one policy (fully_shard's per-call "
+     "output_dtype: tests/test_fully_shard.py)"),
     (f"{MIXED}::test_norm_modules_bf16 (BatchNorm)",
      "CPU's batch norm refuses bf16 inputs with fp32 running statistics in one process too"),
     (f"{MIXED}::test_clamp_reduce_dtype", "checks the dtype handed to reduce-scatter by patching torch.distributed"),

@@ -397,6 +397,37 @@ def policy_refusals(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def output_dtypes(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2's `MixedPrecisionPolicy(output_dtype=...)` per call: bf16 blocks, one of them and
+    the root casting their outputs to fp32. Under torch's `fully_shard` and ours, from the same
+    seed and batches: the dtype each module's forward hook sees, and three AdamW steps' losses."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randn(4 * world, 10, generator=gen) for _ in range(3)]
+    out: dict[str, Any] = {}
+    for name, shard in implementations().items():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(10, 10), nn.Tanh()) for _ in range(3)], nn.Linear(10, 1))
+        for index, block in enumerate(model[:3]):
+            shard(block, mp_policy=MixedPrecisionPolicy(**bf16, output_dtype=torch.float32 if index == 1 else None))
+        shard(model, mp_policy=MixedPrecisionPolicy(**bf16, output_dtype=torch.float32))
+        seen: list[str] = []
+        for module in (*model[:3], model):
+            module.register_forward_hook(lambda _, args, output: seen.append(str(output.dtype)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for x in batches:
+            loss = model(x[4 * rank:4 * rank + 4]).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        out[name] = {"dtypes": seen[:4], "losses": losses}
+    return out
+
+
 def bucket_layout(rank: int, world: int) -> dict[str, Any]:
     """Six blocks sharded one by one, the fifth kept gathered after forward, then the root:
     which blocks share a unit (with the bucket size the launch's OVERLAP_BUCKET_MB gives), each

@@ -24,7 +24,8 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     directory = str(tmp_path_factory.mktemp("fully_shard"))
     two = {f"example-{mode}": RankCase(cases.example_flow, (directory, mode)) for mode in MODES}
     two.update({"torchtitan": RankCase(cases.torchtitan_flow), "torchtune": RankCase(cases.torchtune_load),
-                "calls": RankCase(cases.module_calls), "policy-refusals": RankCase(cases.policy_refusals)})
+                "calls": RankCase(cases.module_calls), "policy-refusals": RankCase(cases.policy_refusals),
+                "output-dtypes": RankCase(cases.output_dtypes)})
     two.update({f"combination-{name}": RankCase(cases.combination, (name,)) for name in cases.COMBINATIONS})
     two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES})
     two.update({f"buckets-{mb}": RankCase(cases.bucket_layout, env={"OVERLAP_BUCKET_MB": mb}) for mb in ("64", "0.0001")})
@@ -119,6 +120,17 @@ def test_an_overlap_policy_is_the_whole_models(launches) -> None:
         result = outcome.result()
         assert "was given another overlap_policy than its root" in result["differs"], result
         assert "overlap_policy must be overlap.OverlapPolicy" in result["type"], result
+
+
+@pytest.mark.timeout(900)
+def test_output_dtype_casts_each_modules_outputs_as_fsdp2_does(launches) -> None:
+    for outcome in launches[2]["output-dtypes"]:
+        result = outcome.result()
+        ours, torchs = result["overlap"], result["fsdp2"]
+        assert torchs["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.bfloat16", "torch.float32"], torchs
+        assert ours["dtypes"] == torchs["dtypes"], (ours, torchs)
+        assert all(math.isfinite(loss) for loss in ours["losses"]) and ours["losses"] != ours["losses"][:1] * 3
+        assert ours["losses"] == pytest.approx(torchs["losses"], rel=1e-3), (ours, torchs)
 
 
 @pytest.mark.timeout(900)
