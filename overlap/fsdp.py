@@ -185,9 +185,6 @@ def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_afte
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
                         f"{type(mp_policy).__name__}")
-    if not mp_policy.cast_forward_inputs:
-        raise NotImplementedError("fully_shard: MixedPrecisionPolicy(cast_forward_inputs=False) is not supported: "
-                                  "floating-point inputs are cast to param_dtype at the root")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got "
                         f"{type(offload_policy).__name__}")
@@ -234,7 +231,8 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
     policy = policy or OverlapPolicy()
     node_copy = any(not isinstance(m.__dict__[_MARK].reshard_after_forward, bool) for m in [root, *members])
     return StartupRequest(
-        mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy), unit_modules=_unit_groups(members),
+        mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy),
+        cast_forward_inputs=marked.mp_policy.cast_forward_inputs, unit_modules=_unit_groups(members),
         unit_merge_key=_reshard_setting,
         dtensor_params=True, stage=is_stage_mesh(marked.mesh),
         initialise_meta=False, sharding="hpz" if node_copy else None,

@@ -192,7 +192,7 @@ class ShardedModule(nn.Module):
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.scheduler.root_methods_running:         # else part of the method's pass
             self.scheduler.begin_forward()
-        param_dtype = self.mixed_precision.param_dtype
+        param_dtype = self.scheduler.cast_dtype          # None: no cast (or cast_forward_inputs=False)
         if param_dtype is None:
             return args, kwargs
 

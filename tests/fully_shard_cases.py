@@ -428,6 +428,62 @@ def output_dtypes(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+class _ScaledBlock(nn.Module):
+    """A block that takes a second input and records the dtypes its inputs arrive in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(10, 10)
+        self.seen: list[str] = []
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        self.seen.append(f"{x.dtype} {scale.dtype}")
+        return torch.tanh(self.linear(x.to(self.linear.weight.dtype))) * scale
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(2))
+        self.head = nn.Linear(10, 1)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, scale)
+        return self.head(x.to(self.head.weight.dtype)).float()
+
+
+def input_casts(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2's `MixedPrecisionPolicy(cast_forward_inputs=...)` over bf16 blocks taking a second
+    input: the dtypes each block's inputs arrive in, and two AdamW steps' losses, under torch's
+    `fully_shard` and ours, casting and not."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4 * world, 10, generator=gen) for _ in range(2)]
+    scale = torch.full((1, 10), 0.5)
+    out: dict[str, Any] = {}
+    for cast in (True, False):
+        for name, shard in implementations().items():
+            torch.manual_seed(0)
+            model = _Scaled()
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                          cast_forward_inputs=cast)
+            for block in model.blocks:
+                shard(block, mp_policy=policy)
+            shard(model, mp_policy=policy)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for x in batches:
+                loss = model(x[4 * rank:4 * rank + 4], scale).square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(float(loss))
+            out[f"{name} cast={cast}"] = {"seen": [block.seen[0] for block in model.blocks], "losses": losses}
+    return out
+
+
 def bucket_layout(rank: int, world: int) -> dict[str, Any]:
     """Six blocks sharded one by one, the fifth kept gathered after forward, then the root:
     which blocks share a unit (with the bucket size the launch's OVERLAP_BUCKET_MB gives), each

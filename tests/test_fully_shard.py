@@ -25,7 +25,7 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     two = {f"example-{mode}": RankCase(cases.example_flow, (directory, mode)) for mode in MODES}
     two.update({"torchtitan": RankCase(cases.torchtitan_flow), "torchtune": RankCase(cases.torchtune_load),
                 "calls": RankCase(cases.module_calls), "policy-refusals": RankCase(cases.policy_refusals),
-                "output-dtypes": RankCase(cases.output_dtypes)})
+                "output-dtypes": RankCase(cases.output_dtypes), "input-casts": RankCase(cases.input_casts)})
     two.update({f"combination-{name}": RankCase(cases.combination, (name,)) for name in cases.COMBINATIONS})
     two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES})
     two.update({f"buckets-{mb}": RankCase(cases.bucket_layout, env={"OVERLAP_BUCKET_MB": mb}) for mb in ("64", "0.0001")})
@@ -131,6 +131,17 @@ def test_output_dtype_casts_each_modules_outputs_as_fsdp2_does(launches) -> None
         assert ours["dtypes"] == torchs["dtypes"], (ours, torchs)
         assert all(math.isfinite(loss) for loss in ours["losses"]) and ours["losses"] != ours["losses"][:1] * 3
         assert ours["losses"] == pytest.approx(torchs["losses"], rel=1e-3), (ours, torchs)
+
+
+@pytest.mark.timeout(900)
+def test_cast_forward_inputs_as_fsdp2_has_it(launches) -> None:
+    for outcome in launches[2]["input-casts"]:
+        result = outcome.result()
+        for cast, seen in ((True, "torch.bfloat16 torch.bfloat16"), (False, "torch.float32 torch.float32")):
+            ours, torchs = result[f"overlap cast={cast}"], result[f"fsdp2 cast={cast}"]
+            assert torchs["seen"] == [seen, seen] and ours["seen"] == torchs["seen"], (cast, ours, torchs)
+            assert all(math.isfinite(loss) for loss in ours["losses"])
+            assert ours["losses"] == pytest.approx(torchs["losses"], rel=1e-3), (cast, ours, torchs)
 
 
 @pytest.mark.timeout(900)

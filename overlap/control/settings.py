@@ -34,6 +34,9 @@ class StartupRequest:
     unit_types: Optional[Sequence[type]] = None
     process_group: Optional[dist.ProcessGroup] = None
     mixed_precision: Optional[MixedPrecision] = None
+    # Floating-point forward inputs cast to the compute dtype at each unit (FSDP2's
+    # `MixedPrecisionPolicy.cast_forward_inputs`; `ShardedModule` always casts).
+    cast_forward_inputs: bool = True
     prefetch_depth: Optional[int] = None
     bucket_mb: Optional[float] = None
     reshard_after_forward: bool = True

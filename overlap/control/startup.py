@@ -134,7 +134,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
                         initialise_meta=request.initialise_meta, experts=by_experts)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, link, decision.config.order_check,
-                          decision.mixed_precision.param_dtype, decision.config.keep_units)
+                          decision.mixed_precision.param_dtype if request.cast_forward_inputs else None,
+                          decision.config.keep_units)
     # Per-step timings of compute and communication for `overlap_report()`.
     monitor = OverlapMonitor()
     controllers = _controllers(decision, built, collectives, PrefetchDepths(scheduler), request.reshard_after_forward)
