@@ -67,6 +67,7 @@ def main() -> None:
               f"{result.training_loss:.3f} (from ln(128) = {math.log(128):.2f}); {final} reloaded with from_pretrained "
               f"continues a training sequence with {(generated == expected).sum().item()}/8 tokens right")
     if dist.is_initialized():
+        dist.barrier()                          # the ranks take the group down together, after rank 0's check
         dist.destroy_process_group()
 
 
