@@ -397,6 +397,20 @@ def policy_refusals(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def _adamw_square_losses(model: nn.Module, batches: list[torch.Tensor], rank: int, *inputs: Any) -> list[float]:
+    """AdamW steps on the mean square of `model`'s output over this rank's four rows of each
+    batch (`inputs` passed after them); this rank's losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x in batches:
+        loss = model(x[4 * rank:4 * rank + 4], *inputs).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
 def output_dtypes(rank: int, world: int) -> dict[str, Any]:
     """FSDP2's `MixedPrecisionPolicy(output_dtype=...)` per call: bf16 blocks, one of them and
     the root casting their outputs to fp32. Under torch's `fully_shard` and ours, from the same
@@ -416,15 +430,7 @@ def output_dtypes(rank: int, world: int) -> dict[str, Any]:
         seen: list[str] = []
         for module in (*model[:3], model):
             module.register_forward_hook(lambda _, args, output: seen.append(str(output.dtype)))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for x in batches:
-            loss = model(x[4 * rank:4 * rank + 4]).square().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(float(loss))
-        out[name] = {"dtypes": seen[:4], "losses": losses}
+        out[name] = {"losses": _adamw_square_losses(model, batches, rank), "dtypes": seen[:4]}
     return out
 
 
@@ -472,14 +478,7 @@ def input_casts(rank: int, world: int) -> dict[str, Any]:
             for block in model.blocks:
                 shard(block, mp_policy=policy)
             shard(model, mp_policy=policy)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses = []
-            for x in batches:
-                loss = model(x[4 * rank:4 * rank + 4], scale).square().mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(float(loss))
+            losses = _adamw_square_losses(model, batches, rank, scale)
             out[f"{name} cast={cast}"] = {"seen": [block.seen[0] for block in model.blocks], "losses": losses}
     return out
 
