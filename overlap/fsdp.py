@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map_only
 
@@ -66,6 +66,7 @@ from overlap.sharded_module import ShardedModule, register_forward_method, stric
 _MARK = "_overlap_fully_shard"        # this call's arguments
 _RUNTIME = "_overlap_runtime"         # the ShardedModule that runs the whole model, once built
 _OWNER = "_overlap_owner"             # the marked module this one is inside, for the root's build
+_IGNORED = "_overlap_ignored"         # the root's: where the parameters left out of sharding are
 _BUILDING = object()                  # in place of the runtime while it is being built
 
 
@@ -95,8 +96,9 @@ class _Marked:
 
     def __init__(self, mesh: Optional[DeviceMesh], reshard_after_forward: Union[bool, int],
                  mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
-                 overlap_policy: Optional[OverlapPolicy]) -> None:
+                 overlap_policy: Optional[OverlapPolicy], ignored_params: frozenset[int]) -> None:
         self.mesh = mesh
+        self.ignored_params = ignored_params          # ids
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
@@ -129,7 +131,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             raise ValueError(f"fully_shard: {type(each).__name__} is already sharded (its model was built when it "
                              "was first used); call fully_shard on each module once, blocks before their root, "
                              "then use the model")
-    marked = _Marked(mesh, reshard_after_forward, mp_policy, offload_policy, overlap_policy)
+    marked = _Marked(mesh, reshard_after_forward, mp_policy, offload_policy, overlap_policy,
+                     frozenset(id(param) for param in ignored_params or ()))
     for each in modules:
         # The marked modules inside become this call's: the outermost call is the root, whose
         # runtime is built when any of them is first used.
@@ -188,9 +191,12 @@ def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_afte
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got "
                         f"{type(offload_policy).__name__}")
-    if ignored_params:
-        raise NotImplementedError("fully_shard: ignored_params is not supported: every parameter of the module is "
-                                  "sharded; leave the parameters to keep whole outside the module")
+    for param in ignored_params or ():
+        if not isinstance(param, nn.Parameter):
+            raise TypeError(f"fully_shard: ignored_params must hold nn.Parameter objects, got {type(param).__name__}")
+        if isinstance(param, DTensor):
+            raise NotImplementedError("fully_shard: ignored_params holds a DTensor parameter (tensor parallel); only "
+                                      "plain parameters can be left out of sharding")
     if shard_placement_fn is not None:
         for name, param in module.named_parameters():
             placement = shard_placement_fn(param)
@@ -205,6 +211,15 @@ def _unit_groups(members: list[nn.Module]) -> tuple[tuple[nn.Module, ...], ...]:
     for member in members:
         groups.setdefault(id(member.__dict__[_MARK]), []).append(member)
     return tuple(tuple(group) for group in groups.values())
+
+
+def _ignored_places(root: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Where the parameters left out of sharding are registered: those given as
+    `ignored_params` to the call that would shard them (the call of the nearest marked module
+    that holds them), as FSDP2 decides it. Kept as places: `to_empty()` replaces them."""
+    calls = _calls_by_module(root)
+    return [(module, name) for module in root.modules() for name, param in module._parameters.items()
+            if param is not None and id(param) in calls[id(module)].ignored_params]
 
 
 def _reshard_setting(module: nn.Module) -> Union[bool, int]:
@@ -235,6 +250,7 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
         cast_forward_inputs=marked.mp_policy.cast_forward_inputs, unit_modules=_unit_groups(members),
         unit_merge_key=_reshard_setting,
         dtensor_params=True, stage=is_stage_mesh(marked.mesh),
+        ignored_params=tuple(dict.fromkeys(module._parameters[name] for module, name in root.__dict__[_IGNORED])),
         initialise_meta=False, sharding="hpz" if node_copy else None,
         offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None,
         prefetch_depth=policy.prefetch_depth, bucket_mb=policy.bucket_mb, compression=policy.compression,
@@ -253,6 +269,7 @@ def _build(root: nn.Module) -> ShardedModule:
         raise RuntimeError(f"fully_shard: {type(built[0]).__name__} inside {type(root).__name__} was already used "
                            "(its forward, parameters or state dict) before fully_shard was called on its root; call "
                            "fully_shard on the blocks, then on the root, then use the model")
+    root.__dict__[_IGNORED] = _ignored_places(root)
     request = _runtime_request(root, members)
     for module in [root, *members]:
         module.__dict__[_RUNTIME] = _BUILDING     # start-up reads the modules' parameters
@@ -382,7 +399,7 @@ class OverlapFSDPModule(FSDPModule):
         device is refused by name."""
         runtime = _required(self)
         groups = [group for unit in runtime.scheduler.all_units for group in unit.groups]
-        apply_keeping_shards(self, fn, groups, "fully_shard")
+        apply_keeping_shards(self, fn, groups, "fully_shard", runtime.module.__dict__[_IGNORED])
         return self
 
     @property

@@ -10,8 +10,9 @@ and the root kept gathered after forward) and torchtune's full-state load
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -338,33 +339,11 @@ def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[st
     """Two Adam steps of the example's model sharded with fully_shard in one mode, and one
     process's; with `keep`, each step as two microbatches with the units kept gathered between
     them, and what the runtime decided to keep."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-    from overlap import OverlapPolicy, fully_shard
+    from overlap import fully_shard
 
     how = COMBINATIONS[name]
-    kwargs: dict[str, Any] = {}
-    if "overlap_policy" in how:
-        kwargs["overlap_policy"] = OverlapPolicy(**how["overlap_policy"])
-    if how.get("offload_policy") == "cpu":
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    if how.get("mp_policy") == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if "mesh" in how:
-        kwargs["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=how["mesh"])
-    if "reshard_after_forward" in how:
-        kwargs["reshard_after_forward"] = how["reshard_after_forward"]
-    saved = {key: os.environ.get(key) for key in how.get("env", {})}
-    os.environ.update(how.get("env", {}))
-    try:
-        model = shard_blocks_then_root(meta_gpt(), fully_shard, **kwargs)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
+    with _environment(how.get("env", {})):
+        model = shard_blocks_then_root(meta_gpt(), fully_shard, **_shard_kwargs(how, world))
     materialise(model, seed=0)
     losses = steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, rank, world, keep=keep)
     decided = model.overlap_report().decisions if keep else []
@@ -377,7 +356,8 @@ def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[st
 
 
 def policy_refusals(rank: int, world: int) -> dict[str, str]:
-    """A block given another OverlapPolicy than its root's, and a policy of another type."""
+    """A block given another OverlapPolicy than its root's, a policy of another type, and
+    ignored_params holding a tensor that is no Parameter."""
     from overlap import OverlapPolicy, fully_shard
 
     out = {}
@@ -394,6 +374,11 @@ def policy_refusals(rank: int, world: int) -> dict[str, str]:
         out["type"] = "returned"
     except TypeError as error:
         out["type"] = str(error)
+    try:
+        fully_shard(meta_gpt(), ignored_params={torch.zeros(2)})
+        out["ignored"] = "returned"
+    except TypeError as error:
+        out["ignored"] = str(error)
     return out
 
 
@@ -516,3 +501,165 @@ def bucket_layout(rank: int, world: int) -> dict[str, Any]:
     out["units"] = [([position[id(m)] for m in unit.modules], unit.reshard_after_forward)
                     for unit in model.overlap_runtime.scheduler.units]
     return out
+
+
+class _RoutedBlock(nn.Module):
+    """A block whose router computes in fp32 from its own whole weights on every rank: the
+    parameters a user leaves out of sharding with `ignored_params` and syncs alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(10, 10)
+        self.proj = nn.Linear(10, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.router(x.float()))
+        return torch.tanh(self.proj(x)) * gate.to(x.dtype)
+
+
+def _routed() -> nn.Module:
+    return nn.Sequential(_RoutedBlock(), _RoutedBlock(), nn.Linear(10, 1))
+
+
+# fully_shard's arguments in each mode; "overlap-only" modes are the runtime's own.
+IGNORED_MODES: dict[str, dict[str, Any]] = {
+    "default": {}, "keep-gathered": {"reshard_after_forward": False}, "cpu-offload": {"offload_policy": "cpu"},
+    "bf16": {"mp_policy": "bf16"}, "hybrid-2d-mesh": {"mesh": ("replicate", "shard")}, "meta-init": {"meta": True},
+    "hpz": {"reshard_after_forward": 1, "env": {"LOCAL_WORLD_SIZE": "1"}},
+    # DDP over the sharded model syncs the routers (FSDP2's own test of ignored_params).
+    "ddp-syncs-them": {"ddp": True},
+    "int8-compression": {"overlap_policy": {"compression": "int8"}, "overlap-only": True},
+    "int8-int4-compression": {"overlap_policy": {"compression": "int8-int4"}, "overlap-only": True},
+}
+
+
+def ignored_params(rank: int, world: int) -> dict[str, Any]:
+    """Blocks and root sharded with each block's router left out (`ignored_params`), under
+    torch's `fully_shard` and ours in each mode of IGNORED_MODES: three AdamW steps on this
+    rank's rows, the routers' gradients averaged by the loop (no wrapper reduces them), against
+    one process on every row; and what the routers are after wrapping and in the state dict."""
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(4 * world, 10, generator=gen) for _ in range(3)]
+    out: dict[str, Any] = {}
+    for mode, how in IGNORED_MODES.items():
+        reference = _routed_model(how.get("meta", False), initialise=True)
+        out[f"one-process {mode}"] = _train_routed(reference, batches, rank, world, sharded=False)
+        for name, shard in implementations().items():
+            if how.get("overlap-only") and name != "overlap":
+                continue
+            with _environment(how.get("env", {})):
+                model = _routed_model(how.get("meta", False), initialise=False)
+                ignored = {p for block in model[:2] for p in block.router.parameters()}
+                kwargs = _shard_kwargs(how, world)
+                for block in model[:2]:
+                    shard(block, ignored_params=ignored, **kwargs)
+                shard(model, ignored_params=ignored, **kwargs)
+                if how.get("meta"):
+                    _initialise_routed(model)
+                routers = [p for block in model[:2] for p in block.router.parameters()]
+                net = _ddp_over_routers(model) if how.get("ddp") else model
+                result: dict[str, Any] = {
+                    "routers-plain": all(type(p) is nn.Parameter for p in routers),
+                    "routers-kept": all(p in ignored for p in routers),
+                    "state-kinds": sorted({f"router={'router' in key} dtensor={isinstance(value, DTensor)}"
+                                           for key, value in model.state_dict().items()}),
+                    "losses": _train_routed(net, batches, rank, world, sharded=True)}
+            full = {key: value.full_tensor() if isinstance(value, DTensor) else value
+                    for key, value in model.state_dict().items()}
+            result["final-max-diff"] = max(float((full[key] - value).abs().max())
+                                           for key, value in reference.state_dict().items())
+            out[f"{name} {mode}"] = result
+    return out
+
+
+def _ddp_over_routers(model: nn.Module) -> nn.Module:
+    """DDP over `model`, syncing only what no fully_shard call shards (the routers)."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    sharded = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sharded)
+    return DistributedDataParallel(model)
+
+
+def _routed_model(meta: bool, initialise: bool) -> nn.Module:
+    """The model from seed 0; built on the meta device, given values (seed 1) with `initialise`."""
+    torch.manual_seed(0)
+    if not meta:
+        return _routed()
+    with torch.device("meta"):
+        model = _routed()
+    if initialise:
+        _initialise_routed(model)
+    return model
+
+
+def _initialise_routed(model: nn.Module) -> None:
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        init_weights(model)
+
+
+def _shard_kwargs(how: dict[str, Any], world: int) -> dict[str, Any]:
+    """fully_shard's keyword arguments for one mode of IGNORED_MODES or COMBINATIONS."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    from overlap import OverlapPolicy
+
+    kwargs: dict[str, Any] = {}
+    if "overlap_policy" in how:
+        kwargs["overlap_policy"] = OverlapPolicy(**how["overlap_policy"])
+    if how.get("offload_policy") == "cpu":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)   # FSDP2 pins only on accelerators
+    if how.get("mp_policy") == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if "mesh" in how:
+        kwargs["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=how["mesh"])
+    if "reshard_after_forward" in how:
+        kwargs["reshard_after_forward"] = how["reshard_after_forward"]
+    return kwargs
+
+
+def _train_routed(model: nn.Module, batches: list[torch.Tensor], rank: int, world: int, sharded: bool) -> list[float]:
+    """Three AdamW steps; each loss averaged over the ranks. `sharded`: each rank on its rows,
+    the routers' gradients averaged here, as a user of `ignored_params` syncs them (unless
+    `model` is DDP's, which does)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = isinstance(model, DistributedDataParallel)
+    blocks = model.module[:2] if ddp else model[:2]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x in batches:
+        loss = model(x[4 * rank:4 * rank + 4] if sharded else x).float().square().mean()
+        loss.backward()
+        value = loss.detach().clone()
+        if sharded:
+            for param in (p for block in blocks for p in block.router.parameters() if not ddp):
+                dist.all_reduce(param.grad)
+                param.grad /= world
+            dist.all_reduce(value)
+            value /= world
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(value))
+    return losses
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """`env` set in os.environ for the duration, what was there before put back."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value

@@ -25,7 +25,8 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     two = {f"example-{mode}": RankCase(cases.example_flow, (directory, mode)) for mode in MODES}
     two.update({"torchtitan": RankCase(cases.torchtitan_flow), "torchtune": RankCase(cases.torchtune_load),
                 "calls": RankCase(cases.module_calls), "policy-refusals": RankCase(cases.policy_refusals),
-                "output-dtypes": RankCase(cases.output_dtypes), "input-casts": RankCase(cases.input_casts)})
+                "output-dtypes": RankCase(cases.output_dtypes), "input-casts": RankCase(cases.input_casts),
+                "ignored-params": RankCase(cases.ignored_params)})
     two.update({f"combination-{name}": RankCase(cases.combination, (name,)) for name in cases.COMBINATIONS})
     two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES})
     two.update({f"buckets-{mb}": RankCase(cases.bucket_layout, env={"OVERLAP_BUCKET_MB": mb}) for mb in ("64", "0.0001")})
@@ -115,11 +116,12 @@ def test_every_mode_reached_through_fully_shard_trains_like_one_process(launches
 
 
 @pytest.mark.timeout(900)
-def test_an_overlap_policy_is_the_whole_models(launches) -> None:
+def test_an_overlap_policy_is_the_whole_models_and_ignored_params_parameters(launches) -> None:
     for outcome in launches[2]["policy-refusals"]:
         result = outcome.result()
         assert "was given another overlap_policy than its root" in result["differs"], result
         assert "overlap_policy must be overlap.OverlapPolicy" in result["type"], result
+        assert "ignored_params must hold nn.Parameter objects, got Tensor" in result["ignored"], result
 
 
 @pytest.mark.timeout(900)
@@ -142,6 +144,29 @@ def test_cast_forward_inputs_as_fsdp2_has_it(launches) -> None:
             assert torchs["seen"] == [seen, seen] and ours["seen"] == torchs["seen"], (cast, ours, torchs)
             assert all(math.isfinite(loss) for loss in ours["losses"])
             assert ours["losses"] == pytest.approx(torchs["losses"], rel=1e-3), (cast, ours, torchs)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", list(cases.IGNORED_MODES))
+def test_ignored_params_stay_whole_and_the_rest_trains_like_one_process(launches, mode: str) -> None:
+    """FSDP2's `ignored_params` in each mode: the parameters left out stay the module's own
+    plain Parameters (in the state dict too), and with their gradients averaged by the loop
+    the model trains as one process on every row, as under torch's `fully_shard`."""
+    tol = LOSSY if "bf16" in mode or "int8" in mode else FP32
+    for outcome in launches[2]["ignored-params"]:
+        result = outcome.result()
+        reference = result[f"one-process {mode}"]
+        for name in ("fsdp2", "overlap"):
+            if name == "fsdp2" and cases.IGNORED_MODES[mode].get("overlap-only"):
+                continue
+            got = result[f"{name} {mode}"]
+            assert got["routers-plain"] and (got["routers-kept"] or mode == "meta-init"), (name, got)
+            assert got["state-kinds"] == ["router=False dtensor=True", "router=True dtensor=False"], (name, got)
+            assert all(math.isfinite(x) for x in got["losses"]), (name, got)
+            if name == "fsdp2" and mode == "meta-init":
+                continue        # FSDP2's DTensor init draws other values than one process (ours draws its)
+            assert got["losses"] == pytest.approx(reference, rel=tol["rtol"], abs=tol["atol"]), (name, got, reference)
+            assert got["final-max-diff"] < (5e-2 if tol is LOSSY else 1e-5), (name, got)
 
 
 @pytest.mark.timeout(900)

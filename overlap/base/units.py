@@ -86,10 +86,13 @@ def unit_types_tuple(unit_types: Union[type, Sequence[type], None]) -> Optional[
 
 
 def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None],
-                   unit_groups: Optional[Sequence[Sequence[nn.Module]]] = None) -> tuple[UnitSpec, list[UnitSpec]]:
+                   unit_groups: Optional[Sequence[Sequence[nn.Module]]] = None,
+                   ignored: frozenset[int] = frozenset()) -> tuple[UnitSpec, list[UnitSpec]]:
     """Split `root`'s parameters into the root unit and the units, in module order: one unit
     per group of `unit_groups` where given (a group of several modules is one unit, as
-    FSDP2's `fully_shard([a, b])`), else by `unit_types`."""
+    FSDP2's `fully_shard([a, b])`), else by `unit_types`. Parameters whose ids are in
+    `ignored` belong to no unit: they stay in their modules as they are (FSDP2's
+    `ignored_params`)."""
     types = unit_types_tuple(unit_types)
     # Each unit module -> the first module of its group, which names the unit.
     group_of: dict[int, int] = {}
@@ -116,7 +119,7 @@ def discover_units(root: nn.Module, unit_types: Union[type, Sequence[type], None
             else:
                 specs[owner] = UnitSpec(prefix.rstrip("."), [module])
         for attr, param in module._parameters.items():
-            if param is not None:
+            if param is not None and id(param) not in ignored:
                 occurrences[id(param)].append((prefix + attr, module, attr, owner))
                 params[id(param)] = param
         for child_name, child in module._modules.items():

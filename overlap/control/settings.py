@@ -57,6 +57,9 @@ class StartupRequest:
     # A pipeline stage (a mesh with a 'pp' dimension): gathered parameters as one leaf each;
     # see [Note: a pipeline stage's parameters as leaves] in overlap/runtime/flat_group.py.
     stage: bool = False
+    # Parameters left out of every unit, as they are (FSDP2's `ignored_params`): never
+    # sharded, moved, gathered or reduced; their gradients stay this rank's own.
+    ignored_params: tuple[nn.Parameter, ...] = ()
     # Give a meta-device model's parameters values at wrap (else they start at zero, for the
     # user's own `to_empty()` and initialisation after wrapping, as with FSDP2).
     initialise_meta: bool = True

@@ -81,7 +81,8 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
     if isinstance(request.mesh, DeviceMesh):
         request = request.for_module(module)
     settings = resolve_settings(request)
-    root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules)
+    ignored = frozenset(id(param) for param in request.ignored_params)
+    root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules, ignored)
     error = settings.error or tensor_parallel_error(module, request.mesh, request.process_group, settings.config)
     check_ranks_agree(request.all_group, error, model_signature(root_spec, unit_specs), settings.config)
     # Expert parallelism: this rank's experts kept, each expert module a unit sharded over the
@@ -103,14 +104,14 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
         split_experts(experts, expert_groups)
         request = dataclasses.replace(request, unit_merge_key=None, unit_modules=units_with_experts(
             module, [spec.modules for spec in unit_specs], experts))
-        root_spec, unit_specs = discover_units(module, None, request.unit_modules)
+        root_spec, unit_specs = discover_units(module, None, request.unit_modules, ignored)
     # DTensor parameters of torch's tensor parallelism become their local tensors, the units'
     # parameters from here on; see overlap.runtime.tensor_parallel.
     # What optimizers are told about this model; see overlap.runtime.optimizer_link.
     link = OptimizerLink()
     tensor_parallel = take_tensor_parallel(module, request.mesh, settings.device, link)
     if tensor_parallel is not None:
-        root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules)
+        root_spec, unit_specs = discover_units(module, request.unit_types, request.unit_modules, ignored)
     decision = decide(request, settings, unit_specs)
     check_backend_env(request.all_group)           # before the gloo side groups are made
     collectives = _collectives(decision)
