@@ -47,6 +47,7 @@ import dataclasses
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
@@ -54,7 +55,6 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map_only
 
-from overlap.base.config import local_world_size_from_env
 from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
 from overlap.pipeline_stage import Unsharded, is_stage_mesh, register_grad_step
@@ -131,7 +131,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             raise ValueError(f"fully_shard: {type(each).__name__} is already sharded (its model was built when it "
                              "was first used); call fully_shard on each module once, blocks before their root, "
                              "then use the model")
-    marked = _Marked(mesh, reshard_after_forward, mp_policy, offload_policy, overlap_policy,
+    marked = _Marked(mesh, _resharding(reshard_after_forward, mesh), mp_policy, offload_policy, overlap_policy,
                      frozenset(id(param) for param in ignored_params or ()))
     for each in modules:
         # The marked modules inside become this call's: the outermost call is the root, whose
@@ -175,15 +175,7 @@ def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_afte
     if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2)):
         raise ValueError(f"fully_shard: mesh must be a 1-D DeviceMesh (shard) or a 2-D one (replicate, shard), got "
                          f"{mesh!r}")
-    if isinstance(reshard_after_forward, bool):
-        pass
-    elif isinstance(reshard_after_forward, int):
-        local = local_world_size_from_env()
-        if reshard_after_forward != local:
-            raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward}: resharding after forward "
-                             f"to a group of another size than the node's {local} ranks (LOCAL_WORLD_SIZE) is not "
-                             "supported; pass True, False or the node's size (a node-local copy, hpZ)")
-    else:
+    if not isinstance(reshard_after_forward, int):
         raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
@@ -203,6 +195,31 @@ def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_afte
             if placement is not None and placement != Shard(0):
                 raise NotImplementedError(f"fully_shard: shard_placement_fn gave {placement} for {name!r}; "
                                           "parameters are sharded by whole rows (Shard(0)) only")
+
+
+def _resharding(reshard_after_forward: Union[bool, int], mesh: Optional[DeviceMesh]) -> Union[bool, int]:
+    """`reshard_after_forward` as the runtime takes it: an int k is the size of the groups of
+    consecutive ranks a unit is resharded to after forward (FSDP2's meaning): 1 keeps it whole
+    (False), the ranks it is sharded over reshard it fully (True), any other divisor keeps a
+    copy sharded over k ranks for backward's gather (hpZ over groups of k)."""
+    if isinstance(reshard_after_forward, bool):
+        return reshard_after_forward
+    if not dist.is_initialized():
+        raise RuntimeError(f"fully_shard: reshard_after_forward={reshard_after_forward} needs torch.distributed "
+                           "initialised first (the int is a size of a group of ranks)")
+    world = dist.get_world_size()
+    size = world if mesh is None else mesh.size(mesh.ndim - 1)
+    if not 1 <= reshard_after_forward <= size or size % reshard_after_forward:
+        raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward}: an int must divide the {size} "
+                         "ranks each parameter is sharded over (the size of the groups it is resharded to after "
+                         "forward)")
+    if reshard_after_forward in (1, size):
+        return reshard_after_forward == size
+    if mesh is not None and (mesh.ndim != 1 or mesh.mesh.flatten().tolist() != list(range(world))):
+        raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward} on a mesh of another "
+                                  "shape than every rank in order (a 2-D or a sub-mesh) is not supported; pass True "
+                                  "or False there")
+    return reshard_after_forward
 
 
 def _unit_groups(members: list[nn.Module]) -> tuple[tuple[nn.Module, ...], ...]:
@@ -244,14 +261,19 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
                              f"{type(root).__name__} ({given} against {policy}); the policy is the whole model's: "
                              "give it to the root's call")
     policy = policy or OverlapPolicy()
-    node_copy = any(not isinstance(m.__dict__[_MARK].reshard_after_forward, bool) for m in [root, *members])
+    # An int: a copy kept over groups of that many ranks (hpZ), the whole model's.
+    given = [m.__dict__[_MARK].reshard_after_forward for m in [root, *members]]
+    copies = sorted({value for value in given if not isinstance(value, bool)})
+    if len(copies) > 1:
+        raise ValueError(f"fully_shard: reshard_after_forward={copies[0]} and {copies[1]} on one model: the copy kept "
+                         "after forward has one group size per model")
     return StartupRequest(
-        mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy),
+        mesh=None if copies else marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy),
         cast_forward_inputs=marked.mp_policy.cast_forward_inputs, unit_modules=_unit_groups(members),
         unit_merge_key=_reshard_setting,
         dtensor_params=True, stage=is_stage_mesh(marked.mesh),
         ignored_params=tuple(dict.fromkeys(module._parameters[name] for module, name in root.__dict__[_IGNORED])),
-        initialise_meta=False, sharding="hpz" if node_copy else None,
+        initialise_meta=False, sharding="hpz" if copies else None, node_copy_ranks=copies[0] if copies else None,
         offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None,
         prefetch_depth=policy.prefetch_depth, bucket_mb=policy.bucket_mb, compression=policy.compression,
         compile=policy.compile, expert_parallel=policy.expert_parallel, expert_types=tuple(policy.expert_types),

@@ -325,7 +325,10 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "cpu-offload": {"offload_policy": "cpu"},
     "bf16-cpu-offload": {"offload_policy": "cpu", "mp_policy": "bf16"},
     "hybrid-2d-mesh": {"mesh": ("replicate", "shard")},
-    "hpz": {"reshard_after_forward": 1, "env": {"LOCAL_WORLD_SIZE": "1"}},
+    # FSDP2's int: the size of the groups resharded to after forward; at 4 ranks, 2 is hpZ
+    # over pairs of ranks, and at 2 ranks, 1 keeps every unit whole.
+    "hpz-int-2": {"reshard_after_forward": 2, "world": 4},
+    "reshard-int-1": {"reshard_after_forward": 1},
     "int8-compression": {"env": {"OVERLAP_COMPRESS": "int8"}},
     "compiled": {"env": {"OVERLAP_COMPILE": "1"}},
     # The runtime's settings through OverlapPolicy on the calls instead of OVERLAP_* variables.
@@ -351,13 +354,16 @@ def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[st
     codec = runtime.collectives.codec
     settings = {"compression": "none" if codec is None else codec.settings.mode,
                 "prefetch_depth": runtime.overlap_config.prefetch_depth,
-                "units": len(runtime.scheduler.units), "blocks": len(model.blocks)}
+                "units": len(runtime.scheduler.units), "blocks": len(model.blocks),
+                "sharding": runtime.sharding.describe(),
+                "kept-whole": [not unit.reshard_after_forward for unit in runtime.scheduler.units]}
     return {"overlap": losses, "one-process": one_process(0, 2), "decided": decided, "settings": settings}
 
 
 def policy_refusals(rank: int, world: int) -> dict[str, str]:
-    """A block given another OverlapPolicy than its root's, a policy of another type, and
-    ignored_params holding a tensor that is no Parameter."""
+    """A block given another OverlapPolicy than its root's, a policy of another type,
+    ignored_params holding a tensor that is no Parameter, and an int reshard_after_forward
+    that divides no group of the ranks."""
     from overlap import OverlapPolicy, fully_shard
 
     out = {}
@@ -379,6 +385,11 @@ def policy_refusals(rank: int, world: int) -> dict[str, str]:
         out["ignored"] = "returned"
     except TypeError as error:
         out["ignored"] = str(error)
+    try:
+        fully_shard(meta_gpt(), reshard_after_forward=world + 1)
+        out["int"] = "returned"
+    except ValueError as error:
+        out["int"] = str(error)
     return out
 
 
@@ -525,7 +536,7 @@ def _routed() -> nn.Module:
 IGNORED_MODES: dict[str, dict[str, Any]] = {
     "default": {}, "keep-gathered": {"reshard_after_forward": False}, "cpu-offload": {"offload_policy": "cpu"},
     "bf16": {"mp_policy": "bf16"}, "hybrid-2d-mesh": {"mesh": ("replicate", "shard")}, "meta-init": {"meta": True},
-    "hpz": {"reshard_after_forward": 1, "env": {"LOCAL_WORLD_SIZE": "1"}},
+    "hpz-int-2": {"reshard_after_forward": 2, "world": 4},
     # DDP over the sharded model syncs the routers (FSDP2's own test of ignored_params).
     "ddp-syncs-them": {"ddp": True},
     "int8-compression": {"overlap_policy": {"compression": "int8"}, "overlap-only": True},
@@ -533,9 +544,9 @@ IGNORED_MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def ignored_params(rank: int, world: int) -> dict[str, Any]:
+def ignored_params(rank: int, world: int, modes: tuple[str, ...]) -> dict[str, Any]:
     """Blocks and root sharded with each block's router left out (`ignored_params`), under
-    torch's `fully_shard` and ours in each mode of IGNORED_MODES: three AdamW steps on this
+    torch's `fully_shard` and ours in each of `modes` (IGNORED_MODES): three AdamW steps on this
     rank's rows, the routers' gradients averaged by the loop (no wrapper reduces them), against
     one process on every row; and what the routers are after wrapping and in the state dict."""
     from torch.distributed.tensor import DTensor
@@ -543,7 +554,8 @@ def ignored_params(rank: int, world: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(4)
     batches = [torch.randn(4 * world, 10, generator=gen) for _ in range(3)]
     out: dict[str, Any] = {}
-    for mode, how in IGNORED_MODES.items():
+    for mode in modes:
+        how = IGNORED_MODES[mode]
         reference = _routed_model(how.get("meta", False), initialise=True)
         out[f"one-process {mode}"] = _train_routed(reference, batches, rank, world, sharded=False)
         for name, shard in implementations().items():

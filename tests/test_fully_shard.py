@@ -15,7 +15,7 @@ MODES = ("default", "mixed-precision", "explicit-prefetching", "dcp-api")
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 # The modes units kept gathered across microbatches are tested with here (fp32, bf16, offload
 # cpu and int8 are in tests/test_pipeline.py and tests/test_train_pipeline.py).
-KEEP_MODES = ("hybrid-2d-mesh", "hpz", "compiled")
+KEEP_MODES = ("hybrid-2d-mesh", "hpz-int-2", "compiled")
 BF16 = {"rtol": 2e-2, "atol": 2e-3}
 
 
@@ -26,15 +26,29 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     two.update({"torchtitan": RankCase(cases.torchtitan_flow), "torchtune": RankCase(cases.torchtune_load),
                 "calls": RankCase(cases.module_calls), "policy-refusals": RankCase(cases.policy_refusals),
                 "output-dtypes": RankCase(cases.output_dtypes), "input-casts": RankCase(cases.input_casts),
-                "ignored-params": RankCase(cases.ignored_params)})
-    two.update({f"combination-{name}": RankCase(cases.combination, (name,)) for name in cases.COMBINATIONS})
-    two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES})
+                "ignored-params": RankCase(cases.ignored_params, (_ignored_modes(2),))})
+    four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),))}
+    for name in cases.COMBINATIONS:
+        (four if _world(name) == 4 else two)[f"combination-{name}"] = RankCase(cases.combination, (name,))
+    for name in KEEP_MODES:
+        (four if _world(name) == 4 else two)[f"keep-{name}"] = RankCase(cases.combination, (name, True))
     two.update({f"buckets-{mb}": RankCase(cases.bucket_layout, env={"OVERLAP_BUCKET_MB": mb}) for mb in ("64", "0.0001")})
     three = {"example-default": RankCase(cases.example_flow, (directory + "-3", "default"))}
     import os
 
     os.makedirs(directory + "-3")
-    return {2: CaseLaunch(two, world_size=2, timeout=600), 3: CaseLaunch(three, world_size=3, timeout=600)}
+    return {2: CaseLaunch(two, world_size=2, timeout=600), 3: CaseLaunch(three, world_size=3, timeout=600),
+            4: CaseLaunch(four, world_size=4, timeout=600)}
+
+
+def _world(mode: str) -> int:
+    """The ranks a mode of COMBINATIONS or IGNORED_MODES runs at (an int reshard_after_forward
+    that is neither 1 nor every rank needs 4)."""
+    return cases.COMBINATIONS.get(mode, cases.IGNORED_MODES.get(mode, {})).get("world", 2)
+
+
+def _ignored_modes(world: int) -> tuple[str, ...]:
+    return tuple(mode for mode in cases.IGNORED_MODES if _world(mode) == world)
 
 
 def _close(ours: list[float], theirs: list[float], tol: dict) -> None:
@@ -102,7 +116,7 @@ LOSSY = {"rtol": 5e-2, "atol": 5e-3}
 @pytest.mark.parametrize("name", list(cases.COMBINATIONS))
 def test_every_mode_reached_through_fully_shard_trains_like_one_process(launches, name: str) -> None:
     tol = LOSSY if "bf16" in name or "int8" in name else FP32
-    for outcome in launches[2][f"combination-{name}"]:
+    for outcome in launches[_world(name)][f"combination-{name}"]:
         result = outcome.result()
         _close(result["overlap"], result["one-process"], tol)
         policy = cases.COMBINATIONS[name].get("overlap_policy", {})
@@ -113,15 +127,20 @@ def test_every_mode_reached_through_fully_shard_trains_like_one_process(launches
             assert settings["prefetch_depth"] == policy["prefetch_depth"], settings
         if "bucket_mb" in policy:              # smaller than a block: one unit per block
             assert settings["units"] == settings["blocks"], settings
+        if name == "hpz-int-2":
+            assert settings["sharding"].startswith("hpZ") and "gathers over 2 ranks" in settings["sharding"], settings
+        if name == "reshard-int-1":
+            assert settings["sharding"].startswith("full") and all(settings["kept-whole"]), settings
 
 
 @pytest.mark.timeout(900)
-def test_an_overlap_policy_is_the_whole_models_and_ignored_params_parameters(launches) -> None:
+def test_an_overlap_policy_is_the_whole_models_and_other_arguments_are_checked(launches) -> None:
     for outcome in launches[2]["policy-refusals"]:
         result = outcome.result()
         assert "was given another overlap_policy than its root" in result["differs"], result
         assert "overlap_policy must be overlap.OverlapPolicy" in result["type"], result
         assert "ignored_params must hold nn.Parameter objects, got Tensor" in result["ignored"], result
+        assert "reshard_after_forward=3: an int must divide the 2 ranks" in result["int"], result
 
 
 @pytest.mark.timeout(900)
@@ -153,7 +172,7 @@ def test_ignored_params_stay_whole_and_the_rest_trains_like_one_process(launches
     plain Parameters (in the state dict too), and with their gradients averaged by the loop
     the model trains as one process on every row, as under torch's `fully_shard`."""
     tol = LOSSY if "bf16" in mode or "int8" in mode else FP32
-    for outcome in launches[2]["ignored-params"]:
+    for outcome in launches[_world(mode)]["ignored-params"]:
         result = outcome.result()
         reference = result[f"one-process {mode}"]
         for name in ("fsdp2", "overlap"):
@@ -174,7 +193,7 @@ def test_ignored_params_stay_whole_and_the_rest_trains_like_one_process(launches
 def test_units_kept_across_microbatches_in_each_mode_train_like_one_process(launches, name: str) -> None:
     """FSDP2's accumulation pattern (no sync and no resharding after the first microbatch's
     backward) in hybrid, hpZ and compiled modes: the units kept, the losses one process's."""
-    for outcome in launches[2][f"keep-{name}"]:
+    for outcome in launches[_world(name)][f"keep-{name}"]:
         result = outcome.result()
         assert any("kept gathered across a step's microbatches" in d for d in result["decided"]), result["decided"]
         _close(result["overlap"], result["one-process"], FP32)

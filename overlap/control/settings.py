@@ -60,6 +60,9 @@ class StartupRequest:
     # Parameters left out of every unit, as they are (FSDP2's `ignored_params`): never
     # sharded, moved, gathered or reduced; their gradients stay this rank's own.
     ignored_params: tuple[nn.Parameter, ...] = ()
+    # sharding="hpz": the node-local copy over this many consecutive ranks instead of
+    # LOCAL_WORLD_SIZE's (FSDP2's int `reshard_after_forward`, the group resharded to).
+    node_copy_ranks: Optional[int] = None
     # Give a meta-device model's parameters values at wrap (else they start at zero, for the
     # user's own `to_empty()` and initialisation after wrapping, as with FSDP2).
     initialise_meta: bool = True
@@ -161,7 +164,8 @@ def resolve_settings(request: StartupRequest) -> RankSettings:
             compile=None if request.compile is None else validate_flag(request.compile, "compile"),
             offload=None if request.offload is None else validate_offload(request.offload))
         local_world_size = local_world_size_from_env()
-        error = (sharding_error(request.process_group, request.mesh, config.sharding, local_world_size)
+        error = (sharding_error(request.process_group, request.mesh, config.sharding,
+                                request.node_copy_ranks or local_world_size)
                  or offload_error(config.offload)
                  or disk_offload_error(config, request.mixed_precision, device)
                  or expert_parallel_error(request.expert_parallel, config, request))

@@ -190,7 +190,8 @@ def _sharding(request: StartupRequest, settings: RankSettings, unit_specs: list[
         shardings = [s for s in SHARDINGS if s != "hpz" or request.expert_parallel is None]
         auto = choose_at_startup(settings.device, config, local, unit_specs, mp, shardings)
         return auto.groups, auto
-    return resolve_sharding(request.process_group, request.mesh, config.sharding, local, settings.device.type), None
+    return resolve_sharding(request.process_group, request.mesh, config.sharding, request.node_copy_ranks or local,
+                            settings.device.type), None
 
 
 def _collectives(decision: StartupDecision) -> Collectives:
