@@ -36,8 +36,8 @@ Each call's modules are a unit, and consecutive small units are merged into one 
 bucket size (`OVERLAP_BUCKET_MB`; one smaller than every unit keeps each call's unit apart,
 FSDP2's own granularity). Each collective costs the host a fixed amount whatever its size, so
 small blocks gathered one by one cost more than the compute they hide behind. Only units whose
-calls asked the same `reshard_after_forward` share a bucket, so each keeps what was asked of
-it. The calls that name one module (`unshard()`, `reshard()`,
+calls asked the same `reshard_after_forward` and `set_unshard_in_backward` (before the model
+was built) share a bucket, so each keeps what was asked of it. The calls that name one module (`unshard()`, `reshard()`,
 `set_reshard_after_forward(recurse=False)`) act on its whole bucket.
 """
 from __future__ import annotations
@@ -99,6 +99,7 @@ class _Marked:
                  overlap_policy: Optional[OverlapPolicy], ignored_params: frozenset[int]) -> None:
         self.mesh = mesh
         self.ignored_params = ignored_params          # ids
+        self.unshard_in_backward = True               # FSDPModule.set_unshard_in_backward
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
@@ -239,10 +240,12 @@ def _ignored_places(root: nn.Module) -> list[tuple[nn.Module, str]]:
             if param is not None and id(param) in calls[id(module)].ignored_params]
 
 
-def _reshard_setting(module: nn.Module) -> Union[bool, int]:
-    """What a unit's call asked of resharding after forward: units are merged into buckets only
-    with neighbours that asked the same ([Note: fully_shard's units in buckets])."""
-    return module.__dict__[_MARK].reshard_after_forward
+def _bucket_key(module: nn.Module) -> tuple[Union[bool, int], bool]:
+    """What a unit's call asked of resharding after forward and gathering for backward: units
+    are merged into buckets only with neighbours that asked the same ([Note: fully_shard's
+    units in buckets])."""
+    marked = module.__dict__[_MARK]
+    return marked.reshard_after_forward, marked.unshard_in_backward
 
 
 def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupRequest:
@@ -270,7 +273,7 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
     return StartupRequest(
         mesh=None if copies else marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy),
         cast_forward_inputs=marked.mp_policy.cast_forward_inputs, unit_modules=_unit_groups(members),
-        unit_merge_key=_reshard_setting,
+        unit_merge_key=_bucket_key,
         dtensor_params=True, stage=is_stage_mesh(marked.mesh),
         ignored_params=tuple(dict.fromkeys(module._parameters[name] for module, name in root.__dict__[_IGNORED])),
         initialise_meta=False, sharding="hpz" if copies else None, node_copy_ranks=copies[0] if copies else None,
@@ -307,7 +310,24 @@ def _build(root: nn.Module) -> ShardedModule:
     calls = _calls_by_module(root)
     for unit in runtime.scheduler.units:
         unit.reshard_after_forward = bool(calls[id(unit.modules[0])].reshard_after_forward)
+    _gather_in_backward(runtime)
     return runtime
+
+
+def _gather_in_backward(runtime: ShardedModule) -> None:
+    """Each unit gathered for backward unless every module of it was asked not to be
+    (`set_unshard_in_backward(False)`); a bucket that also holds others is gathered, and says so."""
+    calls = _calls_by_module(runtime.module)
+    for unit in runtime.scheduler.units:
+        wanted = [calls[id(module)].unshard_in_backward for module in unit.modules]
+        # A pipeline stage's weight step reads the gathered leaves: such units are gathered.
+        stage = any(group.stage_leaves for group in unit.groups)
+        unit.gather_in_backward = any(wanted) or stage
+        if unit.gather_in_backward and not all(wanted):
+            why = "it is a pipeline stage's" if stage else \
+                "the unit also holds modules that need their weights in backward"
+            _hint(runtime, f"set_unshard_in_backward(False) on a module of unit {unit.name}: {why}, so it is "
+                           "gathered for backward")
 
 
 def _calls_by_module(root: nn.Module) -> dict[int, _Marked]:
@@ -478,6 +498,18 @@ class OverlapFSDPModule(FSDPModule):
         `ShardedModule.set_reshard_after_backward`)."""
         _required(self).set_reshard_after_backward(reshard_after_backward)
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this module's unit, freed after forward, is not gathered again for backward,
+        whose computation must not read its weights (an embedding's backward reads its indices
+        only); its gradient is reduced as any other's. Set before the first forward, the unit
+        is kept apart from the others' buckets."""
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(f"set_unshard_in_backward: expected a bool, got {unshard_in_backward!r}")
+        self.__dict__[_MARK].unshard_in_backward = unshard_in_backward
+        runtime = self.__dict__.get(_RUNTIME)
+        if isinstance(runtime, ShardedModule):
+            _gather_in_backward(runtime)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Every backward that syncs waits for its reductions at its end: nothing to change."""
         _required(self)
@@ -499,6 +531,47 @@ class OverlapFSDPModule(FSDPModule):
     def set_post_optim_event(self, event: Any) -> None:
         """The next gathers wait for the compute stream anyway (one event per collective)."""
         _required(self)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's former name of `set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Already so: gradients are summed by the collectives, then scaled."""
+        _required(self)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Already so: each unit's whole flat gradient is reduced, the rows of parameters that
+        got no gradient as zeros, so ranks that used different parameters never mismatch."""
+        _required(self)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        _hint(_required(self), f"set_reduce_scatter_max_input_buffers({max_input_buffers}): the runtime bounds "
+                               "the reductions in flight itself")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        _hint(_required(self), f"set_separate_reduce_scatter_group({enable}): reductions overlap gathers on the "
+                               "runtime's own streams")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        _hint(_required(self), f"set_allocate_memory_from_process_group_for_comm({enable}): the runtime allocates "
+                               "its own communication buffers")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        _hint(_required(self), f"set_symm_mem_for_comm({backend!r}): gathers use the process group's own "
+                               "buffers, not symmetric memory")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        _hint(_required(self), f"_set_unshard_async_op({async_op}): gathers are issued ahead, asynchronously")
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        _refuse_custom_collective("set_custom_all_gather", "the all-gathers")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        _refuse_custom_collective("set_custom_reduce_scatter", "the reduce-scatters")
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        _refuse_custom_collective("set_all_reduce_hook", "the all-reduces across replicas")
 
     def reset_iter_state(self) -> None:
         _required(self).scheduler.reset_pass()
@@ -525,6 +598,12 @@ def _sharded_registration(runtime: ShardedModule) -> Iterator[None]:
     finally:
         for module, attr, value in replaced:
             module._parameters[attr] = value
+
+
+def _refuse_custom_collective(call: str, what: str) -> None:
+    raise NotImplementedError(f"fully_shard: {call} is not supported: the runtime issues {what} itself, on its own "
+                              "streams and in its planned order; for smaller collectives use its compression "
+                              "(OverlapPolicy(compression='int8'), docs/compression.md)")
 
 
 def _hint(runtime: ShardedModule, text: str) -> None:

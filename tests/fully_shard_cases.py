@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from parity import _slice, token_batches
@@ -88,11 +89,16 @@ def steps(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, last: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(float(total) / world)
+        losses.append(rank_mean(loss, world))
     return losses
+
+
+def rank_mean(loss: torch.Tensor, world: int) -> float:
+    """`loss` averaged over the ranks (each rank's own, on its rows)."""
+    total = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(total)
+    return float(total) / world
 
 
 def _prefetch_lists(model: nn.Module, depth: int) -> None:
@@ -649,16 +655,13 @@ def _train_routed(model: nn.Module, batches: list[torch.Tensor], rank: int, worl
     for x in batches:
         loss = model(x[4 * rank:4 * rank + 4] if sharded else x).float().square().mean()
         loss.backward()
-        value = loss.detach().clone()
         if sharded:
             for param in (p for block in blocks for p in block.router.parameters() if not ddp):
                 dist.all_reduce(param.grad)
                 param.grad /= world
-            dist.all_reduce(value)
-            value /= world
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(value))
+        losses.append(rank_mean(loss, world if sharded else 1))
     return losses
 
 
@@ -675,3 +678,95 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
                 del os.environ[key]
             else:
                 os.environ[key] = value
+
+
+class _TokenModel(nn.Module):
+    """An untied embedding, whose backward reads its indices only, two blocks and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
+
+
+# The modes `set_unshard_in_backward(False)` is tried in under overlap.fully_shard (keys of
+# IGNORED_MODES); torch's fully_shard is the control in the first.
+UNSHARD_MODES = ("default", "keep-gathered", "cpu-offload", "bf16", "hybrid-2d-mesh", "int8-compression")
+
+
+def unshard_in_backward(rank: int, world: int) -> dict[str, Any]:
+    """OLMo-core's pattern: the embedding sharded on its own and told
+    `set_unshard_in_backward(False)` before the blocks and the root are sharded. Three AdamW
+    steps on this rank's rows under torch's `fully_shard` and ours (in each of UNSHARD_MODES),
+    against one process; the gathers of each of our units per step, and of the embedding
+    without the call, each call a unit of its own (default buckets would merge it with the
+    blocks); then FSDPModule's calls about collectives: the hints they leave and the refusals."""
+    from overlap import OverlapPolicy
+
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 32, (2 * world, 6), generator=gen) for _ in range(3)]
+    runs = [("fsdp2", implementations()["fsdp2"], {}, True)]
+    runs += [(f"overlap {mode}", implementations()["overlap"], _shard_kwargs(IGNORED_MODES[mode], world), True)
+             for mode in UNSHARD_MODES]
+    runs += [("overlap gathering", implementations()["overlap"], {"overlap_policy": OverlapPolicy(bucket_mb=1e-6)},
+              False)]
+    out: dict[str, Any] = {}
+    for name, shard, kwargs, skip in runs:
+        torch.manual_seed(0)
+        model = _TokenModel()
+        shard(model.embed, **kwargs)
+        if skip:
+            model.embed.set_unshard_in_backward(False)
+        for block in model.blocks:
+            shard(block, **kwargs)
+        shard(model, **kwargs)
+        out[name] = {"losses": _adamw_mean_losses(model, [x[2 * rank:2 * rank + 2] for x in batches], world)}
+        if name != "fsdp2":
+            out[name]["gathers"] = {unit.unit: unit.gathers for unit in model.overlap_report().mean_step().units}
+    torch.manual_seed(0)
+    out["one-process"] = {"losses": _adamw_mean_losses(_TokenModel(), batches, 1)}
+    out["calls"] = _collective_calls(model)
+    return out
+
+
+def _adamw_mean_losses(model: nn.Module, batches: list[torch.Tensor], world: int) -> list[float]:
+    """AdamW steps on the model's loss over each batch; each loss averaged over the ranks."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for batch in batches:
+        loss = model(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(rank_mean(loss, world))
+    return losses
+
+
+def _collective_calls(model: nn.Module) -> dict[str, Any]:
+    """FSDPModule's calls about collectives on an overlap.fully_shard model: what each does."""
+    out: dict[str, Any] = {}
+    model.set_reduce_scatter_divide_factor(4.0)
+    out["divide-factor"] = model.overlap_runtime.collectives.gradient_divide_factor
+    model.set_force_sum_reduction_for_comms(True)
+    model.set_reduce_scatter_unused_params(True)
+    model.set_reduce_scatter_max_input_buffers(2)
+    model.set_separate_reduce_scatter_group(True)
+    model.set_allocate_memory_from_process_group_for_comm(True)
+    model.set_symm_mem_for_comm()
+    model._set_unshard_async_op(True)
+    out["hints"] = model.overlap_report().hints
+    for call, argument in (("set_custom_all_gather", None), ("set_custom_reduce_scatter", None),
+                           ("set_all_reduce_hook", lambda output: None)):
+        try:
+            getattr(model, call)(argument)
+            out[call] = "returned"
+        except NotImplementedError as error:
+            out[call] = str(error)
+    return out

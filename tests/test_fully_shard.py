@@ -26,7 +26,8 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
     two.update({"torchtitan": RankCase(cases.torchtitan_flow), "torchtune": RankCase(cases.torchtune_load),
                 "calls": RankCase(cases.module_calls), "policy-refusals": RankCase(cases.policy_refusals),
                 "output-dtypes": RankCase(cases.output_dtypes), "input-casts": RankCase(cases.input_casts),
-                "ignored-params": RankCase(cases.ignored_params, (_ignored_modes(2),))})
+                "ignored-params": RankCase(cases.ignored_params, (_ignored_modes(2),)),
+                "unshard-in-backward": RankCase(cases.unshard_in_backward)})
     four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),))}
     for name in cases.COMBINATIONS:
         (four if _world(name) == 4 else two)[f"combination-{name}"] = RankCase(cases.combination, (name,))
@@ -163,6 +164,37 @@ def test_cast_forward_inputs_as_fsdp2_has_it(launches) -> None:
             assert torchs["seen"] == [seen, seen] and ours["seen"] == torchs["seen"], (cast, ours, torchs)
             assert all(math.isfinite(loss) for loss in ours["losses"])
             assert ours["losses"] == pytest.approx(torchs["losses"], rel=1e-3), (cast, ours, torchs)
+
+
+@pytest.mark.timeout(900)
+def test_a_unit_told_not_to_unshard_in_backward_is_gathered_once_a_step(launches) -> None:
+    """`set_unshard_in_backward(False)` on an embedding sharded alone: the same losses as one
+    process and as torch's `fully_shard`, in each mode, and its unit gathered in forward only
+    (twice a step without the call)."""
+    for outcome in launches[2]["unshard-in-backward"]:
+        result = outcome.result()
+        reference = result["one-process"]["losses"]
+        for name in ("fsdp2", "overlap gathering", *(f"overlap {mode}" for mode in cases.UNSHARD_MODES)):
+            tol = LOSSY if "bf16" in name or "int8" in name else FP32
+            assert result[name]["losses"] == pytest.approx(reference, rel=tol["rtol"], abs=tol["atol"]), (name, result)
+        for mode in cases.UNSHARD_MODES:
+            once = 0 if mode == "hybrid-2d-mesh" else 1      # shard groups of one rank: nothing to gather
+            assert result[f"overlap {mode}"]["gathers"]["embed"] == once, (mode, result[f"overlap {mode}"]["gathers"])
+        assert result["overlap gathering"]["gathers"]["embed"] == 2, result["overlap gathering"]["gathers"]
+
+
+@pytest.mark.timeout(900)
+def test_fsdpmodule_calls_about_collectives_are_kept_taken_as_hints_or_refused(launches) -> None:
+    for outcome in launches[2]["unshard-in-backward"]:
+        calls = outcome.result()["calls"]
+        assert calls["divide-factor"] == 4.0, calls
+        hinted = " ".join(calls["hints"])
+        for call in ("set_reduce_scatter_max_input_buffers(2)", "set_separate_reduce_scatter_group(True)",
+                     "set_allocate_memory_from_process_group_for_comm(True)", "set_symm_mem_for_comm('NCCL')",
+                     "_set_unshard_async_op(True)"):
+            assert call in hinted, (call, calls["hints"])
+        for call in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook"):
+            assert calls[call].startswith(f"fully_shard: {call} is not supported"), calls[call]
 
 
 @pytest.mark.timeout(900)

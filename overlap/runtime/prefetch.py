@@ -67,8 +67,10 @@ class Prefetcher:
         self.log.mark(mark, unit.name)
         unit.start_gather()
 
-    def _prefetch_after(self, order: list[Unit], position: int, current: Optional[Unit], depth: int) -> None:
-        """Start the gathers of the `depth` units that follow `current` in `order`."""
+    def _prefetch_after(self, order: list[Unit], position: int, current: Optional[Unit], depth: int,
+                        backward: bool = False) -> None:
+        """Start the gathers of the `depth` units that follow `current` in `order` (in
+        `backward`, of those that backward needs gathered)."""
         if depth == 0 or not order:
             return
         if current is None:
@@ -82,21 +84,25 @@ class Prefetcher:
         else:
             return
         for unit in _distinct_after(order, index, current, depth):
-            if unit.gather_state is not GatherState.SHARDED:
+            if unit.gather_state is not GatherState.SHARDED or (backward and not unit.gather_in_backward):
                 continue
             if self.memory_budget_bytes is not None:
                 if self.gathered.nbytes + unit.gathered_nbytes > self.memory_budget_bytes:
                     break
             self.start_gather(unit, Mark.PREFETCH)
 
-    def _gather_for_compute(self, unit: Unit, order: list[Unit], position: int, depth: int) -> None:
+    def _gather_for_compute(self, unit: Unit, order: list[Unit], position: int, depth: int,
+                            backward: bool = False) -> None:
         """Make `unit` ready to compute, prefetching what follows it before blocking on it."""
+        if backward and not unit.gather_in_backward and unit.gather_state is GatherState.SHARDED:
+            self._prefetch_after(order, position, unit, depth, backward)
+            return
         if unit.gather_state is GatherState.SHARDED:
             self.log.mark(Mark.MISS, unit.name)
             self.start_gather(unit, Mark.GATHER)
         elif unit.gather_state is GatherState.GATHERING:
             self.log.mark(Mark.HIT, unit.name)
-        self._prefetch_after(order, position, unit, depth)
+        self._prefetch_after(order, position, unit, depth, backward)
         unit.finish_gather()
 
     # ---- forward --------------------------------------------------------------------------
@@ -136,7 +142,7 @@ class Prefetcher:
     def prefetch_backward_start(self, minimum: int = 0) -> None:
         """Backward starts with the root's own layers (head, loss): gather the first units of
         backward under them."""
-        self._prefetch_after(self.backward_order, -1, None, max(self.backward_depth, minimum))
+        self._prefetch_after(self.backward_order, -1, None, max(self.backward_depth, minimum), backward=True)
 
     def begin_backward(self) -> None:
         self._this_backward = []
@@ -144,7 +150,7 @@ class Prefetcher:
     def gather_for_backward(self, unit: Unit) -> None:
         position = len(self._this_backward)
         self._this_backward.append(unit)
-        self._gather_for_compute(unit, self.backward_order, position, self.backward_depth)
+        self._gather_for_compute(unit, self.backward_order, position, self.backward_depth, backward=True)
 
     def end_backward(self) -> None:
         """Learn the order backward reached the units in."""

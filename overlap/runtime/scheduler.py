@@ -574,7 +574,7 @@ class Scheduler:
             if self.order is not None:
                 self.order.ran(self._index[id(unit)], backward=True, synced=self.sync_grads)
             self.prefetch.gather_for_backward(unit)
-            if unit.drops_views:
+            if unit.drops_views and unit.gather_state is GatherState.GATHERED:
                 # Its views left the modules when it was freed; a recompute (activation
                 # checkpointing) may call its modules without their own pre-hook (a wrapper's
                 # inner module), so they are there again, connected to the gathered buffer.

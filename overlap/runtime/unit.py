@@ -106,6 +106,10 @@ class Unit:
         # Whether to free the unit after its forward; None follows the scheduler's setting
         # (`fully_shard`'s reshard_after_forward is per unit).
         self.reshard_after_forward: Optional[bool] = None
+        # False: backward computes without the unit's weights (an embedding's backward reads
+        # its indices only), so a unit freed after forward is not gathered again for it
+        # (`fully_shard`'s `set_unshard_in_backward(False)`); its gradient flows all the same.
+        self.gather_in_backward = True
         # Kept gathered from one pass to the next within a step of several microbatches, and
         # the versions of its shards it was gathered from (see [Note: gathers kept across
         # microbatches] in overlap/runtime/scheduler.py).
