@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
@@ -580,6 +581,20 @@ class OverlapFSDPModule(FSDPModule):
         raise NotImplementedError(f"{type(self).__name__}: this FSDPModule method reaches FSDP2's internal state, "
                                   "which overlap's fully_shard does not have; the supported calls are listed in "
                                   "docs/fully_shard.md")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """torch's own `register_fsdp_forward_method` sets a wrapper of the method that runs
+        FSDP2's internal hooks: the method is registered with the runtime instead."""
+        if isinstance(value, types.MethodType) and value.__self__ is self and \
+                getattr(value.__func__.__code__, "co_qualname", None) == _TORCHS_FORWARD_METHOD:
+            register_fsdp_forward_method(self, name)
+            return
+        super().__setattr__(name, value)
+
+
+# The wrapper torch's `register_fsdp_forward_method` makes: its code's qualified name (the
+# function's own is the method's, copied by functools.wraps).
+_TORCHS_FORWARD_METHOD = "register_fsdp_forward_method.<locals>.wrapped_method"
 
 
 @contextlib.contextmanager

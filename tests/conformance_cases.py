@@ -269,18 +269,13 @@ class Overlap(Impl):
 
 class OverlapFullyShard(Fsdp2):
     """`overlap.fully_shard`, called exactly as torch's is (the code written for FSDP2, with
-    the import changed)."""
+    the import of `fully_shard` changed: torch's own `register_fsdp_forward_method` included)."""
     name = "overlap-fully-shard"
 
     def wrap(self, net: nn.Module, units: Sequence[UnitSpec], **options: Any) -> nn.Module:
         import overlap
 
         return self._shard(overlap.fully_shard, net, units, **options)
-
-    def register_forward_method(self, model: nn.Module, module: nn.Module, method: str) -> None:
-        from overlap import register_fsdp_forward_method
-
-        register_fsdp_forward_method(module, method)
 
 
 IMPLEMENTATIONS: tuple[Impl, ...] = (Fsdp2(), Overlap(), OverlapFullyShard())
