@@ -36,8 +36,8 @@ Each call's modules are a unit, and consecutive small units are merged into one 
 bucket size (`OVERLAP_BUCKET_MB`; one smaller than every unit keeps each call's unit apart,
 FSDP2's own granularity). Each collective costs the host a fixed amount whatever its size, so
 small blocks gathered one by one cost more than the compute they hide behind. Only units whose
-calls asked the same `reshard_after_forward` and `set_unshard_in_backward` (before the model
-was built) share a bucket, so each keeps what was asked of it. The calls that name one module (`unshard()`, `reshard()`,
+calls asked the same `reshard_after_forward`, `mp_policy` and `set_unshard_in_backward`
+(before the model was built) share a bucket, so each keeps what was asked of it. The calls that name one module (`unshard()`, `reshard()`,
 `set_reshard_after_forward(recurse=False)`) act on its whole bucket.
 """
 from __future__ import annotations
@@ -109,9 +109,16 @@ class _Marked:
     def same_runtime(self) -> tuple:
         """What every unit of one model must share: one runtime runs them all."""
         mesh = None if self.mesh is None else (tuple(self.mesh.mesh.flatten().tolist()), self.mesh.mesh_dim_names)
-        # `output_dtype` is each call's own: a cast of that module's outputs (`_OutputCast`).
-        mp = (self.mp_policy.param_dtype, self.mp_policy.reduce_dtype, self.mp_policy.cast_forward_inputs)
-        return mesh, mp, type(self.offload_policy)
+        # `mp_policy` is each call's own: its unit's dtypes, its inputs' cast, its outputs' cast.
+        return mesh, type(self.offload_policy)
+
+    def mixed_precision(self) -> MixedPrecision:
+        """This call's dtypes to gather and reduce in (none given: the parameters' own)."""
+        return MixedPrecision(param_dtype=self.mp_policy.param_dtype, reduce_dtype=self.mp_policy.reduce_dtype)
+
+    def input_dtype(self) -> Optional[torch.dtype]:
+        """The dtype this call's module casts its floating-point inputs to (None: none)."""
+        return self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None
 
 
 def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
@@ -241,12 +248,18 @@ def _ignored_places(root: nn.Module) -> list[tuple[nn.Module, str]]:
             if param is not None and id(param) in calls[id(module)].ignored_params]
 
 
-def _bucket_key(module: nn.Module) -> tuple[Union[bool, int], bool]:
-    """What a unit's call asked of resharding after forward and gathering for backward: units
-    are merged into buckets only with neighbours that asked the same ([Note: fully_shard's
-    units in buckets])."""
+def _unit_policies(root: nn.Module) -> Callable[[nn.Module], MixedPrecision]:
+    """Each unit's mixed precision: its first module's call's `mp_policy`."""
+    calls = _calls_by_module(root)
+    return lambda module: calls[id(module)].mixed_precision()
+
+
+def _bucket_key(module: nn.Module) -> tuple:
+    """What a unit's call asked of resharding after forward, gathering for backward and mixed
+    precision: units are merged into buckets only with neighbours that asked the same ([Note:
+    fully_shard's units in buckets])."""
     marked = module.__dict__[_MARK]
-    return marked.reshard_after_forward, marked.unshard_in_backward
+    return marked.reshard_after_forward, marked.unshard_in_backward, marked.mixed_precision(), marked.input_dtype()
 
 
 def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupRequest:
@@ -254,9 +267,8 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
     marked = root.__dict__[_MARK]
     for member in members:
         if member.__dict__[_MARK].same_runtime() != marked.same_runtime():
-            raise ValueError(f"fully_shard: {type(member).__name__} was given another mesh, mp_policy or "
-                             f"offload_policy than its root {type(root).__name__}; one model is sharded with one "
-                             "of each")
+            raise ValueError(f"fully_shard: {type(member).__name__} was given another mesh or offload_policy than "
+                             f"its root {type(root).__name__}; one model is sharded with one of each")
     policy = marked.overlap_policy
     for member in members:
         given = member.__dict__[_MARK].overlap_policy
@@ -273,6 +285,7 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
                          "after forward has one group size per model")
     return StartupRequest(
         mesh=None if copies else marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy),
+        unit_mixed_precision=_unit_policies(root),
         cast_forward_inputs=marked.mp_policy.cast_forward_inputs, unit_modules=_unit_groups(members),
         unit_merge_key=_bucket_key,
         dtensor_params=True, stage=is_stage_mesh(marked.mesh),
@@ -309,8 +322,12 @@ def _build(root: nn.Module) -> ShardedModule:
         module.__dict__[_RUNTIME] = runtime
     register_grad_step([root, *members], runtime)
     calls = _calls_by_module(root)
-    for unit in runtime.scheduler.units:
+    scheduler = runtime.scheduler
+    for unit in scheduler.units:
         unit.reshard_after_forward = bool(calls[id(unit.modules[0])].reshard_after_forward)
+        for module in unit.modules:
+            if calls[id(module)].input_dtype() != scheduler.cast_dtype:
+                scheduler.module_cast_dtypes[id(module)] = calls[id(module)].input_dtype()
     _gather_in_backward(runtime)
     return runtime
 

@@ -1834,8 +1834,8 @@ SKIPPED: list[tuple[str, str]] = [
      "forward-mode AD through modules materialised with to_empty after fully_shard: FSDP2's lazy start"),
     (f"{MIXED}::test_float16_on_one_submodule, test_submodules_with_external_inputs (cast off), "
      "test_checkpoint_recompute_casts_outputs",
-     "per-module policies and cast_forward_inputs; MixedPrecision is one policy (fully_shard's per-call "
-     "output_dtype and a model-wide cast_forward_inputs=False: tests/test_fully_shard.py)"),
+     "per-module policies: ShardedModule's MixedPrecision is one policy; fully_shard's per-call mp_policy is "
+     "checked against FSDP2's with these cases in tests/test_fully_shard.py"),
     (f"{MIXED}::test_norm_modules_bf16 (BatchNorm)",
      "CPU's batch norm refuses bf16 inputs with fp32 running statistics in one process too"),
     (f"{MIXED}::test_clamp_reduce_dtype", "checks the dtype handed to reduce-scatter by patching torch.distributed"),

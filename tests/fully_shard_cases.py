@@ -770,3 +770,112 @@ def _collective_calls(model: nn.Module) -> dict[str, Any]:
         except NotImplementedError as error:
             out[call] = str(error)
     return out
+
+
+class _Recorder(nn.Module):
+    """A Linear(100, 100) that records the input its forward gets, under `name`; with
+    `cast`, it casts that input to its weight's dtype itself."""
+
+    def __init__(self, seen: dict[str, str], name: str, cast: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(100, 100)
+        self.seen, self.name, self.cast = seen, name, cast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen[self.name] = str(x.dtype).removeprefix("torch.")
+        return self.linear(x.to(self.linear.weight.dtype) if self.cast else x)
+
+
+class _RecordedPair(_Recorder):
+    """Records its input as "model", then runs two recorders, "c1" and "c2"."""
+
+    def __init__(self, seen: dict[str, str], cast: bool) -> None:
+        super().__init__(seen, "model", cast=False)
+        self.c1, self.c2 = _Recorder(seen, "c1", cast), _Recorder(seen, "c2", cast)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen[self.name] = str(x.dtype).removeprefix("torch.")
+        return self.c2(self.c1(x))
+
+
+class _ExternalInput(nn.Module):
+    """FSDP2's test of a submodule given a tensor made inside the root's forward."""
+
+    def __init__(self, seen: dict[str, str]) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(100, 100)
+        self.l2 = _TwoInputs(seen)
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen["model x"] = str(x.dtype).removeprefix("torch.")
+        return self.l2(self.l1(x), torch.ones(2, 100))
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self, seen: dict[str, str]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(100, 100)
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen["l2 x"], self.seen["l2 y"] = (str(t.dtype).removeprefix("torch.") for t in (x, y))
+        return self.linear(x)
+
+
+def per_call_policies(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2's per-call `mp_policy` (test_fully_shard_mixed_precision.py's
+    test_float16_on_one_submodule and test_submodules_with_external_inputs): the dtype each
+    module's forward receives, one forward and backward each, under torch's `fully_shard` and
+    ours; and three AdamW steps with bf16 blocks under an fp32 root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
+
+    fp16 = torch.float16
+    out: dict[str, Any] = {}
+    for name, shard in implementations().items():
+        seen_by_case: dict[str, dict[str, str]] = {}
+        for case, cast, target, policy in (
+                ("fp16 c2", False, "c2", Policy(param_dtype=fp16)),
+                ("fp16 c2 casting itself", True, "c2", Policy(param_dtype=fp16, cast_forward_inputs=False)),
+                ("fp16 c1 with fp32 output", False, "c1", Policy(param_dtype=fp16, output_dtype=torch.float32))):
+            seen: dict[str, str] = {}
+            torch.manual_seed(0)
+            model = _RecordedPair(seen, cast)
+            shard(getattr(model, target), mp_policy=policy)
+            shard(model)
+            model(torch.zeros(2, 100)).float().sum().backward()
+            seen_by_case[case] = dict(seen)
+        for cast in (False, True):
+            seen = {}
+            torch.manual_seed(0)
+            model = _ExternalInput(seen)
+            shard(model.l2, mp_policy=Policy(param_dtype=fp16, cast_forward_inputs=cast))
+            shard(model, mp_policy=Policy(param_dtype=fp16))
+            model(torch.zeros(2, 100)).float().sum().backward()
+            seen_by_case[f"external input, l2 casting {cast}"] = dict(seen)
+        out[name] = {"seen": seen_by_case, "losses": _bf16_blocks_losses(shard, rank, world)}
+    for mode in POLICY_MODES:
+        out[f"overlap {mode}"] = {"losses": _bf16_blocks_losses(implementations()["overlap"], rank, world,
+                                                                **_shard_kwargs(IGNORED_MODES[mode], world))}
+    return out
+
+
+# The modes bf16 blocks under an fp32 root are trained in under overlap.fully_shard besides
+# the default (keys of IGNORED_MODES).
+POLICY_MODES = ("keep-gathered", "cpu-offload", "hybrid-2d-mesh", "int8-compression")
+
+
+def _bf16_blocks_losses(shard: Callable, rank: int, world: int, **kwargs: Any) -> list[float]:
+    """Three AdamW steps of three blocks computing in bf16 (reducing in fp32, their outputs
+    cast to fp32) under a root with no mixed precision; `kwargs` to every call."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    gen = torch.Generator().manual_seed(6)
+    batches = [torch.randn(4 * world, 10, generator=gen) for _ in range(3)]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(10, 10), nn.Tanh()) for _ in range(3)], nn.Linear(10, 1))
+    for block in model[:3]:
+        shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                    output_dtype=torch.float32), **kwargs)
+    shard(model, **kwargs)
+    return _adamw_square_losses(model, [x.float() for x in batches], rank)

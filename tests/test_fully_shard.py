@@ -27,7 +27,8 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
                 "calls": RankCase(cases.module_calls), "policy-refusals": RankCase(cases.policy_refusals),
                 "output-dtypes": RankCase(cases.output_dtypes), "input-casts": RankCase(cases.input_casts),
                 "ignored-params": RankCase(cases.ignored_params, (_ignored_modes(2),)),
-                "unshard-in-backward": RankCase(cases.unshard_in_backward)})
+                "unshard-in-backward": RankCase(cases.unshard_in_backward),
+                "per-call-policies": RankCase(cases.per_call_policies)})
     four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),))}
     for name in cases.COMBINATIONS:
         (four if _world(name) == 4 else two)[f"combination-{name}"] = RankCase(cases.combination, (name,))
@@ -153,6 +154,30 @@ def test_output_dtype_casts_each_modules_outputs_as_fsdp2_does(launches) -> None
         assert ours["dtypes"] == torchs["dtypes"], (ours, torchs)
         assert all(math.isfinite(loss) for loss in ours["losses"]) and ours["losses"] != ours["losses"][:1] * 3
         assert ours["losses"] == pytest.approx(torchs["losses"], rel=1e-3), (ours, torchs)
+
+
+@pytest.mark.timeout(900)
+def test_each_calls_mp_policy_is_its_modules_as_in_fsdp2(launches) -> None:
+    """FSDP2's per-call `mp_policy`: one module in fp16 under an fp32 root, casting its inputs
+    or not, another with an fp32 output, a tensor made inside forward; bf16 blocks train
+    under an fp32 root with FSDP2's losses."""
+    expected = {
+        "fp16 c2": {"model": "float32", "c1": "float32", "c2": "float16"},
+        "fp16 c2 casting itself": {"model": "float32", "c1": "float32", "c2": "float32"},
+        "fp16 c1 with fp32 output": {"model": "float32", "c1": "float16", "c2": "float32"},
+        "external input, l2 casting False": {"model x": "float16", "l2 x": "float16", "l2 y": "float32"},
+        "external input, l2 casting True": {"model x": "float16", "l2 x": "float16", "l2 y": "float16"},
+    }
+    for outcome in launches[2]["per-call-policies"]:
+        result = outcome.result()
+        ours, torchs = result["overlap"], result["fsdp2"]
+        assert torchs["seen"] == expected and ours["seen"] == expected, (ours["seen"], torchs["seen"])
+        assert all(math.isfinite(loss) for loss in ours["losses"]) and ours["losses"][-1] < ours["losses"][0]
+        assert ours["losses"] == pytest.approx(torchs["losses"], rel=1e-3), (ours["losses"], torchs["losses"])
+        for mode in cases.POLICY_MODES:
+            got = result[f"overlap {mode}"]["losses"]
+            tol = LOSSY if "int8" in mode else {"rtol": 1e-3, "atol": 1e-6}
+            assert got == pytest.approx(torchs["losses"], rel=tol["rtol"], abs=tol["atol"]), (mode, got)
 
 
 @pytest.mark.timeout(900)

@@ -57,6 +57,9 @@ class StartupRequest:
     # A pipeline stage (a mesh with a 'pp' dimension): gathered parameters as one leaf each;
     # see [Note: a pipeline stage's parameters as leaves] in overlap/runtime/flat_group.py.
     stage: bool = False
+    # fully_shard: a unit's own mixed precision, from its first module (FSDP2's per-call
+    # `mp_policy`); `mixed_precision` is the root's, and the model's where this is None.
+    unit_mixed_precision: Optional[Callable[[nn.Module], MixedPrecision]] = None
     # Parameters left out of every unit, as they are (FSDP2's `ignored_params`): never
     # sharded, moved, gathered or reduced; their gradients stay this rank's own.
     ignored_params: tuple[nn.Parameter, ...] = ()

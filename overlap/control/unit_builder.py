@@ -12,6 +12,7 @@ from torch import nn
 
 from overlap.base.units import UnitSpec, merge_into_buckets
 from overlap.base.layout import group_by_kind
+from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.decision import StartupDecision
 from overlap.runtime.collectives import Collectives
 from overlap.runtime.expert_parallel import ExpertGroups
@@ -51,7 +52,8 @@ class _FlatGroups:
 
     def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier],
                  tensor_parallel: Optional[TensorParallel], dtensor_params: bool,
-                 experts: Optional[ExpertUnits], link: OptimizerLink, stage: bool) -> None:
+                 experts: Optional[ExpertUnits], link: OptimizerLink, stage: bool,
+                 unit_mixed_precision: Optional[Callable[[nn.Module], MixedPrecision]]) -> None:
         self.collectives = collectives
         self.stage = stage
         self.link = link
@@ -60,16 +62,19 @@ class _FlatGroups:
         self.tensor_parallel = tensor_parallel
         self.host = host
         self.mixed_precision = decision.mixed_precision
+        self.unit_mixed_precision = unit_mixed_precision
         self.node = decision.sharding.node
         self.slot_of: dict[int, tuple[FlatGroup, int]] = {}
 
     def unit(self, spec: UnitSpec, modules: list[nn.Module]) -> Unit:
         groups = []
+        mixed_precision = self.mixed_precision if self.unit_mixed_precision is None or not modules else \
+            self.unit_mixed_precision(modules[0])
         for (dtype, _), entries in group_by_kind(spec.params, lambda entry: entry[1]).items():
             experts = self._experts_of(modules)
             group = FlatGroup(entries, self.collectives if experts is None else experts.collectives,
-                              self.mixed_precision.gather_dtype(dtype),
-                              self.mixed_precision.grad_reduce_dtype(dtype), self.node,
+                              mixed_precision.gather_dtype(dtype),
+                              mixed_precision.grad_reduce_dtype(dtype), self.node,
                               None if self.host is None else self.host.place(),
                               None if self.tensor_parallel is None else
                               [self.tensor_parallel.spec_of(param) for _, param, _ in entries],
@@ -92,7 +97,8 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
                 host: Optional[HostTier] = None, tensor_parallel: Optional[TensorParallel] = None,
                 merge: bool = True, merge_key: Optional[Callable[[nn.Module], Hashable]] = None,
                 dtensor_params: bool = False, initialise_meta: bool = True,
-                experts: Optional[ExpertUnits] = None, stage: bool = False) -> BuiltUnits:
+                experts: Optional[ExpertUnits] = None, stage: bool = False,
+                unit_mixed_precision: Optional[Callable[[nn.Module], MixedPrecision]] = None) -> BuiltUnits:
     """Units over `module`'s parameters, which become views of this rank's flat shards (in host
     memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors. With
     `merge`, consecutive small units are merged into buckets (only those whose first modules
@@ -101,7 +107,9 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     parameters start at zero and its meta buffers stay on the meta device (the caller's
     `to_empty()` and initialisation come later). With `experts`, the expert modules' units
     shard over their collectives' group (expert parallelism). With `stage` (a pipeline stage),
-    gathered parameters are leaves of their own (FlatGroup's `stage_leaves`)."""
+    gathered parameters are leaves of their own (FlatGroup's `stage_leaves`). With
+    `unit_mixed_precision`, each unit gathers and reduces in the dtypes it gives for the
+    unit's first module, the root unit in the decision's."""
     device = decision.device
     for sub in module.modules():
         for name, buf in sub._buffers.items():
@@ -110,7 +118,8 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     on_meta = meta_places(module)
     # State-dict keys in the module's own order, read before parameters leave their modules.
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
-    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts, link, stage)
+    flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts, link, stage,
+                       unit_mixed_precision)
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
     specs = merge_into_buckets(unit_specs, decision.bucket_bytes, merge_key) if merge else unit_specs
     units = [flat.unit(spec, spec.modules) for spec in specs]

@@ -122,6 +122,9 @@ class Scheduler:
         self.optimizer_link = optimizer_link
         # Mixed precision's compute dtype: floating-point inputs of every unit are cast to it.
         self.cast_dtype = cast_dtype
+        # id(module) -> the dtype a unit's module casts its inputs to where that is not
+        # `cast_dtype` (None: no cast): fully_shard's per-call `mp_policy`.
+        self.module_cast_dtypes: dict[int, Optional[torch.dtype]] = {}
         self.units = units
         self.reshard_after_forward = reshard_after_forward
         self.sync_grads = True
@@ -304,7 +307,7 @@ class Scheduler:
 
     def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict
                      ) -> Optional[tuple[tuple, dict]]:
-        cast = self._cast_inputs(args, kwargs)
+        cast = self._cast_inputs(args, kwargs, self.module_cast_dtypes.get(id(module), self.cast_dtype))
         if cast is not None:
             args, kwargs = cast
         if self.in_backward:
@@ -332,11 +335,10 @@ class Scheduler:
             self.root.finish_gather()
             self.root.install_views()
 
-    def _cast_inputs(self, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        """Floating-point inputs in the compute dtype, as each of FSDP2's modules casts its
-        own: a tensor made inside forward (a mask, positions) reaches the unit in it too. None
-        where nothing is cast."""
-        dtype = self.cast_dtype
+    def _cast_inputs(self, args: tuple, kwargs: dict, dtype: Optional[torch.dtype]) -> Optional[tuple[tuple, dict]]:
+        """Floating-point inputs in the compute dtype `dtype`, as each of FSDP2's modules casts
+        its own: a tensor made inside forward (a mask, positions) reaches the unit in it too.
+        None where nothing is cast."""
         if dtype is None:
             return None
         leaves, rebuild = flatten((args, kwargs))
