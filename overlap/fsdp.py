@@ -140,6 +140,9 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             raise ValueError(f"fully_shard: {type(each).__name__} is already sharded (its model was built when it "
                              "was first used); call fully_shard on each module once, blocks before their root, "
                              "then use the model")
+        if _MARK in each.__dict__:
+            raise ValueError(f"fully_shard: {type(each).__name__} was given to fully_shard already; call it once "
+                             "per module (a second call's arguments would replace the first's)")
     marked = _Marked(mesh, _resharding(reshard_after_forward, mesh), mp_policy, offload_policy, overlap_policy,
                      frozenset(id(param) for param in ignored_params or ()))
     for each in modules:

@@ -368,13 +368,14 @@ def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[st
 
 def policy_refusals(rank: int, world: int) -> dict[str, str]:
     """A block given another OverlapPolicy than its root's, a policy of another type,
-    ignored_params holding a tensor that is no Parameter, and an int reshard_after_forward
-    that divides no group of the ranks."""
+    ignored_params holding a tensor that is no Parameter, an int reshard_after_forward that
+    divides no group of the ranks, and a module given to fully_shard twice."""
     from overlap import OverlapPolicy, fully_shard
 
     out = {}
     model = meta_gpt()
-    shard_blocks_then_root(model, fully_shard, overlap_policy=OverlapPolicy(prefetch_depth=1))
+    for block in model.blocks:
+        fully_shard(block, overlap_policy=OverlapPolicy(prefetch_depth=1))
     try:
         fully_shard(model, overlap_policy=OverlapPolicy(prefetch_depth=2))
         model.to_empty(device="cpu")
@@ -396,6 +397,11 @@ def policy_refusals(rank: int, world: int) -> dict[str, str]:
         out["int"] = "returned"
     except ValueError as error:
         out["int"] = str(error)
+    try:
+        fully_shard(fully_shard(nn.Linear(2, 2)))
+        out["twice"] = "returned"
+    except ValueError as error:
+        out["twice"] = str(error)
     return out
 
 
