@@ -60,6 +60,7 @@ from overlap.base.mixed_precision import MixedPrecision
 from overlap.control.settings import StartupRequest
 from overlap.pipeline_stage import Unsharded, is_stage_mesh, register_grad_step
 from overlap.runtime.bound_params import apply_keeping_shards
+from overlap.runtime.unit import backward_reads_weights
 from overlap.sharded_module import ShardedModule, register_forward_method, strict_load_error
 
 # Kept in each marked module's __dict__ (not as submodules or parameters, so that neither
@@ -100,7 +101,8 @@ class _Marked:
                  overlap_policy: Optional[OverlapPolicy], ignored_params: frozenset[int]) -> None:
         self.mesh = mesh
         self.ignored_params = ignored_params          # ids
-        self.unshard_in_backward = True               # FSDPModule.set_unshard_in_backward
+        # FSDPModule.set_unshard_in_backward; None: the runtime's choice (`backward_reads_weights`).
+        self.unshard_in_backward: Optional[bool] = None
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
@@ -336,15 +338,18 @@ def _build(root: nn.Module) -> ShardedModule:
 
 
 def _gather_in_backward(runtime: ShardedModule) -> None:
-    """Each unit gathered for backward unless every module of it was asked not to be
-    (`set_unshard_in_backward(False)`); a bucket that also holds others is gathered, and says so."""
+    """Each unit gathered for backward unless no module of it needs it: asked not to be
+    (`set_unshard_in_backward(False)`), or, not asked, an embedding (`backward_reads_weights`);
+    a bucket that also holds others is gathered, and says so."""
     calls = _calls_by_module(runtime.module)
     for unit in runtime.scheduler.units:
-        wanted = [calls[id(module)].unshard_in_backward for module in unit.modules]
+        asked = [calls[id(module)].unshard_in_backward for module in unit.modules]
+        wanted = [backward_reads_weights([module]) if flag is None else flag
+                  for module, flag in zip(unit.modules, asked)]
         # A pipeline stage's weight step reads the gathered leaves: such units are gathered.
         stage = any(group.stage_leaves for group in unit.groups)
         unit.gather_in_backward = any(wanted) or stage
-        if unit.gather_in_backward and not all(wanted):
+        if unit.gather_in_backward and False in asked:
             why = "it is a pipeline stage's" if stage else \
                 "the unit also holds modules that need their weights in backward"
             _hint(runtime, f"set_unshard_in_backward(False) on a module of unit {unit.name}: {why}, so it is "
@@ -521,9 +526,10 @@ class OverlapFSDPModule(FSDPModule):
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: this module's unit, freed after forward, is not gathered again for backward,
-        whose computation must not read its weights (an embedding's backward reads its indices
-        only); its gradient is reduced as any other's. Set before the first forward, the unit
-        is kept apart from the others' buckets."""
+        whose computation must not read its weights; its gradient is reduced as any other's.
+        Set before the first forward, the unit is kept apart from the others' buckets. Not
+        called, a unit of `nn.Embedding`s alone is not gathered for backward either (their
+        backward reads indices only); True gathers it."""
         if not isinstance(unshard_in_backward, bool):
             raise TypeError(f"set_unshard_in_backward: expected a bool, got {unshard_in_backward!r}")
         self.__dict__[_MARK].unshard_in_backward = unshard_in_backward

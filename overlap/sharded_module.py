@@ -387,7 +387,8 @@ class ShardedModule(nn.Module):
     def overlap_report(self) -> OverlapReport:
         """How much communication ran under compute, per step and per unit, measured so far,
         with the runtime's choices that a user can override."""
-        decisions = (self.scheduler.keep_decision, self.scheduler.schedule_decision)
+        decisions = (self.scheduler.keep_decision, self.scheduler.schedule_decision,
+                     self.scheduler.backward_gather_decision())
         return self.overlap_monitor.report([decision for decision in decisions if decision is not None])
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None,

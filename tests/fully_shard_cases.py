@@ -718,24 +718,30 @@ def unshard_in_backward(rank: int, world: int) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 32, (2 * world, 6), generator=gen) for _ in range(3)]
-    runs = [("fsdp2", implementations()["fsdp2"], {}, True)]
-    runs += [(f"overlap {mode}", implementations()["overlap"], _shard_kwargs(IGNORED_MODES[mode], world), True)
+    # (name, fully_shard, its keyword arguments, set_unshard_in_backward's argument or None)
+    runs = [("fsdp2", implementations()["fsdp2"], {}, False)]
+    runs += [(f"overlap {mode}", implementations()["overlap"], _shard_kwargs(IGNORED_MODES[mode], world), False)
              for mode in UNSHARD_MODES]
-    runs += [("overlap gathering", implementations()["overlap"], {"overlap_policy": OverlapPolicy(bucket_mb=1e-6)},
-              False)]
+    # Each call a unit of its own (default buckets would merge the embedding with the blocks):
+    # asked to gather, and not asked (an embedding's unit is not gathered for backward anyway).
+    one_unit_each = {"overlap_policy": OverlapPolicy(bucket_mb=1e-6)}
+    runs += [("overlap gathering", implementations()["overlap"], one_unit_each, True),
+             ("overlap not asked", implementations()["overlap"], one_unit_each, None)]
     out: dict[str, Any] = {}
-    for name, shard, kwargs, skip in runs:
+    for name, shard, kwargs, unshard in runs:
         torch.manual_seed(0)
         model = _TokenModel()
         shard(model.embed, **kwargs)
-        if skip:
-            model.embed.set_unshard_in_backward(False)
+        if unshard is not None:
+            model.embed.set_unshard_in_backward(unshard)
         for block in model.blocks:
             shard(block, **kwargs)
         shard(model, **kwargs)
         out[name] = {"losses": _adamw_mean_losses(model, [x[2 * rank:2 * rank + 2] for x in batches], world)}
         if name != "fsdp2":
-            out[name]["gathers"] = {unit.unit: unit.gathers for unit in model.overlap_report().mean_step().units}
+            report = model.overlap_report()
+            out[name]["gathers"] = {unit.unit: unit.gathers for unit in report.mean_step().units}
+            out[name]["decided"] = report.decisions
     torch.manual_seed(0)
     out["one-process"] = {"losses": _adamw_mean_losses(_TokenModel(), batches, 1)}
     out["calls"] = _collective_calls(model)

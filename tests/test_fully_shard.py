@@ -193,20 +193,25 @@ def test_cast_forward_inputs_as_fsdp2_has_it(launches) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_a_unit_told_not_to_unshard_in_backward_is_gathered_once_a_step(launches) -> None:
+def test_an_embeddings_unit_is_gathered_once_a_step_unless_asked_otherwise(launches) -> None:
     """`set_unshard_in_backward(False)` on an embedding sharded alone: the same losses as one
-    process and as torch's `fully_shard`, in each mode, and its unit gathered in forward only
-    (twice a step without the call)."""
+    process and as torch's `fully_shard`, in each mode, and its unit gathered in forward only;
+    so too without the call (an embedding's backward reads no weights; the report says so),
+    and twice a step with `set_unshard_in_backward(True)`."""
     for outcome in launches[2]["unshard-in-backward"]:
         result = outcome.result()
         reference = result["one-process"]["losses"]
-        for name in ("fsdp2", "overlap gathering", *(f"overlap {mode}" for mode in cases.UNSHARD_MODES)):
+        for name in ("fsdp2", "overlap gathering", "overlap not asked",
+                     *(f"overlap {mode}" for mode in cases.UNSHARD_MODES)):
             tol = LOSSY if "bf16" in name or "int8" in name else FP32
             assert result[name]["losses"] == pytest.approx(reference, rel=tol["rtol"], abs=tol["atol"]), (name, result)
         for mode in cases.UNSHARD_MODES:
             once = 0 if mode == "hybrid-2d-mesh" else 1      # shard groups of one rank: nothing to gather
             assert result[f"overlap {mode}"]["gathers"]["embed"] == once, (mode, result[f"overlap {mode}"]["gathers"])
         assert result["overlap gathering"]["gathers"]["embed"] == 2, result["overlap gathering"]["gathers"]
+        assert result["overlap not asked"]["gathers"]["embed"] == 1, result["overlap not asked"]["gathers"]
+        assert any(line.startswith("not gathered again for backward") and line.endswith(": embed")
+                   for line in result["overlap not asked"]["decided"]), result["overlap not asked"]["decided"]
 
 
 @pytest.mark.timeout(900)

@@ -145,9 +145,57 @@ def _events_cases(settings: list[tuple[int, bool]]) -> dict[str, RankCase]:
 
 
 # One launch per world size, its cases in turn (tests/distributed.py's [Note: many cases on one launch]).
+class _Lookup(torch.nn.Embedding):
+    """An embedding whose class has a forward of its own (the runtime cannot tell what it reads)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx)
+
+
+def _embedding_gathers(rank: int, world: int) -> dict:
+    """A model whose nn.Embedding is a unit of its own, and the same with an embedding class of
+    its own: two SGD steps each, the losses and each unit's gathers per step."""
+    from overlap import ShardedModule
+
+    out = {}
+    for name, embedding in (("nn.Embedding", torch.nn.Embedding), ("own class", _Lookup)):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(embedding(37, 16), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 37))
+        model = ShardedModule(net, unit_types=(embedding, torch.nn.Linear), bucket_mb=1e-6, prefetch_depth=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        tokens = torch.randint(0, 37, (2 * world, 6), generator=torch.Generator().manual_seed(1))[2 * rank:2 * rank + 2]
+        losses = []
+        for _ in range(2):
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        report = model.overlap_report()
+        out[name] = {"losses": losses, "gathers": {u.unit: u.gathers for u in report.steps[-1].units},
+                     "decided": report.decisions}
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_an_embeddings_unit_is_gathered_for_forward_only() -> None:
+    """An nn.Embedding's backward reads its indices, not its weight: its unit is gathered once a
+    step and the report says so; an embedding class with a forward of its own is gathered
+    again for backward; the losses are the same."""
+    for outcome in LAUNCHES[2]["embedding"]:
+        result = outcome.result()
+        plain, own = result["nn.Embedding"], result["own class"]
+        assert plain["losses"] == own["losses"], (plain, own)
+        assert plain["gathers"]["0"] == 1 and own["gathers"]["0"] == 2, (plain["gathers"], own["gathers"])
+        assert plain["decided"] == ["not gathered again for backward, whose computation reads none of their "
+                                    "weights (embeddings, or set_unshard_in_backward(False)): 0"], plain["decided"]
+        assert own["decided"] == [], own["decided"]
+
+
 LAUNCHES = {
     2: CaseLaunch({**_events_cases([(1, True), (2, True), (1, False)]), "order-change": RankCase(_order_change),
-                   "budget-2": RankCase(_with_budget, (2,)), "budget-100": RankCase(_with_budget, (100,))},
+                   "budget-2": RankCase(_with_budget, (2,)), "budget-100": RankCase(_with_budget, (100,)),
+                   "embedding": RankCase(_embedding_gathers)},
                   world_size=2, timeout=500),
     3: CaseLaunch(_events_cases([(1, True), (1, False)]), world_size=3, timeout=500),
 }

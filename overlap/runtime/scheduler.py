@@ -250,6 +250,14 @@ class Scheduler:
         """Steps begun; see [Note: what a step is]."""
         return self.steps.step
 
+    def backward_gather_decision(self) -> Optional[str]:
+        """The units not gathered again for backward, for the report (None: none is)."""
+        skipped = [unit.name for unit in self.units if not unit.gather_in_backward]
+        if not skipped:
+            return None
+        return (f"not gathered again for backward, whose computation reads none of their weights (embeddings, or "
+                f"set_unshard_in_backward(False)): {', '.join(skipped)}")
+
     def unit_of(self, module: torch.nn.Module) -> Optional[Unit]:
         """The unit `module` is a member of, or None."""
         return self._unit_of.get(id(module))

@@ -78,6 +78,15 @@ class GatheredTally:
         self.most_units = self.units
 
 
+def backward_reads_weights(modules: list[nn.Module]) -> bool:
+    """Whether backward through `modules` may read their weights. An `nn.Embedding`'s does not:
+    its weight's gradient is the output's gradient added up by index (unless forward
+    renormalises rows, `max_norm`); any other module is taken to, as is an embedding whose
+    class has a forward of its own."""
+    return not modules or any(not isinstance(module, nn.Embedding) or type(module).forward is not nn.Embedding.forward
+                              or module.max_norm is not None for module in modules)
+
+
 class Unit:
     def __init__(self, name: str, modules: list[nn.Module], groups: list[FlatGroup]) -> None:
         self.name = name
@@ -106,10 +115,11 @@ class Unit:
         # Whether to free the unit after its forward; None follows the scheduler's setting
         # (`fully_shard`'s reshard_after_forward is per unit).
         self.reshard_after_forward: Optional[bool] = None
-        # False: backward computes without the unit's weights (an embedding's backward reads
-        # its indices only), so a unit freed after forward is not gathered again for it
-        # (`fully_shard`'s `set_unshard_in_backward(False)`); its gradient flows all the same.
-        self.gather_in_backward = True
+        # False: backward computes without the unit's weights, so a unit freed after forward
+        # is not gathered again for it; its gradient flows all the same. So for units of
+        # embeddings alone (see `backward_reads_weights`), or asked (`fully_shard`'s
+        # `set_unshard_in_backward`). A pipeline stage's weight step reads its gathered leaves.
+        self.gather_in_backward = backward_reads_weights(modules) or any(g.stage_leaves for g in groups)
         # Kept gathered from one pass to the next within a step of several microbatches, and
         # the versions of its shards it was gathered from (see [Note: gathers kept across
         # microbatches] in overlap/runtime/scheduler.py).
