@@ -37,8 +37,9 @@ bucket size (`OVERLAP_BUCKET_MB`; one smaller than every unit keeps each call's 
 FSDP2's own granularity). Each collective costs the host a fixed amount whatever its size, so
 small blocks gathered one by one cost more than the compute they hide behind. Only units whose
 calls asked the same `reshard_after_forward`, `mp_policy` and `set_unshard_in_backward`
-(before the model was built) share a bucket, so each keeps what was asked of it. The calls that name one module (`unshard()`, `reshard()`,
-`set_reshard_after_forward(recurse=False)`) act on its whole bucket.
+(before the model was built) share a bucket, so each keeps what was asked of it. The calls
+that name one module (`unshard()`, `reshard()`, `set_reshard_after_forward(recurse=False)`)
+act on its whole bucket.
 """
 from __future__ import annotations
 
