@@ -891,3 +891,37 @@ def _bf16_blocks_losses(shard: Callable, rank: int, world: int, **kwargs: Any) -
                                                     output_dtype=torch.float32), **kwargs)
     shard(model, **kwargs)
     return _adamw_square_losses(model, [x.float() for x in batches], rank)
+
+
+def unshard_in_backward_hpz(rank: int, world: int) -> dict[str, Any]:
+    """hpZ over pairs of ranks (`reshard_after_forward=2` at 4 ranks) with the embedding's unit
+    not gathered for backward: the bytes of hpZ's node copy the embedding's unit and the first
+    block's keep once freed after their forward (the next module's forward starting), then
+    three AdamW steps against one process."""
+    from overlap import OverlapPolicy, fully_shard
+
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 32, (2 * world, 6), generator=gen) for _ in range(3)]
+    torch.manual_seed(0)
+    model = _TokenModel()
+    kwargs = {"reshard_after_forward": 2, "overlap_policy": OverlapPolicy(bucket_mb=1e-6)}
+    fully_shard(model.embed, **kwargs)
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    copies: dict[str, int] = {}
+
+    def record(freed: str) -> Callable:
+        """A pre-hook noting the copy a unit freed just before keeps (read before prefetch)."""
+        def hook(*_: Any) -> None:
+            unit = next(u for u in model.overlap_runtime.scheduler.units if u.name == freed)
+            copies[freed] = sum(group.node_copy.nbytes for group in unit.groups)
+        return hook
+
+    model.blocks[0].register_forward_pre_hook(record("embed"))
+    model.blocks[1].register_forward_pre_hook(record("blocks.0"))
+    model(batches[0][2 * rank:2 * rank + 2]).backward()
+    model.zero_grad()
+    torch.manual_seed(0)
+    return {"copies": copies, "losses": _adamw_mean_losses(model, [x[2 * rank:2 * rank + 2] for x in batches], world),
+            "one-process": _adamw_mean_losses(_TokenModel(), batches, 1)}

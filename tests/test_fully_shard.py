@@ -29,7 +29,8 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
                 "ignored-params": RankCase(cases.ignored_params, (_ignored_modes(2),)),
                 "unshard-in-backward": RankCase(cases.unshard_in_backward),
                 "per-call-policies": RankCase(cases.per_call_policies)})
-    four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),))}
+    four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),)),
+            "unshard-in-backward-hpz": RankCase(cases.unshard_in_backward_hpz)}
     for name in cases.COMBINATIONS:
         (four if _world(name) == 4 else two)[f"combination-{name}"] = RankCase(cases.combination, (name,))
     for name in KEEP_MODES:
@@ -212,6 +213,15 @@ def test_an_embeddings_unit_is_gathered_once_a_step_unless_asked_otherwise(launc
         assert result["overlap not asked"]["gathers"]["embed"] == 1, result["overlap not asked"]["gathers"]
         assert any(line.startswith("not gathered again for backward") and line.endswith(": embed")
                    for line in result["overlap not asked"]["decided"]), result["overlap not asked"]["decided"]
+
+
+@pytest.mark.timeout(900)
+def test_under_hpz_a_unit_not_gathered_for_backward_keeps_no_node_copy(launches) -> None:
+    for outcome in launches[4]["unshard-in-backward-hpz"]:
+        result = outcome.result()
+        copies = result["copies"]
+        assert copies["embed"] == 0 and copies["blocks.0"] > 0, copies
+        assert result["losses"] == pytest.approx(result["one-process"], rel=1e-5, abs=1e-6), result
 
 
 @pytest.mark.timeout(900)

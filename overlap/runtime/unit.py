@@ -219,6 +219,8 @@ class Unit:
         self.close_span()
         for group in self.groups:
             group.free()
+            if not self.gather_in_backward and group.node_copy is not None:
+                group.node_copy.drop()          # hpZ's copy is for backward's gather, which this unit skips
 
     # ---- training state -------------------------------------------------------------------
 
