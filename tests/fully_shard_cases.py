@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -551,6 +551,8 @@ IGNORED_MODES: dict[str, dict[str, Any]] = {
     "hpz-int-2": {"reshard_after_forward": 2, "world": 4},
     # DDP over the sharded model syncs the routers (FSDP2's own test of ignored_params).
     "ddp-syncs-them": {"ddp": True},
+    # torch's clip over the sharded and the left-out gradients together (binding here).
+    "clipped": {"clip": 0.01},
     "int8-compression": {"overlap_policy": {"compression": "int8"}, "overlap-only": True},
     "int8-int4-compression": {"overlap_policy": {"compression": "int8-int4"}, "overlap-only": True},
 }
@@ -569,7 +571,7 @@ def ignored_params(rank: int, world: int, modes: tuple[str, ...]) -> dict[str, A
     for mode in modes:
         how = IGNORED_MODES[mode]
         reference = _routed_model(how.get("meta", False), initialise=True)
-        out[f"one-process {mode}"] = _train_routed(reference, batches, rank, world, sharded=False)
+        out[f"one-process {mode}"] = _train_routed(reference, batches, rank, world, False, how.get("clip"))
         for name, shard in implementations().items():
             if how.get("overlap-only") and name != "overlap":
                 continue
@@ -589,7 +591,7 @@ def ignored_params(rank: int, world: int, modes: tuple[str, ...]) -> dict[str, A
                     "routers-kept": all(p in ignored for p in routers),
                     "state-kinds": sorted({f"router={'router' in key} dtensor={isinstance(value, DTensor)}"
                                            for key, value in model.state_dict().items()}),
-                    "losses": _train_routed(net, batches, rank, world, sharded=True)}
+                    "losses": _train_routed(net, batches, rank, world, True, how.get("clip"))}
             full = {key: value.full_tensor() if isinstance(value, DTensor) else value
                     for key, value in model.state_dict().items()}
             result["final-max-diff"] = max(float((full[key] - value).abs().max())
@@ -648,15 +650,21 @@ def _shard_kwargs(how: dict[str, Any], world: int) -> dict[str, Any]:
     return kwargs
 
 
-def _train_routed(model: nn.Module, batches: list[torch.Tensor], rank: int, world: int, sharded: bool) -> list[float]:
+def _train_routed(model: nn.Module, batches: list[torch.Tensor], rank: int, world: int, sharded: bool,
+                  clip: Optional[float] = None) -> list[float]:
     """Three AdamW steps; each loss averaged over the ranks. `sharded`: each rank on its rows,
     the routers' gradients averaged here, as a user of `ignored_params` syncs them (unless
-    `model` is DDP's, which does)."""
+    `model` is DDP's, which does). With `clip`, SGD (whose steps a binding clip scales, where
+    AdamW's would hardly change) after torch's clip over every parameter, under DTensor's
+    `implicit_replication()` (the routers' gradients are plain tensors), as FSDP2's users clip
+    such a model."""
+    from torch.distributed.tensor.experimental import implicit_replication
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = isinstance(model, DistributedDataParallel)
     blocks = model.module[:2] if ddp else model[:2]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2) if clip is None else \
+        torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for x in batches:
         loss = model(x[4 * rank:4 * rank + 4] if sharded else x).float().square().mean()
@@ -665,6 +673,9 @@ def _train_routed(model: nn.Module, batches: list[torch.Tensor], rank: int, worl
             for param in (p for block in blocks for p in block.router.parameters() if not ddp):
                 dist.all_reduce(param.grad)
                 param.grad /= world
+        if clip is not None:
+            with implicit_replication():
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(rank_mean(loss, world if sharded else 1))

@@ -382,20 +382,28 @@ _NORMS = frozenset([torch.ops.aten._foreach_norm.Scalar, torch.ops.aten.linalg_v
 
 def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     """A `_foreach_` operator on the local rows, element by element; `_ELSEWHERE` where an
-    element's operands are laid out otherwise."""
+    element's operands are laid out otherwise. Under DTensor's `implicit_replication()` an
+    element of plain tensors (a parameter left out of sharding, its gradient) is a replicated
+    value, computed as it is, as DTensor's own dispatch would."""
     lists = [arg for arg in args if isinstance(arg, (list, tuple))]
     if not lists or any(len(values) != len(lists[0]) for values in lists):
         return _ELSEWHERE
     specs = [next((v._spec for v in items if isinstance(v, RowDTensor)), None) for items in zip(*lists)]
-    if any(spec is None for spec in specs):
+    known = next((spec for spec in specs if spec is not None), None)
+    if known is None or (None in specs and not DTensor._op_dispatcher._allow_implicit_replication):
         return _ELSEWHERE
+
+    def element(value: Any, spec: Optional[DTensorSpec]) -> Any:
+        if spec is not None:
+            return _local_operand(value, spec)
+        return None if isinstance(value, DTensor) else value
 
     def local(arg: Any) -> Any:
         if isinstance(arg, (list, tuple)):
-            values = [_local_operand(value, spec) for value, spec in zip(arg, specs)]
+            values = [element(value, spec) for value, spec in zip(arg, specs)]
             return None if any(v is None and a is not None for v, a in zip(values, arg)) else values
         if isinstance(arg, DTensor):
-            return _local_operand(arg, specs[0]) if arg.numel() == 1 else None
+            return _local_operand(arg, known) if arg.numel() == 1 else None
         return None if isinstance(arg, torch.Tensor) and arg.numel() > 1 else arg
 
     local_args = [local(arg) for arg in args]
@@ -404,7 +412,8 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*local_args, **kwargs)
     if out is None:                    # in place
         return None
-    return [row_dtensor(value, spec.mesh, spec.placements, spec.shape, spec.stride) for value, spec in zip(out, specs)]
+    return [value if spec is None else row_dtensor(value, spec.mesh, spec.placements, spec.shape, spec.stride)
+            for value, spec in zip(out, specs)]
 
 
 # [Note: norms on another mesh]
