@@ -500,7 +500,7 @@ class ShardedModule(nn.Module):
         self._write_parts(mine, parts)
         others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}
         if others:
-            self.module.load_state_dict(others, strict=False)
+            _load_unsharded(self.module, others)
         return _IncompatibleKeys(missing, unexpected)
 
     def _write_parts(self, mine: dict[str, Any], parts: dict[str, torch.Tensor]) -> None:
@@ -547,7 +547,13 @@ class ShardedModule(nn.Module):
             for group, tensors in per_group.items():
                 group.load_full(tensors)
         if others:
-            self.module.load_state_dict(others, strict=False)
+            _load_unsharded(self.module, others)
+
+
+def _load_unsharded(module: nn.Module, state: Mapping[str, Any]) -> None:
+    """Buffers, extra state and parameters left out of sharding, loaded as torch loads them:
+    `nn.Module`'s own load, not the override of a `fully_shard` root (which calls back here)."""
+    nn.Module.load_state_dict(module, state, strict=False)
 
 
 def strict_load_error(call: str, missing: Sequence[str], unexpected: Sequence[str]) -> str:

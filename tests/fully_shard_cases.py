@@ -936,3 +936,58 @@ def unshard_in_backward_hpz(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     return {"copies": copies, "losses": _adamw_mean_losses(model, [x[2 * rank:2 * rank + 2] for x in batches], world),
             "one-process": _adamw_mean_losses(_TokenModel(), batches, 1)}
+
+
+def _buffered(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def state_dict_round_trips(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A model with BatchNorm buffers and its first Linear left out (`ignored_params`), one
+    step trained, then its state carried into a model built from another seed three ways:
+    `load_state_dict(state_dict())`, DCP's save and load, and torch's full state dict set
+    with `broadcast_from_rank0`. Under torch's `fully_shard` and ours: the largest difference
+    of any value (buffers and left-out parameters included) after each."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    def sharded(seed: int, shard: Callable) -> nn.Module:
+        model = _buffered(seed)
+        ignored = set(model[0].parameters())
+        for index in (1, 3):
+            shard(model[index], ignored_params=ignored)
+        return shard(model, ignored_params=ignored)
+
+    def whole(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {key: value.full_tensor() if isinstance(value, DTensor) else value
+                for key, value in model.state_dict().items()}
+
+    def largest_difference(a: nn.Module, b: nn.Module) -> float:
+        ours, theirs = whole(a), whole(b)
+        return max(float((ours[key].float() - theirs[key].float()).abs().max()) for key in ours)
+
+    out: dict[str, Any] = {}
+    for name, shard in implementations().items():
+        model = sharded(0, shard)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        # The same rows on every rank: the left-out parameters and the buffers, which no rank
+        # syncs, stay equal (DCP keeps one rank's copy of a plain tensor).
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(2))).square().mean().backward()
+        optimizer.step()
+        loaded = sharded(1, shard)
+        before = largest_difference(model, loaded)
+        loaded.load_state_dict(model.state_dict())
+        path = os.path.join(directory, f"dcp-{name}")
+        dcp.save(model.state_dict(), checkpoint_id=path)
+        from_dcp = sharded(1, shard)
+        state = from_dcp.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        from_dcp.load_state_dict(state)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        broadcast = sharded(1, shard)
+        set_model_state_dict(broadcast, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        out[name] = {"before": before, "load_state_dict": largest_difference(model, loaded),
+                     "dcp": largest_difference(model, from_dcp), "broadcast": largest_difference(model, broadcast)}
+    return out

@@ -28,7 +28,8 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
                 "output-dtypes": RankCase(cases.output_dtypes), "input-casts": RankCase(cases.input_casts),
                 "ignored-params": RankCase(cases.ignored_params, (_ignored_modes(2),)),
                 "unshard-in-backward": RankCase(cases.unshard_in_backward),
-                "per-call-policies": RankCase(cases.per_call_policies)})
+                "per-call-policies": RankCase(cases.per_call_policies),
+                "state-round-trips": RankCase(cases.state_dict_round_trips, (directory,))})
     four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),)),
             "unshard-in-backward-hpz": RankCase(cases.unshard_in_backward_hpz)}
     for name in cases.COMBINATIONS:
@@ -180,6 +181,19 @@ def test_each_calls_mp_policy_is_its_modules_as_in_fsdp2(launches) -> None:
             got = result[f"overlap {mode}"]["losses"]
             tol = LOSSY if "int8" in mode else {"rtol": 1e-3, "atol": 1e-6}
             assert got == pytest.approx(torchs["losses"], rel=tol["rtol"], abs=tol["atol"]), (mode, got)
+
+
+@pytest.mark.timeout(900)
+def test_buffers_and_left_out_parameters_round_trip_through_every_state_dict_path(launches) -> None:
+    """`load_state_dict(state_dict())`, DCP and torch's full state dict with
+    `broadcast_from_rank0`, on a model with BatchNorm buffers and `ignored_params`: every value
+    carried over exactly, as under torch's `fully_shard`."""
+    for outcome in launches[2]["state-round-trips"]:
+        result = outcome.result()
+        for name in ("fsdp2", "overlap"):
+            got = result[name]
+            assert got["before"] > 0.01, got          # the target model starts elsewhere
+            assert got["load_state_dict"] == got["dcp"] == got["broadcast"] == 0.0, (name, got)
 
 
 @pytest.mark.timeout(900)
