@@ -62,7 +62,7 @@ from overlap.control.settings import StartupRequest
 from overlap.pipeline_stage import Unsharded, is_stage_mesh, register_grad_step
 from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.runtime.unit import backward_reads_weights
-from overlap.sharded_module import ShardedModule, register_forward_method, strict_load_error
+from overlap.sharded_module import ShardedModule, refused_copy, register_forward_method, strict_load_error
 
 # Kept in each marked module's __dict__ (not as submodules or parameters, so that neither
 # shows in its state dict or its module tree).
@@ -470,6 +470,10 @@ class OverlapFSDPModule(FSDPModule):
         groups = [group for unit in runtime.scheduler.all_units for group in unit.groups]
         apply_keeping_shards(self, fn, groups, "fully_shard", runtime.module.__dict__[_IGNORED])
         return self
+
+    def __getstate__(self) -> Any:
+        """Refused, as FSDP2 refuses to deep-copy its modules (see `refused_copy`)."""
+        raise TypeError(refused_copy("fully_shard", "torch's get_model_state_dict(full_state_dict=True)"))
 
     @property
     def overlap_runtime(self) -> ShardedModule:

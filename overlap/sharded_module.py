@@ -403,6 +403,11 @@ class ShardedModule(nn.Module):
 
         return memory_report(self, optimizer, step_fn, activations=activations, checkpointing=checkpointing)
 
+    def __getstate__(self) -> Any:
+        """Refused: `copy.deepcopy(model)` and `torch.save(model)` would copy this rank's parts
+        of the parameters and hooks holding the process groups."""
+        raise TypeError(refused_copy("ShardedModule", "model.full_state_dict()"))
+
     def _module_state_dict(self) -> dict[str, Any]:
         """The wrapped module's own state dict, parameters as their local parts."""
         self._raw_module_state = True
@@ -554,6 +559,13 @@ def _load_unsharded(module: nn.Module, state: Mapping[str, Any]) -> None:
     """Buffers, extra state and parameters left out of sharding, loaded as torch loads them:
     `nn.Module`'s own load, not the override of a `fully_shard` root (which calls back here)."""
     nn.Module.load_state_dict(module, state, strict=False)
+
+
+def refused_copy(wrapper: str, full_state: str) -> str:
+    """Why a sharded model is not deep-copied or pickled, and what to do instead."""
+    return (f"{wrapper}: copy.deepcopy and pickling (torch.save(model)) of a sharded model are not supported: "
+            "its parameters are this rank's parts and its hooks hold the process groups. Copy the model before "
+            f"sharding it, or build the copy (an EMA, say) from {full_state}; save with state dicts")
 
 
 def strict_load_error(call: str, missing: Sequence[str], unexpected: Sequence[str]) -> str:

@@ -1,6 +1,6 @@
 """Bad input is refused with an error naming it, on every rank, and nothing hangs: settings
 from OVERLAP_* variables and the launcher's, `ShardedModule`'s arguments, checkpoints that
-cannot be loaded, and `OverlapTrainer`'s refusals.
+cannot be loaded, `OverlapTrainer`'s refusals, and copies of a sharded model.
 
 [Note: one launch for every case]
 Every case runs on the same two ranks, one after the other: a refused wrap raises on every
@@ -11,6 +11,8 @@ most of each case's time.
 """
 from __future__ import annotations
 
+import copy
+import io
 import math
 import os
 from typing import Callable
@@ -49,7 +51,22 @@ CASES: dict[str, tuple[str, ...]] = {
     "load optimizer state a checkpoint lacks": ("CheckpointMismatch", "model_only holds no optimizer state"),
     "OverlapTrainer(fp16=True)": ("fp16=True", "bf16=True"),
     "resume an HF run without overlap_sharded/": ("FileNotFoundError", "checkpoint-1 holds no overlap_sharded/"),
+    "copy.deepcopy(ShardedModule)": ("TypeError: ShardedModule: copy.deepcopy and pickling", "model.full_state_dict()"),
+    "torch.save(ShardedModule)": ("TypeError: ShardedModule: copy.deepcopy and pickling", "Copy the model before"),
+    "copy.deepcopy(a fully_shard model)": ("TypeError: fully_shard: copy.deepcopy and pickling",
+                                           "get_model_state_dict(full_state_dict=True)"),
 }
+
+
+def _fully_sharded() -> nn.Module:
+    from overlap import fully_shard
+
+    model = _model()
+    for child in model.children():
+        fully_shard(child)
+    fully_shard(model)
+    model(torch.ones(1, 4))
+    return model
 
 
 def _model() -> nn.Module:
@@ -163,6 +180,9 @@ def _cases(rank: int, directory: str) -> dict[str, Callable[[], object]]:
         "load optimizer state a checkpoint lacks": _load(os.path.join(directory, "model_only"), save_model_only=True),
         "OverlapTrainer(fp16=True)": lambda: _trainer(os.path.join(directory, "fp16"), fp16=True),
         "resume an HF run without overlap_sharded/": _resume_without_sharded_copy(os.path.join(directory, "hf")),
+        "copy.deepcopy(ShardedModule)": lambda: copy.deepcopy(_wrap_with()()),
+        "torch.save(ShardedModule)": lambda: torch.save(_wrap_with()(), io.BytesIO()),
+        "copy.deepcopy(a fully_shard model)": lambda: copy.deepcopy(_fully_sharded()),
     })
     return cases
 
