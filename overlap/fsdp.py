@@ -458,7 +458,7 @@ class OverlapFSDPModule(FSDPModule):
         missing = sorted(mine - set(state_dict))
         unexpected = sorted(set(state_dict) - mine)
         if strict and (missing or unexpected):
-            raise RuntimeError(strict_load_error("load_state_dict", missing, unexpected))
+            raise RuntimeError(strict_load_error("load_state_dict", missing, unexpected, type(self).__name__))
         runtime.load_state_dict({key: value for key, value in state_dict.items() if key in mine}, strict=False)
         return _IncompatibleKeys(missing, unexpected)
 

@@ -568,11 +568,13 @@ def refused_copy(wrapper: str, full_state: str) -> str:
             f"sharding it, or build the copy (an EMA, say) from {full_state}; save with state dicts")
 
 
-def strict_load_error(call: str, missing: Sequence[str], unexpected: Sequence[str]) -> str:
-    """The error of a strict load, worded as `nn.Module.load_state_dict` words it."""
+def strict_load_error(call: str, missing: Sequence[str], unexpected: Sequence[str],
+                      owner: str = "ShardedModule") -> str:
+    """The error of a strict load, worded as `nn.Module.load_state_dict` words it; `owner`
+    names the module loaded into."""
     parts = [f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}." if missing else "",
              f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}." if unexpected else ""]
-    return f"Error(s) in {call} of ShardedModule: " + " ".join(part for part in parts if part)
+    return f"Error(s) in {call} of {owner}: " + " ".join(part for part in parts if part)
 
 
 def register_forward_method(module: nn.Module, method_name: str) -> None:

@@ -948,7 +948,8 @@ def state_dict_round_trips(rank: int, world: int, directory: str) -> dict[str, A
     step trained, then its state carried into a model built from another seed three ways:
     `load_state_dict(state_dict())`, DCP's save and load, and torch's full state dict set
     with `broadcast_from_rank0`. Under torch's `fully_shard` and ours: the largest difference
-    of any value (buffers and left-out parameters included) after each."""
+    of any value (buffers and left-out parameters included) after each, and what a strict load
+    missing a buffer raises."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor
@@ -988,6 +989,13 @@ def state_dict_round_trips(rank: int, world: int, directory: str) -> dict[str, A
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         broadcast = sharded(1, shard)
         set_model_state_dict(broadcast, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        partial = {key: value for key, value in model.state_dict().items() if key != "2.running_mean"}
+        try:
+            loaded.load_state_dict(partial)
+            missing = "loaded"
+        except RuntimeError as error:
+            missing = str(error)
         out[name] = {"before": before, "load_state_dict": largest_difference(model, loaded),
-                     "dcp": largest_difference(model, from_dcp), "broadcast": largest_difference(model, broadcast)}
+                     "dcp": largest_difference(model, from_dcp), "broadcast": largest_difference(model, broadcast),
+                     "missing": missing}
     return out

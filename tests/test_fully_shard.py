@@ -194,6 +194,8 @@ def test_buffers_and_left_out_parameters_round_trip_through_every_state_dict_pat
             got = result[name]
             assert got["before"] > 0.01, got          # the target model starts elsewhere
             assert got["load_state_dict"] == got["dcp"] == got["broadcast"] == 0.0, (name, got)
+            assert all(words in got["missing"] for words in ("FSDPSequential", "Missing key(s) in state_dict",
+                                                              "2.running_mean")), (name, got["missing"])
 
 
 @pytest.mark.timeout(900)
