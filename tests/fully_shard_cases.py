@@ -999,3 +999,31 @@ def state_dict_round_trips(rank: int, world: int, directory: str) -> dict[str, A
                      "dcp": largest_difference(model, from_dcp), "broadcast": largest_difference(model, broadcast),
                      "missing": missing}
     return out
+
+
+
+def flattening_views(rank: int, world: int) -> dict[str, Any]:
+    """Views of the DTensor parameters that flatten their rows (`p.view(-1)`, `p.flatten()`,
+    `p.view(p.shape[0], -1)`, and back), `parameters_to_vector`, on rows that are not DTensor's
+    even chunks here: the largest difference from one process's values."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3))
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3))
+    implementations()["overlap"](model[0])
+    implementations()["overlap"](model)
+    model(torch.ones(1, 8))
+    weight, expected = model[0].weight.detach(), reference[0].weight.detach()
+    out = {"rows": str(weight.placements)}
+    for name, view in (("view(-1)", lambda w: w.view(-1)), ("flatten()", lambda w: w.flatten()),
+                       ("view(rows, -1)", lambda w: w.view(w.shape[0], -1)),
+                       ("view(-1).view(shape)", lambda w: w.view(-1).view(6, 8)),
+                       ("view(12, 4)", lambda w: w.view(12, 4))):
+        got = view(weight)
+        out[name] = float((got.full_tensor() - view(expected)).abs().max()) if isinstance(got, DTensor) else "plain"
+    vector = torch.nn.utils.parameters_to_vector(model[0].parameters())
+    out["parameters_to_vector"] = float(
+        (vector.full_tensor() - torch.nn.utils.parameters_to_vector(reference[0].parameters())).abs().max())
+    return out

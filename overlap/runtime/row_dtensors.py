@@ -474,8 +474,41 @@ def _norms(func: Any, args: tuple, kwargs: dict) -> Any:
     return out[0] if single else out
 
 
+_VIEWS = frozenset([torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default])
+
+
+def _views(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A view whose rows follow the input's (`p.view(p.shape[0], -1)`, `p.flatten()`, and
+    back, as autograd's backward of one views a gradient): each input row is k consecutive
+    rows of the result, or k consecutive input rows one row of it, where every rank's rows
+    are whole groups of k; so each rank's view of its rows is its part. DTensor's own rule
+    assumes even chunks: with ragged rows it refuses, or views the wrong number of elements.
+    `_ELSEWHERE` for any other view."""
+    source = args[0]
+    if not isinstance(source, RowDTensor) or kwargs or len(source.placements) != 1:
+        return _ELSEWHERE
+    placement = source.placements[0]
+    if not isinstance(placement, RowShard) or placement.dim != 0 or source.dim() == 0 or source.shape[0] == 0:
+        return _ELSEWHERE
+    shape = list(args[1])
+    if shape.count(-1) == 1:
+        known = math.prod(size for size in shape if size != -1)
+        shape[shape.index(-1)] = source.numel() // known if known else 0
+    if -1 in shape or not shape or shape[0] == 0 or math.prod(shape) != source.numel():
+        return _ELSEWHERE
+    if shape[0] % source.shape[0] == 0:
+        rows = [count * (shape[0] // source.shape[0]) for count in placement.rows]
+    elif source.shape[0] % shape[0] == 0 and all(count % (source.shape[0] // shape[0]) == 0
+                                                  for count in placement.rows):
+        rows = [count // (source.shape[0] // shape[0]) for count in placement.rows]
+    else:
+        return _ELSEWHERE
+    out = func(source._local_tensor, [rows[source.device_mesh.get_local_rank()], *shape[1:]])
+    return row_dtensor(out, source.device_mesh, [RowShard(0, rows)], shape)
+
+
 # Operators answered on the local rows, in this order (see RowDTensor).
-_LOCAL_PATHS = ((_ELEMENTWISE, _elementwise), (_FOREACH, _foreach), (_NORMS, _norms))
+_LOCAL_PATHS = ((_ELEMENTWISE, _elementwise), (_FOREACH, _foreach), (_NORMS, _norms), (_VIEWS, _views))
 
 
 def _global_non_finite_check(args: tuple) -> None:
