@@ -1027,3 +1027,41 @@ def flattening_views(rank: int, world: int) -> dict[str, Any]:
     out["parameters_to_vector"] = float(
         (vector.full_tensor() - torch.nn.utils.parameters_to_vector(reference[0].parameters())).abs().max())
     return out
+
+
+def penalties_on_parameters(rank: int, world: int) -> dict[str, Any]:
+    """An L2 penalty taken from the DTensor parameters outside forward and added to the loss,
+    as `(p ** 2).sum()` and through a flattening view, built before the forward's loss and
+    after it (so its gradient reaches the parameters before their reduction or after), and
+    alone in a backward of its own: the gradients against one process, under torch's
+    `fully_shard` and ours (whose rows per rank are not even chunks here)."""
+    from torch.distributed.tensor import DTensor
+
+    def whole(value: torch.Tensor) -> torch.Tensor:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    def penalty(model: nn.Module, view: bool) -> torch.Tensor:
+        return sum(((p.view(-1) if view else p) ** 2).sum() for p in model[0].parameters())
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+    out: dict[str, Any] = {}
+    for name, shard in implementations().items():
+        for case in ("before the loss", "after the loss", "viewed", "alone"):
+            models = []
+            for _ in range(2):
+                torch.manual_seed(0)
+                models.append(nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3)))
+            model, reference = models
+            shard(model[0])
+            shard(model)
+            for net, rows in ((model, x[2 * rank:2 * rank + 2]), (reference, x)):
+                if case == "alone":
+                    net(rows).square().mean().backward()
+                    whole(penalty(net, False)).backward()
+                elif case == "before the loss":
+                    (whole(penalty(net, False)) + net(rows).square().mean()).backward()
+                else:
+                    (net(rows).square().mean() + whole(penalty(net, case == "viewed"))).backward()
+            out[f"{name} {case}"] = max(float((whole(p.grad) - q.grad).abs().max())
+                                        for p, q in zip(model.parameters(), reference.parameters()))
+    return out

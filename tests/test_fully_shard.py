@@ -30,7 +30,7 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
                 "unshard-in-backward": RankCase(cases.unshard_in_backward),
                 "per-call-policies": RankCase(cases.per_call_policies),
                 "state-round-trips": RankCase(cases.state_dict_round_trips, (directory,)),
-                "views": RankCase(cases.flattening_views)})
+                "views": RankCase(cases.flattening_views), "penalties": RankCase(cases.penalties_on_parameters)})
     four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),)),
             "unshard-in-backward-hpz": RankCase(cases.unshard_in_backward_hpz)}
     for name in cases.COMBINATIONS:
@@ -197,6 +197,16 @@ def test_buffers_and_left_out_parameters_round_trip_through_every_state_dict_pat
             assert got["load_state_dict"] == got["dcp"] == got["broadcast"] == 0.0, (name, got)
             assert all(words in got["missing"] for words in ("FSDPSequential", "Missing key(s) in state_dict",
                                                               "2.running_mean")), (name, got["missing"])
+
+
+@pytest.mark.timeout(900)
+def test_a_penalty_on_the_parameters_outside_forward_has_one_processs_gradients(launches) -> None:
+    """An L2 penalty over the DTensor parameters added to the loss (before or after the
+    forward's loss, through a view, or in a backward of its own): one process's gradients, as
+    under torch's `fully_shard`, though this rank's rows are not DTensor's even chunks."""
+    for outcome in launches[2]["penalties"]:
+        result = outcome.result()
+        assert all(value < 1e-6 for value in result.values()), result
 
 
 @pytest.mark.timeout(900)

@@ -42,8 +42,18 @@ say. That term sees this rank's rows only, and its gradient would land in `.grad
 reduction's: training would go on, silently wrong. Each trainable parameter therefore carries a
 tensor hook that notes its name; the end of a backward that syncs tells every rank (one more
 flag in its flags all-reduce) and raises `DirectGradientError` on all of them before any
-`.grad` is published. FSDP2 refuses the same loss (its parameters are then sharded DTensors,
-which do not mix with the loss's plain tensors).
+`.grad` is published.
+
+[Note: a gradient that reaches a DTensor parameter directly]
+Under `fully_shard` the parameters are DTensors of their whole shapes, and a penalty over them
+(`loss + sum((p ** 2).sum() for p in model.parameters()).full_tensor()`) is a term FSDP2
+computes: each rank's rows get the whole gradient of their own square, which is added to the
+reduced gradient of the loss, not reduced with it. Autograd accumulates it into the parameter's
+`.grad`, in whatever order backward reaches it: into the published `.grad` (a view of the flat
+gradient shard the reduction adds into), or as a new `.grad` before this backward's reduction
+began (which reads `.grad` as the sum so far) are both counted already; one that arrives after
+its group's reduction began is kept by a post-accumulate hook and added when the reduced
+gradient is published.
 
 [Note: post-accumulate-grad hooks of sharded parameters]
 Autograd accumulates into the gathered buffer, never into the module's parameters, so a hook
@@ -238,11 +248,19 @@ class FlatGroup:
         # See [Note: a gradient that reaches a parameter directly]. Names seen since the last
         # backward that synced; hooks go on as parameters start to train.
         self.direct_grads: list[str] = []
+        # DTensor parameters: gradients that reached them after their reduction began, by index.
+        self._late_direct: dict[int, torch.Tensor] = {}
         self._direct_hooks = [False] * len(self.slots)
         self._hook_direct_grads()
 
     def _hook_direct_grads(self) -> None:
         if self.dtensor_params:
+            # See [Note: a gradient that reaches a DTensor parameter directly].
+            arrived = _weakly(self._direct_grad_arrived)
+            for index, param in enumerate(self.module_params):
+                if param.requires_grad and not self._direct_hooks[index]:
+                    param.register_post_accumulate_grad_hook(lambda param, index=index: arrived(index, param))
+                    self._direct_hooks[index] = True
             return
         note = _weakly(self._note_direct_grad)
         for index, param in enumerate(self.module_params):
@@ -252,6 +270,19 @@ class FlatGroup:
 
     def _note_direct_grad(self, name: str, grad: torch.Tensor) -> None:
         self.direct_grads.append(name)
+
+    def _direct_grad_arrived(self, index: int, param: torch.Tensor) -> None:
+        """Autograd accumulated a gradient into DTensor parameter `index` itself. Into the
+        published `.grad` (a view of the flat gradient shard) or before this backward's
+        reduction began (which reads `.grad`), it is counted already; after, it is kept for
+        the publication, and the parameter's `.grad` left to it."""
+        grad = param.grad
+        if grad is None or not self.reduced or grad is self._published()[index]:
+            return
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        held = self._late_direct.get(index)
+        self._late_direct[index] = local.clone() if held is None else held.add_(local)
+        param.grad = None
 
     def _start_gradients(self) -> None:
         # Sum of the reduced gradients; each parameter's `.grad` is a view of it.
@@ -517,8 +548,7 @@ class FlatGroup:
                                 for index, tp in enumerate(self.tensor_parallel)]
             if self.dtensor_params:
                 self._grad_dtensors = [self.dtensor(plain(view), index) for index, view in enumerate(self._grad_views)]
-            zeros = True
-        elif not self.reduced:
+        if not self.reduced:
             grads = [param.grad for param in self.module_params]
             if grads.count(None) == len(grads):             # after zero_grad(): one fill
                 zeros = True
@@ -536,11 +566,16 @@ class FlatGroup:
         gradient on some rank; the others keep theirs (None after `zero_grad()`)."""
         self.place.grads_ready()
         if self.reduced:
+            for index, late in self._late_direct.items():
+                self._grad_views[index].add_(late.view_as(self._grad_views[index]))
+                got_grad[index] = True
             for param, grad, used in zip(self.module_params, self._published(), got_grad):
                 # A parameter frozen after wrapping is reduced with its group, but gets no `.grad`.
                 if param.requires_grad and (used or param.grad is not None):
                     param.grad = grad
-            if any([param._post_accumulate_grad_hooks for param in self.module_params]):   # no call per parameter
+            own = 1 if self.dtensor_params else 0      # the hook of `_hook_direct_grads`, on each
+            if any([len(param._post_accumulate_grad_hooks or ()) > own       # no call per parameter
+                    for param in self.module_params]):
                 self._run_accumulate_hooks(got_grad)
         self.end_reduction()
 
@@ -550,6 +585,7 @@ class FlatGroup:
         self.reduced = False
         self.got_grad = [False] * len(self.slots)
         self.direct_grads.clear()
+        self._late_direct.clear()
 
     def _run_accumulate_hooks(self, got_grad: list[bool]) -> None:
         """See [Note: post-accumulate-grad hooks of sharded parameters]: the hooks of each

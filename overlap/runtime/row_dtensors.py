@@ -211,10 +211,13 @@ _RANDOM_FILLS = frozenset(getattr(torch.ops.aten, name).default for name in
 _ELEMENTWISE = _elementwise_ops()
 
 
-def _local_operand(value: Any, spec: DTensorSpec) -> Any:
+def _local_operand(value: Any, spec: DTensorSpec, replicated_rows: bool = False) -> Any:
     """`value` as the local operand of an elementwise operator whose result is laid out as
-    `spec`: a DTensor of that layout gives its rows, a replicated one-element DTensor its value;
-    anything else that DTensor would have to move gives None."""
+    `spec`: a DTensor of that layout gives its rows, a replicated one-element DTensor its value,
+    and with `replicated_rows` a replicated DTensor of the same shape this rank's rows of it
+    (DTensor would cut it into even chunks, which ragged rows are not: the gradient of a
+    penalty on the parameters, `(p ** 2).sum()`, meets one); anything else that DTensor would
+    have to move gives None."""
     if not isinstance(value, DTensor):
         # A plain tensor of more than one element would broadcast against the rows: DTensor's
         # dispatch refuses mixing it in, and so does this.
@@ -228,6 +231,11 @@ def _local_operand(value: Any, spec: DTensorSpec) -> Any:
         # A one-element operand (a clip's coefficient): its value, summed first where it is
         # partial (every rank runs the same operator, so every rank takes part).
         return value._local_tensor if all(p.is_replicate() for p in value.placements) else value.full_tensor()
+    if replicated_rows and len(spec.placements) == 1 and isinstance(spec.placements[0], RowShard) and \
+            value._spec.mesh == spec.mesh and tuple(value.shape) == tuple(spec.shape) and \
+            all(p.is_replicate() for p in value.placements):
+        rows, rank = spec.placements[0], spec.mesh.get_local_rank()
+        return value._local_tensor.narrow(rows.dim, rows.starts[rank], rows.rows[rank])
     return None
 
 
@@ -290,7 +298,11 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
     leaves, tree = ([*args, *kwargs.values()], None) if flat else tree_flatten((args, kwargs))
     source = next(value for value in leaves if isinstance(value, RowDTensor))
     spec = source._spec
-    local = [_local_operand(value, spec) for value in leaves]
+    # An in-place operator writes its first operand: only this rank's rows of a replicated one
+    # would change, so that operand is never cut.
+    mutable = func._schema.is_mutable
+    local = [_local_operand(value, spec, replicated_rows=not (mutable and index == 0))
+             for index, value in enumerate(leaves)]
     if any(value is None and leaf is not None for value, leaf in zip(local, leaves)):
         return _ELSEWHERE
     if flat:
