@@ -1032,9 +1032,10 @@ def flattening_views(rank: int, world: int) -> dict[str, Any]:
 def penalties_on_parameters(rank: int, world: int) -> dict[str, Any]:
     """An L2 penalty taken from the DTensor parameters outside forward and added to the loss,
     as `(p ** 2).sum()` and through a flattening view, built before the forward's loss and
-    after it (so its gradient reaches the parameters before their reduction or after), and
-    alone in a backward of its own: the gradients against one process, under torch's
-    `fully_shard` and ours (whose rows per rank are not even chunks here)."""
+    after it (so its gradient reaches the parameters before their reduction or after), twice
+    without clearing the gradients between, and alone in a backward of its own: the gradients
+    against one process, under torch's `fully_shard` and ours (whose rows per rank are not
+    even chunks here)."""
     from torch.distributed.tensor import DTensor
 
     def whole(value: torch.Tensor) -> torch.Tensor:
@@ -1046,7 +1047,7 @@ def penalties_on_parameters(rank: int, world: int) -> dict[str, Any]:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
     out: dict[str, Any] = {}
     for name, shard in implementations().items():
-        for case in ("before the loss", "after the loss", "viewed", "alone"):
+        for case in ("before the loss", "after the loss", "viewed", "twice", "alone"):
             models = []
             for _ in range(2):
                 torch.manual_seed(0)
@@ -1058,8 +1059,9 @@ def penalties_on_parameters(rank: int, world: int) -> dict[str, Any]:
                 if case == "alone":
                     net(rows).square().mean().backward()
                     whole(penalty(net, False)).backward()
-                elif case == "before the loss":
-                    (whole(penalty(net, False)) + net(rows).square().mean()).backward()
+                elif case in ("before the loss", "twice"):
+                    for _ in range(2 if case == "twice" else 1):
+                        (whole(penalty(net, False)) + net(rows).square().mean()).backward()
                 else:
                     (net(rows).square().mean() + whole(penalty(net, case == "viewed"))).backward()
             out[f"{name} {case}"] = max(float((whole(p.grad) - q.grad).abs().max())

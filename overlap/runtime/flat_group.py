@@ -49,11 +49,11 @@ Under `fully_shard` the parameters are DTensors of their whole shapes, and a pen
 (`loss + sum((p ** 2).sum() for p in model.parameters()).full_tensor()`) is a term FSDP2
 computes: each rank's rows get the whole gradient of their own square, which is added to the
 reduced gradient of the loss, not reduced with it. Autograd accumulates it into the parameter's
-`.grad`, in whatever order backward reaches it: into the published `.grad` (a view of the flat
-gradient shard the reduction adds into), or as a new `.grad` before this backward's reduction
-began (which reads `.grad` as the sum so far) are both counted already; one that arrives after
-its group's reduction began is kept by a post-accumulate hook and added when the reduced
-gradient is published.
+`.grad` in whatever order backward reaches it. Before the group's reduction began it is counted
+there: the reduction starts from `.grad` as the sum so far. After, a tensor hook keeps it and
+hands autograd zeros to accumulate instead (into the published `.grad` autograd may add in
+place, and that is the flat gradient shard the reduction adds into); it is added when the
+reduced gradient is published.
 
 [Note: post-accumulate-grad hooks of sharded parameters]
 Autograd accumulates into the gathered buffer, never into the module's parameters, so a hook
@@ -259,7 +259,7 @@ class FlatGroup:
             arrived = _weakly(self._direct_grad_arrived)
             for index, param in enumerate(self.module_params):
                 if param.requires_grad and not self._direct_hooks[index]:
-                    param.register_post_accumulate_grad_hook(lambda param, index=index: arrived(index, param))
+                    param.register_hook(lambda grad, index=index: arrived(index, grad))
                     self._direct_hooks[index] = True
             return
         note = _weakly(self._note_direct_grad)
@@ -271,18 +271,18 @@ class FlatGroup:
     def _note_direct_grad(self, name: str, grad: torch.Tensor) -> None:
         self.direct_grads.append(name)
 
-    def _direct_grad_arrived(self, index: int, param: torch.Tensor) -> None:
-        """Autograd accumulated a gradient into DTensor parameter `index` itself. Into the
-        published `.grad` (a view of the flat gradient shard) or before this backward's
-        reduction began (which reads `.grad`), it is counted already; after, it is kept for
-        the publication, and the parameter's `.grad` left to it."""
-        grad = param.grad
-        if grad is None or not self.reduced or grad is self._published()[index]:
-            return
+    def _direct_grad_arrived(self, index: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """A gradient reaches DTensor parameter `index` itself, to be accumulated into its
+        `.grad`. Before this backward's reduction began (which reads `.grad` as the sum so
+        far) it is counted so; after, it is kept, and added when the reduced gradient is
+        published, and autograd accumulates zeros instead (into the published `.grad` it may
+        add in place, into the flat gradient shard the reduction adds into)."""
+        if not self.reduced:
+            return None
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         held = self._late_direct.get(index)
         self._late_direct[index] = local.clone() if held is None else held.add_(local)
-        param.grad = None
+        return torch.zeros_like(grad)
 
     def _start_gradients(self) -> None:
         # Sum of the reduced gradients; each parameter's `.grad` is a view of it.
@@ -573,9 +573,7 @@ class FlatGroup:
                 # A parameter frozen after wrapping is reduced with its group, but gets no `.grad`.
                 if param.requires_grad and (used or param.grad is not None):
                     param.grad = grad
-            own = 1 if self.dtensor_params else 0      # the hook of `_hook_direct_grads`, on each
-            if any([len(param._post_accumulate_grad_hooks or ()) > own       # no call per parameter
-                    for param in self.module_params]):
+            if any([param._post_accumulate_grad_hooks for param in self.module_params]):   # no call per parameter
                 self._run_accumulate_hooks(got_grad)
         self.end_reduction()
 
