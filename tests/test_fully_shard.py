@@ -4,6 +4,7 @@ process's values after a meta-device init. See tests/fully_shard_cases.py for th
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -31,19 +32,38 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
                 "per-call-policies": RankCase(cases.per_call_policies),
                 "state-round-trips": RankCase(cases.state_dict_round_trips, (directory,)),
                 "views": RankCase(cases.flattening_views), "penalties": RankCase(cases.penalties_on_parameters)})
-    four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),)),
-            "unshard-in-backward-hpz": RankCase(cases.unshard_in_backward_hpz)}
-    for name in cases.COMBINATIONS:
-        (four if _world(name) == 4 else two)[f"combination-{name}"] = RankCase(cases.combination, (name,))
-    for name in KEEP_MODES:
-        (four if _world(name) == 4 else two)[f"keep-{name}"] = RankCase(cases.combination, (name, True))
+    two.update({f"combination-{name}": RankCase(cases.combination, (name,))
+                for name in cases.COMBINATIONS if _world(name) == 2})
+    two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES if _world(name) == 2})
     two.update({f"buckets-{mb}": RankCase(cases.bucket_layout, env={"OVERLAP_BUCKET_MB": mb}) for mb in ("64", "0.0001")})
     three = {"example-default": RankCase(cases.example_flow, (directory + "-3", "default"))}
     import os
 
     os.makedirs(directory + "-3")
-    return {2: CaseLaunch(two, world_size=2, timeout=600), 3: CaseLaunch(three, world_size=3, timeout=600),
-            4: CaseLaunch(four, world_size=4, timeout=600)}
+    return {2: CaseLaunch(two, world_size=2, timeout=600), 3: CaseLaunch(three, world_size=3, timeout=600)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> CaseLaunch:
+    """The cases an int reshard_after_forward other than 1 or every rank needs: 4 ranks, in the
+    slow tier (`make test-all`)."""
+    four = {"ignored-params": RankCase(cases.ignored_params, (_ignored_modes(4),)),
+            "unshard-in-backward-hpz": RankCase(cases.unshard_in_backward_hpz)}
+    four.update({f"combination-{name}": RankCase(cases.combination, (name,))
+                 for name in cases.COMBINATIONS if _world(name) == 4})
+    four.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES if _world(name) == 4})
+    return CaseLaunch(four, world_size=4, timeout=600)
+
+
+def _outcomes(request: pytest.FixtureRequest, world: int, key: str) -> list:
+    """The outcomes of case `key` in the launch of `world` ranks."""
+    launch = request.getfixturevalue("four_ranks") if world == 4 else request.getfixturevalue("launches")[world]
+    return launch[key]
+
+
+def _tiered(modes: Any) -> list:
+    """`modes`, those that need 4 ranks in the slow tier."""
+    return [pytest.param(mode, marks=pytest.mark.slow) if _world(mode) == 4 else mode for mode in modes]
 
 
 def _world(mode: str) -> int:
@@ -118,10 +138,10 @@ LOSSY = {"rtol": 5e-2, "atol": 5e-3}
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", list(cases.COMBINATIONS))
-def test_every_mode_reached_through_fully_shard_trains_like_one_process(launches, name: str) -> None:
+@pytest.mark.parametrize("name", _tiered(cases.COMBINATIONS))
+def test_every_mode_reached_through_fully_shard_trains_like_one_process(request, name: str) -> None:
     tol = LOSSY if "bf16" in name or "int8" in name else FP32
-    for outcome in launches[_world(name)][f"combination-{name}"]:
+    for outcome in _outcomes(request, _world(name), f"combination-{name}"):
         result = outcome.result()
         _close(result["overlap"], result["one-process"], tol)
         policy = cases.COMBINATIONS[name].get("overlap_policy", {})
@@ -252,8 +272,9 @@ def test_an_embeddings_unit_is_gathered_once_a_step_unless_asked_otherwise(launc
 
 
 @pytest.mark.timeout(900)
-def test_under_hpz_a_unit_not_gathered_for_backward_keeps_no_node_copy(launches) -> None:
-    for outcome in launches[4]["unshard-in-backward-hpz"]:
+@pytest.mark.slow
+def test_under_hpz_a_unit_not_gathered_for_backward_keeps_no_node_copy(four_ranks) -> None:
+    for outcome in four_ranks["unshard-in-backward-hpz"]:
         result = outcome.result()
         copies = result["copies"]
         assert copies["embed"] == 0 and copies["blocks.0"] > 0, copies
@@ -275,13 +296,13 @@ def test_fsdpmodule_calls_about_collectives_are_kept_taken_as_hints_or_refused(l
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", list(cases.IGNORED_MODES))
-def test_ignored_params_stay_whole_and_the_rest_trains_like_one_process(launches, mode: str) -> None:
+@pytest.mark.parametrize("mode", _tiered(cases.IGNORED_MODES))
+def test_ignored_params_stay_whole_and_the_rest_trains_like_one_process(request, mode: str) -> None:
     """FSDP2's `ignored_params` in each mode: the parameters left out stay the module's own
     plain Parameters (in the state dict too), and with their gradients averaged by the loop
     the model trains as one process on every row, as under torch's `fully_shard`."""
     tol = LOSSY if "bf16" in mode or "int8" in mode else FP32
-    for outcome in launches[_world(mode)]["ignored-params"]:
+    for outcome in _outcomes(request, _world(mode), "ignored-params"):
         result = outcome.result()
         reference = result[f"one-process {mode}"]
         for name in ("fsdp2", "overlap"):
@@ -298,11 +319,11 @@ def test_ignored_params_stay_whole_and_the_rest_trains_like_one_process(launches
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", KEEP_MODES)
-def test_units_kept_across_microbatches_in_each_mode_train_like_one_process(launches, name: str) -> None:
+@pytest.mark.parametrize("name", _tiered(KEEP_MODES))
+def test_units_kept_across_microbatches_in_each_mode_train_like_one_process(request, name: str) -> None:
     """FSDP2's accumulation pattern (no sync and no resharding after the first microbatch's
     backward) in hybrid, hpZ and compiled modes: the units kept, the losses one process's."""
-    for outcome in launches[_world(name)][f"keep-{name}"]:
+    for outcome in _outcomes(request, _world(name), f"keep-{name}"):
         result = outcome.result()
         assert any("kept gathered across a step's microbatches" in d for d in result["decided"]), result["decided"]
         _close(result["overlap"], result["one-process"], FP32)
