@@ -2,7 +2,8 @@
 file under docs/results that README.md, ARCHITECTURE.md or docs/*.md links to, the runtime's
 lines (overlap/, kernels/, csrc/) changed between its recorded commit and HEAD, as a share of
 the runtime's lines at HEAD; files past the threshold are listed. Files cited only by
-docs/history.md (a past change's before and after) are counted apart.
+docs/history.md (a past change's before and after), and files whose script has left the tree (a
+decided experiment, kept under its commit), are counted apart.
 
     python benchmarks/stale.py                  # exit status 1 when a cited file is stale
     python benchmarks/stale.py --threshold 10   # percent of the runtime's lines (default 5)
@@ -25,6 +26,7 @@ SOURCE_SUFFIXES = (".py", ".cu", ".cpp", ".h", ".cuh")
 # beside NAME.json).
 CITATION = re.compile(r"results/([A-Za-z0-9_.-]+)\.(?:json|md)")
 HISTORY = os.path.join("docs", "history.md")
+SCRIPT = re.compile(r"\bbenchmarks/[A-Za-z0-9_]+\.py\b")
 
 
 def _git(*args: str) -> str:
@@ -83,6 +85,23 @@ def recorded_commits(data: object) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def recorded_scripts(data: object) -> set[str]:
+    """The benchmark scripts named by the commands a result file records, anywhere in it."""
+    if isinstance(data, dict):
+        return set().union(*(SCRIPT.findall(value) if key == "command" and isinstance(value, str)
+                             else recorded_scripts(value) for key, value in data.items()))
+    if isinstance(data, list):
+        return set().union(*(recorded_scripts(value) for value in data))
+    return set()
+
+
+def retired(data: object) -> bool:
+    """Whether every script that measured the file has left the tree: its figures cannot be
+    measured again at HEAD, only read under their commit."""
+    scripts = recorded_scripts(data)
+    return bool(scripts) and not any(os.path.exists(os.path.join(REPOSITORY, script)) for script in scripts)
+
+
 def staleness(threshold: float) -> list[dict]:
     """One row per cited result file: its oldest commit, the runtime lines changed since, their
     share of the runtime's lines and whether that passes `threshold` percent."""
@@ -90,12 +109,13 @@ def staleness(threshold: float) -> list[dict]:
     rows = []
     for path, docs in sorted(cited_files().items()):
         with open(os.path.join(REPOSITORY, path), encoding="utf-8") as f:
-            commits = recorded_commits(json.load(f))
+            data = json.load(f)
+        commits = recorded_commits(data)
         counted = [(changed_lines(commit), commit) for commit in commits]
         known = [(changed, commit) for changed, commit in counted if changed is not None]
         changed, recorded = max(known) if known and len(known) == len(counted) else (None, ",".join(commits) or None)
         share = None if changed is None else 100.0 * changed / lines
-        history = docs == [HISTORY]
+        history = docs == [HISTORY] or retired(data)
         rows.append(dict(file=path, cited_by=docs, commit=recorded, changed_lines=changed,
                          percent=share, history=history,
                          stale=not history and (share is None or share > threshold)))
@@ -118,7 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{row['file']}: {why}; cited by {', '.join(row['cited_by'])}")
         history = sum(row["history"] for row in rows)
         print(f"{len(stale)} of {len(rows) - history} cited result files are past {args.threshold:g}% of the runtime's "
-              f"lines ({history} more are cited by {HISTORY} alone, under their commits)")
+              f"lines ({history} more are cited by {HISTORY} alone or measured by a script that left the tree, under their "
+              "commits)")
     return 1 if any(row["stale"] for row in rows) else 0
 
 

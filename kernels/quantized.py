@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-# Chosen by measurement (docs/kernels.md, `benchmarks/kernels.py --quant-blocks`). One more bit
+# Chosen by measurement (docs/kernels.md, `benchmarks/kernel_bandwidth.py --quant-blocks`). One more bit
 # per element halves the error, so halving the block pays when log2(error ratio) beats the
 # 32 / block bits its extra scales cost. The best block is 256 on normal values and 64 on
 # heavy-tailed ones (Student-t, 3 degrees of freedom); 128 is within 0.1 bit per element of
