@@ -284,6 +284,14 @@ def _behind_words(ratios: list[float]) -> str:
             f"ahead in the rest by up to {100 * (1 - min(ratios)):.0f}%")
 
 
+def _ahead_words(ratios: list[float]) -> str:
+    """In how many rounds the ratios were below 1, in the docs' words."""
+    ahead = sum(r < 1 for r in ratios)
+    if ahead == len(ratios):
+        return "ahead in every round"
+    return "behind in every round" if ahead == 0 else f"ahead in {ahead} of {len(ratios)} rounds"
+
+
 def held_words(ratios: Reader, limit: float) -> Reader:
     """How many rounds met `limit`, in the docs' words."""
     def read(data: Any) -> str:
@@ -498,6 +506,7 @@ def _spread(ratios: Reader) -> tuple:
 
 
 _CURRENT = {"loopback": "compare_current_loopback.json", "2gbit": "compare_current.json"}
+_AGAINST_26 = "compare_against_26a39e3.json"
 _TEN = "compare_current_10gbit.json"
 _TEN_IMPLS = ("overlap", "fsdp2-tuned", "ddp-tuned", "overlap-int8", "ddp-fp16", "fsdp2", "ddp", "deepspeed")
 # README's ratio table of the 10 Gbit/s run: (row words, impl, peers, target or None).
@@ -1143,18 +1152,20 @@ FIGURES: list[Figure] = [
                   _result("compare_current_loopback.json")),
               held(_paired("2gbit", impl, (peer,)), limit)))
       for _, impl, peer, limit, after in _CURRENT_RATIOS if "{" in after],
-    Figure("README.md", "against tuned FSDP2, {0} at 2 Gbit/s (ahead in every round)\nand {1} on loopback (ahead in "
-                        "every round; the 0.9× target\n{2})", _CURRENT["2gbit"],
+    Figure("README.md", "against tuned FSDP2, {0} at 2 Gbit/s ({3})\nand {1} on loopback ({4}; the 0.9× target\n{2})",
+           _CURRENT["2gbit"],
            (listed(_paired("2gbit", "overlap", ("fsdp2-tuned",))),
             lambda d: listed(_paired("loopback", "overlap", ("fsdp2-tuned",)))(_result(_CURRENT["loopback"])),
-            lambda d: held_words(_paired("loopback", "overlap", ("fsdp2-tuned",)), 0.9)(_result(_CURRENT["loopback"])))),
+            lambda d: held_words(_paired("loopback", "overlap", ("fsdp2-tuned",)), 0.9)(_result(_CURRENT["loopback"])),
+            lambda d: _ahead_words(_paired("2gbit", "overlap", ("fsdp2-tuned",))(d)),
+            lambda d: _ahead_words(_paired("loopback", "overlap", ("fsdp2-tuned",))(_result(_CURRENT["loopback"]))))),
     Figure("README.md", "against tuned DDP, {0} on loopback and {1} at\n2 Gbit/s: {2}", _CURRENT["2gbit"],
            (lambda d: listed(_paired("loopback", "overlap", ("ddp-tuned",)))(_result(_CURRENT["loopback"])),
             listed(_paired("2gbit", "overlap", ("ddp-tuned",))),
             lambda d: _behind_words(_overlap_over_ddp_both_links(d)))),
-    Figure("README.md", "int8 against DDP's fp16 hook at 2 Gbit/s: {0}, within {1:.0f}% either way", _CURRENT["2gbit"],
+    Figure("README.md", "int8 against DDP's fp16 hook at 2 Gbit/s: {0} ({1})", _CURRENT["2gbit"],
            (listed(_paired("2gbit", "overlap-int8", ("ddp-fp16",))),
-            lambda d: 100 * max(abs(r - 1) for r in _paired("2gbit", "overlap-int8", ("ddp-fp16",))(d)))),
+            lambda d: _ahead_words(_paired("2gbit", "overlap-int8", ("ddp-fp16",))(d)))),
     Figure("docs/history.md", "The file's `io_hidden_share` ({0:.2f} on rank 0, {1:.2f} on rank 1)",
            "offload_disk_model_large.json", tuple(at("ranks", rank, "io_hidden_share") for rank in (0, 1))),
     # README: `overlap train` at its defaults, from the run's log.
@@ -1195,12 +1206,14 @@ FIGURES: list[Figure] = [
             lambda d: 100 * (min(_paired("10gbit", "overlap", ("ddp", "ddp-tuned"))(d)) - 1),
             lambda d: 100 * (max(_paired("10gbit", "overlap", ("ddp", "ddp-tuned"))(d)) - 1))),
     # docs/benchmarks.md: what the rows say, per round.
-    Figure("docs/benchmarks.md", "ahead in every round at 2 Gbit/s ({0}); on loopback ahead in every round "
-                                 "({1}), the 0.9 target {2}; {3} at 10 Gbit/s", _CURRENT["2gbit"],
+    Figure("docs/benchmarks.md", "{4} at 2 Gbit/s ({0}); on loopback {5} ({1}), the 0.9 target {2}; {3} at "
+                                 "10 Gbit/s", _CURRENT["2gbit"],
            (listed(_paired("2gbit", "overlap", ("fsdp2-tuned",))),
             lambda d: listed(_paired("loopback", "overlap", ("fsdp2-tuned",)))(_result(_CURRENT["loopback"])),
             lambda d: held_words(_paired("loopback", "overlap", ("fsdp2-tuned",)), 0.9)(_result(_CURRENT["loopback"])),
-            lambda d: listed(_paired("10gbit", "overlap", ("fsdp2-tuned",)))(_result(_TEN)))),
+            lambda d: listed(_paired("10gbit", "overlap", ("fsdp2-tuned",)))(_result(_TEN)),
+            lambda d: _ahead_words(_paired("2gbit", "overlap", ("fsdp2-tuned",))(d)),
+            lambda d: _ahead_words(_paired("loopback", "overlap", ("fsdp2-tuned",))(_result(_CURRENT["loopback"]))))),
     Figure("docs/benchmarks.md", "per round against tuned DDP: {0} on loopback, {1} at 2 Gbit/s; {2:.2f}–{3:.2f} "
                                  "against the faster DDP of each round at 10 Gbit/s", _CURRENT["2gbit"],
            (lambda d: listed(_paired("loopback", "overlap", ("ddp-tuned",)))(_result(_CURRENT["loopback"])),
@@ -1307,6 +1320,15 @@ FIGURES: list[Figure] = [
            (lambda data: _recovery_cell("node", 7)(data).split(" s (")[0].replace("-", " / "),)),
     Figure("docs/train.md", "rejoin: {0} s", "recovery_rejoin.json",
            (lambda data: _recovery_cell("rejoin", 7)(data).split(" s (")[0].replace("-", " / "),)),
+    # README and docs/benchmarks.md: this code against a checkout at 26a39e3, side by side.
+    *[Figure(doc, "**{0:.2f} ({1:.2f}–{2:.2f})** per round, medians {3:.0f} against {4:.0f} ms", _AGAINST_26,
+             (*_spread(_paired("2gbit", "overlap", ("overlap-base",))), at("results", "2gbit", "overlap", "step_ms"),
+              at("results", "2gbit", "overlap-base", "step_ms")))
+      for doc in ("README.md", "docs/benchmarks.md")],
+    *[Figure(doc, "÷ tuned DDP" + between + "{0:.2f} ({1:.2f}–{2:.2f}) and ÷ tuned FSDP2\n{3:.2f} ({4:.2f}–{5:.2f})",
+             _AGAINST_26, (*_spread(_paired("2gbit", "overlap", ("ddp-tuned",))),
+                           *_spread(_paired("2gbit", "overlap", ("fsdp2-tuned",)))))
+      for doc, between in (("README.md", " was "), ("docs/benchmarks.md", "\n  "))],
 ]
 
 # Result files a doc links to whose figures no row above checks, and why.
