@@ -507,6 +507,7 @@ def _spread(ratios: Reader) -> tuple:
 
 _CURRENT = {"loopback": "compare_current_loopback.json", "2gbit": "compare_current.json"}
 _AGAINST_26 = "compare_against_26a39e3.json"
+_AGAINST_26_LOOPBACK = "compare_against_26a39e3_loopback.json"
 _TEN = "compare_current_10gbit.json"
 _TEN_IMPLS = ("overlap", "fsdp2-tuned", "ddp-tuned", "overlap-int8", "ddp-fp16", "fsdp2", "ddp", "deepspeed")
 # README's ratio table of the 10 Gbit/s run: (row words, impl, peers, target or None).
@@ -1329,6 +1330,19 @@ FIGURES: list[Figure] = [
              _AGAINST_26, (*_spread(_paired("2gbit", "overlap", ("ddp-tuned",))),
                            *_spread(_paired("2gbit", "overlap", ("fsdp2-tuned",)))))
       for doc, between in (("README.md", " was "), ("docs/benchmarks.md", "\n  "))],
+    *[Figure("README.md", f"| this code ÷ 26a39e3's (the run before), {words} | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |",
+             name, _spread(_paired(link, "overlap", ("overlap-base",))))
+      for words, name, link in (("2 Gbit/s", _AGAINST_26, "2gbit"), ("loopback", _AGAINST_26_LOOPBACK, "loopback"))],
+    Figure("README.md", "on loopback **{0:.2f} ({1:.2f}–{2:.2f})**, {3:.0f} against {4:.0f} ms", _AGAINST_26_LOOPBACK,
+           (*_spread(_paired("loopback", "overlap", ("overlap-base",))), at("results", "loopback", "overlap", "step_ms"),
+            at("results", "loopback", "overlap-base", "step_ms"))),
+    Figure("README.md", "loopback {0:.2f} ({1:.2f}–{2:.2f}) and {3:.2f} ({4:.2f}–{5:.2f})", _AGAINST_26_LOOPBACK,
+           (*_spread(_paired("loopback", "overlap", ("ddp-tuned",))),
+            *_spread(_paired("loopback", "overlap", ("fsdp2-tuned",))))),
+    Figure("docs/benchmarks.md", "at 2 Gbit/s and {0:.2f} ({1:.2f}–{2:.2f}) on loopback", _AGAINST_26_LOOPBACK,
+           _spread(_paired("loopback", "overlap", ("overlap-base",)))),
+    Figure("docs/benchmarks.md", "the side\n  by side run against 26a39e3 below measured {0:.2f} ({1:.2f}–{2:.2f}) on the same link",
+           _AGAINST_26_LOOPBACK, _spread(_paired("loopback", "overlap", ("fsdp2-tuned",)))),
 ]
 
 # Result files a doc links to whose figures no row above checks, and why.
