@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from common import RunRecord, arg_parser, device_seconds, markdown_table, write_json
+from common import RunRecord, arg_parser, device_seconds, markdown_table, require_min, write_json
 from overlap.kernels.backends import available_backends, get_backend
 from overlap.kernels.quantized import DEFAULT_BLOCK
 
@@ -391,7 +391,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per candidate, at least 2 (a spread needs two); default 20 on CUDA, 11 on CPU")
     parser.add_argument("--out", default=None, help="JSON file (default bench_out/kernels_<device>.json)")
     parser.add_argument("--quant-only", action="store_true",
                         help="only the quantised kernels, with IQR (default out bench_out/quant_kernels_<device>.json)")
@@ -399,6 +400,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="comma-separated block sizes: error and speed of each, instead of the tables "
                              "(default out bench_out/quant_blocks_<device>.json)")
     args = parser.parse_args(argv)
+    if args.repeats is not None:
+        require_min(parser, args, 2, "repeats")
     record = RunRecord("kernel_bandwidth.py", sys.argv[1:] if argv is None else argv)
     device = torch.device(args.device)
     if args.threads is not None:
