@@ -24,10 +24,12 @@ RUNS = {4: [("sgd", 2, "sgd", {}), ("adamw_clip", 2, "adamw", {"clip": tp_cases.
             ("hybrid_adamw_clip", 2, "adamw", {"hybrid": True, "clip": tp_cases.CLIP}),
             ("module_clip", 2, "sgd", {"clip": tp_cases.CLIP, "module_clip": True}),
             ("offload_cpu", 2, "adamw", {"wrap": {"offload": "cpu"}}),
-            ("compiled", 2, "sgd", {"wrap": {"compile": True}}),    # ~40 s of the launch: every rank compiles
             ("checkpointed", 2, "adamw", {"checkpointed": True})],
         2: [("sgd", 1, "sgd", {}), ("adamw_clip", 1, "adamw", {"clip": tp_cases.CLIP}),
             ("llama_sgd", 1, "sgd", {"model": "llama"})]}
+# Every rank compiles every block: about 40 s of four ranks on two cores, so it runs on a launch
+# of its own in the slow tier (`make test-all`).
+COMPILED = ("compiled", 2, "sgd", {"wrap": {"compile": True}})
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # Compression over dp, within tests/test_compression.py's bounds for SGD: each step's loss
 # within 1 % of one process's, the whole update within 20 %.
@@ -48,9 +50,12 @@ SAVED_STEPS = 2
 RESUMES = [("resume_dp2_tp2", 4, 2, True), ("resume_dp1_tp2", 2, 1, True), ("resume_1d_dp2", 2, 2, False)]
 
 
+def _training(dp: int, optimizer: str, how: dict) -> RankCase:
+    return RankCase(tp_cases.train_2d, (dp, optimizer, how, how.get("wrap", {})))
+
+
 def _cases(world: int) -> dict[str, RankCase]:
-    cases = {name: RankCase(tp_cases.train_2d, (dp, optimizer, how, how.get("wrap", {})))
-             for name, dp, optimizer, how in RUNS[world]}
+    cases = {name: _training(dp, optimizer, how) for name, dp, optimizer, how in RUNS[world]}
     if world == 4:
         cases.update({what: RankCase(tp_cases.refused, (what,)) for what in REFUSED})
         cases.update({mode: RankCase(tp_cases.train_2d, (2, "sgd", {}, {"compression": mode})) for mode in COMPRESSED})
@@ -65,6 +70,13 @@ def _cases(world: int) -> dict[str, RankCase]:
 
 LAUNCHES = {4: CaseLaunch(_cases(4), 4, timeout=300)}
 LAUNCHES[2] = CaseLaunch(_cases(2), 2, timeout=300, after=[LAUNCHES[4]])
+COMPILED_LAUNCH = CaseLaunch({COMPILED[0]: _training(*COMPILED[1:])}, 4, timeout=300)
+
+
+def _training_runs() -> list:
+    runs = [pytest.param(LAUNCHES[world], run, id=f"dp{run[1]}-tp{world // run[1]}-{run[0]}")
+            for world, world_runs in RUNS.items() for run in world_runs]
+    return runs + [pytest.param(COMPILED_LAUNCH, COMPILED, id="dp2-tp2-compiled", marks=pytest.mark.slow)]
 
 
 def _assert_state_equal(results: list[dict], expected: dict[str, torch.Tensor], tol: dict) -> None:
@@ -75,13 +87,11 @@ def _assert_state_equal(results: list[dict], expected: dict[str, torch.Tensor], 
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world,run", [(world, index) for world, runs in RUNS.items() for index in range(len(runs))],
-                         ids=[f"dp{dp}-tp{world // dp}-{name}" for world, runs in RUNS.items()
-                              for name, dp, _, _ in runs])
-def test_2d_training_equals_one_process(world: int, run: int) -> None:
-    name, _, optimizer, how = RUNS[world][run]
+@pytest.mark.parametrize("launch,run", _training_runs())
+def test_2d_training_equals_one_process(launch: CaseLaunch, run: tuple) -> None:
+    name, _, optimizer, how = run
     ref = tp_cases.reference(optimizer, how)
-    results = [outcome.result() for outcome in LAUNCHES[world][name]]
+    results = [outcome.result() for outcome in launch[name]]
     tol = BF16_TOL if "mixed_precision" in how.get("wrap", {}) else TOL
     for result in results:
         if "compile" in how.get("wrap", {}):
