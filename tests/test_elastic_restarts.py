@@ -128,5 +128,6 @@ def test_a_removed_node_that_comes_back_grows_the_job_to_two_nodes_again(tmp_pat
 def test_a_world_size_that_cannot_split_the_global_batch_is_refused():
     assert list(shards_of_rank(4, 1, 2)) == [2, 3]
     assert list(shards_of_rank(2, 0, 1)) == [0, 1]
-    with pytest.raises(JobError, match="3 ranks cannot split it evenly: use a world size that divides 2"):
+    with pytest.raises(JobError, match=r"3 ranks cannot split it evenly: use a world size \(under --pp: world / "
+                                       r"--pp\) that divides 2"):
         shards_of_rank(2, 0, 3)

@@ -130,10 +130,19 @@ def _traced(directory: str) -> dict:
         return {"names": names, "png": f.read(8)}
 
 
+# The runs from the job without stages to stages and back: six steps.
+SIX = ["--steps", "6", "--schedule-steps", "6"]
+
+
 def _resumed_runs(directory: str) -> dict:
     """ACCEPTED[0]'s run cut at step 2 and resumed from its checkpoint: at the same layout, at
-    four stages (two per rank, InterleavedZeroBubble), and refused at another count of
-    data-parallel ranks and for another model."""
+    four stages (two per rank, InterleavedZeroBubble), at one data-parallel rank (--pp 4: both
+    batch shards of the step on each rank), and refused without stages over four ranks (two
+    shards cannot split) and for another model. And the job without stages over four ranks (a
+    checkpoint every step), resumed from its step 1 with stages to step 3 (--pp 2, two shards per data-parallel rank; also
+    under DualPipeV, where rank 0 holds the tied head's copy too), whose checkpoint the job
+    without stages resumes to step 6; against that job uninterrupted. Each resumed part runs
+    two steps or more, so that the optimizer state it loaded moves a loss it reports."""
     import shutil
 
     import torch.distributed as dist
@@ -141,18 +150,31 @@ def _resumed_runs(directory: str) -> dict:
     def run(path: str, *flags: str):
         return _losses_per_step([*FEW, "--pp", "2", "--schedule-steps", "4", "--checkpoint-dir", path, *flags])
 
-    same, other = os.path.join(directory, "same"), os.path.join(directory, "other")
-    out = {"first half": run(same, "--steps", "2")}
+    def without_stages(path: str, *flags: str):
+        return _losses_per_step([*FEW, "--eager-init", *SIX, "--checkpoint-dir", path, *flags])
+
+    path = {name: os.path.join(directory, name)
+            for name in ("same", "other", "one dp", "no stages", "dp uninterrupted", "dp", "dp V")}
+    out = {"first half": run(path["same"], "--steps", "2"),
+           "dp uninterrupted": without_stages(path["dp uninterrupted"], "--checkpoint-every", "1")}
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.copytree(same, other)
+        for copy in ("other", "one dp", "no stages"):
+            shutil.copytree(path["same"], path[copy])
+        for copy in ("dp", "dp V"):
+            shutil.copytree(os.path.join(path["dp uninterrupted"], "step-00000001"),
+                            os.path.join(path[copy], "step-00000001"))
     dist.barrier()
-    out["resumed"] = run(same)
-    out["relaid"] = run(other, "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4")
-    out["other dp"] = _losses_per_step([*FEW, "--pp", "4", "--microbatches", "4", "--checkpoint-dir", same])
-    out["other model"] = run(same, "--hidden", "48")
-    out["fewer layers"] = run(same, "--layers", "2")
-    out["saved"] = sorted(os.listdir(same))
+    out["resumed"] = run(path["same"])
+    out["relaid"] = run(path["other"], "--pp-schedule", "InterleavedZeroBubble", "--microbatches", "4")
+    out["one dp"] = _losses_per_step([*FEW, "--pp", "4", "--microbatches", "4", "--checkpoint-dir", path["one dp"]])
+    out["no stages"] = without_stages(path["no stages"])
+    out["other model"] = run(path["same"], "--hidden", "48")
+    out["fewer layers"] = run(path["same"], "--layers", "2")
+    out["saved"] = sorted(os.listdir(path["same"]))
+    out["dp to stages"] = run(path["dp"], *SIX, "--steps", "3")
+    out["dp to V"] = run(path["dp V"], *SIX, "--steps", "3", "--pp-schedule", "DualPipeV", "--microbatches", "4")
+    out["stages to dp"] = without_stages(path["dp"])
     return out
 
 
@@ -252,7 +274,8 @@ def test_each_accepted_combination_trains_on_every_rank(launches) -> None:
 @pytest.mark.timeout(600)
 def test_a_pipeline_run_resumes_from_its_checkpoint_at_the_same_or_another_layout(launches) -> None:
     """Two steps, a checkpoint, two more: at the same layout the losses are the uninterrupted
-    run's bit for bit; at four stages cut otherwise, within the stage layouts' rounding."""
+    run's bit for bit; at four stages cut otherwise and at one data-parallel rank, within the
+    stage layouts' rounding."""
     results = [outcome.result() for outcome in launches[4]["pipeline"]]
     for out in results:
         uninterrupted, _ = out["accepted"][0]
@@ -262,13 +285,30 @@ def test_a_pipeline_run_resumes_from_its_checkpoint_at_the_same_or_another_layou
         assert first == uninterrupted[:2] and resumed == uninterrupted[2:], (first, resumed, uninterrupted)
         torch.testing.assert_close(torch.tensor(relaid), torch.tensor(uninterrupted[2:]), rtol=1e-4, atol=1e-5)
         assert out["saved"] == ["step-00000002", "step-00000004"], out["saved"]
-        assert out["other dp"].startswith("JobError: --checkpoint-dir ") and \
-            "was saved with 2 data-parallel ranks and this run has 1 (world / --pp)" in out["other dp"], out["other dp"]
+        torch.testing.assert_close(torch.tensor(out["one dp"][0]), torch.tensor(uninterrupted[2:]), rtol=1e-4,
+                                   atol=1e-5)
+        assert out["no stages"].startswith("JobError: the run's global batch is 2 shards") and \
+            "4 ranks cannot split it evenly" in out["no stages"], out["no stages"]
         assert out["other model"].startswith("JobError: --checkpoint-dir ") and "shape" in out["other model"], \
             out["other model"]
         assert out["fewer layers"].startswith("JobError: --checkpoint-dir ") and \
             "'model.blocks.2." in out["fewer layers"] and "which no rank has" in out["fewer layers"], \
             out["fewer layers"]
+
+
+@pytest.mark.timeout(600)
+def test_a_run_resumes_with_stages_from_the_job_without_them_and_back(launches) -> None:
+    """The job without stages over four ranks resumed from its step 1: steps 2 and 3 with
+    stages (two layouts), and steps 4 to 6 without stages again from the stages' checkpoint,
+    each within the stage layouts' rounding of the job uninterrupted."""
+    for outcome in launches[4]["pipeline"]:
+        out = outcome.result()
+        reference, reference_val = out["dp uninterrupted"]
+        assert len(reference) == 6, reference
+        for name, steps in (("dp to stages", slice(1, 3)), ("dp to V", slice(1, 3)), ("stages to dp", slice(3, 6))):
+            torch.testing.assert_close(torch.tensor(out[name][0]), torch.tensor(reference[steps]), rtol=1e-4,
+                                       atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
+        assert math.isclose(out["stages to dp"][1], reference_val, rel_tol=1e-4)
 
 
 @pytest.mark.timeout(600)

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from overlap.sharded_module import ShardedModule
 
 __all__ = ["CheckpointMismatch", "CorruptCheckpoint", "IncompleteCheckpoint", "PendingSave", "UnsafeCheckpoint",
-           "async_save", "async_save_items", "latest_checkpoint", "load", "load_items", "load_pretrained", "save"]
+           "async_save", "async_save_items", "latest_checkpoint", "load", "load_items", "load_pretrained", "save",
+           "saved_keys"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -346,11 +347,17 @@ def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
     return _extras(items)
 
 
+def saved_keys(path: str | os.PathLike) -> list[str]:
+    """The keys of the complete checkpoint at `path` (IncompleteCheckpoint if there is none)."""
+    return list(_complete_metadata(os.fspath(path)).state_dict_metadata)
+
+
 def load_items(path: str | os.PathLike, items: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
-    """Load what `async_save_items` wrote into `items` in place; returns the `extra` values
-    saved with it. Every rank's keys must be in the checkpoint at their shapes, and every key
-    of the checkpoint some rank's: else CheckpointMismatch names the first that is not, on
-    every rank. Called on every rank of the world."""
+    """Load what `async_save_items` wrote into `items` in place (tensors copied into, other
+    values replaced); returns the `extra` values saved with it. Every rank's keys must be in
+    the checkpoint at their shapes, and every key of the checkpoint some rank's: else
+    CheckpointMismatch names the first that is not, on every rank. Called on every rank of the
+    world."""
     path = os.fspath(path)
     metadata = _complete_metadata(path)
     saved = metadata.state_dict_metadata
@@ -361,6 +368,7 @@ def load_items(path: str | os.PathLike, items: dict[str, Any], *, verify: bool =
         futures.wait([previous.future])
     targets = {**items, **_extra_targets(metadata)}
     _read(targets, path, metadata, group, verify)
+    items.update((key, targets[key]) for key in items)
     return _extras(targets)
 
 

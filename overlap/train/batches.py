@@ -43,7 +43,7 @@ def shards_of_rank(shards: int, rank: int, world: int) -> range:
     """The batch shards rank `rank` of `world` takes each step (see [Note: batch shards])."""
     if shards % world:
         raise JobError(f"the run's global batch is {shards} shards of --batch sequences (its first start had "
-                       f"{shards} ranks); {world} ranks cannot split it evenly: use a world size that divides "
-                       f"{shards}")
+                       f"{shards} data-parallel ranks); {world} ranks cannot split it evenly: use a world size "
+                       f"(under --pp: world / --pp) that divides {shards}")
     per_rank = shards // world
     return range(rank * per_rank, (rank + 1) * per_rank)

@@ -134,12 +134,18 @@ def stage_owner(schedule: str, pp: int, index: int) -> int:
     return next(rank for rank in range(pp) if index in stage_indices(schedule, pp, rank))
 
 
+def copy_rows(full: torch.Tensor, target: DTensor) -> None:
+    """This rank's part of `full` into `target`, where its placement puts it."""
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    target.to_local().copy_(full[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+
+
 class PipelineSteps:
     """One rank's stages of the pipeline job (one, or two under the interleaved schedules):
     their training step and their validation loss."""
 
     def __init__(self, args: argparse.Namespace, config: GPTConfig, device: torch.device,
-                 batches: ByteBatches, shards: range) -> None:
+                 batches: ByteBatches) -> None:
         from torch.distributed import pipelining
         from torch.distributed.pipelining import PipelineStage
 
@@ -152,6 +158,10 @@ class PipelineSteps:
         # build) and keeps its stages.
         torch.manual_seed(args.seed)
         gpt = _whole(config)
+        # The whole model's optimizer groups by parameter name, as a checkpoint lists them.
+        names = {id(param): name for name, param in gpt.named_parameters()}
+        self.group_names = [[names[id(param)] for param in group["params"]]
+                            for group in gpt.optimizer_groups(gpt.named_parameters(), 0.0)]
         policy = dict(mesh=mesh["dp"], offload_policy=CPUOffloadPolicy() if args.offload == "cpu" else OffloadPolicy(),
                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16"
                       else MixedPrecisionPolicy())
@@ -194,10 +204,10 @@ class PipelineSteps:
         self.tied = [module.wte.weight if module.first else module.lm_head.weight
                      for module in self.modules if module.first or module.last]
         self.indices, self.count = indices, count
-        # One shard of the global batch per data-parallel rank: a run resumed at another world
-        # size (several shards per rank) needs --checkpoint-dir, which --pp refuses.
-        (self.shard,) = shards
         self.args, self.batches = args, batches
+        # This rank's batch shards ([Note: batch shards]), set once a resume has said how many
+        # the run's global batch holds.
+        self.shards = range(0)
 
     @property
     def monitor(self) -> OverlapMonitor:
@@ -208,12 +218,12 @@ class PipelineSteps:
                                     weight_decay)
 
     def train(self, optimizer: torch.optim.Optimizer, step: int, clip_norm: float) -> Optional[float]:
-        """One optimizer step over this rank's shard of the global batch (--batch sequences in
-        --microbatches): this rank's mean loss on the last stage, else None."""
+        """One optimizer step over this rank's shards of the global batch (--batch sequences
+        each, all in --microbatches): this rank's mean loss on the last stage, else None."""
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, self.args)
         losses: list[torch.Tensor] = []
-        inputs, targets = self.batches.get("train", self.args.batch, step, self.shard)
+        inputs, targets = self._batch("train", step)
         self.schedule.step(*((inputs,) if self.first else ()),
                            **({"target": targets, "losses": losses} if self.last else {}))
         router = self._router_loss()
@@ -222,6 +232,12 @@ class PipelineSteps:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(torch.stack(losses).detach().mean()) + router if self.last else None
+
+    def _batch(self, split: str, draw: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shards of the batch, one after another: the mean loss over them is the
+        mean of the shards' means, which the job without stages accumulates shard by shard."""
+        pairs = [self.batches.get(split, self.args.batch, draw, shard) for shard in self.shards]
+        return torch.cat([inputs for inputs, _ in pairs]), torch.cat([targets for _, targets in pairs])
 
     def _router_loss(self, forwards: Optional[int] = None) -> float:
         """The routers' weighted loss of the last `forwards` of each stage (the schedule's
@@ -249,8 +265,7 @@ class PipelineSteps:
         # The two copies' rows split alike only if their stages' flat layouts do: each takes
         # its own rows of the sum, where its placement puts them.
         for grad in grads:
-            shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
-            grad.to_local().copy_(total[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+            copy_rows(total, grad)
 
     def _clip(self, max_norm: float) -> None:
         """torch's clip over the whole model: each stage's squared norm summed over the stages
@@ -289,7 +304,7 @@ class PipelineSteps:
             module.eval()
         losses: list[float] = []
         for draw in range(draws):
-            inputs, targets = self.batches.get("val", self.args.batch, draw, self.shard)
+            inputs, targets = self._batch("val", draw)
             loss = self._through_stages(inputs, targets)
             router = self._router_loss(forwards=1)
             if loss is not None:

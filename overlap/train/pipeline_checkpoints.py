@@ -1,50 +1,108 @@
-"""`overlap train --pp N --checkpoint-dir`: each rank's stages and their AdamW state saved
-under the whole model's names (a stage's modules keep them: overlap.train.pipeline), every
-rank its own parts, so a run resumes at another pipeline layout (--pp, --pp-schedule) over
-the same data-parallel ranks. The files are overlap.checkpoint's: published whole or not at
-all, each item checksummed."""
+"""`overlap train --pp N --checkpoint-dir`: each rank's stages and their AdamW state, saved in
+the whole model's terms, so the files are those `overlap.checkpoint.save` writes for the job
+without stages (overlap.checkpoint.state). A run resumes at another pipeline layout (--pp,
+--pp-schedule), at another count of data-parallel ranks, or without --pp; a run without
+stages resumes with it. In those terms:
+- keys are the whole model's names (a stage's modules keep them: overlap.train.pipeline);
+- the last stage's copy of the tied head is the model's `lm_head.weight`, and its AdamW state
+  is the embedding's, saved once (the copies take the same steps: [Note: the tied head across
+  stages]), which the last stage loads;
+- the optimizer's groups are the whole model's, each listing its parameters' names.
+Every rank writes its own parts; the files are published whole or not at all, each item
+checksummed."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from overlap import checkpoint
-from overlap.checkpoint.state import MODEL, OPTIM_STATE
+from overlap.checkpoint.state import MODEL, OPTIM_STATE, PARAM_GROUPS, CheckpointMismatch
 from overlap.train.checkpoints import Load, Write
+from overlap.train.pipeline import copy_rows
 
 # AdamW's state of one parameter: its step count and the two moments, shaped like it.
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+_STATE = ("step", "exp_avg", "exp_avg_sq")
+TIED_HEAD, EMBEDDING = "lm_head.weight", "wte.weight"
 
 
-def _items(modules: list[nn.Module], optimizer: torch.optim.Optimizer, fresh: bool) -> dict[str, Any]:
-    """The stages' parameters and buffers, and each parameter's AdamW state (`fresh`: zeros
-    for a load to fill, where no step has made any yet)."""
+def _state_key(name: str, key: str) -> str:
+    return f"{OPTIM_STATE}{EMBEDDING if name == TIED_HEAD else name}.{key}"
+
+
+def _parameters(modules: list[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The stages' parameters, the tied head's copy last (its state is read from the embedding's)."""
+    pairs = [pair for module in modules for pair in module.named_parameters()]
+    return iter(sorted(pairs, key=lambda pair: pair[0] == TIED_HEAD))
+
+
+def _saved_items(modules: list[nn.Module], optimizer: torch.optim.Optimizer,
+                 group_names: list[list[str]]) -> dict[str, Any]:
     items: dict[str, Any] = {}
     for module in modules:
         items.update({MODEL + name: value for name, value in module.state_dict().items()})
-        for name, param in module.named_parameters():
-            state = ({"step": torch.zeros((), dtype=torch.float32),
-                      **{moment: torch.zeros_like(param) for moment in _MOMENTS}}
-                     if fresh else optimizer.state.get(param, {}))
-            items.update({f"{OPTIM_STATE}{name}.{key}": value for key, value in state.items()})
+    for name, param in _parameters(modules):
+        if name != TIED_HEAD:
+            items.update({_state_key(name, key): value for key, value in optimizer.state.get(param, {}).items()})
+    for number, (group, names) in enumerate(zip(optimizer.param_groups, group_names)):
+        items.update({f"{PARAM_GROUPS}{number}.{setting}": names if setting == "params" else value
+                      for setting, value in group.items()})
     return items
 
 
-def stage_checkpoints(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> tuple[Load, Write]:
-    """How this rank's stages and their optimizer are loaded and saved (called on every rank)."""
+def _apply_groups(path: str, loaded: dict[str, Any], optimizer: torch.optim.Optimizer,
+                  group_names: list[list[str]]) -> None:
+    """The saved groups' settings into the optimizer's, once each group's names are checked
+    against the whole model's (as a load without stages checks them)."""
+    saved: dict[int, dict[str, Any]] = {}
+    for key, value in loaded.items():
+        number, setting = key[len(PARAM_GROUPS):].split(".", 1)
+        saved.setdefault(int(number), {})[setting] = value
+    if len(saved) != len(group_names):
+        raise CheckpointMismatch(f"checkpoint {path} has {len(saved)} optimizer parameter groups, "
+                                 f"the optimizer has {len(group_names)}")
+    for number, names in enumerate(group_names):
+        if saved.get(number, {}).get("params") != names:
+            raise CheckpointMismatch(f"checkpoint {path}: optimizer group {number} lists other parameters "
+                                     "than this model's")
+        optimizer.param_groups[number].update({k: v for k, v in saved[number].items() if k != "params"})
+
+
+def stage_checkpoints(modules: list[nn.Module], optimizer: torch.optim.Optimizer,
+                      group_names: list[list[str]]) -> tuple[Load, Write]:
+    """How this rank's stages and their optimizer are loaded and saved (called on every rank).
+    `group_names`: the parameter names of the whole model's optimizer groups."""
 
     def load(path: str) -> dict:
-        items = _items(modules, optimizer, fresh=True)
-        extra = checkpoint.load_items(path, items)
+        targets = {MODEL + name: value for module in modules for name, value in module.state_dict().items()}
+        # Under the V-shaped schedules one rank holds the embedding and the tied head's copy:
+        # the copy takes the embedding's loaded state, row by row in its own layout.
+        copies: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        states = {}
+        for name, param in _parameters(modules):
+            state = {"step": torch.zeros((), dtype=torch.float32),
+                     **{moment: torch.zeros_like(param) for moment in _STATE[1:]}}
+            states[param] = state
+            if name == TIED_HEAD and _state_key(name, "step") in targets:
+                copies.append((state, {key: targets[_state_key(name, key)] for key in _STATE}))
+            else:
+                targets.update({_state_key(name, key): value for key, value in state.items()})
+        groups = {key: None for key in checkpoint.saved_keys(path) if key.startswith(PARAM_GROUPS)}
+        targets.update(groups)
+        extra = checkpoint.load_items(path, targets)
+        for state, source in copies:
+            state["step"].copy_(source["step"])
+            for moment in _STATE[1:]:
+                copy_rows(source[moment].full_tensor(), state[moment])
+        _apply_groups(path, {key: targets[key] for key in groups}, optimizer, group_names)
         for module in modules:
-            module.load_state_dict({name: items[MODEL + name] for name in module.state_dict()})
-            for name, param in module.named_parameters():
-                optimizer.state[param] = {key: items[f"{OPTIM_STATE}{name}.{key}"] for key in ("step", *_MOMENTS)}
+            module.load_state_dict({name: targets[MODEL + name] for name in module.state_dict()})
+        for param, state in states.items():
+            optimizer.state[param] = state
         return extra
 
     def write(path: str, extra: dict) -> checkpoint.PendingSave:
-        return checkpoint.async_save_items(path, _items(modules, optimizer, fresh=False), extra)
+        return checkpoint.async_save_items(path, _saved_items(modules, optimizer, group_names), extra)
 
     return load, write

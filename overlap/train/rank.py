@@ -91,17 +91,13 @@ def _train_pipeline(args: argparse.Namespace, device: torch.device, name: str, t
 
     data_parallel = dist.get_world_size() // args.pp
     config = model_config(args)
-    # One batch shard per data-parallel rank: a resumed run must have as many.
-    steps = PipelineSteps(args, config, device, batches,
-                          shards_of_rank(data_parallel, dist.get_rank() % data_parallel, data_parallel))
+    steps = PipelineSteps(args, config, device, batches)
     runtime = steps.runtime
     optimizer = torch.optim.AdamW(steps.parameter_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
-    load, write = stage_checkpoints(steps.modules, optimizer)
+    load, write = stage_checkpoints(steps.modules, optimizer, steps.group_names)
     progress = resume(args, load, name, data_parallel)
-    if progress.shards != data_parallel:
-        raise JobError(f"--checkpoint-dir {args.checkpoint_dir}: {progress.resumed_from} was saved with "
-                       f"{progress.shards} data-parallel ranks and this run has {data_parallel} (world / --pp); "
-                       "with --pp a run resumes over as many (--pp and --pp-schedule may change)")
+    # The mesh is (pp, dp): rank r is data-parallel rank r % dp of its stage.
+    steps.shards = shards_of_rank(progress.shards, dist.get_rank() % data_parallel, data_parallel)
     if dist.get_rank() == 0:
         print(_header(args, runtime, config, name, text, device, progress), flush=True)
     if progress.step == args.steps:
@@ -182,7 +178,7 @@ def build_optimizer(model: ShardedModule, args: argparse.Namespace) -> torch.opt
 def _header(args: argparse.Namespace, model: ShardedModule, config: GPTConfig,
             name: str, text: bytes, device: torch.device, progress: Progress) -> str:
     world = dist.get_world_size()
-    per_rank = progress.shards // world
+    per_rank = progress.shards // (world // args.pp if args.pp is not None else world)
     moe = f", {args.experts} experts top-{args.top_k}" + \
         (f" split over {args.expert_parallel} ranks" if args.expert_parallel else "") + \
         (f", capacity {args.capacity_factor:g}" if args.capacity_factor else "") if args.moe else ""
