@@ -230,10 +230,9 @@ def _resharding(reshard_after_forward: Union[bool, int], mesh: Optional[DeviceMe
                          "forward)")
     if reshard_after_forward in (1, size):
         return reshard_after_forward == size
-    if mesh is not None and (mesh.ndim != 1 or mesh.mesh.flatten().tolist() != list(range(world))):
-        raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward} on a mesh of another "
-                                  "shape than every rank in order (a 2-D or a sub-mesh) is not supported; pass True "
-                                  "or False there")
+    if mesh is not None and mesh.ndim != 1:
+        raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward} on a 2-D mesh "
+                                  "(replicas of shards) is not supported; pass True or False there")
     return reshard_after_forward
 
 
@@ -290,7 +289,7 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
         raise ValueError(f"fully_shard: reshard_after_forward={copies[0]} and {copies[1]} on one model: the copy kept "
                          "after forward has one group size per model")
     return StartupRequest(
-        mesh=None if copies else marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy),
+        mesh=marked.mesh, mixed_precision=mixed_precision_of(marked.mp_policy),
         unit_mixed_precision=_unit_policies(root),
         cast_forward_inputs=marked.mp_policy.cast_forward_inputs, unit_modules=_unit_groups(members),
         unit_merge_key=_bucket_key,

@@ -65,10 +65,11 @@ def materialise(model: nn.Module, seed: int) -> None:
 
 
 def steps(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, last: int, rank: int, world: int,
-          unshard_first: bool = False, keep: bool = False) -> list[float]:
-    """Adam steps with torch's clip, as the example trains; each loss averaged over the ranks.
-    `keep`: each rank's batch in two microbatches under FSDP2's accumulation pattern, the units
-    kept gathered between them (`set_reshard_after_backward(False)`) and no sync until the last."""
+          unshard_first: bool = False, keep: bool = False, group: Optional[dist.ProcessGroup] = None) -> list[float]:
+    """Adam steps with torch's clip, as the example trains; each loss averaged over the ranks
+    (rank `rank` of `world` in `group`, by default every rank). `keep`: each rank's batch in two
+    microbatches under FSDP2's accumulation pattern, the units kept gathered between them
+    (`set_reshard_after_backward(False)`) and no sync until the last."""
     losses = []
     batches = BATCHES()
     for step in range(first, last):
@@ -89,15 +90,15 @@ def steps(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, last: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(rank_mean(loss, world))
+        losses.append(rank_mean(loss, world, group))
     return losses
 
 
-def rank_mean(loss: torch.Tensor, world: int) -> float:
-    """`loss` averaged over the ranks (each rank's own, on its rows)."""
+def rank_mean(loss: torch.Tensor, world: int, group: Optional[dist.ProcessGroup] = None) -> float:
+    """`loss` averaged over the `world` ranks of `group` (each rank's own, on its rows)."""
     total = loss.detach().clone()
     if world > 1:
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
     return float(total) / world
 
 
@@ -334,6 +335,8 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     # FSDP2's int: the size of the groups resharded to after forward; at 4 ranks, 2 is hpZ
     # over pairs of ranks, and at 2 ranks, 1 keeps every unit whole.
     "hpz-int-2": {"reshard_after_forward": 2, "world": 4},
+    # The same on a 1-D mesh of every rank: the groups of two made from the mesh's ranks.
+    "hpz-int-2-1d-mesh": {"reshard_after_forward": 2, "world": 4, "mesh": ("dp",)},
     "reshard-int-1": {"reshard_after_forward": 1},
     "int8-compression": {"env": {"OVERLAP_COMPRESS": "int8"}},
     "compiled": {"env": {"OVERLAP_COMPILE": "1"}},
@@ -364,6 +367,31 @@ def combination(rank: int, world: int, name: str, keep: bool = False) -> dict[st
                 "sharding": runtime.sharding.describe(),
                 "kept-whole": [not unit.reshard_after_forward for unit in runtime.scheduler.units]}
     return {"overlap": losses, "one-process": one_process(0, 2), "decided": decided, "settings": settings}
+
+
+def copies_on_a_sub_mesh(rank: int, world: int) -> dict[str, Any]:
+    """An int `reshard_after_forward` on a sub-mesh, as a pipeline stage's data-parallel ranks
+    are given one: a (pp 2, dp world/2) mesh, each row sharding a copy of the model over its "dp"
+    ranks with hpZ over pairs of them; each row's losses on the global batch, and one
+    process's. (FSDP2 in torch 2.13 hangs in this script: each row makes its post-forward mesh
+    by a collective over every rank, which the other row never joins.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from overlap import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    model = shard_blocks_then_root(meta_gpt(), fully_shard, mesh=mesh["dp"], reshard_after_forward=2)
+    materialise(model, seed=0)
+    losses = steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, mesh.get_local_rank("dp"),
+                   mesh["dp"].size(), group=mesh["dp"].get_group())
+    replicas = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    try:
+        fully_shard(nn.Linear(4, 4), mesh=replicas, reshard_after_forward=2)
+        refused = "accepted"
+    except NotImplementedError as error:
+        refused = str(error)
+    return {"overlap": losses, "one-process": one_process(0, 2), "sharding": model.overlap_runtime.sharding.describe(),
+            "2-D": refused}
 
 
 def policy_refusals(rank: int, world: int) -> dict[str, str]:
@@ -644,7 +672,8 @@ def _shard_kwargs(how: dict[str, Any], world: int) -> dict[str, Any]:
     if how.get("mp_policy") == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if "mesh" in how:
-        kwargs["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=how["mesh"])
+        shape = (world,) if len(how["mesh"]) == 1 else (world, 1)
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=how["mesh"])
     if "reshard_after_forward" in how:
         kwargs["reshard_after_forward"] = how["reshard_after_forward"]
     return kwargs

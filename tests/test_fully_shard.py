@@ -152,7 +152,7 @@ def test_every_mode_reached_through_fully_shard_trains_like_one_process(request,
             assert settings["prefetch_depth"] == policy["prefetch_depth"], settings
         if "bucket_mb" in policy:              # smaller than a block: one unit per block
             assert settings["units"] == settings["blocks"], settings
-        if name == "hpz-int-2":
+        if name.startswith("hpz-int-2"):
             assert settings["sharding"].startswith("hpZ") and "gathers over 2 ranks" in settings["sharding"], settings
         if name == "reshard-int-1":
             assert settings["sharding"].startswith("full") and all(settings["kept-whole"]), settings
@@ -269,6 +269,19 @@ def test_an_embeddings_unit_is_gathered_once_a_step_unless_asked_otherwise(launc
         assert result["overlap not asked"]["gathers"]["embed"] == 1, result["overlap not asked"]["gathers"]
         assert any(line.startswith("not gathered again for backward") and line.endswith(": embed")
                    for line in result["overlap not asked"]["decided"]), result["overlap not asked"]["decided"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow          # eight ranks: in `make test-all`
+def test_an_int_reshard_after_forward_on_a_sub_mesh_trains_each_row_like_one_process() -> None:
+    """(pp 2, dp 4): each row's hpZ over pairs of its four ranks, as a pipeline stage's
+    data-parallel ranks are given it; an int on a 2-D mesh is refused at the call."""
+    from distributed import run_distributed
+
+    for result in run_distributed(cases.copies_on_a_sub_mesh, 8, timeout=500):
+        _close(result["overlap"], result["one-process"], FP32)
+        assert result["sharding"] == "hpZ: full sharding over 4 ranks, backward gathers over 2 ranks per node", result
+        assert "reshard_after_forward=2 on a 2-D mesh (replicas of shards) is not supported" in result["2-D"], result
 
 
 @pytest.mark.timeout(900)

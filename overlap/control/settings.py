@@ -168,7 +168,7 @@ def resolve_settings(request: StartupRequest) -> RankSettings:
             offload=None if request.offload is None else validate_offload(request.offload))
         local_world_size = local_world_size_from_env()
         error = (sharding_error(request.process_group, request.mesh, config.sharding,
-                                request.node_copy_ranks or local_world_size)
+                                request.node_copy_ranks or local_world_size, request.node_copy_ranks)
                  or offload_error(config.offload)
                  or disk_offload_error(config, request.mixed_precision, device)
                  or expert_parallel_error(request.expert_parallel, config, request))

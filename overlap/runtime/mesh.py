@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from overlap.runtime.process_group import level_group_counts
+
 
 @dataclass(frozen=True)
 class ShardingGroups:
@@ -51,6 +53,18 @@ def connect(group: dist.ProcessGroup, device_type: str) -> None:
     dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
+def hpz_within(shard: dist.ProcessGroup, copy_ranks: int, device_type: str) -> ShardingGroups:
+    """hpZ inside `shard` (a mesh's ranks): backward's copy over groups of `copy_ranks`
+    consecutive ranks of it. Collective over `shard`; only its ranks make the groups, each
+    its own (see [Note: groups made by some ranks only])."""
+    ranks = dist.get_process_group_ranks(shard)
+    level_group_counts(shard)
+    start = ranks.index(dist.get_rank()) // copy_ranks * copy_ranks
+    node = dist.new_group(ranks[start:start + copy_ranks], use_local_synchronization=True)
+    connect(node, device_type)
+    return ShardingGroups(shard, None, node)
+
+
 def _from_mesh(mesh: DeviceMesh) -> ShardingGroups:
     if mesh.ndim == 1:
         return ShardingGroups(mesh.get_group(0), None)
@@ -61,9 +75,10 @@ def _from_mesh(mesh: DeviceMesh) -> ShardingGroups:
 
 
 def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], sharding: str,
-                   local_world_size: Optional[int]) -> Optional[str]:
+                   local_world_size: Optional[int], copy_ranks: Optional[int] = None) -> Optional[str]:
     """What is wrong with these arguments, checked without communicating (so that every rank
-    can report it before any collective), or None."""
+    can report it before any collective), or None. `copy_ranks`: hpZ's copy over groups of
+    this many ranks of the mesh (fully_shard's int `reshard_after_forward`)."""
     if mesh is not None:
         if process_group is not None:
             return "pass either process_group or mesh, not both"
@@ -74,8 +89,10 @@ def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[De
         names = mesh.mesh_dim_names
         if mesh.ndim == 2 and names is not None and tuple(names) != ("replicate", "shard"):
             return f"mesh dimensions {names}: name them ('replicate', 'shard'), the order FSDP2 uses"
-        if sharding == "hpz":
+        if sharding == "hpz" and copy_ranks is None:
             return "sharding='hpz' builds its node groups from LOCAL_WORLD_SIZE; pass no mesh"
+        if sharding == "hpz" and (mesh.ndim != 1 or mesh.size() % copy_ranks):
+            return f"hpZ's copy over groups of {copy_ranks} ranks needs a 1-D mesh of a multiple of that many ranks"
         return None
     if sharding == "full" or (sharding == "auto" and (process_group is not None or local_world_size is None)):
         return None                             # auto: full sharding over the group, or over one node
@@ -94,7 +111,8 @@ def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[
     """The groups for `ShardedModule`'s arguments (a mesh beats `sharding`), once
     `sharding_error` has found nothing wrong. Building a mesh is collective."""
     if mesh is not None:
-        return _from_mesh(mesh)
+        # hpZ on a mesh: `local_world_size` is the copy's group size (fully_shard's int).
+        return hpz_within(mesh.get_group(0), local_world_size, device_type) if sharding == "hpz" else _from_mesh(mesh)
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size()
     if sharding in ("full", "auto") or local_world_size is None or world == local_world_size:
