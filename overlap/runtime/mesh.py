@@ -1,6 +1,7 @@
 """Which ranks share the shards and which hold replicas: full sharding over one process
 group, hybrid sharding over a 2-D device mesh (replicate across nodes, shard inside each), or
-hpZ (shard over every rank, keep a node-local copy for backward; see overlap.runtime.node_copy).
+hpZ (shard over every rank, or a 1-D mesh's, and keep a copy over a node's ranks, or over
+consecutive ranks of the mesh, for backward; see overlap.runtime.node_copy).
 
 With hybrid sharding the frequent all-gathers and reduce-scatters stay on the fast link
 inside a node, and only one all-reduce of each rank's gradient shard crosses the slow link
@@ -108,8 +109,9 @@ def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[De
 
 def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], sharding: str,
                      local_world_size: Optional[int], device_type: str) -> ShardingGroups:
-    """The groups for `ShardedModule`'s arguments (a mesh beats `sharding`), once
-    `sharding_error` has found nothing wrong. Building a mesh is collective."""
+    """The groups for `ShardedModule`'s arguments (a mesh beats `sharding`, but for hpZ over
+    its ranks, which only `fully_shard`'s int asks for), once `sharding_error` has found nothing
+    wrong. Building a mesh is collective."""
     if mesh is not None:
         # hpZ on a mesh: `local_world_size` is the copy's group size (fully_shard's int).
         return hpz_within(mesh.get_group(0), local_world_size, device_type) if sharding == "hpz" else _from_mesh(mesh)
