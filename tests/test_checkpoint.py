@@ -329,3 +329,19 @@ def launches(checkpoint_dir: str) -> dict:
         4: CaseLaunch({**resumes(4), "subgroup": RankCase(_save_and_load_on_a_subgroup, (path("subgroup"),))},
                       world_size=4, timeout=600, after=[saves]),
     }
+
+
+def test_saved_optimizer_groups_are_checked_against_the_optimizers_by_name():
+    from overlap.checkpoint.state import CheckpointMismatch, saved_groups
+
+    loaded = {"optimizer.param_groups.0.params": ["a.weight", "b.weight"], "optimizer.param_groups.0.lr": 0.1,
+              "optimizer.param_groups.1.params": ["a.bias"], "optimizer.param_groups.1.lr": 0.2,
+              "model.a.weight": None}
+    assert saved_groups("ckpt", loaded, [["a.weight", "b.weight"], ["a.bias"]]) == [
+        {"params": ["a.weight", "b.weight"], "lr": 0.1}, {"params": ["a.bias"], "lr": 0.2}]
+    with pytest.raises(CheckpointMismatch, match="checkpoint ckpt has 2 optimizer parameter groups, the optimizer "
+                                                 "has 1"):
+        saved_groups("ckpt", loaded, [["a.weight", "b.weight", "a.bias"]])
+    with pytest.raises(CheckpointMismatch, match="optimizer group 0 differs: 'b.weight' in the checkpoint where the "
+                                                 "optimizer has 'c.weight'"):
+        saved_groups("ckpt", loaded, [["a.weight", "c.weight"], ["a.bias"]])

@@ -151,30 +151,37 @@ def _part_target(param: torch.Tensor, state_name: str, dtype: torch.dtype) -> to
     return torch.zeros(param.shape, dtype=dtype, device=param.device)
 
 
-def load_optimizer(path: str, loaded: Mapping[str, Any], parts: Mapping[str, torch.Tensor],
-                   model: "ShardedModule", optimizer: torch.optim.Optimizer) -> None:
-    """Hand the loaded items to `optimizer.load_state_dict` in its own index-keyed format."""
-    params = dict(model.named_parameters())
+def saved_groups(path: str, loaded: Mapping[str, Any], group_names: list[list[str]]) -> list[dict[str, Any]]:
+    """The optimizer groups among loaded items, each a dict of its settings and `params` (its
+    parameters' names), once checked against `group_names`, the names of the optimizer's
+    groups: CheckpointMismatch names the first difference."""
     count = max((int(key[len(PARAM_GROUPS):].split(".", 1)[0]) + 1 for key in loaded if key.startswith(PARAM_GROUPS)),
                 default=0)
-    saved_groups: list[dict[str, Any]] = [{} for _ in range(count)]
+    groups: list[dict[str, Any]] = [{} for _ in range(count)]
     for key, value in loaded.items():
         if key.startswith(PARAM_GROUPS):
             number, setting = key[len(PARAM_GROUPS):].split(".", 1)
-            saved_groups[int(number)][setting] = value
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise CheckpointMismatch(f"checkpoint {path} has {len(saved_groups)} optimizer parameter groups, "
-                                 f"the optimizer has {len(optimizer.param_groups)}")
-    names = {id(param): name for name, param in params.items()}
-    index_of: dict[str, int] = {}
-    groups = []
-    for number, (saved, current) in enumerate(zip(saved_groups, optimizer.param_groups)):
-        current_names = [names[id(p)] for p in current["params"]]
-        if saved["params"] != current_names:
-            differ = next((a, b) for a, b in zip(saved["params"] + [None], current_names + [None]) if a != b)
+            groups[int(number)][setting] = value
+    if len(groups) != len(group_names):
+        raise CheckpointMismatch(f"checkpoint {path} has {len(groups)} optimizer parameter groups, "
+                                 f"the optimizer has {len(group_names)}")
+    for number, (saved, names) in enumerate(zip(groups, group_names)):
+        listed = list(saved.get("params", []))
+        if listed != names:
+            differ = next((a, b) for a, b in zip(listed + [None], names + [None]) if a != b)
             raise CheckpointMismatch(f"checkpoint {path}: optimizer group {number} differs: {differ[0]!r} in the "
                                      f"checkpoint where the optimizer has {differ[1]!r}")
-        groups.append({**saved, "params": [index_of.setdefault(n, len(index_of)) for n in current_names]})
+    return groups
+
+
+def load_optimizer(path: str, loaded: Mapping[str, Any], parts: Mapping[str, torch.Tensor],
+                   model: "ShardedModule", optimizer: torch.optim.Optimizer) -> None:
+    """Hand the loaded items to `optimizer.load_state_dict` in its own index-keyed format."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    index_of: dict[str, int] = {}
+    groups = [{**saved, "params": [index_of.setdefault(n, len(index_of)) for n in current]}
+              for saved, current in zip(saved_groups(path, loaded, group_names), group_names)]
     state: dict[int, dict[str, Any]] = {}
     for key, value in loaded.items():
         if key.startswith(OPTIM_STATE):

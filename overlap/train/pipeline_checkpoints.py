@@ -12,13 +12,13 @@ Every rank writes its own parts; the files are published whole or not at all, ea
 checksummed."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from overlap import checkpoint
-from overlap.checkpoint.state import MODEL, OPTIM_STATE, PARAM_GROUPS, CheckpointMismatch
+from overlap.checkpoint.state import MODEL, OPTIM_STATE, PARAM_GROUPS, saved_groups
 from overlap.train.checkpoints import Load, Write
 from overlap.train.pipeline import copy_rows
 
@@ -31,10 +31,10 @@ def _state_key(name: str, key: str) -> str:
     return f"{OPTIM_STATE}{EMBEDDING if name == TIED_HEAD else name}.{key}"
 
 
-def _parameters(modules: list[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+def _parameters(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """The stages' parameters, the tied head's copy last (its state is read from the embedding's)."""
     pairs = [pair for module in modules for pair in module.named_parameters()]
-    return iter(sorted(pairs, key=lambda pair: pair[0] == TIED_HEAD))
+    return sorted(pairs, key=lambda pair: pair[0] == TIED_HEAD)
 
 
 def _saved_items(modules: list[nn.Module], optimizer: torch.optim.Optimizer,
@@ -49,24 +49,6 @@ def _saved_items(modules: list[nn.Module], optimizer: torch.optim.Optimizer,
         items.update({f"{PARAM_GROUPS}{number}.{setting}": names if setting == "params" else value
                       for setting, value in group.items()})
     return items
-
-
-def _apply_groups(path: str, loaded: dict[str, Any], optimizer: torch.optim.Optimizer,
-                  group_names: list[list[str]]) -> None:
-    """The saved groups' settings into the optimizer's, once each group's names are checked
-    against the whole model's (as a load without stages checks them)."""
-    saved: dict[int, dict[str, Any]] = {}
-    for key, value in loaded.items():
-        number, setting = key[len(PARAM_GROUPS):].split(".", 1)
-        saved.setdefault(int(number), {})[setting] = value
-    if len(saved) != len(group_names):
-        raise CheckpointMismatch(f"checkpoint {path} has {len(saved)} optimizer parameter groups, "
-                                 f"the optimizer has {len(group_names)}")
-    for number, names in enumerate(group_names):
-        if saved.get(number, {}).get("params") != names:
-            raise CheckpointMismatch(f"checkpoint {path}: optimizer group {number} lists other parameters "
-                                     "than this model's")
-        optimizer.param_groups[number].update({k: v for k, v in saved[number].items() if k != "params"})
 
 
 def stage_checkpoints(modules: list[nn.Module], optimizer: torch.optim.Optimizer,
@@ -95,7 +77,9 @@ def stage_checkpoints(modules: list[nn.Module], optimizer: torch.optim.Optimizer
             state["step"].copy_(source["step"])
             for moment in _STATE[1:]:
                 copy_rows(source[moment].full_tensor(), state[moment])
-        _apply_groups(path, {key: targets[key] for key in groups}, optimizer, group_names)
+        # The saved settings, once each group's names are checked against the whole model's.
+        for group, saved in zip(optimizer.param_groups, saved_groups(path, targets, group_names)):
+            group.update({setting: value for setting, value in saved.items() if setting != "params"})
         for module in modules:
             module.load_state_dict({name: targets[MODEL + name] for name in module.state_dict()})
         for param, state in states.items():
