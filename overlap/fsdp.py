@@ -99,9 +99,11 @@ class _Marked:
 
     def __init__(self, mesh: Optional[DeviceMesh], reshard_after_forward: Union[bool, int],
                  mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
-                 overlap_policy: Optional[OverlapPolicy], ignored_params: frozenset[int]) -> None:
+                 overlap_policy: Optional[OverlapPolicy], ignored_params: frozenset[int],
+                 shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]]) -> None:
         self.mesh = mesh
         self.ignored_params = ignored_params          # ids
+        self.shard_placement_fn = shard_placement_fn
         # FSDPModule.set_unshard_in_backward; None: the runtime's choice (`backward_reads_weights`).
         self.unshard_in_backward: Optional[bool] = None
         self.reshard_after_forward = reshard_after_forward
@@ -147,7 +149,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             raise ValueError(f"fully_shard: {type(each).__name__} was given to fully_shard already; call it once "
                              "per module (a second call's arguments would replace the first's)")
     marked = _Marked(mesh, _resharding(reshard_after_forward, mesh), mp_policy, offload_policy, overlap_policy,
-                     frozenset(id(param) for param in ignored_params or ()))
+                     frozenset(id(param) for param in ignored_params or ()), shard_placement_fn)
     for each in modules:
         # The marked modules inside become this call's: the outermost call is the root, whose
         # runtime is built when any of them is first used.
@@ -206,10 +208,42 @@ def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_afte
                                       "plain parameters can be left out of sharding")
     if shard_placement_fn is not None:
         for name, param in module.named_parameters():
-            placement = shard_placement_fn(param)
-            if placement is not None and placement != Shard(0):
-                raise NotImplementedError(f"fully_shard: shard_placement_fn gave {placement} for {name!r}; "
-                                          "parameters are sharded by whole rows (Shard(0)) only")
+            dim = _shard_dim(shard_placement_fn, param, name)
+            if dim and isinstance(param, DTensor):
+                raise NotImplementedError(f"fully_shard: shard_placement_fn gave Shard({dim}) for {name!r}, a DTensor "
+                                          "parameter (tensor parallel); those are sharded on dimension 0 only")
+
+
+def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Optional[Shard]], param: nn.Parameter, name: str) -> int:
+    """The dimension `shard_placement_fn` shards `param` on (None: 0, as FSDP2 takes it),
+    negative dimensions counted from the end; refused by name where it is no `Shard` of one
+    of the parameter's dimensions."""
+    placement = shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(f"fully_shard: shard_placement_fn gave {placement!r} for {name!r}; it must give a Shard "
+                         "placement or None")
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < max(param.dim(), 1):
+        raise ValueError(f"fully_shard: shard_placement_fn gave {placement!r} for {name!r}, which has "
+                         f"{param.dim()} dimension(s)")
+    return dim
+
+
+def _shard_dims(root: nn.Module) -> dict[int, int]:
+    """Each parameter's sharded dimension where it is not 0, by id: from the `shard_placement_fn`
+    of the call that shards it (that of the nearest marked module that holds it)."""
+    calls = _calls_by_module(root)
+    dims = {}
+    for module in root.modules():
+        given = calls[id(module)].shard_placement_fn
+        for name, param in module._parameters.items():
+            if given is not None and param is not None:
+                dim = _shard_dim(given, param, name)
+                if dim:
+                    dims[id(param)] = dim
+    return dims
 
 
 def _resharding(reshard_after_forward: Union[bool, int], mesh: Optional[DeviceMesh]) -> Union[bool, int]:
@@ -295,6 +329,7 @@ def _runtime_request(root: nn.Module, members: list[nn.Module]) -> StartupReques
         unit_merge_key=_bucket_key,
         dtensor_params=True, stage=is_stage_mesh(marked.mesh),
         ignored_params=tuple(dict.fromkeys(module._parameters[name] for module, name in root.__dict__[_IGNORED])),
+        shard_dims=_shard_dims(root),
         initialise_meta=False, sharding="hpz" if copies else None, node_copy_ranks=copies[0] if copies else None,
         offload="cpu" if isinstance(marked.offload_policy, CPUOffloadPolicy) else None,
         prefetch_depth=policy.prefetch_depth, bucket_mb=policy.bucket_mb, compression=policy.compression,

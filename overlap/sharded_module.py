@@ -360,7 +360,7 @@ class ShardedModule(nn.Module):
                 experts = group.experts is not None
                 if keep or experts:
                     for index, slot in enumerate(group.slots):
-                        value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                        value = group.whole_of_flat(flat, index)
                         if experts:         # every expert-parallel rank's experts, in order
                             value = all_experts(value, group.experts)
                         if keep:
@@ -501,7 +501,7 @@ class ShardedModule(nn.Module):
                 parts[key] = local_rows(value, target)
             else:
                 group, index = slots[key]
-                parts[key] = group.local_of_global(index, value)
+                parts[key] = group.oriented(index, group.local_of_global(index, value))
         self._write_parts(mine, parts)
         others = {key: value for key, value in state_dict.items() if not isinstance(mine.get(key), DTensor)}
         if others:

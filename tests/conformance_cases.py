@@ -1803,7 +1803,9 @@ SKIPPED: list[tuple[str, str]] = [
     (f"{TRAINING}::test_modules_to_run_forward_empty_for_single_module", "FSDP2's private state"),
     (f"{TRAINING}::test_train_parity_single_group_shard_largest_dim, "
      f"{TRAINING}::test_train_parity_shard_placement_fn_shard_largest_dim",
-     "shard_placement_fn chooses FSDP2's sharded dimension; ShardedModule's layout has no such choice"),
+     "shard_placement_fn chooses FSDP2's sharded dimension; ShardedModule's layout has no such choice. "
+     "fully_shard takes it: the largest-dimension placement is checked against FSDP2 and one process in "
+     "tests/test_fully_shard.py"),
     (f"{TRAINING}::test_train_parity_multi_group (reshard_after_forward=2, delays, compiled)",
      "an int reshard_after_forward at 1 to 3 ranks is True or refused (fully_shard's int, groups of k ranks, is "
      "checked at 4 ranks in tests/test_fully_shard.py; ShardedModule's hpZ takes its groups from "

@@ -344,6 +344,14 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "policy-int8-prefetch-1-unit-per-call": {"overlap_policy": {"compression": "int8", "prefetch_depth": 1,
                                                                 "bucket_mb": 0.0001}},
     "policy-int8-int4-compression": {"overlap_policy": {"compression": "int8-int4"}},
+    # `shard_placement_fn`: every matrix sharded on its last dimension (Shard(-1)), alone and
+    # with the other modes.
+    "last-dim": {"shard_placement_fn": "last"},
+    "last-dim-bf16-cpu-offload-int8": {"shard_placement_fn": "last", "offload_policy": "cpu", "mp_policy": "bf16",
+                                       "overlap_policy": {"compression": "int8"}},
+    "last-dim-hybrid-2d-mesh": {"shard_placement_fn": "last", "mesh": ("replicate", "shard")},
+    "last-dim-hpz-int-2-compiled": {"shard_placement_fn": "last", "reshard_after_forward": 2, "world": 4,
+                                    "env": {"OVERLAP_COMPILE": "1"}},
 }
 
 
@@ -676,6 +684,10 @@ def _shard_kwargs(how: dict[str, Any], world: int) -> dict[str, Any]:
         kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=how["mesh"])
     if "reshard_after_forward" in how:
         kwargs["reshard_after_forward"] = how["reshard_after_forward"]
+    if how.get("shard_placement_fn") == "last":
+        from torch.distributed.tensor import Shard
+
+        kwargs["shard_placement_fn"] = lambda param: Shard(-1)
     return kwargs
 
 
@@ -1095,4 +1107,140 @@ def penalties_on_parameters(rank: int, world: int) -> dict[str, Any]:
                     (net(rows).square().mean() + whole(penalty(net, case == "viewed"))).backward()
             out[f"{name} {case}"] = max(float((whole(p.grad) - q.grad).abs().max())
                                         for p, q in zip(model.parameters(), reference.parameters()))
+    return out
+
+
+class _StackedExperts(nn.Module):
+    """Experts stacked on dimension 0 of one 3-D parameter (as torchtitan's and HF's MoE layers
+    hold them), each applied to every row and averaged."""
+
+    def __init__(self, experts: int, width: int, out: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, width, out) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(0) @ self.w).mean(0)
+
+
+def _other_dims_model(seed: int, even: bool) -> nn.Module:
+    """Widths even on every dimension the placement below shards at 2 ranks (torch's
+    `fully_shard` refuses uneven chunks on a dimension other than 0), or not."""
+    torch.manual_seed(seed)
+    if even:
+        return nn.Sequential(nn.Linear(10, 12), nn.LayerNorm(12), nn.Linear(12, 4), _StackedExperts(3, 4, 6),
+                             nn.Linear(6, 3))
+    return nn.Sequential(nn.Linear(9, 11), nn.LayerNorm(11), nn.Linear(11, 5), _StackedExperts(3, 5, 7),
+                         nn.Linear(7, 3))
+
+
+def _largest_dim(param: nn.Parameter) -> Any:
+    """FSDP2's own test's placement: the experts on dimension 1, every other parameter on its
+    largest dimension (the first of equals)."""
+    from torch.distributed.tensor import Shard
+
+    if param.dim() == 3:
+        return Shard(1)
+    return Shard(max(range(param.dim()), key=lambda dim: param.shape[dim]))
+
+
+def _sharded_other_dims(shard: Callable, seed: int, even: bool) -> nn.Module:
+    model = _other_dims_model(seed, even)
+    for index in (0, 2, 3):
+        shard(model[index], shard_placement_fn=_largest_dim)
+    return shard(model, shard_placement_fn=_largest_dim)
+
+
+def _train_other_dims(model: nn.Module, rank: int, world: int, steps_: int = 3) -> tuple[list[float], Any]:
+    """AdamW steps with torch's clip on this rank's rows of the global batch (rank -1: one
+    process, every rank's rows): the mean loss of each step, and the optimizer."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    width = model[0].in_features
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps_):
+        batch = torch.randn(4 * world, width, generator=generator)
+        loss = model(batch if rank < 0 else batch[4 * rank:4 * rank + 4]).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(rank_mean(loss.detach(), world) if rank >= 0 else float(loss))
+    return losses, optimizer
+
+
+def other_dims(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """`shard_placement_fn` sharding parameters on dimensions other than 0 (FSDP2's test's
+    largest dimension, experts on dimension 1): under torch's `fully_shard` and ours, each
+    parameter's placement, the losses and final values against one process, DCP checkpoints
+    read by the other implementation, torch's full model and optimizer state dicts; ours also
+    on widths that do not divide (which torch's refuses), and the placements it refuses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict)
+    from torch.distributed.tensor import Replicate, Shard
+
+    full = StateDictOptions(full_state_dict=True)        # on every rank
+    out: dict[str, Any] = {}
+    for even in (True, False):
+        reference = _other_dims_model(0, even)
+        ref_losses, ref_optimizer = _train_other_dims(reference, -1, world)
+        ref_moments = {name: ref_optimizer.state[param]["exp_avg"] for name, param in reference.named_parameters()}
+        for name, shard in implementations().items():
+            if name == "fsdp2" and not even:
+                continue
+            key = f"{name}-{'even' if even else 'uneven'}"
+            model = _sharded_other_dims(shard, 0, even)
+            losses, optimizer = _train_other_dims(model, rank, world)
+            values = get_model_state_dict(model, options=full)
+            moments = get_optimizer_state_dict(model, optimizer, options=full)["state"]
+            out[key] = {
+                "placements": {n: [p.dim for p in param.placements] for n, param in model.named_parameters()},
+                # Parameters sharded on another dimension whose slices more than one rank holds.
+                "split": [n for n, param in model.named_parameters() if param.placements[0].dim and
+                          sum(bool(rows) for rows in getattr(param.placements[0], "rows", (1, 1))) > 1],
+                "losses": losses, "one-process": ref_losses,
+                "values": max(float((values[n] - v).abs().max()) for n, v in reference.state_dict().items()),
+                "moments": max(float((moments[n]["exp_avg"] - m).abs().max()) for n, m in ref_moments.items())}
+            path = os.path.join(directory, f"other-dims-{key}")
+            dcp.save(model.state_dict(), checkpoint_id=path)
+            # The other implementation (or, uneven, ours again) reads the checkpoint.
+            readers = [other for other in implementations().items() if even or other[0] == "overlap"]
+            for reader_name, reader in readers:
+                loaded = _sharded_other_dims(reader, 1, even)
+                state = loaded.state_dict()
+                dcp.load(state, checkpoint_id=path)
+                loaded.load_state_dict(state)
+                got = get_model_state_dict(loaded, options=full)
+                out[key][f"dcp into {reader_name}"] = max(float((got[n] - v).abs().max()) for n, v in values.items())
+            broadcast = _sharded_other_dims(shard, 1, even)
+            # (torch's set replaces the given dict's values with DTensors: a copy is given)
+            set_model_state_dict(broadcast, dict(values), options=StateDictOptions(full_state_dict=True,
+                                                                                 broadcast_from_rank0=True))
+            got = get_model_state_dict(broadcast, options=full)
+            out[key]["broadcast"] = max(float((got[n] - v).abs().max()) for n, v in values.items())
+    from overlap import fully_shard
+
+    refusals = {}
+    for what, placement in (("replicate", Replicate()), ("past the last dimension", Shard(2))):
+        try:
+            fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda param, placement=placement: placement)
+            refusals[what] = "accepted"
+        except ValueError as error:
+            refusals[what] = str(error)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    split = nn.Linear(4, 4)             # a tensor-parallel parameter: a DTensor before sharding
+    split.weight = nn.Parameter(distribute_tensor(split.weight.detach(), mesh, [Shard(0)]))
+    stage = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))["dp"]
+    for what, make in (("tensor parallel", lambda: fully_shard(split, mesh=mesh, shard_placement_fn=lambda p: Shard(1))),
+                       ("pipeline stage", lambda: fully_shard(nn.Linear(4, 4), mesh=stage,
+                                                              shard_placement_fn=lambda p: Shard(-1)).state_dict())):
+        try:
+            make()
+            refusals[what] = "accepted"
+        except NotImplementedError as error:
+            refusals[what] = str(error)
+    out["refusals"] = refusals
     return out

@@ -224,13 +224,28 @@ def refusals(rank: int, world: int) -> dict:
                        ("indivisible", lambda: ShardedModule(_gpt_moe(), expert_parallel=3)),
                        ("no_capacity", lambda: ShardedModule(_qwen3_moe(), expert_parallel=2,
                                                              expert_capacity_factor=0.0)),
-                       ("capacity_alone", lambda: ShardedModule(_qwen3_moe(), expert_capacity_factor=1.0))):
+                       ("capacity_alone", lambda: ShardedModule(_qwen3_moe(), expert_capacity_factor=1.0)),
+                       ("other_dim", lambda: _fully_shard_on_dim_1(_gpt_moe()).state_dict())):
         try:
             make()
             out[name] = "returned"
         except Exception as exc:  # noqa: BLE001 - the refusal is the result
             out[name] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _fully_shard_on_dim_1(model: torch.nn.Module) -> torch.nn.Module:
+    """`fully_shard` with every matrix sharded on dimension 1 and experts split over pairs of ranks."""
+    from torch.distributed.tensor import Shard
+
+    from overlap import OverlapPolicy, fully_shard
+
+    def on_dim_1(param: torch.nn.Parameter) -> Optional[Shard]:
+        return Shard(1) if param.dim() >= 2 else None
+
+    for block in model.blocks:
+        fully_shard(block, shard_placement_fn=on_dim_1)
+    return fully_shard(model, shard_placement_fn=on_dim_1, overlap_policy=OverlapPolicy(expert_parallel=2))
 
 
 def diverge(rank: int, world: int) -> str:
@@ -337,6 +352,8 @@ def test_what_does_not_compose_is_refused_on_every_rank(launches) -> None:
         assert result["no_capacity"].startswith("ValueError") and \
             "expert_capacity_factor must be a positive number" in result["no_capacity"], result
         assert "expert_capacity_factor needs expert_parallel" in result["capacity_alone"], result
+        assert result["other_dim"].startswith("NotImplementedError") and \
+            "sharding dimension 1 (shard_placement_fn) with expert parallelism" in result["other_dim"], result
 
 
 @pytest.mark.timeout(600)

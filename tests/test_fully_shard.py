@@ -31,7 +31,8 @@ def launches(tmp_path_factory) -> dict[int, CaseLaunch]:
                 "unshard-in-backward": RankCase(cases.unshard_in_backward),
                 "per-call-policies": RankCase(cases.per_call_policies),
                 "state-round-trips": RankCase(cases.state_dict_round_trips, (directory,)),
-                "views": RankCase(cases.flattening_views), "penalties": RankCase(cases.penalties_on_parameters)})
+                "views": RankCase(cases.flattening_views), "penalties": RankCase(cases.penalties_on_parameters),
+                "other-dims": RankCase(cases.other_dims, (directory,))})
     two.update({f"combination-{name}": RankCase(cases.combination, (name,))
                 for name in cases.COMBINATIONS if _world(name) == 2})
     two.update({f"keep-{name}": RankCase(cases.combination, (name, True)) for name in KEEP_MODES if _world(name) == 2})
@@ -152,7 +153,7 @@ def test_every_mode_reached_through_fully_shard_trains_like_one_process(request,
             assert settings["prefetch_depth"] == policy["prefetch_depth"], settings
         if "bucket_mb" in policy:              # smaller than a block: one unit per block
             assert settings["units"] == settings["blocks"], settings
-        if name.startswith("hpz-int-2"):
+        if "hpz-int-2" in name:
             assert settings["sharding"].startswith("hpZ") and "gathers over 2 ranks" in settings["sharding"], settings
         if name == "reshard-int-1":
             assert settings["sharding"].startswith("full") and all(settings["kept-whole"]), settings
@@ -355,3 +356,33 @@ def test_consecutive_units_with_the_same_resharding_share_a_bucket(launches, buc
         result = outcome.result()
         assert result["units"] == expected, result["units"]
         torch.testing.assert_close(result["losses"], result["reference"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(900)
+def test_parameters_sharded_on_other_dimensions_train_checkpoint_and_interchange_like_fsdp2(launches) -> None:
+    """`shard_placement_fn` (FSDP2's test's largest dimension, experts on dimension 1): the
+    placements asked for, one process's losses, values and Adam moments, DCP checkpoints that
+    torch's `fully_shard` reads and the reverse, torch's full state dict set from rank 0; ours
+    on widths that do not divide too, and a placement that is no Shard refused by name."""
+    for outcome in launches[2]["other-dims"]:
+        result = outcome.result()
+        for key in ("fsdp2-even", "overlap-even", "overlap-uneven"):
+            got = result[key]
+            placements = got["placements"]
+            assert placements["2.weight"] == [1] and placements["3.w"] == [1] and placements["4.weight"] == [1], got
+            assert placements["0.weight"] == [0] and placements["1.bias"] == [0], got
+            _close(got["losses"], got["one-process"], FP32)
+            assert got["values"] < 1e-5 and got["moments"] < 1e-6, (key, got)
+            readers = ("fsdp2", "overlap") if key.endswith("-even") else ("overlap",)
+            for reader in readers:
+                assert got[f"dcp into {reader}"] == 0.0, (key, reader, got)
+            assert got["broadcast"] == 0.0, (key, got)
+        assert result["overlap-uneven"]["split"], result["overlap-uneven"]       # slices on both ranks
+        torch.testing.assert_close(torch.tensor(result["overlap-even"]["losses"]),
+                                   torch.tensor(result["fsdp2-even"]["losses"]), **FP32)
+        refusals = result["refusals"]
+        assert "it must give a Shard" in refusals["replicate"], refusals
+        assert "Shard(dim=2)" in refusals["past the last dimension"] and "2 dimension(s)" in refusals[
+            "past the last dimension"], refusals
+        assert "a DTensor parameter (tensor parallel)" in refusals["tensor parallel"], refusals
+        assert "sharding dimension 1 (shard_placement_fn) with a pipeline stage" in refusals["pipeline stage"], refusals

@@ -110,6 +110,9 @@ def _read_part(stored: Any, shape: tuple[int, ...], group: Any, index: int) -> N
     start, end = group.parts[index]
     part = group.params[index]
     with torch.no_grad():
+        if group.slots[index].dim:                      # sharded on another dimension: its slices, from the whole
+            part.copy_(group.local_of_full(index, torch.as_tensor(stored[:])))
+            return
         if not shape:                                   # a 0-dim parameter
             if end > start:
                 part.copy_(stored[...].reshape(-1))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,9 @@ class StartupRequest:
     # Parameters left out of every unit, as they are (FSDP2's `ignored_params`): never
     # sharded, moved, gathered or reduced; their gradients stay this rank's own.
     ignored_params: tuple[nn.Parameter, ...] = ()
+    # fully_shard's `shard_placement_fn`: each parameter sharded on a dimension other than its
+    # first, by id, that dimension (see [Note: sharding another dimension] in flat_group.py).
+    shard_dims: Optional[Mapping[int, int]] = None
     # sharding="hpz": the node-local copy over this many consecutive ranks instead of
     # LOCAL_WORLD_SIZE's (FSDP2's int `reshard_after_forward`, the group resharded to).
     node_copy_ranks: Optional[int] = None

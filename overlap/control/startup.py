@@ -133,7 +133,7 @@ def start_up(module: nn.Module, request: StartupRequest) -> Started:
                         tensor_parallel, merge=request.unit_modules is None or request.unit_merge_key is not None,
                         merge_key=request.unit_merge_key, dtensor_params=request.dtensor_params, stage=request.stage,
                         initialise_meta=request.initialise_meta, experts=by_experts,
-                        unit_mixed_precision=request.unit_mixed_precision)
+                        unit_mixed_precision=request.unit_mixed_precision, shard_dims=request.shard_dims)
     scheduler = Scheduler(built.root, built.units, collectives, decision.config.prefetch_depth,
                           decision.memory_budget_bytes, request.reshard_after_forward, link, decision.config.order_check,
                           decision.mixed_precision.param_dtype if request.cast_forward_inputs else None,

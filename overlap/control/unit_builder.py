@@ -6,7 +6,7 @@ group's slot) recorded before parameters leave their modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, NamedTuple, Optional
+from typing import Callable, Hashable, Mapping, NamedTuple, Optional
 
 from torch import nn
 
@@ -53,8 +53,10 @@ class _FlatGroups:
     def __init__(self, collectives: Collectives, decision: StartupDecision, host: Optional[HostTier],
                  tensor_parallel: Optional[TensorParallel], dtensor_params: bool,
                  experts: Optional[ExpertUnits], link: OptimizerLink, stage: bool,
-                 unit_mixed_precision: Optional[Callable[[nn.Module], MixedPrecision]]) -> None:
+                 unit_mixed_precision: Optional[Callable[[nn.Module], MixedPrecision]],
+                 shard_dims: Mapping[int, int]) -> None:
         self.collectives = collectives
+        self.shard_dims = shard_dims
         self.stage = stage
         self.link = link
         self.experts = experts
@@ -79,7 +81,8 @@ class _FlatGroups:
                               None if self.tensor_parallel is None else
                               [self.tensor_parallel.spec_of(param) for _, param, _ in entries],
                               self.dtensor_params, None if experts is None else experts.groups, link=self.link,
-                              stage_leaves=self.stage)
+                              stage_leaves=self.stage,
+                              shard_dims=[self.shard_dims.get(id(param), 0) for _, param, _ in entries])
             for index, (_, param, _) in enumerate(entries):
                 self.slot_of[id(param)] = (group, index)
             groups.append(group)
@@ -98,7 +101,8 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
                 merge: bool = True, merge_key: Optional[Callable[[nn.Module], Hashable]] = None,
                 dtensor_params: bool = False, initialise_meta: bool = True,
                 experts: Optional[ExpertUnits] = None, stage: bool = False,
-                unit_mixed_precision: Optional[Callable[[nn.Module], MixedPrecision]] = None) -> BuiltUnits:
+                unit_mixed_precision: Optional[Callable[[nn.Module], MixedPrecision]] = None,
+                shard_dims: Optional[Mapping[int, int]] = None) -> BuiltUnits:
     """Units over `module`'s parameters, which become views of this rank's flat shards (in host
     memory with `host`: offload="cpu"); with `tensor_parallel`, of their TP-local tensors. With
     `merge`, consecutive small units are merged into buckets (only those whose first modules
@@ -109,7 +113,8 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     shard over their collectives' group (expert parallelism). With `stage` (a pipeline stage),
     gathered parameters are leaves of their own (FlatGroup's `stage_leaves`). With
     `unit_mixed_precision`, each unit gathers and reduces in the dtypes it gives for the
-    unit's first module, the root unit in the decision's."""
+    unit's first module, the root unit in the decision's. `shard_dims`: parameters sharded on
+    another dimension than their first, by id (fully_shard's `shard_placement_fn`)."""
     device = decision.device
     for sub in module.modules():
         for name, buf in sub._buffers.items():
@@ -119,7 +124,7 @@ def build_units(module: nn.Module, root_spec: UnitSpec, unit_specs: list[UnitSpe
     # State-dict keys in the module's own order, read before parameters leave their modules.
     keys = [(key, id(value)) for key, value in module.state_dict(keep_vars=True).items()]
     flat = _FlatGroups(collectives, decision, host, tensor_parallel, dtensor_params, experts, link, stage,
-                       unit_mixed_precision)
+                       unit_mixed_precision, shard_dims or {})
     root = flat.unit(root_spec, modules=[]) if root_spec.params else None
     specs = merge_into_buckets(unit_specs, decision.bucket_bytes, merge_key) if merge else unit_specs
     units = [flat.unit(spec, spec.modules) for spec in specs]

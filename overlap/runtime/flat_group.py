@@ -90,6 +90,7 @@ its version counter so autograd does not mistake the re-gather for an in-place c
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -138,6 +139,14 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     numel: int
+    dim: int = 0                               # the dimension sharded by rows (fully_shard's Shard(dim))
+
+    @property
+    def laid_shape(self) -> torch.Size:
+        """The shape the flat layout holds: `dim` first (see [Note: sharding another dimension])."""
+        if self.dim == 0:
+            return self.shape
+        return torch.Size([self.shape[self.dim], *self.shape[:self.dim], *self.shape[self.dim + 1:]])
 
 
 class FlatGroup:
@@ -146,7 +155,7 @@ class FlatGroup:
                  node_group: Optional[dist.ProcessGroup] = None, place: Optional[ShardPlace] = None,
                  tensor_parallel: Optional[list[Optional[TensorParallelSpec]]] = None,
                  dtensor_params: bool = False, experts: Optional[ExpertGroups] = None, *,
-                 link: OptimizerLink, stage_leaves: bool = False) -> None:
+                 link: OptimizerLink, stage_leaves: bool = False, shard_dims: Optional[list[int]] = None) -> None:
         self.collectives = collectives
         # Expert parallelism: the parameters hold this rank's experts, and their DTensors,
         # shapes and whole values are every expert's; see [Note: expert parameters in state dicts].
@@ -171,7 +180,7 @@ class FlatGroup:
         self.requires_grad = params[0][1].requires_grad
         self.gather_dtype = gather_dtype
         self.reduce_dtype = reduce_dtype
-        self._lay_out(params)
+        self._lay_out(params, shard_dims or [0] * len(params))
         on_meta = any(p.is_meta for _, p, _ in params)
         self.shard = self.place.place_master(self._first_shard(params, on_meta))
         self._bind_parameters(params, on_meta)
@@ -180,25 +189,30 @@ class FlatGroup:
         self.place.adopt(self)
         link.add_group(self)
 
-    def _lay_out(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> None:
+    def _lay_out(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+                 shard_dims: list[int]) -> None:
         """The flat layout: where each parameter lives, and this rank's part of each."""
         rank = self.collectives.rank
-        self.layout = FlatLayout.of([param.shape for _, param, _ in params], self.collectives.world_size)
-        self.slots = [ParamSlot(name, owners, param.shape, offset, param.numel())
-                      for (name, param, owners), offset in zip(params, self.layout.offsets)]
+        slots = [ParamSlot(name, owners, param.shape, 0, param.numel(), dim)
+                 for (name, param, owners), dim in zip(params, shard_dims)]
+        self._refuse_other_dims(slots)
+        self.layout = FlatLayout.of([slot.laid_shape for slot in slots], self.collectives.world_size)
+        self.slots = [dataclasses.replace(slot, offset=offset) for slot, offset in zip(slots, self.layout.offsets)]
+        self._moved = any(slot.dim for slot in self.slots)
         self.numel = self.layout.numel
         self.shard_numel = self.layout.shard_numel
         self.padded_numel = self.layout.padded_numel
         self._split_sizes = self.layout.split_sizes
         self.parts = self.layout.parts_on(rank)
-        self.local_shapes = [self.layout.local_shape(index, rank, slot.shape) for index, slot in enumerate(self.slots)]
+        self.local_shapes = [self.layout.local_shape(index, rank, slot.laid_shape)
+                             for index, slot in enumerate(self.slots)]
         # Each parameter's DTensor spec by dtype (see `dtensor`).
         self._specs: dict[tuple[int, torch.dtype], Any] = {}
         # The (tp, dp) mesh of tensor-parallel parameters' state-dict DTensors, made when first asked for.
         self._tp_plane: Optional[tuple[Optional[DeviceMesh]]] = None
         # Each parameter's rows on every rank: its state-dict DTensor's placement
         # ([Note: row-aligned shards as a DTensor placement]).
-        self.rows_by_rank = [tuple(self.layout.local_shape(index, other, slot.shape)[0]
+        self.rows_by_rank = [tuple(self.layout.local_shape(index, other, slot.laid_shape)[0]
                                    for other in range(self.collectives.world_size))
                              for index, slot in enumerate(self.slots)]
 
@@ -211,7 +225,8 @@ class FlatGroup:
             return torch.zeros(self.shard_numel, dtype=self.master_dtype, device=device)
         # Rank 0's initial values are the truth on every rank, as with DDP.
         flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=device)
-        self.kernels.pack([p.detach().to(device) for _, p, _ in params], flat, [s.offset for s in self.slots])
+        self.kernels.pack([self._laid_whole(index, p.detach().to(device)) for index, (_, p, _) in enumerate(params)],
+                          flat, [s.offset for s in self.slots])
         if collectives.world_size > 1:
             dist.broadcast(flat, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
         start = collectives.rank * self.shard_numel
@@ -322,7 +337,7 @@ class FlatGroup:
                                               self.module_params, self.tensor_parallel)]
         self._leaves_pending = 0               # trainable leaves this backward has yet to bring
         self.free()
-        self._param_views = ParamViews(self._split_sizes, [slot.shape for slot in self.slots])
+        self._param_views = ParamViews(self._split_sizes, [slot.laid_shape for slot in self.slots])
 
     def _shard_view(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's part of parameter `index` in `flat_shard` (the master shard, or its
@@ -397,6 +412,8 @@ class FlatGroup:
             self._put_views()
             return
         split, views = self._param_views(self.full)
+        if self._moved:
+            views = [view.movedim(0, slot.dim) if slot.dim else view for view, slot in zip(views, self.slots)]
         if split is not None:
             split.register_prehook(_weakly(self._mark_grads))
         self._views_record_grads = split is not None or not self.requires_grad
@@ -553,11 +570,11 @@ class FlatGroup:
             if grads.count(None) == len(grads):             # after zero_grad(): one fill
                 zeros = True
             else:
-                for grad, view, published in zip(grads, self._grad_views, self._published()):
+                for index, (grad, view, published) in enumerate(zip(grads, self._grad_views, self._published())):
                     if grad is None:
                         view.zero_()
-                    elif grad is not published:
-                        view.copy_(grad.to_local() if isinstance(grad, DTensor) else grad)   # one the user assigned
+                    elif grad is not published:                     # one the user assigned
+                        view.copy_(self.laid(index, grad.to_local()) if isinstance(grad, DTensor) else grad)
         self.reduced = True
         return self.place.reduce_target(self.grad_shard, zeros)
 
@@ -567,7 +584,7 @@ class FlatGroup:
         self.place.grads_ready()
         if self.reduced:
             for index, late in self._late_direct.items():
-                self._grad_views[index].add_(late.view_as(self._grad_views[index]))
+                self._grad_views[index].add_(self.laid(index, late))
                 got_grad[index] = True
             for param, grad, used in zip(self.module_params, self._published(), got_grad):
                 # A parameter frozen after wrapping is reduced with its group, but gets no `.grad`.
@@ -609,6 +626,12 @@ class FlatGroup:
             # optimizer state: operators on them find their layouts equal by identity.
             key = (index, part.dtype)
             spec = self._specs.get(key)
+            if slot.dim:                          # see [Note: sharding another dimension]
+                local = self.oriented(index, part.detach())
+                if spec is None:
+                    spec = self._specs[key] = row_dtensor(local, mesh, [RowShard(slot.dim, self.rows_by_rank[index])],
+                                                          slot.shape)._spec
+                return RowDTensor(local, spec, requires_grad=False)
             if spec is None:
                 spec = self._specs[key] = (
                     as_dtensor(part, slot.shape, self.rows_by_rank[index], mesh) if self.experts is None else
@@ -652,7 +675,7 @@ class FlatGroup:
         or optimizer state of that shape), shaped as the parameter's part."""
         self._refuse_tensor_parallel("full values")
         start, end = self.parts[index]
-        return value.detach().reshape(-1)[start:end].view(self.local_shapes[index])
+        return self._laid_whole(index, value.detach()).reshape(-1)[start:end].view(self.local_shapes[index])
 
     def local_of_global(self, index: int, value: torch.Tensor) -> torch.Tensor:
         """`local_of_full` of a tensor of `global_shape(index)`: under expert parallelism, of
@@ -685,14 +708,60 @@ class FlatGroup:
             self._shard_view(shard, index).copy_(part)
         flat = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
         all_gather_flat(flat, shard, group=self.collectives.group)
-        wholes = [flat[self.slots[index].offset:self.slots[index].offset + self.slots[index].numel]
-                  .view(self.slots[index].shape) for index in indices]
+        wholes = [self.whole_of_flat(flat, index) for index in indices]
         return wholes if self.experts is None else [all_experts(whole, self.experts) for whole in wholes]
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:
         """Set this rank's shard from full parameter values given in slot order (every rank has them)."""
         self._refuse_tensor_parallel("loading full values")
         flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
-        self.kernels.pack([t.detach().to(flat.device) for t in tensors], flat, [s.offset for s in self.slots])
+        self.kernels.pack([self._laid_whole(index, t.detach().to(flat.device)) for index, t in enumerate(tensors)],
+                          flat, [s.offset for s in self.slots])
         start = self.collectives.rank * self.shard_numel
         self.shard.copy_(flat[start:start + self.shard_numel])
+
+    # [Note: sharding another dimension]
+    # FSDP2's `shard_placement_fn` may shard a parameter on a dimension other than its first
+    # (`Shard(1)` for experts stacked on dimension 0, the largest dimension for an optimizer
+    # that wants whole rows of it). The flat layout holds such a parameter with that dimension
+    # moved to the front (its slot's `laid_shape`), so that each rank's block of whole rows is
+    # a block of whole slices along the sharded dimension and everything that works on the flat
+    # buffers (gathers, reductions, offload, codecs) is unchanged. Only the edges turn it back:
+    # the gathered views the modules compute with are `movedim` views of the gathered buffer
+    # (not contiguous; no copy, so freeing the buffer frees them as it frees any view), the
+    # DTensor of a part is `RowShard(dim, rows)` over a `movedim` view of the part, and whole
+    # values go in and come out in the parameter's own shape.
+
+    def _refuse_other_dims(self, slots: list[ParamSlot]) -> None:
+        moved = next((slot for slot in slots if slot.dim), None)
+        if moved is None:
+            return
+        what = ("tensor parallelism" if any(tp is not None for tp in self.tensor_parallel) else
+                "expert parallelism" if self.experts is not None else
+                "a pipeline stage" if self.stage_leaves else
+                "ShardedModule (fully_shard's DTensor parameters only)" if not self.dtensor_params else None)
+        if what is not None:
+            raise NotImplementedError(f"{moved.name!r}: sharding dimension {moved.dim} (shard_placement_fn) with "
+                                      f"{what} is not supported; shard it on dimension 0 there")
+
+    def _laid_whole(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """A whole value of parameter `index` in its slot's `laid_shape` (contiguous)."""
+        dim = self.slots[index].dim
+        return value if dim == 0 else value.movedim(dim, 0).contiguous()
+
+    def whole_of_flat(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter `index`'s whole value in a full flat tensor (the gathered layout), in its shape."""
+        slot = self.slots[index]
+        whole = flat[slot.offset:slot.offset + slot.numel].view(slot.laid_shape)
+        return whole if slot.dim == 0 else whole.movedim(0, slot.dim)
+
+    def laid(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """A DTensor's local block of parameter `index` (or of state shaped like it) as this rank's
+        part is laid out in the flat shard."""
+        dim = self.slots[index].dim
+        return local.reshape(self.local_shapes[index]) if dim == 0 else local.movedim(dim, 0)
+
+    def oriented(self, index: int, part: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter `index` as its DTensor's local block (the inverse of `laid`)."""
+        dim = self.slots[index].dim
+        return part if dim == 0 else part.view(self.local_shapes[index]).movedim(0, dim)

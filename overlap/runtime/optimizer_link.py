@@ -253,6 +253,9 @@ class OptimizerLink:
             groups[id(group)] = group
             for key in sorted(state[number]):
                 value = state[number][key]
+                if group.slots[index].dim and isinstance(packed["state"][number][key], DTensor):
+                    # Sharded on another dimension: the block as the flat shard lays it out.
+                    value = state[number][key] = group.laid(index, value)
                 # Shaped like this rank's part (under fully_shard the parameter is a DTensor of
                 # the full shape, its state's local blocks are parts).
                 if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == group.params[index].shape:
@@ -313,7 +316,7 @@ def _reshard(state: dict[str, Any], group: FlatGroup, index: int) -> None:
                                  f"{tuple(value.shape)}, the parameter's is {tuple(group.global_shape(index))}")
             if group.dtensor_params and same_layout(value, like):
                 continue
-            local = local_rows(value, like).reshape(part.shape).clone()
+            local = group.laid(index, local_rows(value, like)).clone()
         elif not isinstance(value, torch.Tensor) or value.dim() == 0 or \
                 (value.shape == part.shape and not group.dtensor_params):
             continue
