@@ -1218,6 +1218,20 @@ def other_dims(rank: int, world: int, directory: str) -> dict[str, Any]:
                                                                                  broadcast_from_rank0=True))
             got = get_model_state_dict(broadcast, options=full)
             out[key]["broadcast"] = max(float((got[n] - v).abs().max()) for n, v in values.items())
+            if name == "overlap":
+                # Pretrained weights streamed from a safetensors file into each rank's slices.
+                from safetensors.torch import save_file
+
+                from overlap.checkpoint import load_pretrained
+
+                weights = os.path.join(directory, f"other-dims-{key}.safetensors")
+                if rank == 0:
+                    save_file({n: v.contiguous() for n, v in values.items()}, weights)
+                dist.barrier()
+                pretrained = _sharded_other_dims(shard, 1, even)
+                load_pretrained(pretrained.overlap_runtime, weights)
+                got = get_model_state_dict(pretrained, options=full)
+                out[key]["pretrained"] = max(float((got[n] - v).abs().max()) for n, v in values.items())
     from overlap import fully_shard
 
     refusals = {}

@@ -362,8 +362,9 @@ def test_consecutive_units_with_the_same_resharding_share_a_bucket(launches, buc
 def test_parameters_sharded_on_other_dimensions_train_checkpoint_and_interchange_like_fsdp2(launches) -> None:
     """`shard_placement_fn` (FSDP2's test's largest dimension, experts on dimension 1): the
     placements asked for, one process's losses, values and Adam moments, DCP checkpoints that
-    torch's `fully_shard` reads and the reverse, torch's full state dict set from rank 0; ours
-    on widths that do not divide too, and a placement that is no Shard refused by name."""
+    torch's `fully_shard` reads and the reverse, torch's full state dict set from rank 0,
+    pretrained weights from a safetensors file; ours on widths that do not divide too, and
+    what is refused, by name."""
     for outcome in launches[2]["other-dims"]:
         result = outcome.result()
         for key in ("fsdp2-even", "overlap-even", "overlap-uneven"):
@@ -377,6 +378,8 @@ def test_parameters_sharded_on_other_dimensions_train_checkpoint_and_interchange
             for reader in readers:
                 assert got[f"dcp into {reader}"] == 0.0, (key, reader, got)
             assert got["broadcast"] == 0.0, (key, got)
+            if key.startswith("overlap"):
+                assert got["pretrained"] == 0.0, (key, got)
         assert result["overlap-uneven"]["split"], result["overlap-uneven"]       # slices on both ranks
         torch.testing.assert_close(torch.tensor(result["overlap-even"]["losses"]),
                                    torch.tensor(result["fsdp2-even"]["losses"]), **FP32)
