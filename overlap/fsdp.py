@@ -264,9 +264,6 @@ def _resharding(reshard_after_forward: Union[bool, int], mesh: Optional[DeviceMe
                          "forward)")
     if reshard_after_forward in (1, size):
         return reshard_after_forward == size
-    if mesh is not None and mesh.ndim != 1:
-        raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward} on a 2-D mesh "
-                                  "(replicas of shards) is not supported; pass True or False there")
     return reshard_after_forward
 
 

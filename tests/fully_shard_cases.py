@@ -382,7 +382,9 @@ def copies_on_a_sub_mesh(rank: int, world: int) -> dict[str, Any]:
     are given one: a (pp 2, dp world/2) mesh, each row sharding a copy of the model over its "dp"
     ranks with hpZ over pairs of them; each row's losses on the global batch, and one
     process's. (FSDP2 in torch 2.13 hangs in this script: each row makes its post-forward mesh
-    by a collective over every rank, which the other row never joins.)"""
+    by a collective over every rank, which the other row never joins.) Then the same int on a
+    2-D (replicate 2, shard world/2) mesh: every rank trains on its own rows of the global
+    batch, hpZ over pairs inside each replica."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from overlap import fully_shard
@@ -393,13 +395,19 @@ def copies_on_a_sub_mesh(rank: int, world: int) -> dict[str, Any]:
     losses = steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), 0, 2, mesh.get_local_rank("dp"),
                    mesh["dp"].size(), group=mesh["dp"].get_group())
     replicas = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    try:
-        fully_shard(nn.Linear(4, 4), mesh=replicas, reshard_after_forward=2)
-        refused = "accepted"
-    except NotImplementedError as error:
-        refused = str(error)
-    return {"overlap": losses, "one-process": one_process(0, 2), "sharding": model.overlap_runtime.sharding.describe(),
-            "2-D": refused}
+    hybrid = shard_blocks_then_root(meta_gpt(), fully_shard, mesh=replicas, reshard_after_forward=2)
+    materialise(hybrid, seed=0)
+    hybrid_losses = steps(hybrid, torch.optim.Adam(hybrid.parameters(), lr=1e-2), 0, 2, rank, world)
+    from overlap.models import GPT
+
+    reference = GPT(SMALL_GPT)
+    materialise(reference, seed=0)
+    reference_losses = steps(reference, torch.optim.Adam(reference.parameters(), lr=1e-2), 0, 2, 0, 1)
+    values = {key: value.full_tensor() for key, value in hybrid.state_dict().items()}
+    return {"overlap": losses, "one-process": reference_losses,
+            "sharding": model.overlap_runtime.sharding.describe(), "2-D": hybrid_losses,
+            "2-D sharding": hybrid.overlap_runtime.sharding.describe(),
+            "2-D values": max(float((values[key] - value).abs().max()) for key, value in reference.state_dict().items())}
 
 
 def policy_refusals(rank: int, world: int) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Which ranks share the shards and which hold replicas: full sharding over one process
 group, hybrid sharding over a 2-D device mesh (replicate across nodes, shard inside each), or
-hpZ (shard over every rank, or a 1-D mesh's, and keep a copy over a node's ranks, or over
-consecutive ranks of the mesh, for backward; see overlap.runtime.node_copy).
+hpZ (shard over every rank, or a mesh's shard dimension, and keep a copy over a node's ranks,
+or over consecutive ranks of that dimension, for backward; see overlap.runtime.node_copy).
 
 With hybrid sharding the frequent all-gathers and reduce-scatters stay on the fast link
 inside a node, and only one all-reduce of each rank's gradient shard crosses the slow link
@@ -9,6 +9,7 @@ between nodes per step; the price is memory: states are sharded over a node's ra
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +25,8 @@ class ShardingGroups:
     shard: dist.ProcessGroup                    # ranks whose shards make up the parameters
     replicate: Optional[dist.ProcessGroup]      # ranks holding the same shard (None: full sharding)
     node: Optional[dist.ProcessGroup] = None    # hpZ: this node's ranks, which gather backward's copy
+    # (on a 2-D mesh hpZ runs inside each replica's shard group, and the replicas all-reduce as
+    # hybrid sharding's do)
 
     @property
     def replicas(self) -> int:
@@ -32,8 +35,9 @@ class ShardingGroups:
     def describe(self) -> str:
         shard = dist.get_world_size(self.shard)
         if self.node is not None:
+            replicas = "" if self.replicate is None else f", {self.replicas} replicas"
             return f"hpZ: full sharding over {shard} ranks, backward gathers over {dist.get_world_size(self.node)} " \
-                   "ranks per node"
+                   f"ranks per node{replicas}"
         return f"full sharding over {shard} ranks" if self.replicate is None else \
             f"hybrid sharding: {shard} ranks per shard group, {self.replicas} replicas"
 
@@ -92,8 +96,9 @@ def sharding_error(process_group: Optional[dist.ProcessGroup], mesh: Optional[De
             return f"mesh dimensions {names}: name them ('replicate', 'shard'), the order FSDP2 uses"
         if sharding == "hpz" and copy_ranks is None:
             return "sharding='hpz' builds its node groups from LOCAL_WORLD_SIZE; pass no mesh"
-        if sharding == "hpz" and (mesh.ndim != 1 or mesh.size() % copy_ranks):
-            return f"hpZ's copy over groups of {copy_ranks} ranks needs a 1-D mesh of a multiple of that many ranks"
+        if sharding == "hpz" and mesh.size(mesh.ndim - 1) % copy_ranks:
+            return f"hpZ's copy over groups of {copy_ranks} ranks needs a mesh whose shard dimension is a multiple " \
+                   "of that many ranks"
         return None
     if sharding == "full" or (sharding == "auto" and (process_group is not None or local_world_size is None)):
         return None                             # auto: full sharding over the group, or over one node
@@ -113,8 +118,12 @@ def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[
     its ranks, which only `fully_shard`'s int asks for), once `sharding_error` has found nothing
     wrong. Building a mesh is collective."""
     if mesh is not None:
-        # hpZ on a mesh: `local_world_size` is the copy's group size (fully_shard's int).
-        return hpz_within(mesh.get_group(0), local_world_size, device_type) if sharding == "hpz" else _from_mesh(mesh)
+        groups = _from_mesh(mesh)
+        if sharding != "hpz":
+            return groups
+        # hpZ on a mesh: `local_world_size` is the copy's group size (fully_shard's int), over
+        # consecutive ranks of the shard dimension.
+        return dataclasses.replace(groups, node=hpz_within(groups.shard, local_world_size, device_type).node)
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size()
     if sharding in ("full", "auto") or local_world_size is None or world == local_world_size:
