@@ -350,6 +350,8 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "last-dim-bf16-cpu-offload-int8": {"shard_placement_fn": "last", "offload_policy": "cpu", "mp_policy": "bf16",
                                        "overlap_policy": {"compression": "int8"}},
     "last-dim-hybrid-2d-mesh": {"shard_placement_fn": "last", "mesh": ("replicate", "shard")},
+    "last-dim-int8-int4-no-reshard": {"shard_placement_fn": "last", "reshard_after_forward": 1,
+                                      "overlap_policy": {"compression": "int8-int4"}},
     "last-dim-hpz-int-2-compiled": {"shard_placement_fn": "last", "reshard_after_forward": 2, "world": 4,
                                     "env": {"OVERLAP_COMPILE": "1"}},
 }

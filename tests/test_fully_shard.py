@@ -16,7 +16,7 @@ MODES = ("default", "mixed-precision", "explicit-prefetching", "dcp-api")
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 # The modes units kept gathered across microbatches are tested with here (fp32, bf16, offload
 # cpu and int8 are in tests/test_pipeline.py and tests/test_train_pipeline.py).
-KEEP_MODES = ("hybrid-2d-mesh", "hpz-int-2", "compiled")
+KEEP_MODES = ("hybrid-2d-mesh", "hpz-int-2", "compiled", "last-dim")
 BF16 = {"rtol": 2e-2, "atol": 2e-3}
 
 
@@ -342,7 +342,8 @@ def test_ignored_params_stay_whole_and_the_rest_trains_like_one_process(request,
 @pytest.mark.parametrize("name", _tiered(KEEP_MODES))
 def test_units_kept_across_microbatches_in_each_mode_train_like_one_process(request, name: str) -> None:
     """FSDP2's accumulation pattern (no sync and no resharding after the first microbatch's
-    backward) in hybrid, hpZ and compiled modes: the units kept, the losses one process's."""
+    backward) in hybrid, hpZ, compiled and other-dimension modes: the units kept, the losses one
+    process's."""
     for outcome in _outcomes(request, _world(name), f"keep-{name}"):
         result = outcome.result()
         assert any("kept gathered across a step's microbatches" in d for d in result["decided"]), result["decided"]
