@@ -70,6 +70,7 @@ _MARK = "_overlap_fully_shard"        # this call's arguments
 _RUNTIME = "_overlap_runtime"         # the ShardedModule that runs the whole model, once built
 _OWNER = "_overlap_owner"             # the marked module this one is inside, for the root's build
 _IGNORED = "_overlap_ignored"         # the root's: where the parameters left out of sharding are
+_BUILD_HOOK = "_overlap_build_hook"   # the pre-hook that builds the runtime at a first forward
 _BUILDING = object()                  # in place of the runtime while it is being built
 
 
@@ -158,7 +159,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
                 inner.__dict__[_OWNER] = each
         each.__dict__[_MARK] = marked
         each.__class__ = _fsdp_class(type(each))
-        each.register_forward_pre_hook(_build_before_forward, prepend=True, with_kwargs=True)
+        each.__dict__[_BUILD_HOOK] = each.register_forward_pre_hook(_build_before_forward, prepend=True,
+                                                                     with_kwargs=True)
         if mp_policy.output_dtype is not None:
             each.register_forward_hook(_OutputCast(mp_policy.output_dtype))
     return module
@@ -357,6 +359,8 @@ def _build(root: nn.Module) -> ShardedModule:
         raise
     for module in [root, *members]:
         module.__dict__[_RUNTIME] = runtime
+        # Built: the hook has nothing left to do, and a hook costs every forward a call.
+        module.__dict__.pop(_BUILD_HOOK).remove()
     register_grad_step([root, *members], runtime)
     calls = _calls_by_module(root)
     scheduler = runtime.scheduler
