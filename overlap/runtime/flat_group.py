@@ -584,7 +584,7 @@ class FlatGroup:
         self.place.grads_ready()
         if self.reduced:
             for index, late in self._late_direct.items():
-                self._grad_views[index].add_(self.laid(index, late))
+                self._grad_views[index].add_(self.laid(index, late).view_as(self._grad_views[index]))
                 got_grad[index] = True
             for param, grad, used in zip(self.module_params, self._published(), got_grad):
                 # A parameter frozen after wrapping is reduced with its group, but gets no `.grad`.
@@ -756,10 +756,11 @@ class FlatGroup:
         return whole if slot.dim == 0 else whole.movedim(0, slot.dim)
 
     def laid(self, index: int, local: torch.Tensor) -> torch.Tensor:
-        """A DTensor's local block of parameter `index` (or of state shaped like it) as this rank's
-        part is laid out in the flat shard."""
+        """A DTensor's local block of parameter `index` (or of state shaped like it) in the order
+        the flat shard lays this rank's part out: itself where the parameter is sharded on
+        dimension 0."""
         dim = self.slots[index].dim
-        return local.reshape(self.local_shapes[index]) if dim == 0 else local.movedim(dim, 0)
+        return local if dim == 0 else local.movedim(dim, 0)
 
     def oriented(self, index: int, part: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter `index` as its DTensor's local block (the inverse of `laid`)."""

@@ -316,7 +316,7 @@ def _reshard(state: dict[str, Any], group: FlatGroup, index: int) -> None:
                                  f"{tuple(value.shape)}, the parameter's is {tuple(group.global_shape(index))}")
             if group.dtensor_params and same_layout(value, like):
                 continue
-            local = group.laid(index, local_rows(value, like)).clone()
+            local = group.laid(index, local_rows(value, like)).reshape(part.shape).clone()
         elif not isinstance(value, torch.Tensor) or value.dim() == 0 or \
                 (value.shape == part.shape and not group.dtensor_params):
             continue
