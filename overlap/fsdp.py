@@ -209,7 +209,7 @@ def _check_arguments(module: nn.Module, mesh: Optional[DeviceMesh], reshard_afte
             raise NotImplementedError("fully_shard: ignored_params holds a DTensor parameter (tensor parallel); only "
                                       "plain parameters can be left out of sharding")
     if shard_placement_fn is not None:
-        for name, param in module.named_parameters():
+        for name, param in _managed_parameters(module):
             dim = _shard_dim(shard_placement_fn, param, name)
             if dim and isinstance(param, DTensor):
                 raise NotImplementedError(f"fully_shard: shard_placement_fn gave Shard({dim}) for {name!r}, a DTensor "
@@ -233,15 +233,26 @@ def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Optional[Shard]], pa
     return dim
 
 
+def _managed_parameters(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters a `fully_shard` call on `module` shards, by name: its own and those of the
+    modules inside it that no earlier call was given (FSDP2 applies each call's
+    `shard_placement_fn` to those alone)."""
+    for name, param in module._parameters.items():
+        if param is not None:
+            yield prefix + name, param
+    for name, child in module._modules.items():
+        if child is not None and _MARK not in child.__dict__:
+            yield from _managed_parameters(child, f"{prefix}{name}.")
+
+
 def _shard_dims(root: nn.Module) -> dict[int, int]:
     """Each parameter's sharded dimension where it is not 0, by id: from the `shard_placement_fn`
-    of the call that shards it (that of the nearest marked module that holds it)."""
-    calls = _calls_by_module(root)
+    of the call that shards it."""
     dims = {}
-    for module in root.modules():
-        given = calls[id(module)].shard_placement_fn
-        for name, param in module._parameters.items():
-            if given is not None and param is not None:
+    for prefix, module in root.named_modules():
+        given = module.__dict__[_MARK].shard_placement_fn if _MARK in module.__dict__ else None
+        if given is not None:
+            for name, param in _managed_parameters(module, f"{prefix}." if prefix else ""):
                 dim = _shard_dim(given, param, name)
                 if dim:
                     dims[id(param)] = dim

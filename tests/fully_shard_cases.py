@@ -1267,4 +1267,16 @@ def other_dims(rank: int, world: int, directory: str) -> dict[str, Any]:
         except NotImplementedError as error:
             refusals[what] = str(error)
     out["refusals"] = refusals
+    # A call's placement is for the parameters it shards: the root's Shard(2), which its
+    # block's matrices lack, reaches only the experts, as under FSDP2.
+    placements = {}
+    for name, shard in implementations().items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), _StackedExperts(2, 4, 4))
+        whole = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        shard(model[0])
+        shard(model, shard_placement_fn=lambda param: Shard(2))
+        placements[name] = {key: ([p.dim for p in value.placements], float((value.full_tensor() - whole[key]).abs().max()))
+                            for key, value in model.state_dict().items()}
+    out["root's placement"] = placements
     return out
