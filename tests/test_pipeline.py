@@ -57,12 +57,14 @@ def train_microbatched(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
                  microbatches: tuple[int, ...] = (MICROBATCHES,) * STEPS, bf16: bool = False,
-                 checkpointing: bool = False, evaluate: bool = False, follow: bool = False) -> dict[str, torch.Tensor]:
+                 checkpointing: bool = False, evaluate: bool = False, follow: bool = False,
+                 last_dim: bool = False) -> dict[str, torch.Tensor]:
     """This rank's stages after STEPS steps, as the whole model's state-dict keys and values.
     `wrap`: "sharded" (`ShardedModule(stage, mesh=...)`) or "fully_shard" (FSDP2's pattern:
     each block, then the stage), where the gradients are reduced once per step: the
     reduce-scatters issued are counted too (under "reductions"). `follow`: prefetch between
-    passes follows the schedules' actions (`overlap.follow_schedule`)."""
+    passes follows the schedules' actions (`overlap.follow_schedule`). `last_dim`: every
+    parameter sharded on its last dimension (`shard_placement_fn`, under "fully_shard")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed import pipelining
     from torch.distributed.fsdp import FSDPModule
@@ -72,6 +74,7 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import Shard
 
     from overlap import MixedPrecision, ShardedModule, follow_schedule, fully_shard
     from overlap.runtime.collectives import Collectives
@@ -98,9 +101,10 @@ def train_stages(rank: int, world: int, schedule: str, wrap: str = "sharded",
         # bf16 compute, gradients reduced (and summed across microbatches) in fp32.
         dtypes = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}
         if wrap == "fully_shard":
+            placement = {"shard_placement_fn": lambda param: Shard(-1)} if last_dim else {}
             for block in layers:
-                fully_shard(block, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**dtypes))
-            sharded = fully_shard(layers, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**dtypes))
+                fully_shard(block, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**dtypes), **placement)
+            sharded = fully_shard(layers, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**dtypes), **placement)
         else:
             sharded = ShardedModule(layers, mesh=mesh["dp"], mixed_precision=MixedPrecision(**dtypes))
         wrapped[index] = sharded
@@ -235,6 +239,10 @@ def launches() -> dict[int, CaseLaunch]:
             cases.update({f"{wrap}:DualPipeV:offload-cpu": RankCase(train_stages, ("DualPipeV", wrap),
                                                                      env={"OVERLAP_OFFLOAD": "cpu"})
                           for wrap in ("sharded", "fully_shard")})
+            # Every parameter sharded on its last dimension, with a full and a split backward.
+            cases.update({f"fully_shard:{schedule}:last-dim": RankCase(
+                train_stages, (schedule, "fully_shard", (MICROBATCHES,) * STEPS, False, False, False, False, True))
+                for schedule in ("1F1B", "ZBVZeroBubble")})
             # Kept units with the gathers and reductions compressed.
             cases["fully_shard:1F1B:int8"] = RankCase(train_stages, ("1F1B", "fully_shard"),
                                                       env={"OVERLAP_COMPRESS": "int8"})
@@ -388,6 +396,14 @@ def test_offloaded_stages_under_a_zero_bubble_schedule_train_alike(launches, wra
     """`OVERLAP_OFFLOAD=cpu` (masters and gradients' shards on the host), with the weight
     steps apart from the input steps."""
     _check_parity(launches, 4, f"{wrap}:DualPipeV:offload-cpu")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", ("1F1B", "ZBVZeroBubble"))
+def test_stages_sharded_on_their_last_dimension_train_alike(launches, schedule: str) -> None:
+    """`shard_placement_fn` giving `Shard(-1)` (every matrix on dimension 1), with a full
+    backward and with the weight steps apart from the input steps (the stage's leaves)."""
+    _check_parity(launches, 4, f"fully_shard:{schedule}:last-dim")
 
 
 @pytest.mark.slow          # a launch of its own, compiling each unit (about 10 s): in `make test-all`

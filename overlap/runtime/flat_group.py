@@ -331,7 +331,8 @@ class FlatGroup:
         self._full_nbytes = self.padded_numel * self.full.element_size()
         # See [Note: a pipeline stage's parameters as leaves]; made while `full` has its storage.
         self._leaves = [] if not self.stage_leaves else [
-            nn.Parameter(piece.view(slot.shape) if tp is None else tp.wrap(piece.view(slot.shape)),
+            nn.Parameter(tp.wrap(piece.view(slot.shape)) if tp is not None else
+                         piece.view(slot.laid_shape).movedim(0, slot.dim) if slot.dim else piece.view(slot.shape),
                          requires_grad=param.requires_grad)
             for piece, slot, param, tp in zip(self.full.detach().split_with_sizes(self._split_sizes)[::2], self.slots,
                                               self.module_params, self.tensor_parallel)]
@@ -528,7 +529,8 @@ class FlatGroup:
                 grad.redistribute(placements=self.tensor_parallel[index].placements).to_local())
                for index, grad in got]
         flat = torch.zeros(self.padded_numel, dtype=got[0][1].dtype, device=self.full.device)
-        self.kernels.pack([grad for _, grad in got], flat, [self.slots[index].offset for index, _ in got])
+        self.kernels.pack([self._laid_whole(index, grad) for index, grad in got], flat,
+                          [self.slots[index].offset for index, _ in got])
         for index, _ in got:
             self.got_grad[index] = True
             self._leaves[index].grad = None
@@ -738,7 +740,6 @@ class FlatGroup:
             return
         what = ("tensor parallelism" if any(tp is not None for tp in self.tensor_parallel) else
                 "expert parallelism" if self.experts is not None else
-                "a pipeline stage" if self.stage_leaves else
                 "ShardedModule (fully_shard's DTensor parameters only)" if not self.dtensor_params else None)
         if what is not None:
             raise NotImplementedError(f"{moved.name!r}: sharding dimension {moved.dim} (shard_placement_fn) with "
