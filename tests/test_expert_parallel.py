@@ -130,16 +130,21 @@ def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float
 
 
 def _fully_shard(model: torch.nn.Module, kind: str, expert_parallel: int, capacity: Optional[float],
-                 mesh: bool = False) -> None:
+                 mesh: bool = False, dim_1: bool = False) -> None:
     """`fully_shard` as FSDP2's users call it, each transformer block then the root (over a 1-D
     mesh of every rank with `mesh`), with the runtime's expert parallelism asked for on the
-    root's call."""
+    root's call; with `dim_1`, every parameter of more than one dimension sharded on dimension
+    1 (`shard_placement_fn`, torchtitan's for experts fewer than their ranks)."""
+    from torch.distributed.tensor import Shard
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from overlap import OverlapPolicy, fully_shard
 
     over = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))} if mesh else {}
+    if dim_1:
+        over["shard_placement_fn"] = lambda param: Shard(1) if param.dim() > 1 else None
     for block in (model.blocks if kind == "gpt_moe" else model.model.layers):
         fully_shard(block, **over)
     fully_shard(model, **over, overlap_policy=OverlapPolicy(
@@ -148,7 +153,7 @@ def _fully_shard(model: torch.nn.Module, kind: str, expert_parallel: int, capaci
 
 def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, optimizer: str,
           clip: float, capacity: Optional[float], chunks: Optional[int] = None, wrapper: str = "sharded",
-          mesh: bool = False) -> dict:
+          mesh: bool = False, dim_1: bool = False) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,7 +163,7 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
     model = _model(kind, capacity)
     _skew(model, routing)
     if wrapper == "fully_shard":
-        _fully_shard(model, kind, expert_parallel, capacity, mesh)
+        _fully_shard(model, kind, expert_parallel, capacity, mesh, dim_1)
         opt = _optimizer(model.parameters(), optimizer)       # over the DTensor parameters, as with FSDP2
     else:
         opt = _optimizer(model.parameters(), optimizer)       # built before wrapping, as users do
@@ -184,7 +189,10 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
         losses.append(float(mean) / world)
     state = model.full_state_dict(rank0_only=True) if wrapper == "sharded" else \
         get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {"losses": losses, "norms": norms, "dropped": sum(dropped), "state": state}
+    # Each expert parameter's sharded dimensions over (ep, efsdp), under fully_shard.
+    placements = {name: [placement.dim for placement in param.placements] for name, param in model.named_parameters()
+                  if wrapper == "fully_shard" and ".experts." in name}
+    return {"losses": losses, "norms": norms, "dropped": sum(dropped), "state": state, "placements": placements}
 
 
 def reshard(rank: int, world: int) -> dict:
@@ -224,28 +232,13 @@ def refusals(rank: int, world: int) -> dict:
                        ("indivisible", lambda: ShardedModule(_gpt_moe(), expert_parallel=3)),
                        ("no_capacity", lambda: ShardedModule(_qwen3_moe(), expert_parallel=2,
                                                              expert_capacity_factor=0.0)),
-                       ("capacity_alone", lambda: ShardedModule(_qwen3_moe(), expert_capacity_factor=1.0)),
-                       ("other_dim", lambda: _fully_shard_on_dim_1(_gpt_moe()).state_dict())):
+                       ("capacity_alone", lambda: ShardedModule(_qwen3_moe(), expert_capacity_factor=1.0))):
         try:
             make()
             out[name] = "returned"
         except Exception as exc:  # noqa: BLE001 - the refusal is the result
             out[name] = f"{type(exc).__name__}: {exc}"
     return out
-
-
-def _fully_shard_on_dim_1(model: torch.nn.Module) -> torch.nn.Module:
-    """`fully_shard` with every matrix sharded on dimension 1 and experts split over pairs of ranks."""
-    from torch.distributed.tensor import Shard
-
-    from overlap import OverlapPolicy, fully_shard
-
-    def on_dim_1(param: torch.nn.Parameter) -> Optional[Shard]:
-        return Shard(1) if param.dim() >= 2 else None
-
-    for block in model.blocks:
-        fully_shard(block, shard_placement_fn=on_dim_1)
-    return fully_shard(model, shard_placement_fn=on_dim_1, overlap_policy=OverlapPolicy(expert_parallel=2))
 
 
 def diverge(rank: int, world: int) -> str:
@@ -289,6 +282,8 @@ FULLY_SHARD_CASES = {
     "fully_shard-w2-ep2-qwen3-skewed-sgd-capacity": (2, "qwen3_moe", 2, "skewed", "sgd", 0.0, 1.0),
     "fully_shard-w4-ep2-skewed-adamw-clip-mesh": (4, "gpt_moe", 2, "skewed", "adamw", 0.05, None),
     "fully_shard-w4-ep4-normal-sgd-capacity": (4, "gpt_moe", 4, "normal", "sgd", 0.0, 0.5),
+    # Every matrix, experts included, sharded on dimension 1 (`shard_placement_fn`).
+    "fully_shard-w4-ep2-skewed-adamw-clip-dim1": (4, "gpt_moe", 2, "skewed", "adamw", 0.05, None),
 }
 # Checkpoints: (expert-parallel size saved at, the sizes it loads at), per world.
 CHECKPOINT_PLANS = {2: ((2, (2, None)),), 4: ((2, (4, None)), (4, (2,)))}
@@ -300,7 +295,8 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, CaseLaunch]:
     for world in (2, 4):
         cases = {name: RankCase(train, (*case[1:], *(None,) * (8 - len(case)), "sharded", name.endswith("-mesh")))
                  for name, case in CASES.items() if case[0] == world}
-        cases.update({name: RankCase(train, case[1:] + (None, "fully_shard", name.endswith("-mesh")))
+        cases.update({name: RankCase(train, case[1:] + (None, "fully_shard", name.endswith("-mesh"),
+                                                        name.endswith("-dim1")))
                       for name, case in FULLY_SHARD_CASES.items() if case[0] == world})
         for wrapper in ("sharded", "fully_shard"):
             cases[f"checkpoints-{wrapper}"] = RankCase(
@@ -330,6 +326,9 @@ def test_trains_like_one_process(launches, case: str) -> None:
             torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]),
                                        rtol=1e-5, atol=1e-6)
             assert min(reference["norms"]) > clip                  # the clip binds
+    if case.endswith("-dim1"):
+        assert all(dims == [0, 1] for dims in outcomes[0]["placements"].values()) and outcomes[0]["placements"], \
+            outcomes[0]["placements"]
     state = outcomes[0]["state"]
     assert set(state) == set(reference["state"])
     # AdamW divides by the gradient's own scale: where a gradient is near zero, summation
@@ -352,8 +351,6 @@ def test_what_does_not_compose_is_refused_on_every_rank(launches) -> None:
         assert result["no_capacity"].startswith("ValueError") and \
             "expert_capacity_factor must be a positive number" in result["no_capacity"], result
         assert "expert_capacity_factor needs expert_parallel" in result["capacity_alone"], result
-        assert result["other_dim"].startswith("NotImplementedError") and \
-            "sharding dimension 1 (shard_placement_fn) with expert parallelism" in result["other_dim"], result
 
 
 @pytest.mark.timeout(600)

@@ -51,10 +51,14 @@ def experts_shape(local_shape: torch.Size, groups: ExpertGroups) -> torch.Size:
 
 
 def expert_dtensor(part: torch.Tensor, local_shape: torch.Size, rows: tuple[int, ...], groups: ExpertGroups,
-                   device_type: str) -> RowDTensor:
+                   device_type: str, dim: int = 0) -> RowDTensor:
     """`part` (this rank's rows of an expert parameter shaped `local_shape` over this rank's
     experts; each expert-sharding rank's row count in `rows`) as a DTensor of every expert
-    whose local tensor is a view of `part` (see the note)."""
+    whose local tensor is a view of `part` (see the note). With `dim`, the expert-sharding
+    group holds rows of that dimension instead (`shard_placement_fn`'s, `part` already in the
+    parameter's order: [Note: sharding another dimension] in overlap/runtime/flat_group.py):
+    `Shard(0)` over ep, then `RowShard(dim, rows)` over efsdp, as torchtitan shards experts
+    that are fewer than their ranks."""
     shape = experts_shape(local_shape, groups)
-    local = part.detach().view(-1, *shape[1:])
-    return row_dtensor(local, expert_mesh(groups, device_type), [Shard(0), RowShard(0, rows)], shape)
+    local = part.detach() if dim else part.detach().view(-1, *shape[1:])
+    return row_dtensor(local, expert_mesh(groups, device_type), [Shard(0), RowShard(dim, rows)], shape)

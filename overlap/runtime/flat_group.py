@@ -631,8 +631,10 @@ class FlatGroup:
             if slot.dim:                          # see [Note: sharding another dimension]
                 local = self.oriented(index, part.detach())
                 if spec is None:
-                    spec = self._specs[key] = row_dtensor(local, mesh, [RowShard(slot.dim, self.rows_by_rank[index])],
-                                                          slot.shape)._spec
+                    rows = self.rows_by_rank[index]
+                    spec = self._specs[key] = (
+                        row_dtensor(local, mesh, [RowShard(slot.dim, rows)], slot.shape) if self.experts is None else
+                        expert_dtensor(local, slot.shape, rows, self.experts, mesh.device_type, slot.dim))._spec
                 return RowDTensor(local, spec, requires_grad=False)
             if spec is None:
                 spec = self._specs[key] = (
@@ -739,7 +741,6 @@ class FlatGroup:
         if moved is None:
             return
         what = ("tensor parallelism" if any(tp is not None for tp in self.tensor_parallel) else
-                "expert parallelism" if self.experts is not None else
                 "ShardedModule (fully_shard's DTensor parameters only)" if not self.dtensor_params else None)
         if what is not None:
             raise NotImplementedError(f"{moved.name!r}: sharding dimension {moved.dim} (shard_placement_fn) with "
