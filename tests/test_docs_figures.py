@@ -972,6 +972,13 @@ FIGURES: list[Figure] = [
            (at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", "median"),
             lambda d: round(d["results"]["1"]["16"]["overlap-fully-shard"]["host_us_per_unit"]["median"])
             - round(d["results"]["1"]["16"]["overlap-full"]["host_us_per_unit"]["median"]))),
+    # docs/fully_shard.md: the build hook removed, against the commit before.
+    Figure("docs/fully_shard.md", "{0:.0f} against {1:.0f} µs, {2:.2f} ({3:.2f}–{4:.2f}) per round",
+           "overhead_build_hook.json",
+           (*[at("results", "1", "16", impl, "host_us_per_unit", "median")
+              for impl in ("overlap-fully-shard", "overlap-fully-shard-base")],
+            *[at("results", "1", "16", "overlap-fully-shard", "ratios", "overlap-fully-shard-base", k)
+              for k in ("median", "min", "max")])),
     # docs/history.md: fully_shard before its units were merged into buckets.
     *[Figure("docs/history.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_fully_shard.json",
              _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2"))
