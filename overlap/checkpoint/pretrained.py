@@ -110,8 +110,13 @@ def _read_part(stored: Any, shape: tuple[int, ...], group: Any, index: int) -> N
     start, end = group.parts[index]
     part = group.params[index]
     with torch.no_grad():
-        if group.slots[index].dim:                      # sharded on another dimension: its slices, from the whole
-            part.copy_(group.local_of_full(index, torch.as_tensor(stored[:])))
+        dim = group.slots[index].dim
+        if dim:                                         # sharded on another dimension: its block of slices
+            if part.shape[0]:
+                first = group.layout.first_row(index, group.collectives.rank, group.slots[index].laid_shape)
+                block = stored[tuple(slice(first, first + part.shape[0]) if d == dim else slice(None)
+                                     for d in range(len(shape)))]
+                part.copy_(block.movedim(dim, 0))
             return
         if not shape:                                   # a 0-dim parameter
             if end > start:
