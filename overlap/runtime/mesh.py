@@ -58,16 +58,16 @@ def connect(group: dist.ProcessGroup, device_type: str) -> None:
     dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
-def hpz_within(shard: dist.ProcessGroup, copy_ranks: int, device_type: str) -> ShardingGroups:
-    """hpZ inside `shard` (a mesh's ranks): backward's copy over groups of `copy_ranks`
-    consecutive ranks of it. Collective over `shard`; only its ranks make the groups, each
-    its own (see [Note: groups made by some ranks only])."""
+def copy_group_within(shard: dist.ProcessGroup, copy_ranks: int, device_type: str) -> dist.ProcessGroup:
+    """hpZ inside `shard` (a mesh's ranks): the group of `copy_ranks` consecutive ranks of it
+    that holds this rank's part of backward's copy. Collective over `shard`; only its ranks
+    make the groups, each its own (see [Note: groups made by some ranks only])."""
     ranks = dist.get_process_group_ranks(shard)
     level_group_counts(shard)
     start = ranks.index(dist.get_rank()) // copy_ranks * copy_ranks
     node = dist.new_group(ranks[start:start + copy_ranks], use_local_synchronization=True)
     connect(node, device_type)
-    return ShardingGroups(shard, None, node)
+    return node
 
 
 def _from_mesh(mesh: DeviceMesh) -> ShardingGroups:
@@ -123,7 +123,7 @@ def resolve_sharding(process_group: Optional[dist.ProcessGroup], mesh: Optional[
             return groups
         # hpZ on a mesh: `local_world_size` is the copy's group size (fully_shard's int), over
         # consecutive ranks of the shard dimension.
-        return dataclasses.replace(groups, node=hpz_within(groups.shard, local_world_size, device_type).node)
+        return dataclasses.replace(groups, node=copy_group_within(groups.shard, local_world_size, device_type))
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size()
     if sharding in ("full", "auto") or local_world_size is None or world == local_world_size:
