@@ -671,7 +671,7 @@ FIGURES: list[Figure] = [
            (*_exposed("2gbit", "overlap"), *_exposed("2gbit", "overlap-int8"))),
     Figure("docs/compression.md", "(int8 {0:.2f}–{1:.2f} per round)", "compression.json",
            _extremes(_paired("2gbit", "overlap-int8", ("overlap",)))),
-    Figure("docs/compression.md", "int8 is ahead ({0:.2f}, held in {1} of 3 rounds) and int8-int4 more so "
+    Figure("docs/compression.md", "int8 is ahead ({0:.2f}, held in {1} of 3 rounds) and int8-int4 about as far "
                                   "({2:.2f}, {3} of 3)", "compression.json",
            (_spread(_paired("2gbit", "overlap-int8", ("ddp-fp16",)))[0], held(_paired("2gbit", "overlap-int8", ("ddp-fp16",)), 1.0),
             _spread(_paired("2gbit", "overlap-int8-int4", ("ddp-fp16",)))[0],
