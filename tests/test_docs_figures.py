@@ -858,14 +858,16 @@ FIGURES: list[Figure] = [
     *[Figure("docs/history.md", "| {0:.1f}, {1:.2f} ({2:.2f}–{3:.2f}) |", "compile_capture_2gbit.json", _captured(key))
       for _, key in _CAPTURED],
     Figure("docs/compile.md", "local compiled ÷ eager {0:.2f} ({1:.2f}–{2:.2f}), overlap {3:.2f} ({4:.2f}–{5:.2f}); the "
-                              "first target met overall ({6:.2f}) and in {9} of 5 rounds, the second met in all 5 "
+                              "first target met overall ({6:.2f}) and in {9} of 5 rounds, the second in {10} of 5 "
                               "({7:.2f}–{8:.2f})", "compile_compare_mlp_loopback_pinned.json",
            (*_compiled_pair("loopback", "local")[2:], *_compiled_pair("loopback", "overlap")[2:],
             _compile_target("loopback", "(overlap compiled ÷ eager) / (local compiled ÷ eager)")[0],
             lambda d: min(row(("targets",), "rounds", what="overlap-compiled step time / fsdp2-tuned-compiled")(d)),
             lambda d: max(row(("targets",), "rounds", what="overlap-compiled step time / fsdp2-tuned-compiled")(d)),
             lambda d: sum(r <= 1.03 for r in row(("targets",), "rounds",
-                                                   what="(overlap compiled ÷ eager) / (local compiled ÷ eager)")(d)))),
+                                                   what="(overlap compiled ÷ eager) / (local compiled ÷ eager)")(d)),
+            lambda d: sum(r <= 1 for r in row(("targets",), "rounds",
+                                                what="overlap-compiled step time / fsdp2-tuned-compiled")(d)))),
     Figure("docs/compile.md", "| overlap-compiled | {0:.1f} s | {1:.1f} s |", "compile_time_default.json",
            tuple(at("results", "loopback", "overlap-compiled", "first_step_s", i) for i in (0, 1))),
     Figure("docs/compile.md", "| local-compiled | {0:.1f} s (after overlap-compiled's round: the block's graph was "
