@@ -1341,7 +1341,7 @@ FIGURES: list[Figure] = [
              _AGAINST_26, (*_spread(_paired("2gbit", "overlap", ("ddp-tuned",))),
                            *_spread(_paired("2gbit", "overlap", ("fsdp2-tuned",)))))
       for doc, between in (("README.md", " was "), ("docs/benchmarks.md", "\n  "))],
-    *[Figure("README.md", f"| this code ÷ 26a39e3's (the run before), {words} | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |",
+    *[Figure("README.md", f"| 0a3e162's code ÷ 26a39e3's (the run before), {words} | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |",
              name, _spread(_paired(link, "overlap", ("overlap-base",))))
       for words, name, link in (("2 Gbit/s", _AGAINST_26, "2gbit"), ("loopback", _AGAINST_26_LOOPBACK, "loopback"))],
     Figure("README.md", "on loopback **{0:.2f} ({1:.2f}–{2:.2f})**, {3:.0f} against {4:.0f} ms", _AGAINST_26_LOOPBACK,
