@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from statistics import median
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from netns import throttled_namespace
@@ -133,15 +134,23 @@ class RunRecord:
                     load_before=self.loadavg_before, load_after=list(os.getloadavg()))
 
 
-def launch(script: str, nproc: int, worker_args: Sequence[str], timeout_s: float, prefix: Sequence[str] = (),
+def launch(script: str, nproc: Optional[int], worker_args: Sequence[str], timeout_s: float, prefix: Sequence[str] = (),
            python: str = sys.executable, env: Optional[dict] = None) -> Any:
-    """Run `script` on `nproc` single-threaded local ranks behind `prefix` within `timeout_s`;
-    what rank 0 wrote to the `--result FILE` it is given."""
+    """Run `script` on `nproc` single-threaded local ranks (None: one process, no torchrun)
+    behind `prefix` within `timeout_s`; what rank 0 wrote to the `--result FILE` it is given."""
     with tempfile.TemporaryDirectory() as scratch:
         result = os.path.join(scratch, "result.json")
-        command = [*prefix, *torchrun(script, nproc, [*worker_args, "--result", result], python)]
-        run_with_deadline(command, timeout_s, env={**single_thread_env(), **(env or {})})
+        worker = [*worker_args, "--result", result]
+        command = [python, script, *worker] if nproc is None else torchrun(script, nproc, worker, python)
+        run_with_deadline([*prefix, *command], timeout_s, env={**single_thread_env(), **(env or {})})
         return read_json(result)
+
+
+def launch_worker(script: str, nproc: int, args: argparse.Namespace, options: Sequence[str], *extra: str,
+                  prefix: Sequence[str] = (), env: Optional[dict] = None) -> Any:
+    """`launch` of `script --worker`, `extra` and the `options` of `args` within args.timeout."""
+    return launch(os.path.abspath(script), nproc, ["--worker", *extra, *forwarded(args, options)], args.timeout, prefix,
+                  env=env)
 
 
 def forwarded(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
@@ -192,13 +201,27 @@ def script_main(argv: Optional[Sequence[str]], parse_args: Callable[[Sequence[st
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
         run_worker(args)
-        _exit_worker()
-    _exit_cleanly_on_sigterm()
+        # End the rank at once, its results written: at interpreter teardown gloo's threads may
+        # wait for the GIL while the main thread joins them from the process group's destructor
+        # (a hang after all the work), so the process group is not destroyed either.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    # SIGTERM becomes SystemExit: launched ranks are killed and namespaces deleted on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return run_driver(args)
 
 
 def arg_parser(doc: Optional[str]) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """`--<name>` (dashes for underscores) for each keyword, of its default's type (a string for
+    None): the options whose names say all there is to say."""
+    for name, default in defaults.items():
+        kind = str if default is None else type(default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
 
 
 def require_min(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum: int, *names: str) -> None:
@@ -219,20 +242,6 @@ def parse_with_worker_options(parser: argparse.ArgumentParser, argv: Sequence[st
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     return parse_recorded(parser, argv)
-
-
-def _exit_cleanly_on_sigterm() -> None:
-    """SIGTERM becomes SystemExit: launched ranks are killed and namespaces deleted on the way out."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-
-def _exit_worker() -> None:
-    """End a rank program at once, its results written: at interpreter teardown gloo's threads
-    may wait for the GIL while the main thread joins them from the process group's destructor
-    (a hang after all the work), so the process group is not destroyed either."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def proc_status_kib(field: str) -> int:
@@ -285,15 +294,12 @@ def single_thread_env() -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def free_port() -> int:
+def single_rank_env() -> dict[str, str]:
+    """The environment torchrun gives the one rank of a world of one, on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def single_rank_env() -> dict[str, str]:
-    """The environment torchrun gives the one rank of a world of one."""
-    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+        port = s.getsockname()[1]
+    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                 LOCAL_WORLD_SIZE="1")
 
 
@@ -442,12 +448,6 @@ def patched(*replacements: tuple[Any, str, Any]) -> Iterator[None]:
             setattr(owner, name, value)
 
 
-def median(values: Sequence[float]) -> float:
-    if not values:
-        raise ValueError("median of no values")
-    return statistics.median(values)
-
-
 def quartiles(values: Sequence[float]) -> tuple[float, float]:
     """(25th, 75th) percentile; the value itself for one value."""
     if len(values) < 2:
@@ -463,10 +463,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def write_json(path: str, data: Any) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+    write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def write_results(out_dir: str, name: str, data: Any, table: str) -> None:

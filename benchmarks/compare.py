@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from typing import Optional, Sequence
 
 import peers
-from common import (LOOPBACK, arg_parser, checkout_python, forwarded, git_commit, on_link, parse_choices, parse_links,
-                    parse_recorded, read_json, require_min, run_with_deadline, script_main, single_thread_env,
-                    torchrun)
+from common import (LOOPBACK, add_options, arg_parser, checkout_python, forwarded, git_commit, launch, on_link,
+                    parse_choices, parse_links, parse_recorded, read_json, require_min, script_main)
 from compare_report import write_outputs
 from compare_summary import BASELINE, WORLD_SIZE, summarize
 from compare_targets import check_targets
@@ -35,20 +33,18 @@ from gpt_options import BENCHMARK_MODEL, MODEL_FIELDS, SMALL_MODEL, add_model_op
 IMPLEMENTATIONS = peers.IMPLEMENTATIONS
 
 
-def _worker_args(args: argparse.Namespace, impl: str, result: str, memory: bool) -> list[str]:
-    options = ("model", "seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb",
-               "ddp_bucket_mb", "fsdp2_prefetch")
-    return ["--worker", impl, "--result", result, *forwarded(args, options), *(["--memory"] if memory else [])]
+WORKER_OPTIONS = ("model", "seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb",
+                  "ddp_bucket_mb", "fsdp2_prefetch")
 
 
-def _launch(args: argparse.Namespace, impl: str, prefix: list[str], result: str, memory: bool) -> dict:
+def _launch(args: argparse.Namespace, impl: str, prefix: list[str], memory: bool) -> dict:
     # The baseline runs its own checkout's worker: its package's modules may have other names.
     script = os.path.join(args.baseline, "benchmarks", "compare.py") if impl == BASELINE else os.path.abspath(__file__)
     python = checkout_python(args.baseline) if impl == BASELINE else sys.executable
-    worker = _worker_args(args, peers.OVERLAP if impl == BASELINE else impl, result, memory)
-    command = [python, script, *worker] if impl in peers.SINGLE_PROCESS else torchrun(script, WORLD_SIZE, worker, python)
-    run_with_deadline(prefix + command, args.run_timeout, env=single_thread_env())
-    return {**read_json(result), "impl": impl}
+    worker = ["--worker", peers.OVERLAP if impl == BASELINE else impl, *forwarded(args, WORKER_OPTIONS),
+              *(["--memory"] if memory else [])]
+    nproc = None if impl in peers.SINGLE_PROCESS else WORLD_SIZE
+    return {**launch(script, nproc, worker, args.run_timeout, prefix, python), "impl": impl}
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
@@ -57,18 +53,15 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 
     runs = []
     progress = tqdm(total=len(args.links) * args.rounds * len(args.impls), unit="run")
-    with tempfile.TemporaryDirectory() as scratch:
-        for link in args.links:
-            with on_link(link) as prefix:
-                for round_index in range(args.rounds):
-                    for impl in args.impls:
-                        progress.set_description(f"{link} round {round_index + 1} {impl}")
-                        result = os.path.join(scratch, f"{link}-{round_index}-{impl}.json")
-                        # Memory does not depend on the link: measured once, in the first round of the first link.
-                        memory = round_index == 0 and link == args.links[0]
-                        run = _launch(args, impl, prefix, result, memory)
-                        runs.append({**run, "link": link, "round": round_index})
-                        progress.update()
+    for link in args.links:
+        with on_link(link) as prefix:
+            for round_index in range(args.rounds):
+                for impl in args.impls:
+                    progress.set_description(f"{link} round {round_index + 1} {impl}")
+                    # Memory does not depend on the link: measured once, in the first round of the first link.
+                    memory = round_index == 0 and link == args.links[0]
+                    runs.append({**_launch(args, impl, prefix, memory), "link": link, "round": round_index})
+                    progress.update()
     progress.close()
     return runs
 
@@ -86,8 +79,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="gpt: overlap.models.GPT; mlp: narrow_mlp.NarrowMLP (blocks of narrow "
                         "LayerNorm/GELU layers, where compiling helps on CPU; --n-head unused)")
     add_model_options(parser, BENCHMARK_MODEL)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    add_options(parser, lr=1e-3, seed=0)
     parser.add_argument("--prefetch-depth", type=int, default=None, help="ShardedModule's (default: its planner)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="ShardedModule's (default: its planner)")
     parser.add_argument("--ddp-bucket-mb", type=float, default=10.0, help=f"{peers.DDP_TUNED}'s bucket_cap_mb")

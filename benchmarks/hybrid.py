@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from cluster import run_on_cluster
-from common import (RunRecord, arg_parser, forwarded, markdown_table, median, paired_ratios, parse_choices,
+from common import (RunRecord, add_options, arg_parser, forwarded, markdown_table, median, paired_ratios, parse_choices,
                     parse_recorded, quartiles, read_json, script_main, slowest_of_ranks, timed_steps, write_json)
 from gpt_options import SMALL_MODEL
 
@@ -148,11 +148,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
     parser.add_argument("--rate", default="1gbit", help="inter-node link rates (tc tbf), comma-separated")
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--out", default=None)
+    add_options(parser, rounds=2, steps=10, warmup=2, batch=4, out=None)
     parser.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide GPT: a smoke run of seconds")
     parser.add_argument("--fsdp2-prefetch", type=int, default=2, help="fsdp2-hsdp-tuned's prefetch lists, in blocks")

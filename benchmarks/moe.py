@@ -16,7 +16,7 @@ import sys
 import re
 from typing import Optional, Sequence
 
-from common import (RunRecord, arg_parser, forwarded, in_turns, launch, markdown_table, median, on_link,
+from common import (RunRecord, add_options, arg_parser, in_turns, launch_worker, markdown_table, median, on_link,
                     parse_with_worker_options, script_main, spread, start_rank, timed_steps, to_driver, train_step,
                     write_results)
 from tensor_memory import peak_tensor_rise_mb
@@ -111,10 +111,9 @@ def _hidden_share(per_round: list[list[list[float]]]) -> Optional[float]:
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("moe.py", args.argv)
-    worker = ["--worker", *forwarded(args, ("rounds", "steps", "width", "layers", "seq", "batch", "expert_hidden",
-                                            "variants"))]
+    options = ("rounds", "steps", "width", "layers", "seq", "batch", "expert_hidden", "variants")
     with on_link(args.link) as prefix:
-        data = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout, prefix)
+        data = launch_worker(__file__, WORLD_SIZE, args, options, prefix=prefix)
     ranks = data["ranks"]
     variants = args.variants.split(",")
     # A round's step takes as long as its slowest rank.
@@ -159,16 +158,14 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_options(parser, rounds=5)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and variant")
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    add_options(parser, width=256, layers=4)
     parser.add_argument("--expert-hidden", type=int, default=1152, help="31.5M parameters at the defaults")
-    parser.add_argument("--seq", type=int, default=128)
+    add_options(parser, seq=128)
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 2gbit")
-    parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--timeout", type=float, default=1800)
+    add_options(parser, out="bench_out", timeout=1800.0)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated, 'no EP' among them: no EP, EP 2, EP 4, FSDP2, or EP <E>/<chunks>")
     args = parse_with_worker_options(parser, argv)

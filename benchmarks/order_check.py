@@ -10,13 +10,13 @@ without the check's words.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Sequence
 
-from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, parse_with_worker_options,
-                    script_main, seconds_of, slower_rank, start_rank, to_driver, train_step, write_results)
+from common import (RunRecord, add_options, arg_parser, in_turns, launch_worker, markdown_table, median,
+                    parse_with_worker_options, script_main, seconds_of, slower_rank, start_rank, to_driver, train_step,
+                    write_results)
 
 WORLD_SIZE = 2
 
@@ -45,14 +45,14 @@ def run_worker(args: argparse.Namespace) -> None:
     scheduler, collectives = model.scheduler, model.collectives
     check = scheduler.order
     _train_steps(model, optimizer, batch, 2)                       # warm-up
-    step_s: dict[str, list[float]] = {"with check": [], "without": []}
-    for round_index in range(args.rounds):
-        # Alternate which setting goes first, so drift in the machine's load splits evenly.
-        names = list(step_s) if round_index % 2 == 0 else list(reversed(step_s))
-        for name in names:
-            scheduler.order = collectives.watch = check if name == "with check" else None
-            dist.barrier()
-            step_s[name].append(_train_steps(model, optimizer, batch, args.steps))
+
+    def steps_with(name: str) -> float:
+        scheduler.order = collectives.watch = check if name == "with check" else None
+        dist.barrier()
+        return _train_steps(model, optimizer, batch, args.steps)
+
+    # Which setting goes first alternates, so drift in the machine's load splits evenly.
+    step_s = in_turns(("with check", "without"), args.rounds, steps_with)
     scheduler.order = collectives.watch = check
 
     # The order words of one step: one before each collective of the shard group.
@@ -105,8 +105,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("order_check.py", args.argv)
-    data = launch(os.path.abspath(__file__), WORLD_SIZE, ["--worker", *forwarded(args, ("rounds", "steps", "width"))],
-                  args.timeout)
+    data = launch_worker(__file__, WORLD_SIZE, args, ("rounds", "steps", "width"))
     ranks = data["ranks"]
     rounds = {name: slower_rank(r["step_s"][name] for r in ranks) for name in ranks[0]["step_s"]}
     with_check, without = median(rounds["with check"]), median(rounds["without"])
@@ -138,11 +137,10 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_options(parser, rounds=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round and setting")
     parser.add_argument("--width", type=int, default=512, help="model width (the benchmark GPT's is 512)")
-    parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--timeout", type=float, default=900)
+    add_options(parser, out="bench_out", timeout=900.0)
     return parse_with_worker_options(parser, argv)
 
 

@@ -30,9 +30,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 import peers
-from common import (REPOSITORY as REPO, RunRecord, arg_parser, checkout_python, git_commit, read_json, require_min,
-                    run_with_deadline, script_main, single_rank_env, single_thread_env, start_rank, to_driver,
-                    torchrun, write_json, write_text)
+from common import (REPOSITORY as REPO, RunRecord, add_options, arg_parser, checkout_python, forwarded, git_commit,
+                    launch, parse_recorded, require_min, script_main, single_rank_env, start_rank, to_driver,
+                    write_json, write_text)
 from overhead_report import (BASELINE_SUFFIX, DEEPSPEED, FSDP2, FSDP2_TUNED, OVERLAP, OVERLAP_FULLY_SHARD,
                              host_s_per_unit, host_table, share_table, summarize)
 
@@ -238,32 +238,21 @@ def run_worker(args: argparse.Namespace) -> None:
     to_driver(args.result, mine, **facts)
 
 
-def _worker_args(args: argparse.Namespace, row: Row, world: int, units: int, result: str) -> list[str]:
-    out = ["--worker", row.impl, "--result", result, "--units", str(units), "--sharding", row.sharding,
-           "--compression", row.compression]
+def _worker_args(args: argparse.Namespace, row: Row, world: int, units: int) -> list[str]:
+    out = ["--worker", row.impl, "--units", str(units), "--sharding", row.sharding, "--compression", row.compression]
     if row.sharding != "full" and world > 1:
         out += ["--ranks-per-node", "1"]
-    for key in ("warmup", "steps", "batch", "lr", "seed", "fsdp2_prefetch"):
-        out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return out
+    return out + forwarded(args, ("warmup", "steps", "batch", "lr", "seed", "fsdp2_prefetch"))
 
 
-def _launch(args: argparse.Namespace, row: Row, world: int, units: int, result: str,
-            profile_out: Optional[str] = None) -> dict:
+def _launch(args: argparse.Namespace, row: Row, world: int, units: int, profile_out: Optional[str] = None) -> dict:
     """Run `row` once on `world` ranks (one rank: without torchrun's agent) and read its result."""
     checkout = args.baseline if row.baseline else REPO
     python = checkout_python(checkout) if row.baseline else sys.executable
-    worker = _worker_args(args, row, world, units, result) + (["--profile-out", profile_out] if profile_out else [])
-    script = os.path.abspath(__file__)
-    env = single_thread_env()
-    env["OVERLAP_ORDER_CHECK"] = row.order_check
-    if world == 1:
-        command = [python, script, *worker]
-        env.update(single_rank_env())
-    else:
-        command = torchrun(script, world, worker, python)
-    run_with_deadline(command, args.run_timeout, env=env)
-    data = read_json(result)
+    worker = _worker_args(args, row, world, units) + (["--profile-out", profile_out] if profile_out else [])
+    env = {"OVERLAP_ORDER_CHECK": row.order_check, **(single_rank_env() if world == 1 else {})}
+    data = launch(os.path.abspath(__file__), None if world == 1 else world, worker, args.run_timeout, python=python,
+                  env=env)
     root = data.pop("package_root", None)
     if root is not None and os.path.realpath(root) != os.path.realpath(checkout):
         raise RuntimeError(f"{row.name} ran the package of {root}, not of {checkout}")
@@ -273,21 +262,19 @@ def _launch(args: argparse.Namespace, row: Row, world: int, units: int, result: 
 def run_all(args: argparse.Namespace) -> list[dict]:
     """Every (world, units, round, row) launch, rows alternating within a round."""
     runs = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for world in args.world:
-            rows = [row for row in all_rows(world, bool(args.baseline)) if row.name in args.rows]
-            for units in args.units:
-                for round_index in range(args.rounds):
-                    for row in rows:
-                        if row.name in args.skipped:
-                            continue
-                        load_before = os.getloadavg()[0]
-                        result = os.path.join(scratch, f"{world}-{units}-{round_index}-{row.name}.json")
-                        data = _launch(args, row, world, units, result)
-                        runs.append(dict(world=world, units=units, round=round_index, row=row.name,
-                                         load_1min=[load_before, os.getloadavg()[0]], **data))
-                        log.info("world %d, %d units, round %d, %s: host %.3f ms per unit per step", world, units,
-                                 round_index + 1, row.name, host_s_per_unit(runs[-1]) * 1e3)
+    for world in args.world:
+        rows = [row for row in all_rows(world, bool(args.baseline)) if row.name in args.rows]
+        for units in args.units:
+            for round_index in range(args.rounds):
+                for row in rows:
+                    if row.name in args.skipped:
+                        continue
+                    load_before = os.getloadavg()[0]
+                    data = _launch(args, row, world, units)
+                    runs.append(dict(world=world, units=units, round=round_index, row=row.name,
+                                     load_1min=[load_before, os.getloadavg()[0]], **data))
+                    log.info("world %d, %d units, round %d, %s: host %.3f ms per unit per step", world, units,
+                             round_index + 1, row.name, host_s_per_unit(runs[-1]) * 1e3)
     return runs
 
 
@@ -329,9 +316,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each launch")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per launch")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    add_options(parser, batch=2, lr=1e-3, seed=0)
     parser.add_argument("--fsdp2-prefetch", type=int, default=2,
                         help=f"{FSDP2_TUNED}: blocks in each explicit forward/backward prefetch list")
     parser.add_argument("--baseline", help="another checkout with its environment in .venv (`make setup` there): "
@@ -347,8 +332,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--compression", default="none", choices=COMPRESSIONS, help=argparse.SUPPRESS)
     parser.add_argument("--ranks-per-node", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--profile-out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.argv = list(argv)
+    args = parse_recorded(parser, argv)
     if args.worker:
         return args
     require_min(parser, args, 1, "rounds", "steps", "batch", "warmup")      # the first step learns the order
@@ -367,8 +351,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def write_profile(args: argparse.Namespace, record: RunRecord) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         profile_out = os.path.join(scratch, "profile.txt")
-        _launch(args, Row("overlap-full", OVERLAP), 1, PROFILE_UNITS, os.path.join(scratch, "result.json"),
-                profile_out)
+        _launch(args, Row("overlap-full", OVERLAP), 1, PROFILE_UNITS, profile_out)
         with open(profile_out) as f:
             profile = f.read()
     header = (f"ShardedModule (full sharding, no compression), {PROFILE_UNITS} units, 1 rank: the {args.steps} "

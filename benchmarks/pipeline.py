@@ -13,12 +13,11 @@ faster setting.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Sequence
 
-from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, parse_with_worker_options,
-                    rotated, script_main, slower_rank, start_rank, timed_steps, to_driver, write_results)
+from common import (RunRecord, add_options, arg_parser, launch_worker, markdown_table, median,
+                    parse_with_worker_options, rotated, script_main, slower_rank, start_rank, timed_steps, to_driver, write_results)
 from tensor_memory import peak_tensor_rise_mb
 
 WORLD_SIZE, PP = 4, 2
@@ -202,8 +201,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("pipeline.py", args.argv)
-    worker = ["--worker", *forwarded(args, ("rounds", "steps", "width", "layers", "seq", "microbatches"))]
-    data = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout)
+    data = launch_worker(__file__, WORLD_SIZE, args, ("rounds", "steps", "width", "layers", "seq", "microbatches"))
     ranks = data["ranks"]
     rounds = {v: slower_rank(r["step_s"][v] for r in ranks) for v in VARIANTS}
     best_fsdp2 = [min(a, b) for a, b in zip(rounds["FSDP2 reshard"], rounds["FSDP2 no reshard"])]
@@ -231,14 +229,13 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_options(parser, rounds=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round and variant")
-    parser.add_argument("--width", type=int, default=512)
+    add_options(parser, width=512)
     parser.add_argument("--layers", type=int, default=8, help="blocks, half per stage (29M parameters at d=512)")
-    parser.add_argument("--seq", type=int, default=128)
+    add_options(parser, seq=128)
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (one sequence each)")
-    parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--timeout", type=float, default=1800)
+    add_options(parser, out="bench_out", timeout=1800.0)
     return parse_with_worker_options(parser, argv)
 
 

@@ -15,6 +15,8 @@ alternate between the nodes; each node runs on its half of the CPUs.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import platform
 import random
@@ -23,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -132,27 +135,24 @@ class Job:
         agent = self.agents[node]
         if agent is None or agent.poll() is not None:
             return None
-        try:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             for task in os.listdir(f"/proc/{agent.pid}/task"):
                 with open(f"/proc/{agent.pid}/task/{task}/children") as f:
                     for child in f.read().split():
                         with open(f"/proc/{child}/cmdline", "rb") as cmd:
                             if b"overlap" in cmd.read():
                                 return int(child)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
         return None
 
+    def saved(self) -> list[str]:
+        return os.listdir(self.checkpoints) if os.path.isdir(self.checkpoints) else []
+
     def partials(self) -> list[str]:
-        if not os.path.isdir(self.checkpoints):
-            return []
-        return [name for name in os.listdir(self.checkpoints) if name.endswith(".partial")]
+        return [name for name in self.saved() if name.endswith(".partial")]
 
     def complete(self) -> list[int]:
         """The steps of the complete checkpoints."""
-        if not os.path.isdir(self.checkpoints):
-            return []
-        return [int(name[5:]) for name in os.listdir(self.checkpoints) if name.startswith("step-") and "." not in name]
+        return [int(name[5:]) for name in self.saved() if name.startswith("step-") and "." not in name]
 
     def kill_node(self, node: int) -> None:
         """The node is gone: its agent and its worker (in a session of its own) at once."""
@@ -169,10 +169,8 @@ class Job:
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _wait(condition, deadline: float, alive=lambda: True) -> bool:
@@ -216,11 +214,9 @@ def _fire(job: Job, kill: Kill, after: int, deadline: float) -> bool:
         def fresh() -> list[str]:              # written by this round (a killed save's stays behind)
             found = []
             for name in job.partials():
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     if os.stat(os.path.join(job.checkpoints, name)).st_mtime >= began:
                         found.append(name)
-                except FileNotFoundError:
-                    pass
             return found
 
         while True:
@@ -273,13 +269,8 @@ def run_schedule(workdir: str, argv: Sequence[str], points: Sequence[str], nnode
     unknown = [point for point in points if point not in POINTS]
     if unknown:
         raise ValueError(f"unknown kill points {unknown}; known: {', '.join(POINTS)}")
-    kills, worker_kills = [], 0
-    for point in points:
-        if point in ("node", "rejoin"):
-            kills.append(Kill(point, node=1))
-        else:
-            kills.append(Kill(point, node=worker_kills % NODES))
-            worker_kills += 1
+    workers = itertools.count()              # worker kills alternate between the nodes
+    kills = [Kill(point, node=1 if point in ("node", "rejoin") else next(workers) % NODES) for point in points]
     elastic = ":" in nnodes
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **(ELASTIC_ENV if elastic else {}),
                    **(env or {})}
@@ -367,8 +358,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--out", default=None, help="write the runs and the table as JSON here")
     args = parser.parse_args(argv)
-    import tempfile
-
     # A terminated benchmark still stops its jobs and deletes its namespaces (the `finally`s).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 

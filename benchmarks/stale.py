@@ -17,7 +17,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNTIME = ("overlap", "kernels", "csrc")
@@ -70,29 +70,24 @@ def changed_lines(commit: str) -> Optional[int]:
     return total
 
 
-def recorded_commits(data: object) -> list[str]:
-    """Every commit a result file records, anywhere in it, without the "+changes" mark."""
-    found: list[str] = []
+def recorded(data: object, field: str) -> Iterator[str]:
+    """Every string a result file records as `field`, anywhere in it, in order."""
     if isinstance(data, dict):
         for key, value in data.items():
-            if key == "commit" and isinstance(value, str):
-                found.append(value.split("+")[0])
-            else:
-                found.extend(recorded_commits(value))
+            yield from [value] if key == field and isinstance(value, str) else recorded(value, field)
     elif isinstance(data, list):
         for value in data:
-            found.extend(recorded_commits(value))
-    return list(dict.fromkeys(found))
+            yield from recorded(value, field)
+
+
+def recorded_commits(data: object) -> list[str]:
+    """Every commit a result file records, anywhere in it, without the "+changes" mark."""
+    return list(dict.fromkeys(commit.split("+")[0] for commit in recorded(data, "commit")))
 
 
 def recorded_scripts(data: object) -> set[str]:
     """The benchmark scripts named by the commands a result file records, anywhere in it."""
-    if isinstance(data, dict):
-        return set().union(*(SCRIPT.findall(value) if key == "command" and isinstance(value, str)
-                             else recorded_scripts(value) for key, value in data.items()))
-    if isinstance(data, list):
-        return set().union(*(recorded_scripts(value) for value in data))
-    return set()
+    return {script for command in recorded(data, "command") for script in SCRIPT.findall(command)}
 
 
 def retired(data: object) -> bool:

@@ -15,9 +15,9 @@ import shutil
 import tempfile
 from typing import Callable, Sequence
 
-from common import (RunRecord, arg_parser, forwarded, from_every_rank, in_turns, launch, markdown_table, median,
-                    parse_with_worker_options, script_main, slower_rank, spread, spread_cell, start_rank, timed_steps,
-                    to_driver, train_step, write_results)
+from common import (RunRecord, add_options, arg_parser, from_every_rank, in_turns, launch_worker, markdown_table,
+                    median, parse_with_worker_options, script_main, slower_rank, spread, spread_cell, start_rank,
+                    timed_steps, to_driver, train_step, write_results)
 
 WORLD_SIZE = 2
 VARIANTS = ("overlap ShardedModule", "overlap fully_shard", "FSDP2")
@@ -107,8 +107,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("state_dict_api.py", args.argv)
-    data = launch(os.path.abspath(__file__), WORLD_SIZE,
-                  ["--worker", *forwarded(args, ("rounds", "width", "layers", "seq"))], args.timeout)
+    data = launch_worker(__file__, WORLD_SIZE, args, ("rounds", "width", "layers", "seq"))
     per_round = {variant: {call: slower_rank(rank[variant][call] for rank in data["ranks"]) for call in CALLS}
                  for variant in VARIANTS}
     summary = {variant: {call: dict(ms=round(1e3 * median(per_round[variant][call]), 2),
@@ -128,12 +127,9 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--width", type=int, default=512)
+    add_options(parser, rounds=5, width=512)
     parser.add_argument("--layers", type=int, default=6, help="blocks (23.2M parameters at d=512)")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--timeout", type=float, default=1200)
+    add_options(parser, seq=128, out="bench_out", timeout=1200.0)
     return parse_with_worker_options(parser, argv)
 
 

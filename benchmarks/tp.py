@@ -8,15 +8,14 @@ alternate within each round; paired per-round ratios; peak memory (MemTracker an
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Sequence
 
 import torch
 
 import peers
-from common import (RunRecord, forwarded, from_every_rank, launch, markdown_table, median, paired_ratios, peak_rss,
-                    script_main, slowest_of_ranks, timed_steps, write_json)
+from common import (RunRecord, add_options, from_every_rank, launch_worker, markdown_table, median, paired_ratios,
+                    peak_rss, script_main, slowest_of_ranks, timed_steps, write_json)
 from gpt_options import SMALL_MODEL
 
 IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
@@ -81,8 +80,8 @@ def run_driver(args: argparse.Namespace) -> int:
     for round_index in range(args.rounds):
         per_round.append({})
         for impl in args.impls:
-            worker = ["--worker", impl, *forwarded(args, ("steps", "warmup", "batch", "fsdp2_prefetch", "tiny"))]
-            measured = launch(os.path.abspath(__file__), DP * TP, worker, args.timeout)
+            options = ("steps", "warmup", "batch", "fsdp2_prefetch", "tiny")
+            measured = launch_worker(__file__, DP * TP, args, options, impl)
             per_round[-1][impl] = measured["step_s"]
             memory[impl] = dict(peak_tracked=measured["peak_tracked"], peak_rss=measured["peak_rss"],
                                 losses=measured["losses"])
@@ -104,15 +103,11 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
+    add_options(parser, rounds=3, steps=4, warmup=2, batch=4)
     parser.add_argument("--fsdp2-prefetch", type=int, default=1, help="tuned FSDP2's explicit prefetch depth")
     parser.add_argument("--impls", type=lambda text: [s for s in text.split(",") if s], default=list(IMPLEMENTATIONS))
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--out", default=None)
+    add_options(parser, timeout=900.0, out=None)
     parser.add_argument("--worker", default=None, choices=IMPLEMENTATIONS)
     parser.add_argument("--result", default=None)
     return parser.parse_args(argv)

@@ -8,15 +8,14 @@ AdamW step after. Each configuration is one launch of 2 gloo ranks, alternated r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Optional, Sequence
 
 import torch
 
-from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, parse_with_worker_options,
-                    peak_rss, script_main, start_rank, to_driver, write_json)
+from common import (RunRecord, add_options, arg_parser, launch_worker, markdown_table, median,
+                    parse_with_worker_options, peak_rss, script_main, start_rank, to_driver, write_json)
 
 WORLD_SIZE = 2
 GIB = 2**30
@@ -67,9 +66,8 @@ def run_driver(args: argparse.Namespace) -> int:
     runs = []
     for round_index in range(args.rounds):
         for mode in MODES:
-            worker = ["--worker", "--mode", mode, *forwarded(args, ("layers", "hidden", "heads", "vocab", "seq",
-                                                                    "train_step"))]
-            runs.append(launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout))
+            options = ("layers", "hidden", "heads", "vocab", "seq", "train_step")
+            runs.append(launch_worker(__file__, WORLD_SIZE, args, options, "--mode", mode))
             print(f"round {round_index + 1} {mode}: done", flush=True)
     rows, summary = [], {}
     for mode in MODES:
@@ -100,12 +98,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    add_options(parser, layers=20, hidden=2048, heads=16, vocab=8192, seq=128, rounds=2)
     parser.add_argument("--train-step", action="store_true", help="also one AdamW training step after wrapping")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds one launch may take")
