@@ -45,19 +45,14 @@ def time_table(summary: dict) -> str:
             q1, q3 = entry["step_ms_quartiles"]
             rows.append([link, impl, _fmt(entry["step_ms"]), f"{q1:.0f}–{q3:.0f}", len(entry["steps_s"]),
                          " / ".join(f"{entry['phase_ms'][p]:.0f}" for p in PHASES),
-                         _paired_cell(summary, link, impl, (peers.LOCAL,)),
+                         spread_cell(paired_rounds(summary, link, impl, (peers.LOCAL,))),
                          "–" if sent is None else f"{sent / MIB:.1f} ({entry['sent_source']})",
                          "–" if exposed is None else " / ".join(f"{exposed.get(k, 0):.0f}"
                                                                 for k in ("all_gather", "reduce_scatter")),
-                         _paired_cell(summary, link, peers.OVERLAP, (impl,))])
+                         spread_cell(paired_rounds(summary, link, peers.OVERLAP, (impl,)))])
     return markdown_table(["link", "impl", "step ms (median)", "IQR ms", "steps", "fwd / bwd / opt ms",
                            "× local per round", "MiB sent/rank/step", "exposed ms AG / RS", "overlap ÷ this per round"],
                           rows)
-
-
-def _paired_cell(summary: dict, link: str, impl: str, peers_: Sequence[str]) -> str:
-    """"median (min–max)" of the per-round paired ratios."""
-    return spread_cell(paired_rounds(summary, link, impl, peers_))
 
 
 def ratio_table(summary: dict) -> str:
@@ -67,8 +62,8 @@ def ratio_table(summary: dict) -> str:
     rows = []
     for link in summary:
         rows.append([link, *(_fmt(step_ms(summary, link, impl)) for impl in impls),
-                     _paired_cell(summary, link, peers.OVERLAP, (peers.FSDP2_TUNED,)),
-                     _paired_cell(summary, link, peers.OVERLAP, (peers.DDP, peers.DDP_TUNED)),
+                     spread_cell(paired_rounds(summary, link, peers.OVERLAP, (peers.FSDP2_TUNED,))),
+                     spread_cell(paired_rounds(summary, link, peers.OVERLAP, (peers.DDP, peers.DDP_TUNED))),
                      _fmt(ratio_of(peak_bytes(summary, link, peers.OVERLAP),
                                    peak_bytes(summary, link, peers.FSDP2_TUNED)), 2)])
     return markdown_table(["link", *(f"{impl} ms" for impl in impls), "overlap / fsdp2-tuned per round",

@@ -2,7 +2,7 @@
 the faster DDP, peak memory against tuned FSDP2, and the compressed and compiled rows'."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import peers
 from common import median
@@ -27,11 +27,6 @@ def _judged(link: str, what: str, limit: float, rounds: list[float]) -> dict:
                 held=sum(r <= limit for r in rounds), met=all(r <= limit for r in rounds) if rounds else None)
 
 
-def _time_target(summary: dict, link: str, impl: str, peers_: Sequence[str], what: str, limit: float) -> dict:
-    """A step-time target on the per-round paired ratios of `impl` to the fastest of `peers_`."""
-    return _judged(link, what, limit, paired_rounds(summary, link, impl, peers_))
-
-
 def _memory_target(link: str, what: str, ratio: Optional[float], limit: float = 1.0) -> dict:
     """Peak memory does not vary with load: one ratio of the measured peaks."""
     return dict(link=link, what=what, limit=limit, ratio=ratio, rounds=None,
@@ -44,10 +39,10 @@ def check_targets(summary: dict) -> list[dict]:
     targets = []
     for link in summary:
         if peers.OVERLAP in summary[link]:
-            targets.append(_time_target(summary, link, peers.OVERLAP, (peers.FSDP2_TUNED,), "step time / FSDP2 tuned",
-                                        TIME_TARGET_VS_FSDP2_TUNED))
-            targets.append(_time_target(summary, link, peers.OVERLAP, (peers.DDP, peers.DDP_TUNED),
-                                        "step time / faster DDP", TIME_TARGET_VS_DDP))
+            targets.append(_judged(link, "step time / FSDP2 tuned", TIME_TARGET_VS_FSDP2_TUNED,
+                                   paired_rounds(summary, link, peers.OVERLAP, (peers.FSDP2_TUNED,))))
+            targets.append(_judged(link, "step time / faster DDP", TIME_TARGET_VS_DDP,
+                                   paired_rounds(summary, link, peers.OVERLAP, (peers.DDP, peers.DDP_TUNED))))
         memory_ratio = ratio_of(peak_bytes(summary, link, peers.OVERLAP), peak_bytes(summary, link, peers.FSDP2_TUNED))
         if memory_ratio is not None:
             targets.append(_memory_target(link, "peak memory / FSDP2 tuned", memory_ratio))
@@ -67,7 +62,8 @@ def compression_targets(summary: dict) -> list[dict]:
             for peer, limit in ((peers.OVERLAP, COMPRESSED_TIME_TARGET), (peers.DDP_FP16, 1.0),
                                 (peers.FSDP2_TUNED, TIME_TARGET_VS_FSDP2_TUNED), (peers.DDP_TUNED, TIME_TARGET_VS_DDP)):
                 if peer in summary[link]:
-                    targets.append(_time_target(summary, link, impl, (peer,), f"{impl} step time / {peer}", limit))
+                    targets.append(_judged(link, f"{impl} step time / {peer}", limit,
+                                           paired_rounds(summary, link, impl, (peer,))))
             memory = ratio_of(peak_bytes(summary, link, impl), peak_bytes(summary, link, peers.OVERLAP))
             if memory is not None:
                 targets.append(_memory_target(link, f"{impl} peak memory / overlap", memory))
@@ -88,6 +84,6 @@ def compile_targets(summary: dict) -> list[dict]:
             targets.append(_judged(link, "(overlap compiled ÷ eager) / (local compiled ÷ eager)", COMPILED_KEEPS_GAIN,
                                    rounds))
         if peers.OVERLAP_COMPILED in by_impl and peers.FSDP2_TUNED_COMPILED in by_impl:
-            targets.append(_time_target(summary, link, peers.OVERLAP_COMPILED, (peers.FSDP2_TUNED_COMPILED,),
-                                        "overlap-compiled step time / fsdp2-tuned-compiled", 1.0))
+            targets.append(_judged(link, "overlap-compiled step time / fsdp2-tuned-compiled", 1.0,
+                                   paired_rounds(summary, link, peers.OVERLAP_COMPILED, (peers.FSDP2_TUNED_COMPILED,))))
     return targets

@@ -26,6 +26,7 @@ import contextlib
 import os
 import sys
 import time
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -34,13 +35,14 @@ from common import arg_parser
 from gpu_harness import Checks
 from gpu_large_index import check_large_index
 from gpu_offload_checks import check_offload
-from gpu_parity_checks import check_compressed, check_device, check_hpz, check_hybrid, check_parity, check_sanitized
+from gpu_parity_checks import check_compressed, check_device, check_parity, check_sanitized, check_second_level
 from gpu_sync_checks import check_report_timing, check_sync_free
 from gpu_timing_checks import check_overhead, check_slow_link
 
 RUNNERS: dict[str, Callable[[Checks, bool], None]] = {
     "offload": check_offload, "compressed": check_compressed, "report_timing": check_report_timing,
-    "sync_free": check_sync_free, "hybrid": check_hybrid, "hpz": check_hpz, "slow_link": check_slow_link, "device": check_device,
+    "sync_free": check_sync_free, "hybrid": partial(check_second_level, kind="hybrid"),
+    "hpz": partial(check_second_level, kind="hpz"), "slow_link": check_slow_link, "device": check_device,
     "parity": check_parity, "sanitized": check_sanitized, "large_index": check_large_index, "overhead": check_overhead,
 }
 CHECKS = tuple(RUNNERS)

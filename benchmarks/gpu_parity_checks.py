@@ -111,7 +111,7 @@ def second_level_of_one(kind: str, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _second_level_parity(checks: Checks, rehearse: bool, kind: str) -> None:
+def check_second_level(checks: Checks, rehearse: bool, kind: str) -> None:
     """A GPT sharded as `kind` (`second_level_of_one`) plainly and under the race injection:
     bit-identical, finite, equal to the unsharded model, the second level issued every step."""
     from overlap.runtime.node_copy import NodeCopy
@@ -154,14 +154,6 @@ def _second_level_parity(checks: Checks, rehearse: bool, kind: str) -> None:
     checks.verdict(kind, ok, f"{what}; plain == injected: {identical}; finite: {finite}; worst parameter against "
                              f"the unsharded model at {worst:.2f} of rtol 1e-4 + atol 1e-5; "
                              f"losses {['%.5f' % v for v in plain['losses']]}")
-
-
-def check_hybrid(checks: Checks, rehearse: bool) -> None:
-    _second_level_parity(checks, rehearse, "hybrid")
-
-
-def check_hpz(checks: Checks, rehearse: bool) -> None:
-    _second_level_parity(checks, rehearse, "hpz")
 
 
 SANITIZED_STEPS = 2

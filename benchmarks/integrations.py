@@ -183,17 +183,14 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    steps = args.steps
-    variant = args.worker
     result: dict[str, Any]
     try:
-        if variant == "loop":
-            times = _loop(steps)
-        elif variant.startswith("lightning"):
-            times = _lightning(steps, variant.partition("-")[2] or "overlap")
+        if args.worker == "loop":
+            result = {"times": _loop(args.steps)}
+        elif args.worker.startswith("lightning"):
+            result = {"times": _lightning(args.steps, args.worker.partition("-")[2] or "overlap")}
         else:
-            times = _hf(steps, fsdp=variant.endswith("fsdp"))
-        result = {"times": times}
+            result = {"times": _hf(args.steps, fsdp=args.worker.endswith("fsdp"))}
     except Exception as exc:  # noqa: BLE001 - a framework's FSDP that does not run on CPU is a result
         result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
     if int(os.environ.get("RANK", "0")) == 0:

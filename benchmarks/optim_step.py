@@ -50,13 +50,10 @@ def implementations() -> tuple[dict[str, Callable], dict[str, str]]:
         "torch-foreach": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, foreach=True),
         "torch-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, fused=True),
     }
-    skipped: dict[str, str] = {}
     make_ds, status = deepspeed_adam()
-    if make_ds is None:
-        skipped["deepspeed-cpu-adam"] = status
-    else:
+    if make_ds is not None:
         impls["deepspeed-cpu-adam"] = make_ds
-    return impls, skipped
+    return impls, {} if make_ds is not None else {"deepspeed-cpu-adam": status}
 
 
 def copy_bandwidth(repeats: int = 5) -> float:

@@ -105,13 +105,9 @@ def _run_link(rate: str, args: argparse.Namespace) -> dict:
     return {"rate": rate, "results": results, "plan_log": plans, "wall_s": time.perf_counter() - started}
 
 
-def _paired(a: dict, b: dict) -> list[float]:
-    """a's step time over b's, step by step of the interleaved loop."""
-    return [x / y for x, y in zip(a["steps_s"], b["steps_s"])]
-
-
 def _ratio_summary(a: dict, b: dict) -> dict:
-    ratios = _paired(a, b)
+    """a's step time over b's, step by step of the interleaved loop: median, IQR, tied with 1."""
+    ratios = [x / y for x, y in zip(a["steps_s"], b["steps_s"])]
     low, high = quartiles(ratios)
     return {"median": statistics.median(ratios), "iqr": [low, high], "tied": low <= 1.0 <= high}
 
@@ -171,9 +167,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = {}
     if args.json and os.path.exists(args.json):
         summary = read_json(args.json)
+    buckets = [None if b == "none" else float(b) for b in args.buckets]
     if args.report:
         for name, link in summary.items():
-            _report(name, link, args.depths, [None if b == "none" else float(b) for b in args.buckets])
+            _report(name, link, args.depths, buckets)
         return 0
     record = RunRecord("planner_grid.py", sys.argv[1:] if argv is None else argv)
     for spec in args.links:
@@ -181,7 +178,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not rate:
             parser.error(f"--links entry {spec!r} is invalid; expected name=rate, e.g. slow=2gbit")
         link = _run_link(rate, args)
-        buckets = [None if b == "none" else float(b) for b in args.buckets]
         # Links kept from an earlier run keep that run's record.
         summary[name] = {**link, **_report(name, link, args.depths, buckets), "meta": record.fields()}
     if args.json:
