@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from common import (PeakMemory, RunRecord, arg_parser, forwarded, launch, markdown_table, median,
+from common import (PeakMemory, RunRecord, arg_parser, launch_worker, markdown_table, median,
                     parse_with_worker_options, quartiles, require_min, script_main, seconds_of, slowest_of_ranks,
                     start_rank, timed_steps, write_json)
 
@@ -145,8 +145,7 @@ def report(result: dict, stats: dict) -> str:
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("checkpoint.py", args.argv)
     with tempfile.TemporaryDirectory() as scratch:
-        worker = ["--worker", "--dir", args.dir or scratch, *forwarded(args, ("rounds", "steps", "batch"))]
-        result = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout)
+        result = launch_worker(__file__, WORLD_SIZE, args, ("rounds", "steps", "batch"), "--dir", args.dir or scratch)
     stats = summarize(result)
     text = report(result, stats)
     print(text)

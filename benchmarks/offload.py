@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from common import (RunRecord, arg_parser, forwarded, launch, median, parse_with_worker_options, require_min,
+from common import (RunRecord, arg_parser, launch_worker, median, parse_with_worker_options, require_min,
                     script_main, slowest_of_ranks, spread, spread_table, write_json)
 
 MODES = ("none", "cpu")
@@ -114,9 +114,9 @@ def run_worker(args: argparse.Namespace) -> None:
 def run_driver(args: argparse.Namespace) -> int:
     record = RunRecord("offload.py", args.argv)
     options = ("rounds", "steps", "precision", "optimizer", "model_layers", "model_params", "clip")
-    worker = ["--worker", "--modes", ",".join(args.modes), *forwarded(args, options)]
     with tempfile.TemporaryDirectory(prefix="offload-", dir=".") as state_dir:
-        measured = launch(os.path.abspath(__file__), 2, worker, args.timeout, env={"OVERLAP_OFFLOAD_DIR": state_dir})
+        measured = launch_worker(__file__, 2, args, options, "--modes", ",".join(args.modes),
+                                 env={"OVERLAP_OFFLOAD_DIR": state_dir})
     counted = measured["rounds"][1:]                  # the first round warms both models up
     first, second = args.modes
     summary = {f"step_{second}_over_{first}": spread([median(r["step_s"][second]) / median(r["step_s"][first])

@@ -17,7 +17,8 @@ import sys
 from typing import Sequence
 
 from common import (RunRecord, add_options, arg_parser, launch_worker, markdown_table, median,
-                    parse_with_worker_options, rotated, script_main, slower_rank, start_rank, timed_steps, to_driver, write_results)
+                    parse_with_worker_options, rotated, script_main, slower_rank, start_rank, timed_steps, to_driver,
+                    write_results)
 from tensor_memory import peak_tensor_rise_mb
 
 WORLD_SIZE, PP = 4, 2
