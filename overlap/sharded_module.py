@@ -23,7 +23,7 @@ from overlap.plan.microbatch_keep import units_to_keep
 from overlap.runtime.bound_params import apply_keeping_shards
 from overlap.runtime.compiled import eager_hook
 from overlap.runtime.disk_tier import master_part, refresh_resident, wait_for_saves
-from overlap.runtime.expert_parallel import all_experts, my_experts
+from overlap.runtime.expert_parallel import all_experts
 from overlap.runtime.flat_group import FlatGroup
 from overlap.runtime.row_dtensors import local_part, local_rows, shard_mesh
 from overlap.runtime.scheduler import Scheduler
@@ -537,16 +537,13 @@ class ShardedModule(nn.Module):
                 others[key] = value
                 continue
             group, index = where
-            slot = group.slots[index]
-            if group.experts is not None:
-                value = my_experts(value, group.experts, f"load_full_state_dict: {key}")
-            if tuple(value.shape) != tuple(slot.shape):
+            if tuple(value.shape) != tuple(group.global_shape(index)):
                 raise ValueError(f"load_full_state_dict: {key} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(slot.shape)}")
-            per_group.setdefault(group, [None] * len(group.slots))[index] = value
+                                 f"expected {tuple(group.global_shape(index))}")
+            per_group.setdefault(group, [None] * len(group.slots))[index] = group.slot_whole(index, value)
         if self.overlap_config.offload == "disk":
             # The fp32 masters live in the state file: written as the sharded form is.
-            self._write_parts(self.state_dict(), {key: where[0].local_of_full(where[1], state_dict[key])
+            self._write_parts(self.state_dict(), {key: where[0].local_of_global(where[1], state_dict[key])
                                                   for key, where in self._state_dict_layout if where is not None})
         else:
             for group, tensors in per_group.items():

@@ -4,6 +4,7 @@ compares."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from typing import Any, Optional
 
@@ -245,6 +246,64 @@ def resume(rank: int, world: int, path: str, dp: int, split: bool, steps: int) -
         torch.distributed.all_reduce(total, group=None if dp_mesh is None else dp_mesh.get_group())
         losses.append(float(total) / dp)
     return {"losses": losses, "blocks": blocks_of(model.state_dict())}
+
+
+def reference_after(steps: int) -> dict[str, Any]:
+    """One process after `steps` AdamW steps: its model state, and its optimizer state by
+    parameter name."""
+    model = _build()
+    opt = _optimizer("adamw", model)
+    for batch in BATCHES()[:steps]:
+        _step(model, opt, batch, {})
+    names = [name for name, _ in model.named_parameters()]
+    return {"state": {key: value.detach().clone() for key, value in model.state_dict().items()},
+            "optimizer": {names[number]: {key: value.clone() for key, value in values.items()}
+                          for number, values in opt.state_dict()["state"].items()}}
+
+
+def full_state_round_trip(rank: int, world: int, dp: int, steps: int) -> dict[str, Any]:
+    """`steps` AdamW steps of the split GPT, its state gathered whole by the runtime
+    (`full_state_dict`, `full_optim_state_dict`) and by torch's API (`full_state_dict=True`),
+    then loaded into a new model and optimizer each way (the runtime's `load_full_state_dict`
+    and `optimizer.load_state_dict`; torch's `set_model_state_dict` from rank 0 and
+    `set_optimizer_state_dict`), each of which trains the remaining steps."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, dp_mesh = _wrapped(world, dp, split=True)
+    opt = _optimizer("adamw", model)
+    part = dp_mesh.get_local_rank()
+    for batch in BATCHES()[:steps]:
+        _step(model, opt, _slice(batch, part, dp), {})
+    full = StateDictOptions(full_state_dict=True)
+    ours = (model.full_state_dict(), model.full_optim_state_dict(opt))
+    theirs = (get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full))
+    names = [name for name, _ in model.named_parameters()]
+    # Copies, here and at each load: the gathered states hold the optimizer's own `step`
+    # tensors, as `optimizer.state_dict()` does, and a loaded optimizer steps those in place.
+    out: dict[str, Any] = copy.deepcopy({
+        "model": {"ours": ours[0], "torch": theirs[0]},
+        "optimizer": {"ours": {names[number]: values for number, values in ours[1]["state"].items()},
+                      "torch": theirs[1]["state"]}})
+    for how in ("ours", "torch"):
+        fresh, _ = _wrapped(world, dp, split=True)
+        fresh_opt = _optimizer("adamw", fresh)
+        if how == "ours":
+            fresh.load_full_state_dict(ours[0])
+            fresh_opt.load_state_dict(copy.deepcopy(ours[1]))
+        else:
+            set_model_state_dict(fresh, theirs[0] if rank == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            set_optimizer_state_dict(fresh, fresh_opt, copy.deepcopy(theirs[1]), options=full)
+        losses = []
+        for batch in BATCHES()[steps:]:
+            loss, _ = _step(fresh, fresh_opt, _slice(batch, part, dp), {})
+            total = torch.tensor([loss])
+            torch.distributed.all_reduce(total, group=dp_mesh.get_group())
+            losses.append(float(total) / dp)
+        out[f"resumed_{how}"] = {"losses": losses, "blocks": blocks_of(fresh.state_dict())}
+    return out
 
 
 def _fsdp2_tp(world: int, dp: int) -> tuple[nn.Module, Any]:

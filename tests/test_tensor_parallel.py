@@ -60,6 +60,7 @@ def _cases(world: int) -> dict[str, RankCase]:
         cases.update({what: RankCase(tp_cases.refused, (what,)) for what in REFUSED})
         cases.update({mode: RankCase(tp_cases.train_2d, (2, "sgd", {}, {"compression": mode})) for mode in COMPRESSED})
         cases["save"] = RankCase(tp_cases.save_after, (CHECKPOINT, 2, SAVED_STEPS))
+        cases["full_state"] = RankCase(tp_cases.full_state_round_trip, (2, SAVED_STEPS))
         cases["fsdp2_save"] = RankCase(tp_cases.fsdp2_saves, (FSDP2_CHECKPOINT, 2, SAVED_STEPS))
         cases["fsdp2_loads_ours"] = RankCase(tp_cases.fsdp2_resumes, (CHECKPOINT, 2, SAVED_STEPS))
         cases["ours_loads_fsdp2"] = RankCase(tp_cases.resume, (FSDP2_CHECKPOINT, 2, True, SAVED_STEPS))
@@ -136,6 +137,34 @@ def test_a_2d_checkpoint_resumes_at_another_shape(name: str, world: int) -> None
     for result in results:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"][SAVED_STEPS:]), **TOL)
     _assert_state_equal(results, ref["state"], TOL)
+
+
+@pytest.mark.timeout(400)
+def test_whole_state_gathers_and_loads_at_2d() -> None:
+    """At (2, 2), after 2 AdamW steps: the whole model and optimizer state, from the runtime
+    (`full_state_dict`, `full_optim_state_dict`) and from torch's API (`full_state_dict=True`),
+    equal one process's; loaded into a new model and optimizer (the runtime's loads, or
+    torch's `set_model_state_dict` broadcast from rank 0 and `set_optimizer_state_dict`),
+    each takes one process's third step (a fresh AdamW state would take another)."""
+    ref = tp_cases.reference("adamw", {})
+    after = tp_cases.reference_after(SAVED_STEPS)
+    results = [outcome.result() for outcome in LAUNCHES[4]["full_state"]]
+    for result in results:
+        for source in ("ours", "torch"):
+            model, optimizer = result["model"][source], result["optimizer"][source]
+            assert model.keys() == after["state"].keys()
+            for key, value in after["state"].items():
+                torch.testing.assert_close(model[key], value, **TOL, msg=lambda m: f"{source} {key}: {m}")
+            assert optimizer.keys() == after["optimizer"].keys()
+            for name, values in after["optimizer"].items():
+                for key, value in values.items():
+                    torch.testing.assert_close(optimizer[name][key], value, **TOL,
+                                               msg=lambda m: f"{source} {name} {key}: {m}")
+    for how in ("ours", "torch"):
+        resumed = [result[f"resumed_{how}"] for result in results]
+        for run in resumed:
+            torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"][SAVED_STEPS:]), **TOL)
+        _assert_state_equal(resumed, ref["state"], TOL)
 
 
 @pytest.mark.timeout(400)

@@ -675,18 +675,23 @@ class FlatGroup:
                 "global shapes")
 
     def local_of_full(self, index: int, value: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full-sized tensor shaped like parameter `index` (its value,
-        or optimizer state of that shape), shaped as the parameter's part."""
-        self._refuse_tensor_parallel("full values")
+        """This rank's part of a tensor of parameter `index`'s slot shape (its whole value, or
+        optimizer state of that shape; split over tp, its whole TP-local tensor), shaped as the
+        parameter's part."""
         start, end = self.parts[index]
         return self._laid_whole(index, value.detach()).reshape(-1)[start:end].view(self.local_shapes[index])
 
     def local_of_global(self, index: int, value: torch.Tensor) -> torch.Tensor:
-        """`local_of_full` of a tensor of `global_shape(index)`: under expert parallelism, of
-        every expert's rows, this rank's experts' are taken first."""
+        """`local_of_full` of a tensor of `global_shape(index)`."""
+        return self.local_of_full(index, self.slot_whole(index, value))
+
+    def slot_whole(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """What of a tensor of `global_shape(index)` the slot holds whole: under expert
+        parallelism this rank's experts' rows, split over tp this rank's TP-local block."""
         if self.experts is not None:
-            value = my_experts(value, self.experts, self.slots[index].name)
-        return self.local_of_full(index, value)
+            return my_experts(value, self.experts, self.slots[index].name)
+        tp = self.tensor_parallel[index]
+        return value if tp is None else tp.local_block(value, self.slots[index].shape)
 
     def write_part(self, index: int, value: torch.Tensor) -> None:
         """Set this rank's part of parameter `index` from its full value (any device)."""
@@ -704,20 +709,25 @@ class FlatGroup:
 
     def gather_parts(self, parts: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
         """Whole tensors from every rank's `parts` (each shaped like this rank's part of
-        parameter `indices[i]`, all of one dtype): one all-gather in the flat layout, and under
-        expert parallelism one over the expert-parallel group per tensor, for every expert."""
-        self._refuse_tensor_parallel("whole optimizer state")
+        parameter `indices[i]`, all of one dtype), each of `global_shape`: one all-gather in the
+        flat layout, then under expert parallelism one over the expert-parallel group per tensor
+        (every expert), or split over tp one over tp per such tensor."""
         shard = torch.zeros(self.shard_numel, dtype=parts[0].dtype, device=self.collectives.device)
         for part, index in zip(parts, indices):
             self._shard_view(shard, index).copy_(part)
         flat = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
         all_gather_flat(flat, shard, group=self.collectives.group)
         wholes = [self.whole_of_flat(flat, index) for index in indices]
-        return wholes if self.experts is None else [all_experts(whole, self.experts) for whole in wholes]
+        if self.experts is not None:
+            return [all_experts(whole, self.experts) for whole in wholes]
+        # Split over tp: the TP-local wholes gathered over tp too (a collective per parameter).
+        return [whole if self.tensor_parallel[index] is None else
+                self.tensor_parallel[index].wrap(whole.contiguous()).full_tensor()
+                for whole, index in zip(wholes, indices)]
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:
-        """Set this rank's shard from full parameter values given in slot order (every rank has them)."""
-        self._refuse_tensor_parallel("loading full values")
+        """Set this rank's shard from each parameter's `slot_whole` value, given in slot order
+        (every rank has them)."""
         flat = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.collectives.device)
         self.kernels.pack([self._laid_whole(index, t.detach().to(flat.device)) for index, t in enumerate(tensors)],
                           flat, [s.offset for s in self.slots])

@@ -65,9 +65,14 @@ class TensorParallelSpec:
     root: DeviceMesh
 
     def wrap(self, local: torch.Tensor) -> DTensor:
-        """`local` (a view of the gathered TP-local tensor) as the DTensor the module computes with."""
+        """`local` (a view of the gathered TP-local tensor, or state shaped like it) as a DTensor
+        of the global shape: what the module computes with."""
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
                                   stride=self.stride)
+
+    def local_block(self, value: torch.Tensor, local_shape: torch.Size) -> torch.Tensor:
+        """This rank's TP-local block (of `local_shape`) of `value`, a tensor of the global shape."""
+        return value[tuple(slice(start, start + size) for start, size in zip(self.offset, local_shape))]
 
 
 @dataclass(frozen=True)
