@@ -37,13 +37,16 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # `CaseLaunch` runs once), handed out in collection order (`--no-loadscope-reorder`: xdist
 # would otherwise hand out the files with most tests first), so a file of minutes collected
 # last would run alone at the end while the other worker idles: these, the longest by
-# `--durations` (tens of seconds to minutes of building, launches or compiles each), are
-# collected first; the rest follow in their usual order and fill the gaps.
+# `--durations` (tens of seconds to minutes of building, launches or compiles each; in the
+# order of each file's summed durations in a `make test` run), are collected first; the rest
+# follow in their usual order and fill the gaps.
 LONGEST_FIRST = ["test_install.py", "test_fsdp2_conformance.py", "test_elastic_restarts.py", "test_benchmarks.py",
-                 "test_train_job.py", "test_tensor_parallel.py", "test_expert_parallel_combinations.py",
-                 "test_train_resume.py", "test_expert_parallel.py",
-                 "test_integration_examples.py", "test_parity.py", "test_compile.py", "test_offload_disk.py",
-                 "test_gpu_check.py", "test_fully_shard.py", "test_clean_exit.py", "test_cuda_sources.py"]
+                 "test_train_job.py", "test_compile.py", "test_train_resume.py", "test_fully_shard.py",
+                 "test_tensor_parallel.py", "test_expert_parallel.py", "test_parity.py", "test_train_pipeline.py",
+                 "test_offload_disk.py", "test_pipeline.py", "test_integration_examples.py", "test_hybrid.py",
+                 "test_state_dict_api.py", "test_quant_kernels.py", "test_combinations.py", "test_clean_exit.py",
+                 "test_cuda_sources.py", "test_compression.py", "test_kernels.py", "test_offload_cpu.py",
+                 "test_expert_parallel_combinations.py", "test_gpu_check.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
