@@ -261,12 +261,27 @@ def reference_after(steps: int) -> dict[str, Any]:
                           for number, values in opt.state_dict()["state"].items()}}
 
 
+def _hybrid_offloaded(world: int, dp: int) -> nn.Module:
+    """The split GPT as `dp` replicas of one shard (a ("replicate", "shard", "tp") mesh), its
+    state offloaded to the host."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap import ShardedModule
+
+    mesh = init_device_mesh("cpu", (dp, 1, world // dp), mesh_dim_names=("replicate", "shard", "tp"))
+    inner = _build()
+    parallelize_module(inner, mesh["tp"], gpt_tp_plan())
+    return ShardedModule(inner, mesh=mesh["replicate", "shard"], offload="cpu")
+
+
 def full_state_round_trip(rank: int, world: int, dp: int, steps: int) -> dict[str, Any]:
     """`steps` AdamW steps of the split GPT, its state gathered whole by the runtime
     (`full_state_dict`, `full_optim_state_dict`) and by torch's API (`full_state_dict=True`),
     then loaded into a new model and optimizer each way (the runtime's `load_full_state_dict`
-    and `optimizer.load_state_dict`; torch's `set_model_state_dict` from rank 0 and
-    `set_optimizer_state_dict`), each of which trains the remaining steps."""
+    and `optimizer.load_state_dict` at the same layout; torch's `set_model_state_dict` from
+    rank 0 and `set_optimizer_state_dict` into replicas offloaded to the host), each of which
+    trains the remaining steps."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -287,7 +302,8 @@ def full_state_round_trip(rank: int, world: int, dp: int, steps: int) -> dict[st
         "optimizer": {"ours": {names[number]: values for number, values in ours[1]["state"].items()},
                       "torch": theirs[1]["state"]}})
     for how in ("ours", "torch"):
-        fresh, _ = _wrapped(world, dp, split=True)
+        # torch's loads go into another layout: replicas of one shard, offloaded to the host.
+        fresh = _wrapped(world, dp, split=True)[0] if how == "ours" else _hybrid_offloaded(world, dp)
         fresh_opt = _optimizer("adamw", fresh)
         if how == "ours":
             fresh.load_full_state_dict(ours[0])
@@ -300,8 +316,8 @@ def full_state_round_trip(rank: int, world: int, dp: int, steps: int) -> dict[st
         for batch in BATCHES()[steps:]:
             loss, _ = _step(fresh, fresh_opt, _slice(batch, part, dp), {})
             total = torch.tensor([loss])
-            torch.distributed.all_reduce(total, group=dp_mesh.get_group())
-            losses.append(float(total) / dp)
+            torch.distributed.all_reduce(total)          # the tp ranks of a dp rank hold the same loss
+            losses.append(float(total) / world)
         out[f"resumed_{how}"] = {"losses": losses, "blocks": blocks_of(fresh.state_dict())}
     return out
 

@@ -143,9 +143,10 @@ def test_a_2d_checkpoint_resumes_at_another_shape(name: str, world: int) -> None
 def test_whole_state_gathers_and_loads_at_2d() -> None:
     """At (2, 2), after 2 AdamW steps: the whole model and optimizer state, from the runtime
     (`full_state_dict`, `full_optim_state_dict`) and from torch's API (`full_state_dict=True`),
-    equal one process's; loaded into a new model and optimizer (the runtime's loads, or
-    torch's `set_model_state_dict` broadcast from rank 0 and `set_optimizer_state_dict`),
-    each takes one process's third step (a fresh AdamW state would take another)."""
+    equal one process's; loaded into a new model and optimizer (the runtime's loads at the
+    same layout, or torch's `set_model_state_dict` broadcast from rank 0 and
+    `set_optimizer_state_dict` into 2 replicas of one shard offloaded to the host), each takes
+    one process's third step (a fresh AdamW state would take another)."""
     ref = tp_cases.reference("adamw", {})
     after = tp_cases.reference_after(SAVED_STEPS)
     results = [outcome.result() for outcome in LAUNCHES[4]["full_state"]]
