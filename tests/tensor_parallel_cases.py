@@ -276,7 +276,8 @@ def _hybrid_offloaded(world: int, dp: int) -> nn.Module:
 
 
 def full_state_round_trip(rank: int, world: int, dp: int, steps: int) -> dict[str, Any]:
-    """`steps` AdamW steps of the split GPT, its state gathered whole by the runtime
+    """`steps` AdamW steps of the split GPT; its sharded state dict's values used as DTensors
+    (`full_tensor`, `redistribute` to `Replicate`, elementwise operators); its state gathered whole by the runtime
     (`full_state_dict`, `full_optim_state_dict`) and by torch's API (`full_state_dict=True`),
     then loaded into a new model and optimizer each way (the runtime's `load_full_state_dict`
     and `optimizer.load_state_dict` at the same layout; torch's `set_model_state_dict` from
@@ -285,6 +286,7 @@ def full_state_round_trip(rank: int, world: int, dp: int, steps: int) -> dict[st
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
+    from torch.distributed.tensor import DTensor, Replicate
 
     model, dp_mesh = _wrapped(world, dp, split=True)
     opt = _optimizer("adamw", model)
@@ -293,12 +295,18 @@ def full_state_round_trip(rank: int, world: int, dp: int, steps: int) -> dict[st
         _step(model, opt, _slice(batch, part, dp), {})
     full = StateDictOptions(full_state_dict=True)
     ours = (model.full_state_dict(), model.full_optim_state_dict(opt))
+    # The sharded state dict's values as DTensors, each against its whole value.
+    as_dtensors = {key: [torch.equal(value.full_tensor(), ours[0][key]),
+                         torch.equal(value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local(),
+                                     ours[0][key]),
+                         torch.equal((value * 2 + value).full_tensor(), ours[0][key] * 2 + ours[0][key])]
+                   for key, value in model.state_dict().items() if isinstance(value, DTensor)}
     theirs = (get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full))
     names = [name for name, _ in model.named_parameters()]
     # Copies, here and at each load: the gathered states hold the optimizer's own `step`
     # tensors, as `optimizer.state_dict()` does, and a loaded optimizer steps those in place.
     out: dict[str, Any] = copy.deepcopy({
-        "model": {"ours": ours[0], "torch": theirs[0]},
+        "as_dtensors": as_dtensors, "model": {"ours": ours[0], "torch": theirs[0]},
         "optimizer": {"ours": {names[number]: values for number, values in ours[1]["state"].items()},
                       "torch": theirs[1]["state"]}})
     for how in ("ours", "torch"):

@@ -141,7 +141,9 @@ def test_a_2d_checkpoint_resumes_at_another_shape(name: str, world: int) -> None
 
 @pytest.mark.timeout(400)
 def test_whole_state_gathers_and_loads_at_2d() -> None:
-    """At (2, 2), after 2 AdamW steps: the whole model and optimizer state, from the runtime
+    """At (2, 2), after 2 AdamW steps: the sharded state dict's values work as DTensors
+    (`full_tensor`, `redistribute` to `Replicate`, elementwise operators); the whole model and
+    optimizer state, from the runtime
     (`full_state_dict`, `full_optim_state_dict`) and from torch's API (`full_state_dict=True`),
     equal one process's; loaded into a new model and optimizer (the runtime's loads at the
     same layout, or torch's `set_model_state_dict` broadcast from rank 0 and
@@ -151,6 +153,9 @@ def test_whole_state_gathers_and_loads_at_2d() -> None:
     after = tp_cases.reference_after(SAVED_STEPS)
     results = [outcome.result() for outcome in LAUNCHES[4]["full_state"]]
     for result in results:
+        assert len(result["as_dtensors"]) == len(after["state"])      # every parameter's value is a DTensor
+        wrong = {key: checks for key, checks in result["as_dtensors"].items() if not all(checks)}
+        assert not wrong, f"full_tensor, redistribute to Replicate, elementwise: {wrong}"
         for source in ("ours", "torch"):
             model, optimizer = result["model"][source], result["optimizer"][source]
             assert model.keys() == after["state"].keys()
