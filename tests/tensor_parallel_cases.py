@@ -86,13 +86,17 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, how:
     return total, norm
 
 
-def reference(optimizer: str, how: dict) -> dict[str, Any]:
-    """One process on the whole batches."""
+def reference(optimizer: str, how: dict, steps: Optional[int] = None) -> dict[str, Any]:
+    """One process on the whole batches (or the first `steps`): its losses, clip norms, model
+    state, and optimizer state by parameter name."""
     model = _build(how.get("checkpointed", False), how)
     opt = _optimizer(optimizer, model)
-    steps = [_step(model, opt, batch, how) for batch in _batches(how)]
-    return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps],
-            "state": {key: value.detach().clone() for key, value in model.state_dict().items()}}
+    taken = [_step(model, opt, batch, how) for batch in _batches(how)[:steps]]
+    names = [name for name, _ in model.named_parameters()]
+    return {"losses": [s[0] for s in taken], "norms": [s[1] for s in taken],
+            "state": {key: value.detach().clone() for key, value in model.state_dict().items()},
+            "optimizer": {names[number]: {key: value.clone() for key, value in values.items()}
+                          for number, values in opt.state_dict()["state"].items()}}
 
 
 def initial_state() -> dict[str, torch.Tensor]:
@@ -248,19 +252,6 @@ def resume(rank: int, world: int, path: str, dp: int, split: bool, steps: int) -
     return {"losses": losses, "blocks": blocks_of(model.state_dict())}
 
 
-def reference_after(steps: int) -> dict[str, Any]:
-    """One process after `steps` AdamW steps: its model state, and its optimizer state by
-    parameter name."""
-    model = _build()
-    opt = _optimizer("adamw", model)
-    for batch in BATCHES()[:steps]:
-        _step(model, opt, batch, {})
-    names = [name for name, _ in model.named_parameters()]
-    return {"state": {key: value.detach().clone() for key, value in model.state_dict().items()},
-            "optimizer": {names[number]: {key: value.clone() for key, value in values.items()}
-                          for number, values in opt.state_dict()["state"].items()}}
-
-
 def _hybrid_offloaded(world: int, dp: int) -> nn.Module:
     """The split GPT as `dp` replicas of one shard (a ("replicate", "shard", "tp") mesh), its
     state offloaded to the host."""
@@ -277,8 +268,9 @@ def _hybrid_offloaded(world: int, dp: int) -> nn.Module:
 
 def full_state_round_trip(rank: int, world: int, dp: int, steps: int) -> dict[str, Any]:
     """`steps` AdamW steps of the split GPT; its sharded state dict's values used as DTensors
-    (`full_tensor`, `redistribute` to `Replicate`, elementwise operators); its state gathered whole by the runtime
-    (`full_state_dict`, `full_optim_state_dict`) and by torch's API (`full_state_dict=True`),
+    (`full_tensor`, `redistribute` to `Replicate`, elementwise operators); its state gathered
+    whole by the runtime (`full_state_dict`, `full_optim_state_dict`) and by torch's API
+    (`full_state_dict=True`),
     then loaded into a new model and optimizer each way (the runtime's `load_full_state_dict`
     and `optimizer.load_state_dict` at the same layout; torch's `set_model_state_dict` from
     rank 0 and `set_optimizer_state_dict` into replicas offloaded to the host), each of which

@@ -143,14 +143,13 @@ def test_a_2d_checkpoint_resumes_at_another_shape(name: str, world: int) -> None
 def test_whole_state_gathers_and_loads_at_2d() -> None:
     """At (2, 2), after 2 AdamW steps: the sharded state dict's values work as DTensors
     (`full_tensor`, `redistribute` to `Replicate`, elementwise operators); the whole model and
-    optimizer state, from the runtime
-    (`full_state_dict`, `full_optim_state_dict`) and from torch's API (`full_state_dict=True`),
-    equal one process's; loaded into a new model and optimizer (the runtime's loads at the
+    optimizer state, from the runtime (`full_state_dict`, `full_optim_state_dict`) and from
+    torch's API (`full_state_dict=True`), equal one process's; loaded into a new model and optimizer (the runtime's loads at the
     same layout, or torch's `set_model_state_dict` broadcast from rank 0 and
     `set_optimizer_state_dict` into 2 replicas of one shard offloaded to the host), each takes
     one process's third step (a fresh AdamW state would take another)."""
     ref = tp_cases.reference("adamw", {})
-    after = tp_cases.reference_after(SAVED_STEPS)
+    after = tp_cases.reference("adamw", {}, steps=SAVED_STEPS)
     results = [outcome.result() for outcome in LAUNCHES[4]["full_state"]]
     for result in results:
         assert len(result["as_dtensors"]) == len(after["state"])      # every parameter's value is a DTensor
