@@ -482,8 +482,8 @@ class FlatGroup:
 
     def _mark_grads(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
         got = self.got_grad
-        for index, grad in enumerate(grads[::2]):            # the parameters' pieces, not the padding
-            if grad is not None:
+        for index, piece in enumerate(self._param_views.param_pieces):    # not the padding's
+            if grads[piece] is not None:
                 got[index] = True
 
     def register_grad_hook(self, hook: Callable[["FlatGroup", Optional[torch.Tensor]], None]) -> None:
