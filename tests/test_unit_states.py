@@ -91,17 +91,18 @@ def _states_over_a_step(rank: int, world: int) -> dict[str, dict[str, list[str]]
 @pytest.mark.parametrize("world", [1, 2])
 def test_states_of_each_unit_over_a_step(world: int) -> None:
     steps = run_distributed(_states_over_a_step, world, timeout=100)[0]
-    if world == 2:
-        # Prefetched in forward and freed after it; gathered again ahead of its backward (under
-        # blocks.1's), freed once its gradients and its input's are complete.
-        assert steps["train"]["blocks.0"] == ["idle", "gathering", "gathered", "forward", "sharded",
-                                              "gathering", "pre_backward", "gathered", "post_backward", "sharded",
-                                              "idle"]
-    else:
-        # One rank: the shard is the parameters (nothing is released by a free), so the unit
-        # stays gathered from its forward to its backward.
-        assert steps["train"]["blocks.0"] == ["idle", "gathering", "gathered", "forward",
-                                              "pre_backward", "post_backward", "sharded", "idle"]
+    if world == 1:
+        # One rank: the shard is the parameters (a free releases nothing), so every unit is
+        # gathered once, at its first forward, and stays gathered from step to step.
+        for name in ("blocks.0", "blocks.1", "<root>"):
+            assert steps["train"][name] == ["idle", "forward", "pre_backward", "post_backward", "idle"]
+            assert steps["eval"][name] == ["idle", "forward", "idle"]
+        return
+    # Prefetched in forward and freed after it; gathered again ahead of its backward (under
+    # blocks.1's), freed once its gradients and its input's are complete.
+    assert steps["train"]["blocks.0"] == ["idle", "gathering", "gathered", "forward", "sharded",
+                                          "gathering", "pre_backward", "gathered", "post_backward", "sharded",
+                                          "idle"]
     # Last in forward, so kept for backward; its checkpointed forward runs again inside
     # backward without a change of state.
     assert steps["train"]["blocks.1"] == ["idle", "gathering", "gathered", "forward",

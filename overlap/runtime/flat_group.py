@@ -31,8 +31,10 @@ gather has nothing to do and a free nothing to release (`resident`). The optimiz
 updates of the shard are what the next forward computes with, as after a gather. `full` keeps
 a version counter of its own (`set_`, not a view), so those updates do not look to autograd
 like changes of tensors it saved. Gathering and freeing each unit twice a step would otherwise
-be most of the runtime's host work on one rank; the scheduler does not even free such a unit
-after its forward (`Unit.never_freed`): it stays gathered until its backward is done.
+be most of the runtime's host work on one rank; the scheduler never frees such a unit
+(`Unit.never_freed`): gathered at its first forward, it stays gathered from step to step, and
+counts in no tally of gathered memory, since it holds none of its own. A `reshard()` asked for
+outside a pass still frees it (nothing to release), and the next forward gathers it again.
 
 [Note: a gradient that reaches a parameter directly]
 Forward computes with views of the gathered buffer, so autograd never reaches the module's
@@ -312,6 +314,9 @@ class FlatGroup:
         # Which parameters received a gradient in this rank's backward passes since the last
         # published gradients; only those (on any rank) get a `.grad`.
         self.got_grad = [False] * len(self.slots)
+        # The hook on each forward's split node that fills `got_grad`, made once (a weak
+        # method per forward costs about a microsecond per group).
+        self._mark_grads_hook = _weakly(self._mark_grads)
         self.reduced = False
         # Gradients summed locally while reduction is paused (no_sync), in the reduce dtype.
         self.unsynced_grad: Optional[torch.Tensor] = None
@@ -416,7 +421,7 @@ class FlatGroup:
         if self._moved:
             views = [view.movedim(0, slot.dim) if slot.dim else view for view, slot in zip(views, self.slots)]
         if split is not None:
-            split.register_prehook(_weakly(self._mark_grads))
+            split.register_prehook(self._mark_grads_hook)
         self._views_record_grads = split is not None or not self.requires_grad
         self._views = views if not self._any_tensor_parallel else \
             [view if tp is None else tp.wrap(view) for view, tp in zip(views, self.tensor_parallel)]
@@ -432,6 +437,12 @@ class FlatGroup:
                     # module's registered parameters too (what `named_parameters()` yields to a
                     # pre-hook); freeing registers the DTensors again.
                     module._parameters[attr] = view
+
+    @property
+    def views_current(self) -> bool:
+        """Whether the modules still hold the views this pass's forward made, connected to
+        `full` (nothing freed the group since): a restore would put the same views back."""
+        return self._views_installed and self._views_record_grads and bool(self._views)
 
     def restore_views(self) -> None:
         """Before the group's backward: its views on the modules again, for a recompute that

@@ -48,7 +48,8 @@ class Prefetcher:
         self.memory_budget_bytes = memory_budget_bytes
         self.gathered = GatheredTally()    # of the units the budget counts
         for unit in units:
-            unit.tally = self.gathered
+            # A unit never freed holds no gathered memory of its own.
+            unit.tally = None if unit.never_freed else self.gathered
         self.forward_order: list[Unit] = []
         self.backward_order: list[Unit] = []
         self._this_forward: list[Unit] = []

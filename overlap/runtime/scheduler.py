@@ -476,7 +476,8 @@ class Scheduler:
 
     def _discard_all(self, keep: Optional[Unit] = None) -> None:
         for unit in self.all_units:
-            if unit.gather_state is not GatherState.SHARDED and unit is not keep and not self._keeps(unit):
+            if unit.gather_state is not GatherState.SHARDED and unit is not keep and not self._keeps(unit) \
+                    and not unit.never_freed:
                 unit.discard()
                 self.log.mark(Mark.FREE, unit.name)
 
@@ -523,7 +524,7 @@ class Scheduler:
         """The step's gradients are reduced: free the kept units before the optimizer writes
         their shards, and keep again next step only if this one asked."""
         for unit in self.all_units:
-            if unit.gather_state is not GatherState.SHARDED:    # kept, or kept until re-chosen
+            if unit.gather_state is not GatherState.SHARDED and not unit.never_freed:   # kept, or kept until re-chosen
                 unit.discard()
                 self.log.mark(Mark.FREE, unit.name)
                 unit.remove_views()
@@ -584,7 +585,7 @@ class Scheduler:
             if self.order is not None:
                 self.order.ran(self._index[id(unit)], backward=True, synced=self.sync_grads)
             self.prefetch.gather_for_backward(unit)
-            if unit.drops_views and unit.gather_state is GatherState.GATHERED:
+            if unit.drops_views and unit.gather_state is GatherState.GATHERED and not unit.views_current:
                 # Its views left the modules when it was freed; a recompute (activation
                 # checkpointing) may call its modules without their own pre-hook (a wrapper's
                 # inner module), so they are there again, connected to the gathered buffer.
@@ -620,7 +621,8 @@ class Scheduler:
 
     def _free_after_backward(self, unit: Unit) -> None:
         """See [Note: when a unit is freed in backward]."""
-        if unit.backward_complete and unit.gather_state is not GatherState.SHARDED and not self._keeps(unit):
+        if unit.backward_complete and unit.gather_state is not GatherState.SHARDED and not self._keeps(unit) \
+                and not unit.never_freed:
             self._reshard(unit)
 
     def reduce_held_grads(self) -> None:

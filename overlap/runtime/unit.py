@@ -98,8 +98,8 @@ class Unit:
         # Freeing can take the views off the modules (DTensor parameters stand in; see
         # FlatGroup.free): only such units ask their groups at each backward.
         self.drops_views = any(g.dtensor_params for g in groups)
-        # Nothing of the unit is ever freed (one rank, see flat_group.py): no need to learn
-        # when its input gradients are complete.
+        # Nothing of the unit is ever freed (one rank, see [Note: one rank computing in the
+        # master dtype] in flat_group.py): no need to learn when its input gradients are complete.
         self.never_freed = all(g.resident for g in groups)
         self.tally: Optional[GatheredTally] = None   # set by the prefetcher for the units it counts
         self.gather_state = GatherState.SHARDED
@@ -196,6 +196,11 @@ class Unit:
         self._require((GatherState.GATHERED,), "restore parameter views")
         for group in self.groups:
             group.restore_views()
+
+    @property
+    def views_current(self) -> bool:
+        """Whether every group's modules still hold the views of this pass's forward."""
+        return all(group.views_current for group in self.groups)
 
     def remove_views(self) -> None:
         for group in self.groups:
