@@ -1,19 +1,12 @@
 #!/usr/bin/env bash
-# The check to run first on a machine with a GPU (one H200 with torch, triton and cupy, perhaps
-# nvcc, no internet), within 8 minutes: each step has a cap, the caps add up to the budget, and
-# the plan is printed first. It prints PASS, FAIL or SKIP per check, with its figures or why:
-#   install          the package without compiling, so that later steps import it whatever happens
-#   extension        overlap._C with its CUDA kernels where nvcc is found
-#   quant_kernels, kernel_tests   the CUDA cases of tests/test_quant_kernels.py, tests/test_kernels.py
-#   offload ... overhead          benchmarks/gpu_checks.py, one process per step (CHECKS below)
-#   kernel_memcheck, kernel_racecheck   compute-sanitizer over the extension's and CuPy's cases
-#   kernel_bandwidth benchmarks/kernel_bandwidth.py on CUDA
-# One GPU is one rank: what needs more (transfers between GPUs, the planner's link fit,
-# gradients summed across ranks, races between ranks) is not checked.
-#
-# Run from the repository root:
-#   bash benchmarks/gpu_check.sh              on a GPU machine; without a GPU, every step SKIPs
-#   bash benchmarks/gpu_check.sh --rehearse   the Python checks on CPU with gloo, tiny sizes
+# The first check on a GPU machine (one GPU with torch, triton and cupy, perhaps nvcc, no
+# internet) within 8 minutes: each step has a cap, the caps add up to the budget, the plan is
+# printed first, then PASS, FAIL or SKIP per check with its figures or why. Steps: install (no
+# compiling, so later steps import it whatever happens), extension (overlap._C's CUDA kernels),
+# the CUDA cases of the kernel tests, benchmarks/gpu_checks.py (one process per step, CHECKS
+# below), compute-sanitizer over the extension's and CuPy's cases, kernel_bandwidth.py on CUDA.
+# One GPU is one rank: transfers between GPUs, gradients summed and races across ranks are not checked.
+#   bash benchmarks/gpu_check.sh [--rehearse]   (--rehearse: the Python checks on CPU with gloo)
 # Logs go to $OUT (if set) or bench_out/, one per step.
 set -uo pipefail
 
@@ -29,17 +22,17 @@ mkdir -p "$OUT_DIR"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 start_s=$SECONDS
 
-# The steps in order and each one's cap in seconds, adding up to at most BUDGET_S.
-# [Note: the caps] quant_kernels compiles the Triton kernels (100+ compiles cold) into
-# TRITON_CACHE_DIR, kept between calls, so its cap is the largest of the test steps. The
-# extension's cap assumes ninja; without it the build may stop at its cap (a FAIL), and every
-# later step still runs on the torch, Triton and CuPy backends.
+# The steps in order with their caps in seconds, adding up to at most BUDGET_S. [Note: the caps]
+# quant_kernels compiles the Triton kernels (100+ compiles cold) into TRITON_CACHE_DIR, kept
+# between calls: the largest cap of the test steps. The extension's cap assumes ninja; without
+# it the build may stop at its cap (a FAIL), and later steps still run on the other backends.
 BUDGET_S=480
-STEPS=(machine install extension quant_kernels offload compressed report_timing sync_free two_level slow_link parity
-       sanitized large_index overhead kernel_tests kernel_memcheck kernel_racecheck kernel_bandwidth)
-declare -A CAP=([machine]=15 [install]=20 [extension]=80 [quant_kernels]=55 [offload]=25 [compressed]=20
-                [report_timing]=20 [sync_free]=20 [two_level]=15 [slow_link]=30 [parity]=45 [sanitized]=25
-                [large_index]=20 [overhead]=20 [kernel_tests]=30 [kernel_memcheck]=20 [kernel_racecheck]=10 [kernel_bandwidth]=10)
+STEPS=(machine:15 install:20 extension:80 quant_kernels:55 offload:25 compressed:20 report_timing:20 sync_free:20
+       two_level:15 slow_link:30 parity:45 sanitized:25 large_index:20 overhead:20 kernel_tests:30 kernel_memcheck:20
+       kernel_racecheck:10 kernel_bandwidth:10)
+declare -A CAP
+for entry in "${STEPS[@]}"; do CAP[${entry%:*}]=${entry#*:}; done
+STEPS=("${STEPS[@]%:*}")
 # The checks of benchmarks/gpu_checks.py that each step runs.
 declare -A CHECKS=([offload]=offload [compressed]=compressed [report_timing]=report_timing [sync_free]=sync_free [two_level]=hybrid,hpz
                    [slow_link]=slow_link [parity]=device,parity [sanitized]=sanitized [large_index]=large_index
@@ -84,15 +77,16 @@ capped() {
 # How a step that ran under `capped` ended, when it printed no verdict of its own.
 ended() {
     local name=$1 rc=$2
+    local left=$((BUDGET_S * SCALE - (SECONDS - start_s)))
     if [ "$rc" = 124 ]; then
-        verdict FAIL "$name" "stopped at its limit ($(limit_note "$name")); see $OUT_DIR/$name.log"
+        verdict FAIL "$name" "stopped at its limit (cap $((CAP[$name] * SCALE)) s, $left s of the budget left); see\
+ $OUT_DIR/$name.log"
     elif [ "$rc" != 0 ] && ! grep -q '^FAIL ' "$OUT_DIR/$name.log"; then
         verdict FAIL "$name" "exited with status $rc and no verdict; see $OUT_DIR/$name.log"
     elif [ "$rc" != 0 ]; then
         status=1
     fi
 }
-limit_note() { echo "cap $((CAP[$1] * SCALE)) s, $((BUDGET_S * SCALE - (SECONDS - start_s))) s of the budget left"; }
 
 has_gpu=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 has_pytest=$("$PY" -c "import pytest" 2>/dev/null && echo 1 || echo 0)
@@ -247,9 +241,7 @@ checks_step() {
         checks_logs+=("$OUT_DIR/$name.log")
     fi
 }
-for name in offload compressed report_timing sync_free two_level slow_link parity sanitized large_index overhead; do
-    checks_step "$name"
-done
+for name in "${STEPS[@]}"; do [ -n "${CHECKS[$name]:-}" ] && checks_step "$name"; done
 
 step kernel_tests
 pytest_step kernel_tests tests/test_kernels.py

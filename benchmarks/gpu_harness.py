@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,20 @@ class Checks:
 
     def error(self, name: str, exc: BaseException) -> None:
         self.report("FAIL", name, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+
+    @contextlib.contextmanager
+    def guarded(self, name: str) -> Iterator[None]:
+        """A check that raises inside the block is a failed check, reported, not an abort."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
+            self.error(name, exc)
+
+    def attempt(self, name: str, run: Callable[[], T]) -> Optional[T]:
+        """`run()`; None after a FAIL of `name` if it raises."""
+        with self.guarded(name):
+            return run()
+        return None
 
 
 @contextlib.contextmanager

@@ -56,10 +56,8 @@ def _against_none(checks: Checks, device: torch.device, name: str, offload: str,
                   optimizer: str) -> Optional[tuple[dict, dict, bool, bool]]:
     """`_runs_against_none`'s runs ("none"'s, `offload`'s) and whether the losses and the states
     are within OFFLOAD_RTOL; None after a FAIL of `name` if they raise."""
-    try:
-        runs = _runs_against_none(device, offload, wrap, optimizer)
-    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-        checks.error(name, exc)
+    runs = checks.attempt(name, lambda: _runs_against_none(device, offload, wrap, optimizer))
+    if runs is None:
         return None
     ref, got = runs["none"], runs[offload]
     # "none" steps AdamW on the device, the others on the host: another order, so close, not equal.
@@ -217,12 +215,7 @@ def check_offload(checks: Checks, rehearse: bool) -> None:
             checks.report("SKIP", f"offload[{name}]", "CPU rehearsal: host and device are one memory, there is no "
                                                       "copy engine to measure or overlap")
         return
-    try:
+    with checks.guarded("offload[copies]"):
         _offload_copies(checks, device)
-    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-        checks.error("offload[copies]", exc)
-    try:
-        with one_rank_on(device):
-            _disk_refresh(checks, device)
-    except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-        checks.error("offload[disk_refresh]", exc)
+    with checks.guarded("offload[disk_refresh]"), one_rank_on(device):
+        _disk_refresh(checks, device)

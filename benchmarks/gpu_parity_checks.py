@@ -28,13 +28,11 @@ def check_parity(checks: Checks, rehearse: bool) -> None:
     device = device_for(rehearse)
     with one_rank_on(device), deterministic():
         for name, config in parity_configs().items():
-            try:
-                plain = train_sharded(config, device, None)
-                poked = train_sharded(config, device, race_injection(rehearse))
-                reference = train_plain(config, device)
-            except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-                checks.error(f"parity[{name}]", exc)
+            runs = checks.attempt(f"parity[{name}]", lambda: (train_sharded(config, device, None), train_sharded(
+                config, device, race_injection(rehearse)), train_plain(config, device)))
+            if runs is None:
                 continue
+            plain, poked, reference = runs
             identical, finite = identical_runs(plain, poked), finite_run(poked)
             tol = dict(rtol=2e-2, atol=2e-3) if config.get("param_dtype") is not None else dict(rtol=1e-4, atol=1e-5)
             worst = worst_parameter(plain, reference, **tol)
@@ -59,13 +57,12 @@ def check_compressed(checks: Checks, rehearse: bool) -> None:
         for mode in COMPRESSION_MODES:
             name = f"compressed[{mode}]"
             config = dict(build=small_gpt, wrap=dict(prefetch_depth=1, compression=mode))
-            try:
-                plain = train_sharded(config, device, None)
-                injection = race_injection(rehearse)
-                poked = train_sharded(config, device, injection)
-            except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-                checks.error(name, exc)
+            injection = race_injection(rehearse)
+            runs = checks.attempt(name, lambda: (train_sharded(config, device, None),
+                                                 train_sharded(config, device, injection)))
+            if runs is None:
                 continue
+            plain, poked = runs
             if mode == "none":
                 uncompressed = dict(losses=plain["losses"], gather_bytes=injection.nbytes["all_gather"])
             recorded, seen = poked["recorded"], injection.calls
@@ -193,17 +190,13 @@ def check_device(checks: Checks, rehearse: bool) -> None:
         forms = {"init_process_group()": None, "gloo": "gloo"}
     expected = device_for(rehearse)
     for label, backend in forms.items():
-        try:
-            with one_rank_group(backend):
-                if expected.type == "cuda":
-                    torch.cuda.set_device(expected)
-                model = ShardedModule(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
-                out = model(torch.randn(4, 64, device=expected))
-                out.sum().backward()
-                synchronize(expected)
-                got = model.collectives.device
-                grads_on = {p.grad.device for p in model.parameters() if p.grad is not None}
+        with checks.guarded(f"device[{label}]"), one_rank_group(backend):
+            if expected.type == "cuda":
+                torch.cuda.set_device(expected)
+            model = ShardedModule(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+            model(torch.randn(4, 64, device=expected)).sum().backward()
+            synchronize(expected)
+            got = model.collectives.device
+            grads_on = {p.grad.device for p in model.parameters() if p.grad is not None}
             checks.verdict(f"device[{label}]", got == expected and grads_on == {expected},
                            f"shards on {got}, gradients on {sorted(map(str, grads_on))}, expected {expected}")
-        except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-            checks.report("FAIL", f"device[{label}]", f"{type(exc).__name__}: {exc}")

@@ -174,7 +174,7 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
     results = {}
     with one_rank_on(device):
         for kind in ("plain", "fsdp2", "overlap"):
-            try:
+            with checks.guarded(f"overhead[{kind}]"):
                 model, context = _wrapped_model(kind, config, device)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 if device.type == "cuda":
@@ -187,8 +187,6 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
                                      finite=all_finite(losses), last_loss=losses[-1])
                 del model, optimizer
                 empty_cache(device)
-            except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check
-                checks.report("FAIL", f"overhead[{kind}]", f"{type(exc).__name__}: {exc}")
     if len(results) < 3:
         return
     print(f"      GPT {config.num_params / 1e9:.2f}B parameters, batch {batch} x {config.block_size}, bf16 compute, "
