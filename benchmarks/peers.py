@@ -36,7 +36,6 @@ COMPILED = tuple(EAGER_TWIN)
 ALL = IMPLEMENTATIONS + COMPRESSED + COMPILED
 SHARDED_MODULE = {OVERLAP: "none", OVERLAP_INT8: "int8", OVERLAP_INT8_INT4: "int8-int4", OVERLAP_AUTO: "auto",
                   OVERLAP_COMPILED: "none"}
-REPLICATED = (DDP, DDP_TUNED, DDP_FP16, LOCAL, DDP_TUNED_COMPILED, LOCAL_COMPILED)
 SINGLE_PROCESS = (LOCAL, LOCAL_COMPILED)
 
 
@@ -101,13 +100,21 @@ class AllToAllReduceScatter:
         return None
 
 
+def reduce_scatter_by_all_to_all(*modules: Any) -> None:
+    """FSDP2's `modules` reduce-scatter through `AllToAllReduceScatter`."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    comm = type("AllToAllReduceScatterComm", (AllToAllReduceScatter, ReduceScatter), {})()
+    for module in modules:
+        module.set_custom_reduce_scatter(comm)
+
+
 def fsdp2(model: torch.nn.Module, tuned: bool, depth: int, mesh=None) -> torch.nn.Module:
     """FSDP2 on each of `model.blocks`, then the root: defaults, or tuned (prefetch lists of `depth`
     blocks). A 2-D (replicate, shard) `mesh` makes it HSDP, tuned the same way."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if mesh is None else mesh
     blocks = list(model.blocks)
@@ -117,9 +124,7 @@ def fsdp2(model: torch.nn.Module, tuned: bool, depth: int, mesh=None) -> torch.n
     if not tuned:
         return root
     root._set_unshard_async_op(True)
-    comm = type("AllToAllReduceScatterComm", (AllToAllReduceScatter, ReduceScatter), {})()
-    for module in (root, *blocks):
-        module.set_custom_reduce_scatter(comm)
+    reduce_scatter_by_all_to_all(root, *blocks)
     root.set_modules_to_forward_prefetch(blocks[:depth])
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])

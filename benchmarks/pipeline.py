@@ -79,16 +79,14 @@ def _wrap(variant: str, stage, mesh):
             overlap_fully_shard(block, mesh=mesh)
         return overlap_fully_shard(stage, mesh=mesh)
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-    from peers import AllToAllReduceScatter
+    from peers import reduce_scatter_by_all_to_all
+
     reshard = variant == "FSDP2 reshard"
     for block in stage.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     root = fully_shard(stage, mesh=mesh, reshard_after_forward=reshard)
-    comm = type("AllToAllReduceScatterComm", (AllToAllReduceScatter, ReduceScatter), {})()
-    for module in (root, *stage.blocks):
-        module.set_custom_reduce_scatter(comm)
+    reduce_scatter_by_all_to_all(root, *stage.blocks)
     return root
 
 
@@ -102,33 +100,25 @@ class _Bytes:
 
         from overlap.runtime.collectives import Collectives
 
-        self.gathered = self.reduced = 0
-        gather, reduce = Collectives.all_gather, Collectives.reduce_scatter
-        fsdp_gather, fsdp_reduce = dist.all_gather_single, AllToAllReduceScatter.__call__
+        self.moved = {"gathered": 0, "reduced": 0}
+        # (owner, function, total, the counted tensor's position and name). FSDP2 calls
+        # dist.all_gather_single; overlap's gathers bound it at import and are counted at Collectives.
+        for owner, name, total, index, keyword in (
+                (Collectives, "all_gather", "gathered", 1, "out"), (Collectives, "reduce_scatter", "reduced", 1, "grad_full"),
+                (dist, "all_gather_single", "gathered", 0, "output_tensor"),
+                (AllToAllReduceScatter, "__call__", "reduced", 2, "input_tensor")):
+            setattr(owner, name, self._counted(getattr(owner, name), total, index, keyword))
 
-        def counted_gather(collectives, out, *args, **kwargs):
-            self.gathered += out.numel() * out.element_size()
-            return gather(collectives, out, *args, **kwargs)
-
-        def counted_reduce(collectives, grad_full, *args, **kwargs):
-            self.reduced += grad_full.numel() * grad_full.element_size()
-            return reduce(collectives, grad_full, *args, **kwargs)
-
-        def counted_fsdp_gather(output_tensor, *args, **kwargs):
-            self.gathered += output_tensor.numel() * output_tensor.element_size()
-            return fsdp_gather(output_tensor, *args, **kwargs)
-
-        def counted_fsdp_reduce(comm, output_tensor, input_tensor, *args, **kwargs):
-            self.reduced += input_tensor.numel() * input_tensor.element_size()
-            return fsdp_reduce(comm, output_tensor, input_tensor, *args, **kwargs)
-
-        Collectives.all_gather, Collectives.reduce_scatter = counted_gather, counted_reduce
-        # FSDP2 calls dist.all_gather_single; overlap's gathers bound it at import and are counted above.
-        dist.all_gather_single, AllToAllReduceScatter.__call__ = counted_fsdp_gather, counted_fsdp_reduce
+    def _counted(self, fn, total: str, index: int, keyword: str):
+        def run(*args, **kwargs):
+            tensor = args[index] if len(args) > index else kwargs[keyword]
+            self.moved[total] += tensor.numel() * tensor.element_size()
+            return fn(*args, **kwargs)
+        return run
 
     def take(self) -> tuple[int, int]:
-        out = (self.gathered, self.reduced)
-        self.gathered = self.reduced = 0
+        out = (self.moved["gathered"], self.moved["reduced"])
+        self.moved = {"gathered": 0, "reduced": 0}
         return out
 
 
