@@ -8,7 +8,6 @@ error, bytes and time per block size. On CPU the two big shapes are scaled down.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import statistics
@@ -145,8 +144,8 @@ def print_summary(summary: list[dict]) -> None:
          _or_dash(s["vs_best_torch"], "{:.2f}")] for s in summary]))
 
 
-def _or_dash(value: Optional[float], form: str) -> str:
-    return "-" if value is None else form.format(value)
+def _or_dash(value: Optional[float], form: str, dash: str = "-") -> str:
+    return dash if value is None else form.format(value)
 
 
 # ---- Block-quantised communication kernels (kernels/quantized.py) ------------------------------
@@ -188,9 +187,12 @@ def _iqr(values: list[float]) -> float:
     return quartiles[2] - quartiles[0]
 
 
+def _ms(t: Spread) -> dict[str, Optional[float]]:
+    return {"ms": t.median_s * 1e3, "iqr_ms": t.iqr_s * 1e3, "cpu_ms": None if t.cpu_median_s is None else t.cpu_median_s * 1e3}
+
+
 def _rows(case: str, op: str, tensors: int, elements: int, nbytes: int, times: dict[str, Spread]) -> list[dict]:
-    return [{"case": case, "op": op, "impl": label, "tensors": tensors, "elements": elements, "ms": t.median_s * 1e3,
-             "iqr_ms": t.iqr_s * 1e3, "cpu_ms": None if t.cpu_median_s is None else t.cpu_median_s * 1e3,
+    return [{"case": case, "op": op, "impl": label, "tensors": tensors, "elements": elements, **_ms(t),
              "GB/s": nbytes / t.median_s / 1e9} for label, t in times.items()]
 
 
@@ -347,8 +349,7 @@ def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) ->
     for row in rows:
         for op in ("quantize", "accumulate"):
             t = times[(row["block"], op)]
-            row.update({f"{op}_ms": t.median_s * 1e3, f"{op}_iqr_ms": t.iqr_s * 1e3,
-                        f"{op}_cpu_ms": None if t.cpu_median_s is None else t.cpu_median_s * 1e3})
+            row.update({f"{op}_{key}": value for key, value in _ms(t).items()})
     # One more bit per element halves the error: a block's cost in bits per element is its
     # scales' 32 / block plus log2(error). `excess_bits`: the most, over int8/int4 and both
     # distributions, by which a block's cost exceeds the best block's.
@@ -358,33 +359,15 @@ def sweep_quant_blocks(device: torch.device, blocks: list[int], repeats: int) ->
         row["excess_bits"] = max(32 / row["block"] + math.log2(row[key]) - best[key] for key in errors)
     print(f"{backend.name} backend, {QUANT_NUMEL} elements; errors: relative RMS of a round trip; "
           "times in ms: wall median (IQR) and CPU-time median")
+    def times(r: dict, op: str) -> str:
+        return f"{r[f'{op}_ms']:.2f} ({r[f'{op}_iqr_ms']:.2f})" + _or_dash(r[f"{op}_cpu_ms"], " {:.2f}", "")
+
     print(markdown_table(["block", "B/elem int8", "B/elem int4", "int8 err N", "int8 err t3", "int4 err N",
                           "int4 err t3", "excess bits", "quantize8 ms", "accumulate8x2 ms"], [
         [r["block"], f"{r['bytes_int8']:.4f}", f"{r['bytes_int4']:.4f}", f"{r['rel_rms_int8_normal']:.5f}",
          f"{r['rel_rms_int8_student_t3']:.5f}", f"{r['rel_rms_int4_normal']:.4f}", f"{r['rel_rms_int4_student_t3']:.4f}",
-         f"{r['excess_bits']:.3f}", *(f"{r[f'{op}_ms']:.2f} ({r[f'{op}_iqr_ms']:.2f})" + ("" if r[f"{op}_cpu_ms"] is None else
-                                                               f" {r[f'{op}_cpu_ms']:.2f}")
-           for op in ("quantize", "accumulate"))] for r in rows]))
+         f"{r['excess_bits']:.3f}", times(r, "quantize"), times(r, "accumulate")] for r in rows]))
     return rows
-
-
-def _meta(device: torch.device, record: RunRecord, **extra: object) -> dict:
-    return {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, **extra, **record.fields()}
-
-
-def run_quantized(args: argparse.Namespace, device: torch.device, backends: list[str], repeats: int,
-                  record: RunRecord) -> None:
-    result: dict = {}
-    if args.quant_blocks:
-        result["block_sweep"] = sweep_quant_blocks(device, [int(b) for b in args.quant_blocks.split(",")], repeats)
-    else:
-        rows = measure_quantized(device, backends, repeats, DEFAULT_BLOCK)
-        print_quant_table(rows)
-        result["rows"] = rows
-    out = args.out or f"bench_out/quant_{'blocks' if args.quant_blocks else 'kernels'}_{device.type}.json"
-    write_json(out, {"meta": _meta(device, record, repeats=repeats), **result})
-    print(f"wrote {out}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -409,20 +392,27 @@ def main(argv: Optional[list[str]] = None) -> None:
     repeats = args.repeats or (20 if device.type == "cuda" else 11)
     backends = [b for b in available_backends(device) if not (device.type == "cpu" and b == "triton")]
     print(f"device {device}, threads {torch.get_num_threads()}, backends {backends}, median of {repeats}")
-    if args.quant_only or args.quant_blocks:
-        run_quantized(args, device, backends, repeats, record)
-        return
-    rows = []
-    for name, sizes in shapes(device).items():
-        for src_dtype, dst_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16)):
-            rows += measure_case(name, sizes, src_dtype, dst_dtype, device, backends, repeats)
-    rows += measure_runtime_calls(device, backends, repeats)
-    rows += measure_quantized(device, backends, repeats, DEFAULT_BLOCK)
-    print_table(rows)
-    summary = summarise(rows)
-    print_summary(summary)
-    out = args.out or f"bench_out/kernels_{device.type}.json"
-    write_json(out, {"meta": _meta(device, record), "rows": rows, "summary": summary})
+    if args.quant_blocks:
+        name = "quant_blocks"
+        result = {"block_sweep": sweep_quant_blocks(device, [int(b) for b in args.quant_blocks.split(",")], repeats)}
+    elif args.quant_only:
+        name, result = "quant_kernels", {"rows": measure_quantized(device, backends, repeats, DEFAULT_BLOCK)}
+        print_quant_table(result["rows"])
+    else:
+        name, rows = "kernels", []
+        for case, sizes in shapes(device).items():
+            for src_dtype, dst_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16)):
+                rows += measure_case(case, sizes, src_dtype, dst_dtype, device, backends, repeats)
+        rows += measure_runtime_calls(device, backends, repeats)
+        rows += measure_quantized(device, backends, repeats, DEFAULT_BLOCK)
+        print_table(rows)
+        result = {"rows": rows, "summary": summarise(rows)}
+        print_summary(result["summary"])
+    meta = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            **({} if name == "kernels" else {"repeats": repeats}), **record.fields()}
+    out = args.out or f"bench_out/{name}_{device.type}.json"
+    write_json(out, {"meta": meta, **result})
     print(f"wrote {out}")
 
 
