@@ -36,14 +36,6 @@ def throttled_namespace(rate: Optional[str], name: Optional[str] = None) -> Iter
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def run_on_link(command: Sequence[str], rate: Optional[str], **kwargs) -> subprocess.CompletedProcess:
-    """Run `command` on an emulated link of `rate` (None: plain loopback, no namespace)."""
-    if rate is None:
-        return subprocess.run(list(command), **kwargs)
-    with throttled_namespace(rate) as prefix:
-        return subprocess.run(prefix + list(command), **kwargs)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", required=True, help="link rate for tc tbf, e.g. 2gbit or 400mbit")
@@ -52,7 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given")
-    return run_on_link(command, args.rate).returncode
+    with throttled_namespace(args.rate) as prefix:
+        return subprocess.run(prefix + command).returncode
 
 
 if __name__ == "__main__":
