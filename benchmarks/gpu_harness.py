@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T = TypeVar("T")
 
 
 class Checks:
@@ -204,9 +205,8 @@ class Injection:
         self._inside = threading.local()      # one collective reached through another counts once
 
     def reset(self) -> None:
-        self.calls.clear()
-        self.nbytes.clear()
-        self.slept.clear()
+        for counter in (self.calls, self.nbytes, self.slept):
+            counter.clear()
 
     def _wrap(self, kind: str, fn: Callable) -> Callable:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -349,7 +349,8 @@ def train_sharded(config: dict, device: torch.device, injection: Optional[Inject
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     micro = config.get("micro_batches", 1)
     losses, allocated = [], []
-    records = _delivered_records(model)
+    records: list = []            # the step records `model` delivers from now on
+    model.scheduler.step_end_callbacks.append(lambda scheduler: records.append(scheduler.last_step))
     with injection.active() if injection is not None else contextlib.nullcontext():
         for idx, targets in token_batches(device, steps or parity_steps(device)):
             total = _backward_in_parts(model, idx, targets, micro, model.no_sync)
@@ -380,13 +381,6 @@ def _backward_in_parts(model: torch.nn.Module, idx: torch.Tensor, targets: torch
             loss.backward()
         total += loss.detach().float()
     return total
-
-
-def _delivered_records(model) -> list:
-    """The step records `model` delivers from now on."""
-    records: list = []
-    model.scheduler.step_end_callbacks.append(lambda scheduler: records.append(scheduler.last_step))
-    return records
 
 
 def flush_record(model) -> None:
