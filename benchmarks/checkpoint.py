@@ -19,8 +19,8 @@ from typing import Sequence
 
 import torch
 
-from common import (PeakMemory, RunRecord, arg_parser, launch_worker, markdown_table, median,
-                    parse_with_worker_options, quartiles, require_min, script_main, seconds_of, slowest_of_ranks,
+from common import (PeakMemory, RunRecord, add_options, arg_parser, launch_worker, markdown_table, median,
+                    parse_with_worker_options, print_and_write, quartiles, require_min, script_main, seconds_of, slowest_of_ranks,
                     start_rank, timed_steps, write_json)
 
 WORLD_SIZE = 2
@@ -148,20 +148,17 @@ def run_driver(args: argparse.Namespace) -> int:
         result = launch_worker(__file__, WORLD_SIZE, args, ("rounds", "steps", "batch"), "--dir", args.dir or scratch)
     stats = summarize(result)
     text = report(result, stats)
-    print(text)
-    if args.out:
-        write_json(args.out, dict(**record.fields(), **result, summary=stats, table=text))
+    print_and_write(text, args.out, dict(**record.fields(), **result, summary=stats, table=text))
     return 0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_options(parser, rounds=5)
     parser.add_argument("--steps", type=int, default=3, help="training steps after each async save")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
-    parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds the launch may take")
+    add_options(parser, out=None, timeout=900.0)
     args = parse_with_worker_options(parser, argv)
     require_min(parser, args, 1, "rounds", "steps", "batch")
     return args

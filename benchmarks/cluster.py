@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
-from common import arg_parser
+from common import add_options, arg_parser
 
 NODES = 2
 # Addresses exist only inside the namespaces made here, and go with them.
@@ -128,8 +128,7 @@ def run_on_cluster(rate: Optional[str], nproc_per_node: int, script_and_args: Se
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--rate", default=None, help="inter-node rate for tc tbf, e.g. 1gbit (default: unthrottled)")
-    parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=1800)
+    add_options(parser, nproc_per_node=2, timeout=1800.0)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script and its arguments (after --)")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

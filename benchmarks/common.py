@@ -237,9 +237,12 @@ def parse_recorded(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argp
     return args
 
 
-def parse_with_worker_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """`parse_recorded` with the hidden options a launched rank gets (--worker, --result)."""
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+def parse_with_worker_options(parser: argparse.ArgumentParser, argv: Sequence[str],
+                              workers: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """`parse_recorded` with the hidden options a launched rank gets: --result, and --worker (a
+    flag, or which of `workers` the rank runs)."""
+    kind: dict[str, Any] = dict(action="store_true") if workers is None else dict(choices=workers)
+    parser.add_argument("--worker", help=argparse.SUPPRESS, **kind)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     return parse_recorded(parser, argv)
 
@@ -464,6 +467,13 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 def write_json(path: str, data: Any) -> None:
     write_text(path, json.dumps(data, indent=1) + "\n")
+
+
+def print_and_write(text: str, path: Optional[str], data: Any) -> None:
+    """Print `text`; write `data` to `path` as JSON where one is given."""
+    print(text)
+    if path:
+        write_json(path, data)
 
 
 def write_results(out_dir: str, name: str, data: Any, table: str) -> None:

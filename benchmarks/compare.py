@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import peers
 from common import (LOOPBACK, add_options, arg_parser, checkout_python, forwarded, git_commit, launch, on_link,
-                    parse_choices, parse_links, parse_recorded, read_json, require_min, script_main)
+                    parse_choices, parse_links, parse_with_worker_options, read_json, require_min, script_main)
 from compare_report import write_outputs
 from compare_summary import BASELINE, WORLD_SIZE, summarize
 from compare_targets import check_targets
@@ -31,8 +31,6 @@ from compare_worker import run_worker
 from gpt_options import BENCHMARK_MODEL, MODEL_FIELDS, SMALL_MODEL, add_model_options
 
 IMPLEMENTATIONS = peers.IMPLEMENTATIONS
-
-
 WORKER_OPTIONS = ("model", "seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb",
                   "ddp_bucket_mb", "fsdp2_prefetch")
 
@@ -71,7 +69,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--impls", default=None, help="comma-separated, alternated in this order "
                         f"(default: {','.join(IMPLEMENTATIONS)}, less those not installed)")
     parser.add_argument("--links", default=LOOPBACK, help="loopback and/or tc rates, e.g. loopback,10gbit,2gbit")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
@@ -79,7 +76,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="gpt: overlap.models.GPT; mlp: narrow_mlp.NarrowMLP (blocks of narrow "
                         "LayerNorm/GELU layers, where compiling helps on CPU; --n-head unused)")
     add_model_options(parser, BENCHMARK_MODEL)
-    add_options(parser, lr=1e-3, seed=0)
+    add_options(parser, rounds=3, lr=1e-3, seed=0)
     parser.add_argument("--prefetch-depth", type=int, default=None, help="ShardedModule's (default: its planner)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="ShardedModule's (default: its planner)")
     parser.add_argument("--ddp-bucket-mb", type=float, default=10.0, help=f"{peers.DDP_TUNED}'s bucket_cap_mb")
@@ -93,10 +90,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, two timed steps")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="compare.json files of earlier runs to summarise "
                         "together (same model and settings); runs nothing")
-    parser.add_argument("--worker", choices=peers.ALL, help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
-    args = parse_recorded(parser, argv)
+    args = parse_with_worker_options(parser, argv, peers.ALL)
     args.sources = None
     if args.worker:
         return args

@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from common import (PeakMemory, RunRecord, median, parse_count, parse_recorded, single_rank_env, spread, spread_table,
-                    write_json)
+from common import (PeakMemory, RunRecord, add_options, arg_parser, median, parse_count, parse_recorded,
+                    print_and_write, single_rank_env, spread, spread_table)
 from gpt_options import gpt_config
 
 MODES = ("staged", "streamed")
@@ -86,15 +86,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--model-params", default="200M", help="GPT parameters, e.g. 200M (default)")
-    parser.add_argument("--model-layers", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4)
+    add_options(parser, model_layers=8, rounds=4, port=29517, out=None)
     parser.add_argument("--steps", type=int, default=2, help="training steps while each save is written")
     parser.add_argument("--dir", default=None, help="where the state file and checkpoints go (default: a temporary "
                         "directory under the current one)")
-    parser.add_argument("--port", type=int, default=29517)
-    parser.add_argument("--out", help="result JSON")
     return parse_recorded(parser, argv)
 
 
@@ -113,9 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         [median(r["streamed"]["steps_s"]) / median(r["staged"]["steps_s"]) for r in counted])
     meta = dict(command=record.command, commit=record.commit, time=record.started, host_load=record.host_load(),
                 params=measured["params"], state_gib=measured["state_bytes"] / 2**30)
-    if args.out:
-        write_json(args.out, dict(meta=meta, summary=summary, rounds=counted))
-    print(spread_table(summary))
+    print_and_write(spread_table(summary), args.out, dict(meta=meta, summary=summary, rounds=counted))
     return 0
 
 

@@ -18,7 +18,7 @@ import torch
 
 from cluster import run_on_cluster
 from common import (RunRecord, add_options, arg_parser, forwarded, markdown_table, median, paired_ratios, parse_choices,
-                    parse_recorded, quartiles, read_json, script_main, slowest_of_ranks, timed_steps, write_json)
+                    parse_with_worker_options, quartiles, read_json, script_main, slowest_of_ranks, timed_steps, write_json)
 from gpt_options import SMALL_MODEL
 
 IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
@@ -148,14 +148,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
     parser.add_argument("--rate", default="1gbit", help="inter-node link rates (tc tbf), comma-separated")
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
-    add_options(parser, rounds=2, steps=10, warmup=2, batch=4, out=None)
-    parser.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
+    add_options(parser, rounds=2, steps=10, warmup=2, batch=4, out=None, timeout=900.0)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide GPT: a smoke run of seconds")
     parser.add_argument("--fsdp2-prefetch", type=int, default=2, help="fsdp2-hsdp-tuned's prefetch lists, in blocks")
     parser.add_argument("--ddp-bucket-mb", type=float, default=10.0, help="ddp-tuned's and ddp-fp16's bucket_cap_mb")
-    parser.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parse_recorded(parser, argv)
+    args = parse_with_worker_options(parser, argv, IMPLEMENTATIONS)
     args.rates = [rate.strip() for rate in args.rate.split(",") if rate.strip()]
     try:
         args.impls = parse_choices(args.impls, IMPLEMENTATIONS, "--impls")

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from common import (RunRecord, arg_parser, median, parse_recorded, quartiles, rotated, run_with_deadline,
+from common import (RunRecord, add_options, arg_parser, median, parse_with_worker_options, quartiles, rotated, run_with_deadline,
                     script_main, single_thread_env, torchrun, write_json)
 
 VARIANTS = ("loop", "lightning", "hf", "lightning-fsdp", "lightning-fsdp2", "hf-fsdp")
@@ -29,14 +29,9 @@ RESULT_MARK = "INTEGRATIONS_RESULT "
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12, help="steps per variant per round, warm-up included")
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
-    parser.add_argument("--out", default=None, help="write the JSON result here")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    return parse_recorded(parser, argv)
+    add_options(parser, rounds=3, warmup=4, variants=",".join(VARIANTS), timeout=600.0, out=None)
+    return parse_with_worker_options(parser, argv, VARIANTS)
 
 
 def _model():

@@ -20,8 +20,8 @@ import tempfile
 import time
 from typing import Sequence
 
-from common import (RunRecord, arg_parser, launch_worker, median, parse_with_worker_options, require_min,
-                    script_main, slowest_of_ranks, spread, spread_table, write_json)
+from common import (RunRecord, add_options, arg_parser, launch_worker, median, parse_with_worker_options, require_min,
+                    print_and_write, script_main, slowest_of_ranks, spread, spread_table, write_json)
 
 MODES = ("none", "cpu")
 # [Note: what overlapping the update could hide]
@@ -132,9 +132,7 @@ def run_driver(args: argparse.Namespace) -> int:
                 world=2, backend="gloo", rounds=args.rounds, rounds_counted=len(counted), steps=args.steps,
                 precision=args.precision, modes=list(args.modes), optimizer=args.optimizer, clip=args.clip,
                 model=measured["model"], time=record.started, host_load=record.host_load())
-    if args.out:
-        write_json(args.out, dict(meta=meta, summary=summary, rounds=measured["rounds"]))
-    print(spread_table(summary))
+    print_and_write(spread_table(summary), args.out, dict(meta=meta, summary=summary, rounds=measured["rounds"]))
     return 0
 
 
@@ -153,8 +151,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=None, metavar="MAX",
                         help="clip the gradients' norm to MAX before each optimizer step (torch's clip_grad_norm_); "
                              "the share of steps where it bound is recorded")
-    parser.add_argument("--out", help="result JSON")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds the launch may take")
+    add_options(parser, out=None, timeout=600.0)
     args = parse_with_worker_options(parser, argv)
     require_min(parser, args, 2, "rounds")          # the first is a warm-up
     require_min(parser, args, 1, "steps")

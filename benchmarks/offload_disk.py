@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from common import (RunRecord, arg_parser, parse_count, peak_rss, proc_status_kib, rotated, seconds_of, spread,
+from common import (RunRecord, add_options, arg_parser, parse_count, peak_rss, proc_status_kib, rotated, seconds_of, spread,
                     write_json)
 
 from overlap.optim import adamw_step, extension_available
@@ -152,12 +152,11 @@ def measure(count: int, rounds: int, directory: str) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = arg_parser(__doc__)
-    parser.add_argument("--sizes", default="50M,200M,400M")
-    parser.add_argument("--rounds", type=int, default=3)
+    add_options(parser, sizes="50M,200M,400M", rounds=3)
     parser.add_argument("--dir", default=None, help="where the state files go (default: a temporary directory "
                                                     "under the current one, on its disk)")
     parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd reference file")
-    parser.add_argument("--out", default="docs/results/offload_disk.json")
+    add_options(parser, out="docs/results/offload_disk.json")
     args = parser.parse_args(argv)
     if not extension_available():
         parser.error("overlap._C was not built: the paged step has no kernel to measure")

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from common import RunRecord, arg_parser, parse_count, seconds_of, write_json
+from common import RunRecord, add_options, arg_parser, markdown_table, parse_count, seconds_of, write_json
 
 from overlap.optim import AdamW, extension_available
 
@@ -114,14 +114,10 @@ def fits(count: int) -> bool:
 
 def print_table(entries: list[dict]) -> None:
     names = list(entries[0]["implementations"]) if entries else []
-    print(f"{'params':>8} {'thr':>3} " + " ".join(f"{n:>20}" for n in names) + f" {'bound M/s':>10}")
-    for e in entries:
-        cells = []
-        for n in names:
-            r = e["implementations"][n]
-            cells.append(f"{r['params_per_s'] / 1e6:8.0f}M/s ({r['time_over_overlap_median']:4.2f}x)")
-        print(f"{e['params'] / 1e6:7.0f}M {e['threads']:>3} " + " ".join(f"{c:>20}" for c in cells)
-              + f" {e['bound_params_per_s'] / 1e6:10.0f}")
+    print(markdown_table(["params", "threads", *names, "bound M/s"], [
+        [f"{e['params'] / 1e6:.0f}M", e["threads"], *(f"{r['params_per_s'] / 1e6:.0f}M/s ({r['time_over_overlap_median']:.2f}x)"
+                                                      for r in e["implementations"].values()),
+         f"{e['bound_params_per_s'] / 1e6:.0f}"] for e in entries]))
     print("(x: an implementation's step time over overlap's, median of paired rounds)")
 
 
@@ -129,10 +125,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--full", action="store_true", help=f"sizes {FULL_SIZES}")
     parser.add_argument("--sizes", default=None, help=f"comma-separated parameter counts (default {QUICK_SIZES})")
-    parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--rounds", type=int, default=5)
+    add_options(parser, threads="1,2", rounds=5)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round (the fastest counts)")
-    parser.add_argument("--out", default="docs/results/optim_step.json")
+    add_options(parser, out="docs/results/optim_step.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not extension_available():

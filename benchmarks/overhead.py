@@ -25,14 +25,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 import peers
 from common import (REPOSITORY as REPO, RunRecord, add_options, arg_parser, checkout_python, forwarded, git_commit,
-                    launch, parse_recorded, require_min, script_main, single_rank_env, start_rank, to_driver,
-                    write_json, write_text)
+                    launch, parse_with_worker_options, require_min, script_main, single_rank_env, start_rank,
+                    to_driver, write_json, write_text)
 from overhead_report import (BASELINE_SUFFIX, DEEPSPEED, FSDP2, FSDP2_TUNED, OVERLAP, OVERLAP_FULLY_SHARD,
                              host_s_per_unit, host_table, share_table, summarize)
 
@@ -104,22 +104,17 @@ class Chain(torch.nn.Module):
         return x
 
 
-def _sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+def _sgd_step(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Callable:
+    """One step on a batch; without `optimizer`, `model` is DeepSpeed's engine, which steps its own."""
     def step(batch: torch.Tensor) -> torch.Tensor:
         loss = model(batch).square().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
-def _deepspeed_step(engine):
-    def step(batch: torch.Tensor) -> torch.Tensor:
-        loss = engine(batch).square().mean()
-        engine.backward(loss)
-        engine.step()               # steps the optimizer and clears the gradients
+        if optimizer is None:
+            model.backward(loss)
+            model.step()            # steps the optimizer and clears the gradients
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     return step
@@ -135,7 +130,7 @@ def _wrap(args: argparse.Namespace, model: Chain):
         # (DeepSpeed's default would keep all of these tiny ones whole on every rank).
         config = peers.deepspeed_zero3_config(args.batch, WIDTH * (WIDTH + 1), persistence_threshold=0)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        return engine, _deepspeed_step(engine)
+        return engine, _sgd_step(engine, None)
     if args.worker in (FSDP2, FSDP2_TUNED):
         wrapped = peers.fsdp2(model, args.worker == FSDP2_TUNED, args.fsdp2_prefetch)
     elif args.worker == OVERLAP_FULLY_SHARD:
@@ -313,10 +308,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--units", type=int, nargs="+", default=[8, 16, 32, 64], help="units in the model")
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2], choices=(1, 2), help="ranks")
     parser.add_argument("--rows", default=None, help="comma-separated rows to run (default: all)")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each launch")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per launch")
-    add_options(parser, batch=2, lr=1e-3, seed=0)
+    add_options(parser, rounds=3, batch=2, lr=1e-3, seed=0)
     parser.add_argument("--fsdp2-prefetch", type=int, default=2,
                         help=f"{FSDP2_TUNED}: blocks in each explicit forward/backward prefetch list")
     parser.add_argument("--baseline", help="another checkout with its environment in .venv (`make setup` there): "
@@ -325,14 +319,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, metavar="TXT",
                         help=f"write a cProfile of the {PROFILE_UNITS}-unit 1-rank ShardedModule row here")
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds one launch may take")
-    parser.add_argument("--worker", choices=(OVERLAP, OVERLAP_FULLY_SHARD, FSDP2, FSDP2_TUNED, DEEPSPEED),
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--sharding", default="full", choices=SHARDINGS, help=argparse.SUPPRESS)
     parser.add_argument("--compression", default="none", choices=COMPRESSIONS, help=argparse.SUPPRESS)
     parser.add_argument("--ranks-per-node", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--profile-out", help=argparse.SUPPRESS)
-    args = parse_recorded(parser, argv)
+    args = parse_with_worker_options(parser, argv, (OVERLAP, OVERLAP_FULLY_SHARD, FSDP2, FSDP2_TUNED, DEEPSPEED))
     if args.worker:
         return args
     require_min(parser, args, 1, "rounds", "steps", "batch", "warmup")      # the first step learns the order

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from common import (RunRecord, arg_parser, forwarded, on_link, quartiles, read_json, run_with_deadline,
+from common import (RunRecord, add_options, arg_parser, forwarded, on_link, quartiles, read_json, run_with_deadline,
                     single_thread_env, torchrun, write_json)
 
 DEPTHS = (0, 1, 2, 3)
@@ -147,9 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--links", nargs="+", default=["fast=10gbit", "slow=2gbit"], help="name=rate pairs")
     parser.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
     parser.add_argument("--buckets", nargs="+", default=[_label(b) for b in BUCKETS], help="MB, or none")
-    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least until the planner decides)")
-    parser.add_argument("--batch", type=int, default=4)
+    add_options(parser, steps=20, batch=4)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per link")
     parser.add_argument("--json", default=None, help="write all results here (links already in the file and not "
                         "measured by this run are kept)")

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cluster import NODES, Cluster, node_cpus, two_node_cluster     # noqa: E402
-from common import RunRecord, arg_parser, markdown_table, write_json  # noqa: E402
+from common import RunRecord, add_options, arg_parser, markdown_table, print_and_write  # noqa: E402
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
@@ -147,9 +147,6 @@ class Job:
     def saved(self) -> list[str]:
         return os.listdir(self.checkpoints) if os.path.isdir(self.checkpoints) else []
 
-    def partials(self) -> list[str]:
-        return [name for name in self.saved() if name.endswith(".partial")]
-
     def complete(self) -> list[int]:
         """The steps of the complete checkpoints."""
         return [int(name[5:]) for name in self.saved() if name.startswith("step-") and "." not in name]
@@ -213,7 +210,7 @@ def _fire(job: Job, kill: Kill, after: int, deadline: float) -> bool:
     elif kill.point == "save":
         def fresh() -> list[str]:              # written by this round (a killed save's stays behind)
             found = []
-            for name in job.partials():
+            for name in (name for name in job.saved() if name.endswith(".partial")):
                 with contextlib.suppress(FileNotFoundError):
                     if os.stat(os.path.join(job.checkpoints, name)).st_mtime >= began:
                         found.append(name)
@@ -348,13 +345,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--kills", default="start,step,save", help="kill points of each run, comma-separated")
     parser.add_argument("--runs", type=int, default=5, help="jobs, each killed at every point (default 5)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--checkpoint-every", type=int, default=5)
+    add_options(parser, steps=30, checkpoint_every=5, workdir=None)
     parser.add_argument("--nnodes", default="2", help="torchrun --nnodes, e.g. 1:2 (default 2)")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="loss difference allowed to a run at another world size (default 1e-4)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter (and overlap) to run")
-    parser.add_argument("--workdir", default=None)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--out", default=None, help="write the runs and the table as JSON here")
     args = parser.parse_args(argv)
@@ -380,21 +375,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for kill in outcome.kills:
             print(f"  {kill}", flush=True)
     text = table(runs, reference, args.tolerance)
-    print(text)
-    if args.out:
-        record = {**run_record.fields(), "job": job, "nnodes": args.nnodes, "rdzv_conf": RDZV_CONF,
-                  "env": ELASTIC_ENV if ":" in args.nnodes else {},
-                  "node_cpus": [node_cpus(node) for node in range(NODES)], "machine": platform.machine(),
-                  "tolerance": args.tolerance,
-                  "reference_final": reference, "table": text,
-                  "runs": [{"seconds": round(o.seconds, 1), "final": o.final, "returncodes": o.returncodes,
-                            "ending": ending(o, reference, args.tolerance),
-                            "rounds": [asdict(r) for r in o.rounds],
-                            "kills": [{**{key: value for key, value in asdict(k).items() if key != "fired_at"},
-                                       "recovered_s": None if k.recovered_s is None else round(k.recovered_s, 2)}
-                                      for k in o.kills]} for o in runs]}
-        write_json(args.out, record)
-    return 0 if all(ending(o, reference, args.tolerance) != "failed" for o in runs) else 1
+    endings = [ending(o, reference, args.tolerance) for o in runs]
+    print_and_write(text, args.out, {
+        **run_record.fields(), "job": job, "nnodes": args.nnodes, "rdzv_conf": RDZV_CONF,
+        "env": ELASTIC_ENV if ":" in args.nnodes else {}, "node_cpus": [node_cpus(node) for node in range(NODES)],
+        "machine": platform.machine(), "tolerance": args.tolerance, "reference_final": reference, "table": text,
+        "runs": [{"seconds": round(o.seconds, 1), "final": o.final, "returncodes": o.returncodes, "ending": end,
+                  "rounds": [asdict(r) for r in o.rounds],
+                  "kills": [{**{key: value for key, value in asdict(k).items() if key != "fired_at"},
+                             "recovered_s": None if k.recovered_s is None else round(k.recovered_s, 2)}
+                            for k in o.kills]} for o, end in zip(runs, endings)]})
+    return 0 if "failed" not in endings else 1
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from typing import Sequence
 import torch
 
 import peers
-from common import (RunRecord, add_options, from_every_rank, launch_worker, markdown_table, median, paired_ratios,
-                    peak_rss, script_main, slowest_of_ranks, timed_steps, write_json)
+from common import (RunRecord, add_options, arg_parser, from_every_rank, launch_worker, markdown_table, median,
+                    paired_ratios, parse_with_worker_options, peak_rss, script_main, slowest_of_ranks, timed_steps, write_json)
 from gpt_options import SMALL_MODEL
 
 IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
@@ -74,7 +74,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    record = RunRecord("tp.py", sys.argv[1:])
+    record = RunRecord("tp.py", args.argv)
     per_round: list[dict[str, list[float]]] = []
     memory: dict[str, dict] = {}
     for round_index in range(args.rounds):
@@ -102,15 +102,13 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     add_options(parser, rounds=3, steps=4, warmup=2, batch=4)
     parser.add_argument("--fsdp2-prefetch", type=int, default=1, help="tuned FSDP2's explicit prefetch depth")
     parser.add_argument("--impls", type=lambda text: [s for s in text.split(",") if s], default=list(IMPLEMENTATIONS))
     parser.add_argument("--tiny", action="store_true")
     add_options(parser, timeout=900.0, out=None)
-    parser.add_argument("--worker", default=None, choices=IMPLEMENTATIONS)
-    parser.add_argument("--result", default=None)
-    return parser.parse_args(argv)
+    return parse_with_worker_options(parser, argv, IMPLEMENTATIONS)
 
 
 if __name__ == "__main__":

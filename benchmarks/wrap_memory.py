@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from common import (RunRecord, add_options, arg_parser, launch_worker, markdown_table, median,
-                    parse_with_worker_options, peak_rss, script_main, start_rank, to_driver, write_json)
+                    parse_with_worker_options, peak_rss, print_and_write, script_main, start_rank, to_driver)
 
 WORLD_SIZE = 2
 GIB = 2**30
@@ -90,9 +90,7 @@ def run_driver(args: argparse.Namespace) -> int:
                             "imports + shard + largest unit GiB", "peak RSS after a step GiB"], rows)
     text = (f"GPT, {args.layers} layers, d={args.hidden}, vocab {args.vocab}, fp32, {WORLD_SIZE} gloo ranks "
             f"(per rank, the larger of the two; median of {args.rounds} rounds)\n\n{table}")
-    print(text)
-    if args.out:
-        write_json(args.out, dict(**record.fields(), runs=runs, summary=summary, table=text))
+    print_and_write(text, args.out, dict(**record.fields(), runs=runs, summary=summary, table=text))
     return 0
 
 
@@ -100,8 +98,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
     add_options(parser, layers=20, hidden=2048, heads=16, vocab=8192, seq=128, rounds=2)
     parser.add_argument("--train-step", action="store_true", help="also one AdamW training step after wrapping")
-    parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds one launch may take")
+    add_options(parser, out=None, timeout=1200.0)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     return parse_with_worker_options(parser, argv)
 
