@@ -158,14 +158,11 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    add_options(parser, rounds=5)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and variant")
-    add_options(parser, width=256, layers=4)
     parser.add_argument("--expert-hidden", type=int, default=1152, help="31.5M parameters at the defaults")
-    add_options(parser, seq=128)
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 2gbit")
-    add_options(parser, out="bench_out", timeout=1800.0)
+    add_options(parser, rounds=5, width=256, layers=4, seq=128, out="bench_out", timeout=1800.0)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated, 'no EP' among them: no EP, EP 2, EP 4, FSDP2, or EP <E>/<chunks>")
     args = parse_with_worker_options(parser, argv)

@@ -137,10 +137,8 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    add_options(parser, rounds=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round and setting")
-    parser.add_argument("--width", type=int, default=512, help="model width (the benchmark GPT's is 512)")
-    add_options(parser, out="bench_out", timeout=900.0)
+    add_options(parser, rounds=5, width=512, out="bench_out", timeout=900.0)
     return parse_with_worker_options(parser, argv)
 
 

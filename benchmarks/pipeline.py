@@ -220,13 +220,10 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    add_options(parser, rounds=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round and variant")
-    add_options(parser, width=512)
     parser.add_argument("--layers", type=int, default=8, help="blocks, half per stage (29M parameters at d=512)")
-    add_options(parser, seq=128)
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (one sequence each)")
-    add_options(parser, out="bench_out", timeout=1800.0)
+    add_options(parser, rounds=3, width=512, seq=128, out="bench_out", timeout=1800.0)
     return parse_with_worker_options(parser, argv)
 
 

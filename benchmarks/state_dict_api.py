@@ -127,9 +127,8 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    add_options(parser, rounds=5, width=512)
     parser.add_argument("--layers", type=int, default=6, help="blocks (23.2M parameters at d=512)")
-    add_options(parser, seq=128, out="bench_out", timeout=1200.0)
+    add_options(parser, rounds=5, width=512, seq=128, out="bench_out", timeout=1200.0)
     return parse_with_worker_options(parser, argv)
 
 
