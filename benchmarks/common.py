@@ -105,10 +105,8 @@ def git_commit(checkout: str = REPOSITORY) -> str:
 
 
 class RunRecord:
-    """What a result file records of its run: commit, command, start, torch build and the host's
-    load before and after (the host is shared). `fields()`, or `host_load()` / `host()` for
-    files that keep the load under "meta" or "host". `hidden`: arguments shown by a placeholder
-    (no path of this machine goes into a result file)."""
+    """A result file's record of its run: commit, command (`hidden` arguments by a placeholder:
+    no path of this machine), start, torch build, and the shared host's load before and after."""
 
     def __init__(self, script: str, argv: Sequence[str], hidden: Optional[dict[str, str]] = None) -> None:
         import torch
@@ -154,8 +152,7 @@ def launch_worker(script: str, nproc: int, args: argparse.Namespace, options: Se
 
 
 def forwarded(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
-    """The options `names` of `args` as a command line again (a bare flag for True, none for
-    None or False), for a launched rank."""
+    """The options `names` of `args` as a command line again (a bare flag for True, none for None or False)."""
     out: list[str] = []
     for name in names:
         value = getattr(args, name)
@@ -201,9 +198,8 @@ def script_main(argv: Optional[Sequence[str]], parse_args: Callable[[Sequence[st
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
         run_worker(args)
-        # End the rank at once, its results written: at interpreter teardown gloo's threads may
-        # wait for the GIL while the main thread joins them from the process group's destructor
-        # (a hang after all the work), so the process group is not destroyed either.
+        # End at once, the process group not destroyed: at teardown gloo's threads may wait for the
+        # GIL while the main thread joins them from the group's destructor (a hang after the work).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -217,8 +213,7 @@ def arg_parser(doc: Optional[str]) -> argparse.ArgumentParser:
 
 
 def add_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
-    """`--<name>` (dashes for underscores) for each keyword, of its default's type (a string for
-    None): the options whose names say all there is to say."""
+    """`--<name>` for each keyword, of its default's type (str for None): options needing no help."""
     for name, default in defaults.items():
         kind = str if default is None else type(default)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
@@ -239,8 +234,7 @@ def parse_recorded(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argp
 
 def parse_with_worker_options(parser: argparse.ArgumentParser, argv: Sequence[str],
                               workers: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """`parse_recorded` with the hidden options a launched rank gets: --result, and --worker (a
-    flag, or which of `workers` the rank runs)."""
+    """`parse_recorded` with a launched rank's hidden --result and --worker (a flag, or one of `workers`)."""
     kind: dict[str, Any] = dict(action="store_true") if workers is None else dict(choices=workers)
     parser.add_argument("--worker", help=argparse.SUPPRESS, **kind)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -384,6 +378,16 @@ def slower_rank(per_rank: Iterable[Sequence[float]]) -> list[float]:
 def spread(values: Sequence[float]) -> dict[str, Any]:
     """Per-round values (paired ratios, shares) as result files record them."""
     return dict(per_round=list(values), median=median(values), min=min(values), max=max(values))
+
+
+def ratio_fields(ratios: Sequence[float], digits: int, median_key: str = "ratio_median") -> dict[str, float]:
+    """Paired per-round ratios as a summary's median, "ratio_min" and "ratio_max", rounded."""
+    return {median_key: round(median(ratios), digits), "ratio_min": round(min(ratios), digits),
+            "ratio_max": round(max(ratios), digits)}
+
+
+def ratio_cell(summary: dict[str, Any], median_key: str = "ratio_median") -> str:
+    return f"{summary[median_key]} ({summary['ratio_min']}–{summary['ratio_max']})"
 
 
 def spread_cell(values: Optional[Any], digits: int = 2, scale: float = 1.0) -> str:

@@ -17,8 +17,8 @@ import re
 from typing import Optional, Sequence
 
 from common import (RunRecord, add_options, arg_parser, in_turns, launch_worker, markdown_table, median, on_link,
-                    parse_with_worker_options, script_main, spread, start_rank, timed_steps, to_driver, train_step,
-                    write_results)
+                    parse_with_worker_options, ratio_cell, ratio_fields, script_main, spread, start_rank, timed_steps,
+                    to_driver, train_step, write_results)
 from tensor_memory import peak_tensor_rise_mb
 
 WORLD_SIZE = 4
@@ -127,7 +127,7 @@ def run_driver(args: argparse.Namespace) -> int:
         report = ranks[0]["reports"].get(variant)
         summary[variant] = dict(
             step_ms=round(median(rounds[variant]) * 1e3, 1),
-            ratio_median=round(median(ratios), 3), ratio_min=round(min(ratios), 3), ratio_max=round(max(ratios), 3),
+            **ratio_fields(ratios, 3),
             all_to_all_mb_per_step=round(sent / 2**20, 2), all_to_all_blocked_ms=round(blocked * 1e3, 1),
             all_to_all_hidden_share=_hidden_share(per_round),
             gathered_mb_per_rank=None if report is None else round(report["gathered_bytes"] / 2**20, 2),
@@ -141,7 +141,7 @@ def run_driver(args: argparse.Namespace) -> int:
         ["variant", "step ms", "÷ no EP, per round: median (range)", "gathered MB/rank", "reduced MB/rank",
          "all-to-all MB (all ranks)", "blocked in all-to-all ms", "all-to-all hidden",
          "peak tensor memory rise MB/rank"],
-        [[v, s["step_ms"], f"{s['ratio_median']} ({s['ratio_min']}–{s['ratio_max']})",
+        [[v, s["step_ms"], ratio_cell(s),
           "–" if s["gathered_mb_per_rank"] is None else s["gathered_mb_per_rank"],
           "–" if s["reduced_mb_per_rank"] is None else s["reduced_mb_per_rank"],
           s["all_to_all_mb_per_step"], s["all_to_all_blocked_ms"],

@@ -15,8 +15,8 @@ import time
 from typing import Sequence
 
 from common import (RunRecord, add_options, arg_parser, in_turns, launch_worker, markdown_table, median,
-                    parse_with_worker_options, script_main, seconds_of, slower_rank, start_rank, to_driver, train_step,
-                    write_results)
+                    parse_with_worker_options, ratio_cell, ratio_fields, script_main, seconds_of, slower_rank,
+                    start_rank, to_driver, train_step, write_results)
 
 WORLD_SIZE = 2
 
@@ -113,7 +113,7 @@ def run_driver(args: argparse.Namespace) -> int:
     summary = dict(
         step_ms_with_check=round(with_check * 1e3, 2), step_ms_without=round(without * 1e3, 2),
         difference_ms=round((with_check - without) * 1e3, 2),
-        ratio_median=round(median(ratios), 4), ratio_min=round(min(ratios), 4), ratio_max=round(max(ratios), 4),
+        **ratio_fields(ratios, 4),
         words_per_step=ranks[0]["words_per_step"],
         word_us=round(max(r["word_s"] for r in ranks) * 1e6, 1),
         bookkeeping_us=round(max(r["bookkeeping_s"] for r in ranks) * 1e6, 1),
@@ -125,8 +125,7 @@ def run_driver(args: argparse.Namespace) -> int:
         ["", "µs or ms"],
         [["step, with the check (median of rounds)", f"{summary['step_ms_with_check']} ms"],
          ["step, without it", f"{summary['step_ms_without']} ms"],
-         [f"with / without, per round: median (range of {args.rounds})",
-          f"{summary['ratio_median']} ({summary['ratio_min']} to {summary['ratio_max']})"],
+         [f"with / without, per round: median (range of {args.rounds})", ratio_cell(summary)],
          [f"one order word exchange ({summary['words_per_step']} per step)", f"{summary['word_us']} µs"],
          [f"bookkeeping of one step ({summary['units']} units)", f"{summary['bookkeeping_us']} µs"],
          *[[f"end-of-backward all-reduce, {name} ({summary['flags']} flags)", f"{value} µs"]

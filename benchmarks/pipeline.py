@@ -17,8 +17,8 @@ import sys
 from typing import Sequence
 
 from common import (RunRecord, add_options, arg_parser, launch_worker, markdown_table, median,
-                    parse_with_worker_options, rotated, script_main, slower_rank, start_rank, timed_steps, to_driver,
-                    write_results)
+                    parse_with_worker_options, ratio_cell, ratio_fields, rotated, script_main, slower_rank, start_rank,
+                    timed_steps, to_driver, write_results)
 from tensor_memory import peak_tensor_rise_mb
 
 WORLD_SIZE, PP = 4, 2
@@ -201,15 +201,14 @@ def run_driver(args: argparse.Namespace) -> int:
         ratios = [mine / best for mine, best in zip(rounds[variant], best_fsdp2)]
         summary[variant] = dict(
             step_ms=round(median(rounds[variant]) * 1e3, 1),
-            ratio_to_best_fsdp2_median=round(median(ratios), 3), ratio_min=round(min(ratios), 3),
-            ratio_max=round(max(ratios), 3),
+            **ratio_fields(ratios, 3, "ratio_to_best_fsdp2_median"),
             gathered_mb_per_rank=round(max(median([m[0] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
             reduced_mb_per_rank=round(max(median([m[1] for m in r["moved"][variant]]) for r in ranks) / 2**20, 1),
             peak_tensor_rise_mb_per_rank=round(max(median(r["peak_tensor_rise_mb"][variant]) for r in ranks), 1))
     table = markdown_table(
         ["variant", "step ms", "÷ FSDP2's faster, per round: median (range)", "gathered MB/rank/step",
          "reduced MB/rank/step", "peak tensor memory rise MB/rank"],
-        [[v, s["step_ms"], f"{s['ratio_to_best_fsdp2_median']} ({s['ratio_min']}–{s['ratio_max']})",
+        [[v, s["step_ms"], ratio_cell(s, "ratio_to_best_fsdp2_median"),
           s["gathered_mb_per_rank"], s["reduced_mb_per_rank"], s["peak_tensor_rise_mb_per_rank"]]
          for v, s in summary.items()])
     decided = sorted({d for r in ranks for d in r["decided"]})
