@@ -22,6 +22,7 @@ import torch
 from common import (PeakMemory, RunRecord, add_options, arg_parser, launch_worker, markdown_table, median,
                     parse_with_worker_options, print_and_write, quartiles, require_min, script_main, seconds_of, slowest_of_ranks,
                     start_rank, timed_steps, write_json)
+from gpt_options import token_step
 
 WORLD_SIZE = 2
 MIB = 2**20
@@ -41,13 +42,7 @@ def run_worker(args: argparse.Namespace) -> None:
     config = GPTConfig()
     model = ShardedModule(GPT(config))
     optimizer = torch.optim.AdamW(model.module.optimizer_groups(model.named_parameters(), 0.1), lr=1e-4)
-    gen = torch.Generator().manual_seed(rank)
-
-    def step() -> None:
-        tokens = torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    step = token_step(model, optimizer, config, args.batch, seed=rank)
 
     def slowest(value: float) -> float:
         return slowest_of_ranks([value])[0]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -32,6 +32,24 @@ def token_batch(args: argparse.Namespace, rank: int, step: int) -> tuple[torch.T
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
     tokens = torch.randint(args.vocab_size, (args.batch, args.block_size + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def token_step(model: Any, optimizer: torch.optim.Optimizer, config: "GPTConfig", batch: int, seed: int,
+               drawn_first: int = 0) -> Callable[[], torch.Tensor]:
+    """One training step of the GPT `model` on `batch` random sequences (next-token targets) from a
+    generator seeded `seed`; the loss. `drawn_first`: that many batches drawn before, none in a step."""
+    generator = torch.Generator().manual_seed(seed)
+    draw = lambda: torch.randint(0, config.vocab_size, (batch, config.block_size + 1), generator=generator)  # noqa: E731
+    tokens = iter([draw() for _ in range(drawn_first)]).__next__ if drawn_first else draw
+
+    def step() -> torch.Tensor:
+        drawn = tokens()
+        loss = model(drawn[:, :-1], drawn[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+    return step
 
 
 def gpt_config(params: int, layers: int) -> "GPTConfig":

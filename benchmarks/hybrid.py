@@ -19,7 +19,7 @@ import torch
 from cluster import run_on_cluster
 from common import (RunRecord, add_options, arg_parser, forwarded, markdown_table, median, paired_ratios, parse_choices,
                     parse_with_worker_options, quartiles, read_json, script_main, slowest_of_ranks, timed_steps, write_json)
-from gpt_options import SMALL_MODEL
+from gpt_options import SMALL_MODEL, token_step
 
 IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
                    "fsdp2-hsdp", "fsdp2-hsdp-tuned", "ddp", "ddp-tuned", "ddp-fp16")
@@ -63,16 +63,7 @@ def run_worker(args: argparse.Namespace) -> None:
     else:
         model = peers.ddp(model, args.worker, args.ddp_bucket_mb)
     optimizer = peers.make_optimizer(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(rank)
-    batches = iter([torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)
-                    for _ in range(args.warmup + args.steps)])
-
-    def step() -> None:
-        tokens = next(batches)
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
+    step = token_step(model, optimizer, config, args.batch, seed=rank, drawn_first=args.warmup + args.steps)
     times = slowest_of_ranks(timed_steps(step, args.warmup + args.steps))[args.warmup:]
     if rank == 0:
         write_json(args.result, dict(impl=args.worker, step_s=times, decision=decision))

@@ -16,7 +16,7 @@ import torch
 import peers
 from common import (RunRecord, add_options, arg_parser, from_every_rank, launch_worker, markdown_table, median,
                     paired_ratios, parse_with_worker_options, peak_rss, script_main, slowest_of_ranks, timed_steps, write_json)
-from gpt_options import SMALL_MODEL
+from gpt_options import SMALL_MODEL, token_step
 
 IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
 PEERS = ("fsdp2-tp", "fsdp2-tp-tuned")
@@ -52,16 +52,11 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     model, mesh, config = _build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    gen = torch.Generator().manual_seed(mesh.get_local_rank("dp"))      # tp ranks see the same batch
-    losses = []
+    train = token_step(model, optimizer, config, args.batch, seed=mesh.get_local_rank("dp"))  # the same on tp ranks
+    losses: list[float] = []
 
     def step() -> None:
-        tokens = torch.randint(0, config.vocab_size, (args.batch, config.block_size + 1), generator=gen)
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(float(train()))
 
     times = slowest_of_ranks(timed_steps(step, args.warmup + args.steps))[args.warmup:]
     # The gathered flat buffers of ShardedModule are registered with MemTracker, as in compare.py.
