@@ -22,7 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 import peers
-from common import (LOOPBACK, add_options, arg_parser, checkout_python, forwarded, git_commit, launch, on_link,
+from common import (LOOPBACK, RunRecord, add_options, arg_parser, checkout_python, forwarded, launch, on_link,
                     parse_choices, parse_links, parse_with_worker_options, read_json, require_min, script_main)
 from compare_report import write_outputs
 from compare_summary import BASELINE, WORLD_SIZE, summarize
@@ -143,10 +143,8 @@ def merged_runs(args: argparse.Namespace) -> list[dict]:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    args.load_before = os.getloadavg()
-    args.commit = git_commit()              # what runs is the code at the start
+    args.record = RunRecord("compare.py", args.argv)        # what runs is the code at the start
     runs = merged_runs(args) if args.merge else run_all(args)
-    args.load_after = os.getloadavg()
     summary = summarize(runs)
     targets = check_targets(summary)
     print(write_outputs(args, runs, summary, targets))

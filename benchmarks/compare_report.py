@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import time
 from typing import Optional, Sequence
-
-import torch
 
 import peers
 from common import markdown_table, spread_cell, write_json, write_text
@@ -142,11 +139,11 @@ def _loads(loads: Sequence[float]) -> str:
 
 def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, targets: list[dict]) -> str:
     """compare.json, compare.md and compare.png under args.out; returns the markdown."""
-    command = "python benchmarks/compare.py " + " ".join(args.argv)
+    record = args.record.fields()
     markdown = "\n\n".join([
-        f"Command: `{command.strip()}`",
-        f"Host load average (1, 5, 15 min) before: {_loads(args.load_before)}; after: {_loads(args.load_after)}"
-        f" ({os.cpu_count()} CPUs, shared with other jobs).",
+        f"Command: `{record['command']}`",
+        f"Host load average (1, 5, 15 min) before: {_loads(record['loadavg_before'])}; after: "
+        f"{_loads(record['loadavg_after'])} ({os.cpu_count()} CPUs, shared with other jobs).",
         f"Model: {args.model}, {args.n_layer} blocks, d={args.n_embd}, vocab {args.vocab_size}, batch {args.batch}×{args.block_size}"
         f" per rank, {WORLD_SIZE} ranks (gloo); {args.rounds} round(s) × {args.steps} timed steps"
         f" after {args.warmup} warm-up.",
@@ -157,12 +154,9 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, tar
         "Targets:\n" + target_lines(targets)])
     for entry in (e for by_impl in summary.values() for e in by_impl.values()):
         entry.pop("steps_s")
-    meta = dict(command=command.strip(), argv=args.argv, skipped=args.skipped, sources=args.sources,
+    meta = dict(**record, argv=args.argv, skipped=args.skipped, sources=args.sources, batch=args.batch,
                 model={"kind": args.model, **{key: getattr(args, key) for key in MODEL_FIELDS}},
-                batch=args.batch, world_size=WORLD_SIZE, torch=torch.__version__, python=platform.python_version(),
-                cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                commit=args.commit,
-                loadavg_before=args.load_before, loadavg_after=args.load_after)
+                world_size=WORLD_SIZE, python=platform.python_version())
     write_json(os.path.join(args.out, "compare.json"),
                dict(meta=meta, results=summary, targets=targets, runs=runs))
     write_text(os.path.join(args.out, "compare.md"), markdown + "\n")

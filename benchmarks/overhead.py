@@ -31,8 +31,8 @@ import torch
 
 import peers
 from common import (REPOSITORY as REPO, RunRecord, add_options, arg_parser, checkout_python, forwarded, git_commit,
-                    launch, parse_with_worker_options, require_min, script_main, single_rank_env, start_rank,
-                    to_driver, write_json, write_text)
+                    launch, parse_with_worker_options, print_and_write, require_min, script_main, single_rank_env,
+                    start_rank, to_driver, write_text)
 from overhead_report import (BASELINE_SUFFIX, DEEPSPEED, FSDP2, FSDP2_TUNED, OVERLAP, OVERLAP_FULLY_SHARD,
                              host_s_per_unit, host_table, share_table, summarize)
 
@@ -258,12 +258,11 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     """Every (world, units, round, row) launch, rows alternating within a round."""
     runs = []
     for world in args.world:
-        rows = [row for row in all_rows(world, bool(args.baseline)) if row.name in args.rows]
+        rows = [row for row in all_rows(world, bool(args.baseline))
+                if row.name in args.rows and row.name not in args.skipped]
         for units in args.units:
             for round_index in range(args.rounds):
                 for row in rows:
-                    if row.name in args.skipped:
-                        continue
                     load_before = os.getloadavg()[0]
                     data = _launch(args, row, world, units)
                     runs.append(dict(world=world, units=units, round=round_index, row=row.name,
@@ -280,7 +279,8 @@ def _launched_cpu_s() -> float:
 
 
 def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, record: RunRecord,
-                  cpu_before: float) -> str:
+                  cpu_before: float) -> None:
+    """The tables printed and, with --out, the run's record, summary and launches as JSON."""
     meta = dict(command=record.command, commit=record.commit,
                 baseline_commit=git_commit(args.baseline) if args.baseline else None,
                 units=args.units, world=args.world, rounds=args.rounds, warmup=args.warmup, steps=args.steps,
@@ -298,9 +298,7 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, rec
         host_table(summary),
         "Runtime share of the step in the overlap report (ShardedModule with `overlap train`'s defaults):",
         share_table(summary)])
-    if args.out:
-        write_json(args.out, dict(meta=meta, results=summary, runs=runs))
-    return text
+    print_and_write(text, args.out, dict(meta=meta, results=summary, runs=runs))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -359,7 +357,7 @@ def run_driver(args: argparse.Namespace) -> int:
     if args.profile:
         write_profile(args, record)
     summary = summarize(runs, bool(args.baseline))
-    print(write_outputs(args, runs, summary, record, cpu_before))
+    write_outputs(args, runs, summary, record, cpu_before)
     return 0
 
 
