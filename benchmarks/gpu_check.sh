@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The first check on a GPU machine (one GPU with torch, triton and cupy, perhaps nvcc, no
-# internet) within 8 minutes: each step has a cap, the caps add up to the budget, the plan is
-# printed first, then PASS, FAIL or SKIP per check with its figures or why. Steps: install (no
-# compiling, so later steps import it whatever happens), extension (overlap._C's CUDA kernels),
-# the CUDA cases of the kernel tests, benchmarks/gpu_checks.py (one process per step, CHECKS
-# below), compute-sanitizer over the extension's and CuPy's cases, kernel_bandwidth.py on CUDA.
-# One GPU is one rank: transfers between GPUs, gradients summed and races across ranks are not checked.
+# The first check on a GPU machine (one GPU with torch, triton and cupy, perhaps nvcc, no internet)
+# within 8 minutes: the plan of capped steps first, then PASS, FAIL or SKIP per check with its figures
+# or why. Steps: install (no compiling, so later steps import it whatever happens), extension, the
+# kernel tests' CUDA cases, benchmarks/gpu_checks.py (one process per step, CHECKS below),
+# compute-sanitizer over the extension's and CuPy's cases, kernel_bandwidth.py on CUDA. One GPU is
+# one rank: transfers between GPUs, gradients summed and races across ranks are not checked.
 #   bash benchmarks/gpu_check.sh [--rehearse]   (--rehearse: the Python checks on CPU with gloo)
 # Logs go to $OUT (if set) or bench_out/, one per step.
 set -uo pipefail

@@ -1,8 +1,6 @@
-"""What the checks of gpu_checks.py stand on: verdicts, a process group of one rank,
-deterministic kernels, devices, dtypes and timed steps (by CUDA events read once after the
-timed steps: a sync per step would hide any sync the code under test makes); the delays,
-counts and poison injected into the collectives; the models the checks train, and
-ShardedModule's runs with and without injected races and the unsharded model's."""
+"""What the checks of gpu_checks.py stand on: verdicts, a one-rank process group, deterministic
+kernels, timed steps (CUDA events read once after the last: a sync per step would hide any the
+code under test makes), delays, counts and poison injected into the collectives, and the runs."""
 from __future__ import annotations
 
 import contextlib
@@ -133,8 +131,7 @@ def lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Sequ
 
 def timed_steps(step: Callable[[int], torch.Tensor], device: torch.device, warmup: int, steps: int,
                 at_window: Optional[Callable[[], None]] = None) -> tuple[list[float], list[float]]:
-    """`warmup` steps, `at_window()`, `steps` timed steps; their seconds (CUDA events, read
-    after the last one) and every step's loss."""
+    """`warmup` steps, `at_window()`, `steps` timed steps: their seconds and every step's loss."""
     losses = [step(i) for i in range(warmup)]
     if at_window is not None:
         at_window()
@@ -172,7 +169,7 @@ SLEEP_CYCLES = 1_000_000
 
 
 def _collective_functions() -> list[tuple[Any, str, str]]:
-    """(owner, attribute, kind) of every function through which ShardedModule and FSDP2 issue a collective."""
+    """(owner, attribute, kind) of every function through which ShardedModule and FSDP2 issue one."""
     from overlap.runtime import collectives
     from overlap.runtime.collectives import Collectives
 

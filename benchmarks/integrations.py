@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from common import (RunRecord, add_options, arg_parser, median, parse_with_worker_options, quartiles, rotated, run_with_deadline,
-                    script_main, single_thread_env, torchrun, write_json)
+from common import (RunRecord, add_options, arg_parser, median, parse_with_worker_options, print_and_write, quartiles,
+                    rotated, run_with_deadline, script_main, single_thread_env, torchrun)
 
 VARIANTS = ("loop", "lightning", "hf", "lightning-fsdp", "lightning-fsdp2", "hf-fsdp")
 CONFIG = dict(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -238,9 +238,7 @@ def run_driver(args: argparse.Namespace) -> int:
         "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
         "versions": _versions(), "variants": summary, "failed": failed, "per_round_s": per_round,
     }
-    print(json.dumps(summary, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    print_and_write(json.dumps(summary, indent=1), args.out, result)
     # A failed variant is named (Lightning's FSDP1 refuses the CPU); without the loop the run fails.
     return 1 if "loop" in failed else 0
 

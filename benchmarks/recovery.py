@@ -31,10 +31,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from cluster import NODES, Cluster, node_cpus, two_node_cluster     # noqa: E402
-from common import RunRecord, add_options, arg_parser, markdown_table, print_and_write  # noqa: E402
+from cluster import NODES, Cluster, node_cpus, two_node_cluster
+from common import RunRecord, add_options, arg_parser, markdown_table, print_and_write
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
