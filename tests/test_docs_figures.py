@@ -921,7 +921,7 @@ FIGURES: list[Figure] = [
     Figure("README.md", "| MoE at 2 Gbit/s: all-to-all hidden, EP 4 | {0:.0%} |", "moe_2gbit.json",
            (at("summary", "EP 4", "all_to_all_hidden_share"),)),
     Figure("README.md", "| `fully_shard` host µs per unit, 1 rank | {0:.0f} ({1:.0f}–{2:.0f}) |",
-           "overhead_fully_shard_buckets.json",
+           "overhead_kept_gathered_one_rank.json",
            tuple(at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", k) for k in ("median", "min", "max"))),
     Figure("README.md", "| MoE on loopback: all-to-all hidden, EP 2 with 4 chunks (`OVERLAP_EXPERT_CHUNKS=4`) | {0:.0%} |",
            "moe_chunks_loopback.json", (at("summary", "EP 2/4", "all_to_all_hidden_share"),)),
@@ -952,30 +952,55 @@ FIGURES: list[Figure] = [
     Figure("README.md", "| disk tier ÷ cpu tier, step with a binding clip (297M GPT, 2 ranks) | {0:.3f} ({1:.3f}–{2:.3f}) |",
            "offload_disk_vs_cpu_clip.json", tuple(at("summary", "step_disk_over_cpu", k) for k in ("median", "min", "max"))),
     Figure("README.md", "| `fully_shard` host cost ÷ tuned FSDP2's, 2 ranks | {0:.2f} ({1:.2f}–{2:.2f}) |",
-           "overhead_fully_shard_buckets.json",
+           "overhead_kept_gathered.json",
            tuple(at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", k)
                  for k in ("median", "min", "max"))),
     # docs/fully_shard.md: the runtime through fully_shard, ShardedModule and FSDP2.
-    *[Figure("docs/fully_shard.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_fully_shard_buckets.json",
+    *[Figure("docs/fully_shard.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_kept_gathered.json",
              _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2"))
       for ranks in ("1", "2") for impl, label in (("overlap-fully-shard", "`fully_shard`"),
                                                   ("overlap-full", "`ShardedModule`"))],
     *[Figure("docs/fully_shard.md", f"| {ranks} | FSDP2 / tuned FSDP2 | {{0:.0f}} / {{1:.0f}} |",
-             "overhead_fully_shard_buckets.json",
+             "overhead_kept_gathered.json",
              (at("results", ranks, "16", "fsdp2", "host_us_per_unit", "median"),
               at("results", ranks, "16", "fsdp2-tuned", "host_us_per_unit", "median")))
       for ranks in ("1", "2")],
-    Figure("README.md", "({0:.2f}× tuned FSDP2's host cost per unit at two ranks", "overhead_fully_shard_buckets.json",
+    Figure("README.md", "({0:.2f}× tuned FSDP2's host cost per unit at two ranks", "overhead_kept_gathered.json",
            (at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", "median"),)),
     Figure("docs/fully_shard.md", "costs {0:.2f}× tuned FSDP2's\nhost time per unit ({1:.2f}–{2:.2f} over the rounds)",
-           "overhead_fully_shard_buckets.json",
+           "overhead_kept_gathered.json",
            tuple(at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", k)
                  for k in ("median", "min", "max"))),
-    Figure("docs/fully_shard.md", "`fully_shard` costs {0:.0f} µs per\nunit, {1:.0f} more than `ShardedModule`",
+    Figure("docs/fully_shard.md", "`fully_shard` costs {0:.0f} ({1:.0f}–{2:.0f}) µs per unit", "overhead_kept_gathered_one_rank.json",
+           _host("1", "overlap-fully-shard", "host")),
+    Figure("docs/fully_shard.md", "`ShardedModule` {0:.0f} ({1:.0f}–{2:.0f}). The goal", "overhead_kept_gathered_one_rank.json",
+           _host("1", "overlap-full", "host")),
+    Figure("docs/host_cost.md", "ShardedModule's row\ncosts {0:.0f} ({1:.0f}–{2:.0f}) µs per unit at one rank, {3:.2f} of the commit before",
+           "overhead_kept_gathered_one_rank.json",
+           (*_host("1", "overlap-full", "host"), at("results", "1", "16", "overlap-full", "ratios", "overlap-full-base",
+                                                    "median"))),
+    # docs/fully_shard.md: the figures of 77d6228, before the one-rank cut.
+    Figure("docs/fully_shard.md", "at 77d6228 ([results/overhead_fully_shard_buckets.json](results/overhead_fully_shard_buckets.json)) "
+           "{0:.2f} ({1:.2f}–{2:.2f})", "overhead_fully_shard_buckets.json",
+           tuple(at("results", "2", "16", "overlap-fully-shard", "ratios", "fsdp2-tuned", k)
+                 for k in ("median", "min", "max"))),
+    Figure("docs/fully_shard.md", "At 77d6228 `fully_shard` cost {0:.0f} µs per unit at one rank, {1:.0f} more than `ShardedModule`",
            "overhead_fully_shard_buckets.json",
            (at("results", "1", "16", "overlap-fully-shard", "host_us_per_unit", "median"),
             lambda d: round(d["results"]["1"]["16"]["overlap-fully-shard"]["host_us_per_unit"]["median"])
             - round(d["results"]["1"]["16"]["overlap-full"]["host_us_per_unit"]["median"]))),
+    # docs/history.md: one rank, units kept gathered from step to step, against the checkout before.
+    *[Figure("docs/history.md", f"| {label} | {{0:.0f}} ({{1:.0f}}–{{2:.0f}}) | {{3:.2f}} ({{4:.2f}}–{{5:.2f}}) | "
+             "{6:.2f} ({7:.2f}–{8:.2f}) |", "overhead_kept_gathered_one_rank.json",
+             _host("1", impl, "host", f"{impl}-base", "fsdp2-tuned"))
+      for impl, label in (("overlap-fully-shard", "`fully_shard`"), ("overlap-full", "`ShardedModule`"))],
+    Figure("docs/history.md", "| before: `fully_shard` / `ShardedModule` | {0:.0f} / {1:.0f} |",
+           "overhead_kept_gathered_one_rank.json",
+           tuple(at("results", "1", "16", f"{impl}-base", "host_us_per_unit", "median")
+                 for impl in ("overlap-fully-shard", "overlap-full"))),
+    *[Figure("docs/history.md", f"`{label}` was\n{{0:.2f}} ({{1:.2f}}–{{2:.2f}}) of the checkout before",
+             "overhead_kept_gathered.json", _host("2", impl, f"{impl}-base"))
+      for impl, label in (("overlap-fully-shard", "fully_shard"),)],
     # docs/fully_shard.md: the build hook removed, against the commit before.
     Figure("docs/fully_shard.md", "{0:.0f} against {1:.0f} µs, {2:.2f} ({3:.2f}–{4:.2f}) per round",
            "overhead_build_hook.json",
