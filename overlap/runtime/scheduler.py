@@ -396,7 +396,7 @@ class Scheduler:
             # A unit that is never freed (one rank: [Note: one rank computing in the master
             # dtype]) stays gathered for its backward: a free would release nothing.
             backward_next = backward_follows and self._next_pass in (None, NEXT_BACKWARD)
-            if (reshards and outermost and unit.all_members_ran and not self._keeps(unit) and not unit.never_freed
+            if (reshards and outermost and unit.all_members_ran and not self._stays_gathered(unit)
                     and not (backward_next and self.prefetch.ends_forward(unit))):
                 self._reshard(unit)
 
@@ -476,15 +476,16 @@ class Scheduler:
 
     def _discard_all(self, keep: Optional[Unit] = None) -> None:
         for unit in self.all_units:
-            if unit.gather_state is not GatherState.SHARDED and unit is not keep and not self._keeps(unit) \
-                    and not unit.never_freed:
+            if unit.gather_state is not GatherState.SHARDED and unit is not keep and not self._stays_gathered(unit):
                 unit.discard()
                 self.log.mark(Mark.FREE, unit.name)
 
     # ---- gathers kept across microbatches ---------------------------------------------------
 
-    def _keeps(self, unit: Unit) -> bool:
-        return self._keeping and unit.kept
+    def _stays_gathered(self, unit: Unit) -> bool:
+        """Whether `unit` outlives the frees of a pass: kept across this step's microbatches, or
+        never freed at all (one rank, see [Note: one rank computing in the master dtype])."""
+        return unit.never_freed or (self._keeping and unit.kept)
 
     @property
     def keep_units(self) -> Optional[int]:
@@ -621,8 +622,7 @@ class Scheduler:
 
     def _free_after_backward(self, unit: Unit) -> None:
         """See [Note: when a unit is freed in backward]."""
-        if unit.backward_complete and unit.gather_state is not GatherState.SHARDED and not self._keeps(unit) \
-                and not unit.never_freed:
+        if unit.backward_complete and unit.gather_state is not GatherState.SHARDED and not self._stays_gathered(unit):
             self._reshard(unit)
 
     def reduce_held_grads(self) -> None:
