@@ -18,11 +18,13 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from common import (RunRecord, add_options, arg_parser, forwarded, on_link, quartiles, read_json, run_with_deadline,
-                    single_thread_env, torchrun, write_json)
+from common import (RunRecord, arg_parser, on_link, quartiles, read_json, run_with_deadline, single_thread_env,
+                    torchrun, write_json)
 
 DEPTHS = (0, 1, 2, 3)
 BUCKETS = (None, 25.0, 50.0)        # None: no merging
+WARMUP, STEPS, BATCH = 2, 20, 4     # untimed steps (at least until the planner decides), timed steps, batch
+LINK_TIMEOUT_S = 1200.0
 # A bucket smaller than any unit merges nothing: how "no merging" is asked of ShardedModule.
 NO_MERGE_MB = 1e-3
 
@@ -31,7 +33,7 @@ def _label(bucket: Optional[float]) -> str:
     return "none" if bucket is None else f"{bucket:g}"
 
 
-def _worker(args: argparse.Namespace) -> None:
+def _worker(out: str) -> None:
     import logging
 
     import torch
@@ -48,11 +50,10 @@ def _worker(args: argparse.Namespace) -> None:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = GPTConfig()
     generator = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, config.vocab_size, (args.batch, config.block_size), generator=generator)
-    targets = torch.randint(0, config.vocab_size, (args.batch, config.block_size), generator=generator)
+    idx = torch.randint(0, config.vocab_size, (BATCH, config.block_size), generator=generator)
+    targets = torch.randint(0, config.vocab_size, (BATCH, config.block_size), generator=generator)
 
-    buckets = [None if b == "none" else float(b) for b in args.buckets]
-    runs = [(d, b) for d in args.depths for b in buckets] + [("auto", "auto")]
+    runs = [(d, b) for d in DEPTHS for b in BUCKETS] + [("auto", "auto")]
     models = {}
     for depth, bucket in runs:
         torch.manual_seed(0)
@@ -64,9 +65,9 @@ def _worker(args: argparse.Namespace) -> None:
         models[key] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), depth, bucket)
 
     # Warm-up lasts until the planner's first decision.
-    warmup = max(args.warmup, FIRST_DECISION_STEP)
+    warmup = max(WARMUP, FIRST_DECISION_STEP)
     times: dict[str, list[float]] = {key: [] for key in models}
-    for step in range(warmup + args.steps):
+    for step in range(warmup + STEPS):
         order = list(models) if step % 2 == 0 else list(models)[::-1]
         for key in order:
             model, optimizer, _, _ = models[key]
@@ -87,18 +88,17 @@ def _worker(args: argparse.Namespace) -> None:
             if key == "auto":
                 results[key].update(chosen_depth=model.scheduler.prefetch_depth,
                                     chosen_bucket_mb=model.overlap_config.bucket_mb, units=len(model.scheduler.units))
-        write_json(args.out, results)
+        write_json(out, results)
     dist.destroy_process_group()
 
 
-def _run_link(rate: str, args: argparse.Namespace) -> dict:
+def _run_link(rate: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "grid.json")
-        worker = ["--worker", "--out", out, *forwarded(args, ("steps", "warmup", "batch")),
-                  "--depths", *map(str, args.depths), "--buckets", *args.buckets]
+        worker = ["--worker", "--out", out]
         started = time.perf_counter()
         with on_link(rate) as prefix:
-            output = run_with_deadline([*prefix, *torchrun(os.path.abspath(__file__), 2, worker)], args.timeout,
+            output = run_with_deadline([*prefix, *torchrun(os.path.abspath(__file__), 2, worker)], LINK_TIMEOUT_S,
                                        env={**single_thread_env(), "OVERLAP_LOG": "INFO"})
         results = read_json(out)
     plans = [line for line in output.splitlines() if "plan at step" in line]
@@ -112,7 +112,7 @@ def _ratio_summary(a: dict, b: dict) -> dict:
     return {"median": statistics.median(ratios), "iqr": [low, high], "tied": low <= 1.0 <= high}
 
 
-def _report(name: str, link: dict, depths: Sequence[int], buckets: Sequence[Optional[float]]) -> dict:
+def _report(name: str, link: dict) -> dict:
     results = link["results"]
     grid = {k: v for k, v in results.items() if k != "auto"}
     best_key = min(grid, key=lambda k: grid[k]["step_s"])
@@ -122,10 +122,10 @@ def _report(name: str, link: dict, depths: Sequence[int], buckets: Sequence[Opti
     auto_to_best = _ratio_summary(auto, best)
     print(f"\n{name} link ({link['rate']}): median step seconds, then the median [interquartile range] of "
           "its step-by-step ratio to the best cell; rows: depth, columns: bucket MB")
-    print("depth " + "".join(f"{_label(b):>28}" for b in buckets))
-    for depth in depths:
+    print("depth " + "".join(f"{_label(b):>28}" for b in BUCKETS))
+    for depth in DEPTHS:
         cells = []
-        for bucket in buckets:
+        for bucket in BUCKETS:
             key = f"{depth}/{_label(bucket)}"
             ratio = to_best[key]
             mark = "*" if key == best_key else ("=" if ratio["tied"] else " ")
@@ -145,11 +145,6 @@ def _report(name: str, link: dict, depths: Sequence[int], buckets: Sequence[Opti
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--links", nargs="+", default=["fast=10gbit", "slow=2gbit"], help="name=rate pairs")
-    parser.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
-    parser.add_argument("--buckets", nargs="+", default=[_label(b) for b in BUCKETS], help="MB, or none")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (at least until the planner decides)")
-    add_options(parser, steps=20, batch=4)
-    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per link")
     parser.add_argument("--json", default=None, help="write all results here (links already in the file and not "
                         "measured by this run are kept)")
     parser.add_argument("--report", action="store_true", help="print the tables of the links in --json; run nothing")
@@ -157,28 +152,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args)
+        _worker(args.out)
         return 0
-    if args.warmup < 0 or args.steps < 1:
-        parser.error("--warmup must be >= 0 and --steps >= 1")
-    print(f"planner grid: default GPT, 2 gloo ranks, OMP_NUM_THREADS=1, {args.warmup} warm-up + "
-          f"{args.steps} timed steps, configurations interleaved step by step; the machine's cores may be shared")
+    print(f"planner grid: default GPT, 2 gloo ranks, OMP_NUM_THREADS=1, {WARMUP} warm-up + "
+          f"{STEPS} timed steps, configurations interleaved step by step; the machine's cores may be shared")
     summary = {}
     if args.json and os.path.exists(args.json):
         summary = read_json(args.json)
-    buckets = [None if b == "none" else float(b) for b in args.buckets]
     if args.report:
         for name, link in summary.items():
-            _report(name, link, args.depths, buckets)
+            _report(name, link)
         return 0
     record = RunRecord("planner_grid.py", sys.argv[1:] if argv is None else argv)
     for spec in args.links:
         name, _, rate = spec.partition("=")
         if not rate:
             parser.error(f"--links entry {spec!r} is invalid; expected name=rate, e.g. slow=2gbit")
-        link = _run_link(rate, args)
+        link = _run_link(rate)
         # Links kept from an earlier run keep that run's record.
-        summary[name] = {**link, **_report(name, link, args.depths, buckets), "meta": record.fields()}
+        summary[name] = {**link, **_report(name, link), "meta": record.fields()}
     if args.json:
         write_json(args.json, summary)
     return 0
