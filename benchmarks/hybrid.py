@@ -1,7 +1,7 @@
 """Full, hybrid and hpZ sharding, and the planner's choice among them, against FSDP2 HSDP and DDP
 (defaults and tuned, as in compare.py) on the emulated two-node cluster (cluster.py): 2 nodes x 2
-gloo ranks, a throttled link between the nodes, at one or more rates. The benchmark GPT
-(`--tiny` for a smoke run), batch 4x128 per rank, AdamW; implementations alternate within each
+gloo ranks, a throttled link between the nodes, at one or more rates. The benchmark GPT,
+batch 4x128 per rank, AdamW; implementations alternate within each
 round; a step is the slower rank's; paired per-round ratios against the tuned peers.
 
     python benchmarks/hybrid.py --rate 1gbit,10gbit --rounds 3 --steps 10 --out docs/results/hybrid.json
@@ -17,9 +17,9 @@ from typing import Sequence
 import torch
 
 from cluster import run_on_cluster
-from common import (RunRecord, add_options, arg_parser, forwarded, markdown_table, median, paired_ratios, parse_choices,
+from common import (RunRecord, add_options, arg_parser, forwarded, markdown_table, median, paired_ratios,
                     parse_with_worker_options, quartiles, read_json, script_main, slowest_of_ranks, timed_steps, write_json)
-from gpt_options import SMALL_MODEL, token_step
+from gpt_options import token_step
 
 IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
                    "fsdp2-hsdp", "fsdp2-hsdp-tuned", "ddp", "ddp-tuned", "ddp-fp16")
@@ -31,6 +31,10 @@ SHARDED = {"overlap-full": ("full", "none"), "overlap-hybrid": ("hybrid", "none"
 PAIRS = (("overlap-hybrid", "fsdp2-hsdp-tuned"), ("overlap-hybrid", "ddp-tuned"), ("overlap-auto", "fsdp2-hsdp-tuned"),
          ("overlap-auto", "ddp-tuned"), ("overlap-hybrid", "overlap-full"), ("overlap-hybrid-int8", "ddp-fp16"),
          ("overlap-hybrid-int8", "fsdp2-hsdp-tuned"), ("overlap-hybrid-int8", "overlap-hybrid"))
+BATCH = 4                   # sequences per rank
+FSDP2_PREFETCH = 2          # fsdp2-hsdp-tuned's prefetch lists, in blocks
+DDP_BUCKET_MB = 10.0        # ddp-tuned's and ddp-fp16's bucket_cap_mb
+RUN_TIMEOUT_S = 900.0
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -47,7 +51,7 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_WORLD_SIZE"])
-    config = GPTConfig(**(SMALL_MODEL if args.tiny else {}))
+    config = GPTConfig()
     torch.manual_seed(0)
     model = GPT(config)
     decision = None
@@ -59,11 +63,11 @@ def run_worker(args: argparse.Namespace) -> None:
             decision = f"{decision} ({model.sharding_choice.describe()})"
     elif args.worker.startswith("fsdp2-hsdp"):
         mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
-        model = peers.fsdp2(model, args.worker == "fsdp2-hsdp-tuned", args.fsdp2_prefetch, mesh=mesh)
+        model = peers.fsdp2(model, args.worker == "fsdp2-hsdp-tuned", FSDP2_PREFETCH, mesh=mesh)
     else:
-        model = peers.ddp(model, args.worker, args.ddp_bucket_mb)
+        model = peers.ddp(model, args.worker, DDP_BUCKET_MB)
     optimizer = peers.make_optimizer(model.parameters(), lr=1e-4)
-    step = token_step(model, optimizer, config, args.batch, seed=rank, drawn_first=args.warmup + args.steps)
+    step = token_step(model, optimizer, config, BATCH, seed=rank, drawn_first=args.warmup + args.steps)
     times = slowest_of_ranks(timed_steps(step, args.warmup + args.steps))[args.warmup:]
     if rank == 0:
         write_json(args.result, dict(impl=args.worker, step_s=times, decision=decision))
@@ -72,17 +76,16 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
     script = os.path.abspath(__file__)
-    steps: dict[str, list[float]] = {impl: [] for impl in args.impls}
+    steps: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
     per_round: list[dict[str, list[float]]] = []
     decisions: dict[str, list[str]] = {}
     load_before = os.getloadavg()
     for round_index in range(args.rounds):
         per_round.append({})
-        for impl in args.impls:
+        for impl in IMPLEMENTATIONS:
             result = os.path.join(scratch, f"{rate}-{impl}-{round_index}.json")
-            command = [script, "--worker", impl, "--result", result,
-                       *forwarded(args, ("steps", "warmup", "batch", "fsdp2_prefetch", "ddp_bucket_mb", "tiny"))]
-            nodes = run_on_cluster(rate, 2, command, args.timeout, env={"OMP_NUM_THREADS": "1"})
+            command = [script, "--worker", impl, "--result", result, *forwarded(args, ("steps", "warmup"))]
+            nodes = run_on_cluster(rate, 2, command, RUN_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
             for node, done in enumerate(nodes):
                 if done.returncode != 0:
                     raise RuntimeError(f"{impl} at {rate} failed on node {node}:\n{done.stdout[-3000:]}")
@@ -100,21 +103,20 @@ def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
 
 def summarise(args: argparse.Namespace, rate: str, steps: dict[str, list[float]],
               decisions: dict[str, list[str]]) -> dict:
-    full = median(steps["overlap-full"]) if "overlap-full" in steps else None
+    full = median(steps["overlap-full"])
     rows, summary = [], {}
     for impl, values in steps.items():
         q1, q3 = quartiles(values)
         summary[impl] = dict(step_ms=median(values) * 1e3, iqr_ms=[q1 * 1e3, q3 * 1e3], steps=len(values))
         rows.append([impl, f"{median(values) * 1e3:.0f}", f"{q1 * 1e3:.0f}–{q3 * 1e3:.0f}", len(values),
-                     "–" if full is None else f"{median(values) / full:.2f}"])
+                     f"{median(values) / full:.2f}"])
     table = markdown_table(["implementation", "step ms (median)", "IQR ms", "steps", "÷ overlap-full"], rows)
-    text = (f"2 nodes × 2 gloo ranks, inter-node link {rate}, batch {args.batch}×128 per rank, "
+    text = (f"2 nodes × 2 gloo ranks, inter-node link {rate}, batch {BATCH}×128 per rank, "
             f"{args.rounds} alternated rounds of {args.steps} timed steps\n\n{table}")
-    grid = {impl: summary[impl]["step_ms"] for impl in GRID if impl in summary}
-    if "overlap-auto" in summary and grid:
-        best = min(grid, key=grid.get)
-        text += (f"\n\noverlap-auto ÷ best of {', '.join(grid)} ({best}): "
-                 f"{summary['overlap-auto']['step_ms'] / grid[best]:.2f}")
+    grid = {impl: summary[impl]["step_ms"] for impl in GRID}
+    best = min(grid, key=grid.get)
+    text += (f"\n\noverlap-auto ÷ best of {', '.join(grid)} ({best}): "
+             f"{summary['overlap-auto']['step_ms'] / grid[best]:.2f}")
     for impl, lines in decisions.items():
         text += "".join(f"\n{impl} round {k + 1}: {line}" for k, line in enumerate(lines))
     print(text, flush=True)
@@ -138,17 +140,9 @@ def run_driver(args: argparse.Namespace) -> int:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
     parser.add_argument("--rate", default="1gbit", help="inter-node link rates (tc tbf), comma-separated")
-    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
-    add_options(parser, rounds=2, steps=10, warmup=2, batch=4, out=None, timeout=900.0)
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide GPT: a smoke run of seconds")
-    parser.add_argument("--fsdp2-prefetch", type=int, default=2, help="fsdp2-hsdp-tuned's prefetch lists, in blocks")
-    parser.add_argument("--ddp-bucket-mb", type=float, default=10.0, help="ddp-tuned's and ddp-fp16's bucket_cap_mb")
+    add_options(parser, rounds=2, steps=10, warmup=2, out=None)
     args = parse_with_worker_options(parser, argv, IMPLEMENTATIONS)
     args.rates = [rate.strip() for rate in args.rate.split(",") if rate.strip()]
-    try:
-        args.impls = parse_choices(args.impls, IMPLEMENTATIONS, "--impls")
-    except ValueError as exc:
-        parser.error(str(exc))
     return args
 
 
