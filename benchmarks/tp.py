@@ -16,11 +16,13 @@ import torch
 import peers
 from common import (RunRecord, add_options, arg_parser, from_every_rank, launch_worker, markdown_table, median,
                     paired_ratios, parse_with_worker_options, peak_rss, script_main, slowest_of_ranks, timed_steps, write_json)
-from gpt_options import SMALL_MODEL, token_step
+from gpt_options import token_step
 
 IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
 PEERS = ("fsdp2-tp", "fsdp2-tp-tuned")
 DP, TP = 2, 2
+BATCH = 4                   # sequences per dp rank
+FSDP2_PREFETCH = 1          # tuned FSDP2's explicit prefetch depth
 
 
 def _build(args: argparse.Namespace):
@@ -34,14 +36,14 @@ def _build(args: argparse.Namespace):
     from overlap.models.tensor_parallel_plan import gpt_tp_plan
 
     mesh = init_device_mesh("cpu", (DP, dist.get_world_size() // DP), mesh_dim_names=("dp", "tp"))
-    config = GPTConfig(**(SMALL_MODEL if args.tiny else {}))
+    config = GPTConfig()
     torch.manual_seed(0)
     model = GPT(config)
     parallelize_module(model, mesh["tp"], gpt_tp_plan())
     if args.worker == "overlap-tp":
         model = ShardedModule(model, unit_types=(Block,), mesh=mesh["dp"])
     else:
-        model = peers.fsdp2(model, args.worker == "fsdp2-tp-tuned", args.fsdp2_prefetch, mesh=mesh["dp"])
+        model = peers.fsdp2(model, args.worker == "fsdp2-tp-tuned", FSDP2_PREFETCH, mesh=mesh["dp"])
     return model, mesh, config
 
 
@@ -52,7 +54,7 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     model, mesh, config = _build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    train = token_step(model, optimizer, config, args.batch, seed=mesh.get_local_rank("dp"))  # the same on tp ranks
+    train = token_step(model, optimizer, config, BATCH, seed=mesh.get_local_rank("dp"))  # the same on tp ranks
     losses: list[float] = []
 
     def step() -> None:
@@ -74,16 +76,15 @@ def run_driver(args: argparse.Namespace) -> int:
     memory: dict[str, dict] = {}
     for round_index in range(args.rounds):
         per_round.append({})
-        for impl in args.impls:
-            options = ("steps", "warmup", "batch", "fsdp2_prefetch", "tiny")
-            measured = launch_worker(__file__, DP * TP, args, options, impl)
+        for impl in IMPLEMENTATIONS:
+            measured = launch_worker(__file__, DP * TP, args, ("steps", "warmup"), impl)
             per_round[-1][impl] = measured["step_s"]
             memory[impl] = dict(peak_tracked=measured["peak_tracked"], peak_rss=measured["peak_rss"],
                                 losses=measured["losses"])
             print(f"round {round_index + 1} {impl}: median {median(measured['step_s']):.3f} s", flush=True)
     rows = [(impl, f"{median([s for r in per_round for s in r[impl]]):.3f}",
              f"{max(memory[impl]['peak_tracked']) / 2**20:.1f}", f"{max(memory[impl]['peak_rss']) / 2**20:.0f}")
-            for impl in args.impls]
+            for impl in IMPLEMENTATIONS]
     paired = paired_ratios(per_round, [("overlap-tp", peer) for peer in PEERS], "{row}/{peer}")
     print(markdown_table(["implementation", "median step (s)", "peak tracked MiB (max rank)", "peak RSS MiB (max rank)"],
                          rows))
@@ -91,18 +92,14 @@ def run_driver(args: argparse.Namespace) -> int:
         print(f"{name}: paired per-round step ratio median {ratio['median']:.3f} "
               f"(range {ratio['min']:.3f}-{ratio['max']:.3f}, {len(ratio['per_round'])} rounds)")
     if args.out:
-        write_json(args.out, dict(record.fields(), dp=DP, tp=TP, tiny=args.tiny, batch=args.batch,
+        write_json(args.out, dict(record.fields(), dp=DP, tp=TP, batch=BATCH,
                                   per_round_steps_s=per_round, memory=memory, paired=paired))
     return 0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    add_options(parser, rounds=3, steps=4, warmup=2, batch=4)
-    parser.add_argument("--fsdp2-prefetch", type=int, default=1, help="tuned FSDP2's explicit prefetch depth")
-    parser.add_argument("--impls", type=lambda text: [s for s in text.split(",") if s], default=list(IMPLEMENTATIONS))
-    parser.add_argument("--tiny", action="store_true")
-    add_options(parser, timeout=900.0, out=None)
+    add_options(parser, rounds=3, steps=4, warmup=2, timeout=900.0, out=None)
     return parse_with_worker_options(parser, argv, IMPLEMENTATIONS)
 
 
