@@ -12,18 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, on_link, parse_choices,
-                    parse_links, parse_sizes, parse_with_worker_options, script_main, slower_rank, start_rank,
-                    timed_steps, to_driver, write_results)
+from common import (RunRecord, arg_parser, forwarded, launch, markdown_table, median, on_link, parse_links, parse_sizes,
+                    parse_with_worker_options, script_main, slower_rank, start_rank, timed_steps, to_driver, write_results)
 
 WORLD_SIZE = 2
 REDUCE_SCATTER_WAYS = ("reduce_scatter", "all_to_all+sum", "all_reduce+slice")
 OPS = (*REDUCE_SCATTER_WAYS, "all_gather")
 MIB = 2**20
+LINK_TIMEOUT_S = 600.0      # one link's launch
 
 
 def _rank_input(numel: int, rank: int) -> torch.Tensor:
@@ -71,7 +71,7 @@ def run_worker(args: argparse.Namespace) -> None:
     times: dict[str, dict[str, list[float]]] = {}
     for size_mb in args.sizes_mb:
         numel = max(world, int(size_mb * MIB / 4) // world * world)
-        for name in args.ops:
+        for name in OPS:
             run, output = _op(name, _rank_input(numel, rank), rank, world)
             # The first call, untimed, is checked against the sum computed locally.
             run()
@@ -86,10 +86,10 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, dict]]]:
 
     results: dict[str, dict] = {}
     for link in tqdm(args.links, unit="link"):
-        worker = ["--worker", "--sizes-mb", ",".join(f"{s:g}" for s in args.sizes_mb), "--ops", ",".join(args.ops),
-                  *forwarded(args, ("iters", "warmup"))]
+        sizes = ",".join(f"{s:g}" for s in args.sizes_mb)
+        worker = ["--worker", "--sizes-mb", sizes, *forwarded(args, ("iters", "warmup"))]
         with on_link(link) as prefix:
-            ranks = launch(os.path.abspath(__file__), WORLD_SIZE, worker, args.timeout, prefix)["ranks"]
+            ranks = launch(os.path.abspath(__file__), WORLD_SIZE, worker, LINK_TIMEOUT_S, prefix)["ranks"]
         for size, by_op in ranks[0].items():
             for name in by_op:
                 slowest = slower_rank(r[size][name] for r in ranks)
@@ -99,9 +99,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, dict]]]:
     return results
 
 
-def fastest_reduce_scatter(by_op: dict[str, dict]) -> Optional[str]:
-    ways = [name for name in REDUCE_SCATTER_WAYS if name in by_op]
-    return min(ways, key=lambda name: by_op[name]["ms"]) if ways else None
+def fastest_reduce_scatter(by_op: dict[str, dict]) -> str:
+    return min(REDUCE_SCATTER_WAYS, key=lambda name: by_op[name]["ms"])
 
 
 def table(results: dict) -> str:
@@ -110,8 +109,6 @@ def table(results: dict) -> str:
     rows = []
     for size in sizes:
         for name in OPS:
-            if name not in results[links[0]][size]:
-                continue
             cells = []
             for link in links:
                 entry = results[link][size][name]
@@ -128,15 +125,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
     parser.add_argument("--sizes-mb", default="1,8,32", help="full tensor sizes in MiB, comma-separated")
     parser.add_argument("--links", default="loopback,2gbit", help="loopback and/or tc rates, e.g. loopback,2gbit")
-    parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
     parser.add_argument("--iters", type=int, default=7, help="timed repetitions per op and size")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions after the checked first call")
     parser.add_argument("--out", default="bench_out", help="directory for collectives.json/.md")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds one link's launch may take")
     args = parse_with_worker_options(parser, argv)
     try:
         args.sizes_mb = parse_sizes(args.sizes_mb, "--sizes-mb")
-        args.ops = parse_choices(args.ops, OPS, "--ops")
         if not args.worker:
             args.links = parse_links(args.links)
     except ValueError as exc:
