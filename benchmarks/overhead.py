@@ -41,6 +41,9 @@ log = logging.getLogger("overhead")
 WIDTH = 8                       # each unit is one nn.Linear(WIDTH, WIDTH)
 PROFILE_UNITS = 16
 PROFILE_ENTRIES = 40            # rows of each table in the profile
+BATCH, LR, SEED = 2, 1e-3, 0    # SGD on a batch of 2
+FSDP2_PREFETCH = 2              # FSDP2_TUNED: blocks in each explicit forward/backward prefetch list
+RUN_TIMEOUT_S = 300             # one launch
 # overlap.base.choices.SHARDINGS and COMPRESSION_MODES: the driver does not import the package.
 SHARDINGS = ("full", "hybrid", "hpz")
 COMPRESSIONS = ("none", "int8", "int8-int4")
@@ -125,14 +128,14 @@ def _wrap(args: argparse.Namespace, model: Chain):
     if args.worker == DEEPSPEED:
         import deepspeed
 
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         # Threshold 0: every parameter is partitioned and gathered, as in the other rows
         # (DeepSpeed's default would keep all of these tiny ones whole on every rank).
-        config = peers.deepspeed_zero3_config(args.batch, WIDTH * (WIDTH + 1), persistence_threshold=0)
+        config = peers.deepspeed_zero3_config(BATCH, WIDTH * (WIDTH + 1), persistence_threshold=0)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine, _sgd_step(engine, None)
     if args.worker in (FSDP2, FSDP2_TUNED):
-        wrapped = peers.fsdp2(model, args.worker == FSDP2_TUNED, args.fsdp2_prefetch)
+        wrapped = peers.fsdp2(model, args.worker == FSDP2_TUNED, FSDP2_PREFETCH)
     elif args.worker == OVERLAP_FULLY_SHARD:
         from overlap import fully_shard
 
@@ -144,7 +147,7 @@ def _wrap(args: argparse.Namespace, model: Chain):
 
         # `overlap train`'s settings: the planner's prefetch depth and bucket size, fp32.
         wrapped = ShardedModule(model, unit_types=(Unit,), sharding=args.sharding, compression=args.compression)
-    return wrapped, _sgd_step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=args.lr))
+    return wrapped, _sgd_step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=LR))
 
 
 def _overlap_facts(model) -> dict[str, Any]:
@@ -202,12 +205,12 @@ def run_worker(args: argparse.Namespace) -> None:
         os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
     rank, _ = start_rank()
     (units,) = args.units
-    torch.manual_seed(args.seed)
+    torch.manual_seed(SEED)
     plain = Chain(units)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(SEED)
     model, wrapped_step = _wrap(args, Chain(units))
-    plain_step = _sgd_step(plain, torch.optim.SGD(plain.parameters(), lr=args.lr))
-    batch = torch.randn(args.batch, WIDTH, generator=torch.Generator().manual_seed(args.seed * 1009 + rank))
+    plain_step = _sgd_step(plain, torch.optim.SGD(plain.parameters(), lr=LR))
+    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(SEED * 1009 + rank))
 
     # Plain and wrapped steps take turns, so that load from other programs falls on both alike.
     wrapped_s, plain_s, losses = [], [], []
@@ -237,7 +240,7 @@ def _worker_args(args: argparse.Namespace, row: Row, world: int, units: int) -> 
     out = ["--worker", row.impl, "--units", str(units), "--sharding", row.sharding, "--compression", row.compression]
     if row.sharding != "full" and world > 1:
         out += ["--ranks-per-node", "1"]
-    return out + forwarded(args, ("warmup", "steps", "batch", "lr", "seed", "fsdp2_prefetch"))
+    return out + forwarded(args, ("warmup", "steps"))
 
 
 def _launch(args: argparse.Namespace, row: Row, world: int, units: int, profile_out: Optional[str] = None) -> dict:
@@ -246,7 +249,7 @@ def _launch(args: argparse.Namespace, row: Row, world: int, units: int, profile_
     python = checkout_python(checkout) if row.baseline else sys.executable
     worker = _worker_args(args, row, world, units) + (["--profile-out", profile_out] if profile_out else [])
     env = {"OVERLAP_ORDER_CHECK": row.order_check, **(single_rank_env() if world == 1 else {})}
-    data = launch(os.path.abspath(__file__), None if world == 1 else world, worker, args.run_timeout, python=python,
+    data = launch(os.path.abspath(__file__), None if world == 1 else world, worker, RUN_TIMEOUT_S, python=python,
                   env=env)
     root = data.pop("package_root", None)
     if root is not None and os.path.realpath(root) != os.path.realpath(checkout):
@@ -284,14 +287,14 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], summary: dict, rec
     meta = dict(command=record.command, commit=record.commit,
                 baseline_commit=git_commit(args.baseline) if args.baseline else None,
                 units=args.units, world=args.world, rounds=args.rounds, warmup=args.warmup, steps=args.steps,
-                batch=args.batch, width=WIDTH, optimizer=f"SGD(lr={args.lr})", skipped=args.skipped,
+                batch=BATCH, width=WIDTH, optimizer=f"SGD(lr={LR})", skipped=args.skipped,
                 torch=record.torch, python=platform.python_version(), cpus=os.cpu_count(), time=record.started,
                 host_load=record.host_load(launched_cpu_s=_launched_cpu_s() - cpu_before),
                 profile=os.path.relpath(args.profile, REPO) if args.profile else None)
     text = "\n\n".join([
         f"Command: `{meta['command']}`",
         f"{args.rounds} round(s) × {args.steps} timed steps after {args.warmup} warm-up; units of "
-        f"nn.Linear({WIDTH}, {WIDTH}), batch {args.batch}, SGD. Host time per unit per step = (median wrapped "
+        f"nn.Linear({WIDTH}, {WIDTH}), batch {BATCH}, SGD. Host time per unit per step = (median wrapped "
         "step − median plain step in the same launch) ÷ units; ratios are per round, median (range); CPU/wall "
         "well below 1: the launch waited for the cores.",
         *(f"{row}: skipped ({reason})." for row, reason in args.skipped.items()),
@@ -308,15 +311,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rows", default=None, help="comma-separated rows to run (default: all)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each launch")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per launch")
-    add_options(parser, rounds=3, batch=2, lr=1e-3, seed=0)
-    parser.add_argument("--fsdp2-prefetch", type=int, default=2,
-                        help=f"{FSDP2_TUNED}: blocks in each explicit forward/backward prefetch list")
+    add_options(parser, rounds=3)
     parser.add_argument("--baseline", help="another checkout with its environment in .venv (`make setup` there): "
                         f"its ShardedModule and fully_shard rows ('<row>{BASELINE_SUFFIX}') run in the same rounds")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--profile", default=None, metavar="TXT",
                         help=f"write a cProfile of the {PROFILE_UNITS}-unit 1-rank ShardedModule row here")
-    parser.add_argument("--run-timeout", type=float, default=300, help="seconds one launch may take")
     parser.add_argument("--sharding", default="full", choices=SHARDINGS, help=argparse.SUPPRESS)
     parser.add_argument("--compression", default="none", choices=COMPRESSIONS, help=argparse.SUPPRESS)
     parser.add_argument("--ranks-per-node", type=int, default=None, help=argparse.SUPPRESS)
@@ -324,7 +324,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parse_with_worker_options(parser, argv, (OVERLAP, OVERLAP_FULLY_SHARD, FSDP2, FSDP2_TUNED, DEEPSPEED))
     if args.worker:
         return args
-    require_min(parser, args, 1, "rounds", "steps", "batch", "warmup")      # the first step learns the order
+    require_min(parser, args, 1, "rounds", "steps", "warmup")      # the first step learns the order
     if min(args.units) < 1:
         parser.error(f"--units must be >= 1, got {args.units}")
     if args.baseline and not os.path.exists(checkout_python(args.baseline)):
