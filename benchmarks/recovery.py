@@ -5,7 +5,7 @@ run's final loss (docs/train.md). Needs root.
 
     python benchmarks/recovery.py --kills start,step,save --runs 5
     python benchmarks/recovery.py --kills node --runs 5 --nnodes 1:2
-    python benchmarks/recovery.py --kills node,rejoin --runs 1 --nnodes 1:2 --steps 40
+    python benchmarks/recovery.py --kills node,rejoin --runs 2 --nnodes 1:2
 
 Kill points: `start` a worker before any checkpoint of its round is complete; `step` a worker
 at a random moment after one is; `save` a worker while an asynchronous save is written (both
@@ -32,10 +32,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 from cluster import NODES, Cluster, node_cpus, two_node_cluster
-from common import RunRecord, add_options, arg_parser, markdown_table, print_and_write
+from common import RunRecord, arg_parser, markdown_table, print_and_write
 
 JOB = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
        "--eval-every", "7", "--bucket-mb", "1", "--prefetch-depth", "1"]
+RUN_JOB = [*JOB, "--steps", "30", "--checkpoint-every", "5"]     # what main() runs
+RUN_TIMEOUT_S = 600
 # A round closes a second after enough nodes joined; a node is dead after 5 s without a
 # keep-alive (2 s made loaded machines declare live nodes dead, which then started jobs of their own).
 RDZV_CONF = ["last_call_timeout=1", "close_timeout=5", "keep_alive_interval=1", "keep_alive_max_attempt=5"]
@@ -89,9 +91,9 @@ class Job:
     """One torchrun job across the two nodes, its logs in files, and its workers."""
 
     def __init__(self, cluster: Cluster, workdir: str, argv: Sequence[str], nnodes: str, max_restarts: int,
-                 python: str, env: dict) -> None:
+                 env: dict) -> None:
         self.cluster, self.argv, self.nnodes, self.max_restarts = cluster, list(argv), nnodes, max_restarts
-        self.python, self.env, self.workdir = python, env, workdir
+        self.env, self.workdir = env, workdir
         self.run_id = uuid.uuid4().hex
         self.checkpoints = os.path.join(workdir, "ckpt")
         self.log_paths = [os.path.join(workdir, f"node{node}.log") for node in range(NODES)]
@@ -103,7 +105,7 @@ class Job:
 
     def start_agent(self, node: int) -> None:
         command = self.cluster.torchrun(node, 1, ["-m", "overlap", "train", *self.argv, "--checkpoint-dir",
-                                                  self.checkpoints], python=self.python, run_id=self.run_id,
+                                                  self.checkpoints], run_id=self.run_id,
                                         nnodes=self.nnodes, max_restarts=self.max_restarts, rdzv_conf=RDZV_CONF,
                                         cpus=node_cpus(node))
         with open(self.log_paths[node], "a") as sink:
@@ -259,7 +261,7 @@ def _fire(job: Job, kill: Kill, after: int, deadline: float) -> bool:
 
 
 def run_schedule(workdir: str, argv: Sequence[str], points: Sequence[str], nnodes: str = "2",
-                 python: str = sys.executable, timeout_s: float = 300, env: Optional[dict] = None) -> Outcome:
+                 timeout_s: float = 300, env: Optional[dict] = None) -> Outcome:
     """One torchrun job on the two nodes, killed at `points` in turn: each kill with its recovery."""
     unknown = [point for point in points if point not in POINTS]
     if unknown:
@@ -272,7 +274,7 @@ def run_schedule(workdir: str, argv: Sequence[str], points: Sequence[str], nnode
     started = time.monotonic()
     deadline = started + timeout_s
     with two_node_cluster(None) as cluster:
-        job = Job(cluster, workdir, argv, nnodes, max_restarts=len(points) + 1, python=python, env=environment)
+        job = Job(cluster, workdir, argv, nnodes, max_restarts=len(points) + 1, env=environment)
         try:
             after = 0
             for kill in kills:
@@ -300,12 +302,12 @@ def run_schedule(workdir: str, argv: Sequence[str], points: Sequence[str], nnode
     return Outcome(kills, codes, logs, final, rounds, time.monotonic() - started)
 
 
-def reference_final(workdir: str, argv: Sequence[str], python: str = sys.executable) -> tuple[int, float, float]:
+def reference_final(workdir: str, argv: Sequence[str]) -> tuple[int, float, float]:
     """The uninterrupted job's final line (2 ranks on this machine, self-launched)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
-    done = subprocess.run([python, "-m", "overlap", "train", *argv, "--checkpoint-dir", "ckpt"], cwd=workdir,
-                          capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=600,
-                          check=True)
+    done = subprocess.run([sys.executable, "-m", "overlap", "train", *argv, "--checkpoint-dir", "ckpt"],
+                          cwd=workdir, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"},
+                          timeout=600, check=True)
     step, loss, val = FINAL.findall(done.stdout)[-1]
     return int(step), float(loss), float(val)
 
@@ -343,29 +345,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--kills", default="start,step,save", help="kill points of each run, comma-separated")
     parser.add_argument("--runs", type=int, default=5, help="jobs, each killed at every point (default 5)")
-    add_options(parser, steps=30, checkpoint_every=5, workdir=None)
     parser.add_argument("--nnodes", default="2", help="torchrun --nnodes, e.g. 1:2 (default 2)")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="loss difference allowed to a run at another world size (default 1e-4)")
-    parser.add_argument("--python", default=sys.executable, help="the interpreter (and overlap) to run")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--out", default=None, help="write the runs and the table as JSON here")
     args = parser.parse_args(argv)
     # A terminated benchmark still stops its jobs and deletes its namespaces (the `finally`s).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     run_record = RunRecord("recovery.py", argv if argv is not None else sys.argv[1:])
-    workdir = args.workdir or tempfile.mkdtemp(prefix="recovery-")
-    job = [*JOB, "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every)]
+    workdir, job = tempfile.mkdtemp(prefix="recovery-"), RUN_JOB
     points = args.kills.split(",")
     os.makedirs(os.path.join(workdir, "reference"), exist_ok=True)
-    reference = reference_final(os.path.join(workdir, "reference"), job, args.python)
+    reference = reference_final(os.path.join(workdir, "reference"), job)
     print(f"uninterrupted run: final {reference}", flush=True)
     runs = []
     for index in range(args.runs):
         run_dir = os.path.join(workdir, f"run{index}")
         os.makedirs(run_dir)
-        outcome = run_schedule(run_dir, job, points, args.nnodes, args.python, args.timeout)
+        outcome = run_schedule(run_dir, job, points, args.nnodes, RUN_TIMEOUT_S)
         runs.append(outcome)
         print(f"run {index}: {outcome.seconds:.0f} s, final {outcome.final}, exit codes {outcome.returncodes}, "
               f"{ending(outcome, reference, args.tolerance)}; rounds (world, resumed, steps) "
