@@ -25,12 +25,13 @@ CONFIG = dict(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, 
               attn_pdrop=0.0)
 BATCH, SEQ, LR = 4, 128, 1e-3
 RESULT_MARK = "INTEGRATIONS_RESULT "
+LAUNCH_TIMEOUT_S = 600.0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
     parser.add_argument("--steps", type=int, default=12, help="steps per variant per round, warm-up included")
-    add_options(parser, rounds=3, warmup=4, variants=",".join(VARIANTS), timeout=600.0, out=None)
+    add_options(parser, rounds=3, warmup=4, out=None)
     return parse_with_worker_options(parser, argv, VARIANTS)
 
 
@@ -196,7 +197,7 @@ def _launch(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     command = torchrun(os.path.abspath(__file__), 2, ["--worker", variant, "--steps", str(args.steps)])
     env = {**single_thread_env(), "HF_HUB_OFFLINE": "1"}
     try:
-        output = run_with_deadline(command, args.timeout, env=env)
+        output = run_with_deadline(command, LAUNCH_TIMEOUT_S, env=env)
     except (RuntimeError, TimeoutError) as exc:
         return {"error": str(exc).splitlines()[0][:300]}
     for line in output.splitlines():
@@ -206,15 +207,12 @@ def _launch(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if "loop" not in variants or any(v not in VARIANTS for v in variants):
-        raise SystemExit(f"--variants must include 'loop' and name only {', '.join(VARIANTS)}")
     failed: dict[str, str] = {}
     per_round: list[dict[str, float]] = []
     record = RunRecord("integrations.py", args.argv)
     for round_index in range(args.rounds):
         times: dict[str, float] = {}
-        for variant in rotated(variants, round_index):
+        for variant in rotated(VARIANTS, round_index):
             if variant in failed:
                 continue
             result = _launch(variant, args)
@@ -226,7 +224,7 @@ def run_driver(args: argparse.Namespace) -> int:
             print(f"round {round_index}: {variant} {1e3 * times[variant]:.1f} ms/step", file=sys.stderr)
         per_round.append(times)
     summary = {}
-    for variant in variants:
+    for variant in VARIANTS:
         if variant in failed:
             continue
         step = [r[variant] for r in per_round if variant in r]
