@@ -21,9 +21,10 @@ from common import (PeakMemory, RunRecord, add_options, arg_parser, median, pars
 from gpt_options import gpt_config
 
 MODES = ("staged", "streamed")
+MODEL_LAYERS, PORT = 8, 29517       # the GPT's blocks; the one rank's process group port
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, directory: str) -> dict:
     import torch.distributed as dist
 
     import overlap.checkpoint as checkpoint
@@ -32,10 +33,10 @@ def run(args: argparse.Namespace) -> dict:
     from overlap.optim import AdamW
 
     streamed_keys = checkpoint.streamed_keys
-    os.environ.update(single_rank_env(), MASTER_PORT=str(args.port))
+    os.environ.update(single_rank_env(), MASTER_PORT=str(PORT))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        config = gpt_config(parse_count(args.model_params), args.model_layers)
+        config = gpt_config(parse_count(args.model_params), MODEL_LAYERS)
         with torch.device("meta"):
             inner = GPT(config)
         model = ShardedModule(inner, offload="disk",
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> dict:
             measured = {}
             for mode in order:
                 checkpoint.streamed_keys = streamed_keys if mode == "streamed" else (lambda *_: frozenset())
-                path = os.path.join(args.dir, f"round{index}-{mode}")
+                path = os.path.join(directory, f"round{index}-{mode}")
                 with PeakMemory(["RssAnon", "RssFile"], interval_s=0.01) as peak:
                     start = time.perf_counter()
                     pending = checkpoint.async_save(path, model, optimizer)
@@ -88,20 +89,18 @@ def run(args: argparse.Namespace) -> dict:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
     parser.add_argument("--model-params", default="200M", help="GPT parameters, e.g. 200M (default)")
-    add_options(parser, model_layers=8, rounds=4, port=29517, out=None)
+    add_options(parser, rounds=4, out=None)
     parser.add_argument("--steps", type=int, default=2, help="training steps while each save is written")
-    parser.add_argument("--dir", default=None, help="where the state file and checkpoints go (default: a temporary "
-                        "directory under the current one)")
     return parse_recorded(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     record = RunRecord("disk_async_save.py", args.argv)
-    with tempfile.TemporaryDirectory(prefix="disk-async-save-", dir=args.dir or ".") as directory:
+    # The state file and the checkpoints go to a temporary directory under the current one.
+    with tempfile.TemporaryDirectory(prefix="disk-async-save-", dir=".") as directory:
         os.environ["OVERLAP_OFFLOAD_DIR"] = directory
-        args.dir = directory
-        measured = run(args)
+        measured = run(args, directory)
     counted = measured["rounds"]
     summary = {f"{figure}_{mode}": spread([scale * r[mode][key] for r in counted]) for mode in MODES
                for figure, key, scale in (("blocked_s", "blocked_s", 1.0), ("complete_s", "total_s", 1.0),
