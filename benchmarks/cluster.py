@@ -3,9 +3,12 @@ unthrottled loopback, joined by a veth pair throttled with `tc tbf` (the inter-n
 node runs its own torchrun, meeting through c10d rendezvous on node 0's veth address. gloo uses
 the veth (GLOO_SOCKET_IFNAME); between ranks of one node the kernel delivers locally. With
 `cpus` each node's launcher runs under `taskset` on its own CPUs (`node_cpus`). Needs root.
+
+    python benchmarks/cluster.py --rate 1gbit --nproc-per-node 2 -- script.py args...
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -14,6 +17,8 @@ import sys
 import uuid
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
+
+from common import add_options, arg_parser
 
 NODES = 2
 # Addresses exist only inside the namespaces made here, and go with them.
@@ -48,17 +53,17 @@ class Cluster:
     def prefix(self, node: int) -> list[str]:
         return ["ip", "netns", "exec", self.namespaces[node]]
 
-    def torchrun(self, node: int, nproc_per_node: int, script_and_args: Sequence[str], run_id: str,
-                 nnodes: str = str(NODES), max_restarts: int = 0, rdzv_conf: Sequence[str] = (),
-                 cpus: Optional[str] = None) -> list[str]:
+    def torchrun(self, node: int, nproc_per_node: int, script_and_args: Sequence[str],
+                 python: str = sys.executable, run_id: Optional[str] = None, nnodes: str = str(NODES),
+                 max_restarts: int = 0, rdzv_conf: Sequence[str] = (), cpus: Optional[str] = None) -> list[str]:
         """The command that starts node `node`'s ranks: `nnodes` "MIN:MAX" makes the job elastic,
         `rdzv_conf` adds "key=value" settings, `cpus` (a taskset list) confines the node."""
         conf = ",".join([f"is_host={'true' if node == 0 else 'false'}", *rdzv_conf])
         pinned = ["taskset", "-c", cpus] if cpus is not None else []
         return [*self.prefix(node), *pinned, "env", f"GLOO_SOCKET_IFNAME={self.interfaces[node]}",
-                sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-                f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={self.addresses[0]}:{RDZV_PORT}", f"--rdzv-id={run_id}",
+                python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+                f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.addresses[0]}:{RDZV_PORT}", f"--rdzv-id={run_id or 'overlap'}",
                 f"--local-addr={self.addresses[node]}", f"--rdzv-conf={conf}", *script_and_args]
 
 
@@ -119,3 +124,21 @@ def run_on_cluster(rate: Optional[str], nproc_per_node: int, script_and_args: Se
                     proc.communicate()
         return results
 
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--rate", default=None, help="inter-node rate for tc tbf, e.g. 1gbit (default: unthrottled)")
+    add_options(parser, nproc_per_node=2, timeout=1800.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="script and its arguments (after --)")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no script given")
+    results = run_on_cluster(args.rate, args.nproc_per_node, command, args.timeout)
+    for node, result in enumerate(results):
+        print(f"--- node {node} (exit {result.returncode}) ---\n{result.stdout}")
+    return max(result.returncode for result in results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
