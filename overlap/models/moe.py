@@ -61,12 +61,15 @@ class Experts(nn.Module):
     def forward(self, hidden_ND: torch.Tensor, top_k_index_NK: torch.Tensor,
                 top_k_weights_NK: torch.Tensor) -> torch.Tensor:
         out_ND = torch.zeros_like(hidden_ND)
+        # One expert's weights by unbind, not by indexing: indexing's backward writes a gradient
+        # of every expert's size for each expert used, unbind's one for the call.
+        gate_up_FD, down_DF = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for expert in range(self.num_experts):
             token_M, slot_M = torch.where(top_k_index_NK == expert)
             if token_M.numel() == 0:
                 continue
-            gate_MF, up_MF = F.linear(hidden_ND[token_M], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y_MD = F.linear(F.silu(gate_MF) * up_MF, self.down_proj[expert])
+            gate_MF, up_MF = F.linear(hidden_ND[token_M], gate_up_FD[expert]).chunk(2, dim=-1)
+            y_MD = F.linear(F.silu(gate_MF) * up_MF, down_DF[expert])
             out_ND = out_ND.index_add(0, token_M, y_MD * top_k_weights_NK[token_M, slot_M, None])
         return out_ND
 
