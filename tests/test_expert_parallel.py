@@ -332,8 +332,10 @@ def test_trains_like_one_process(launches, case: str) -> None:
     state = outcomes[0]["state"]
     assert set(state) == set(reference["state"])
     # AdamW divides by the gradient's own scale: where a gradient is near zero, summation
-    # order's rounding moves its update by up to a few parts in a million of the learning rate.
-    tol = {"rtol": 1e-5, "atol": 1e-6} if optimizer == "sgd" else {"rtol": 1e-4, "atol": 1e-5}
+    # order's rounding can flip its sign and move its update by a few thousandths of the
+    # learning rate (1e-2): one bias element of the GPT-MoE at w2-ep2 with a capacity is 8e-6
+    # off with a rank's own pairs computed with those it receives, 1.05e-5 with them apart.
+    tol = {"rtol": 1e-5, "atol": 1e-6} if optimizer == "sgd" else {"rtol": 1e-4, "atol": 2e-5}
     for key, value in reference["state"].items():
         torch.testing.assert_close(state[key], value, **tol, msg=lambda m: f"{key}: {m}")
     assert reference["losses"][0] != reference["losses"][-1]      # training moved

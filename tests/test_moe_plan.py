@@ -49,23 +49,27 @@ def test_all_to_all_bytes_and_the_share_that_leaves_the_node() -> None:
     assert evaluate_ep(TINY, cluster, 1, 4).a2a_bytes_per_layer == 4 * 1536
 
 
-def test_two_halves_hide_the_middle_all_to_alls_as_far_as_compute_lasts() -> None:
-    assert two_chunk_exposed(1.0, 3.0) == 2.0                # compute outlasts: half of forward's four hidden
-    assert two_chunk_exposed(3.0, 1.0) == 10.0               # two halves of compute hidden
-    # Slow compute: each pass's four half all-to-alls lose the middle two.
+def test_halves_and_own_parts_hide_the_all_to_alls_as_far_as_compute_lasts() -> None:
+    assert two_chunk_exposed(1.0, 3.0, 0.0) == 2.0           # the halves outlast: the middle two of four hidden
+    assert two_chunk_exposed(3.0, 1.0, 0.0) == 10.0          # two halves of compute hidden
+    assert two_chunk_exposed(1.0, 3.0, 0.5) == 1.0           # an own part hides half the first and the last
+    assert two_chunk_exposed(1.0, 3.0, 2.0) == 0.0           # and all of them
+    # Slow compute: each pass's four half all-to-alls all hidden.
     slow = _cluster(flops=1e6)
     option = evaluate_ep(TINY, slow, 1, 4)
     half = a2a_s(768, 4, slow)
     assert option.a2a_s == pytest.approx(8 * half)
-    assert option.a2a_hidden_s == pytest.approx(4 * half) and option.a2a_exposed_s == pytest.approx(4 * half)
+    assert option.a2a_hidden_s == pytest.approx(8 * half) and option.a2a_exposed_s == pytest.approx(0)
     # Checkpointing runs forward's all-to-alls again in the recompute.
     again = evaluate_ep(TINY, slow, 1, 4, checkpointing=True)
-    assert again.a2a_s == pytest.approx(12 * half) and again.a2a_hidden_s == pytest.approx(6 * half)
-    # Fast compute hides only as much as the experts take: 2c a pass, backward's c twice forward's.
+    assert again.a2a_s == pytest.approx(12 * half) and again.a2a_hidden_s == pytest.approx(12 * half)
+    # Fast compute hides only as much as the experts take: 2c + 2o a pass, backward's twice
+    # forward's; at E = 4 a half of the sent pairs is 3/8 of the experts' compute, an own part 1/8.
     fast = _cluster(flops=1e15)
     quick = evaluate_ep(TINY, fast, 1, 4)
-    expert_forward_half = 8 * 6 * 2 * 6144 / 1e15 / 3 / 2
-    assert quick.a2a_hidden_s == pytest.approx(2 * expert_forward_half + 2 * 2 * expert_forward_half)
+    expert_forward = 8 * 6 * 2 * 6144 / 1e15 / 3
+    sent_half, own_part = expert_forward * 3 / 8, expert_forward / 8
+    assert quick.a2a_hidden_s == pytest.approx(3 * (2 * sent_half + 2 * own_part))
 
 
 def test_step_with_prefetch_depth_one() -> None:

@@ -10,9 +10,9 @@ import torch
 from distributed import CaseLaunch, RankCase
 
 WORLD, EP, LAYERS, EXPERTS, STEPS, VOCAB, SEQ, PER_RANK = 2, 2, 2, 4, 3, 64, 8, 2
-# Per layer and step: the count exchange; per half, forward's expert ids, tokens and results;
-# per half, backward's results' and tokens' gradients.
-CALLS_PER_LAYER = 1 + 2 * 3 + 2 * 2
+# Per layer and step: the count exchange; per half, forward's tokens and results; per half,
+# backward's results' and tokens' gradients.
+CALLS_PER_LAYER = 1 + 2 * 2 + 2 * 2
 
 
 def _gpt_moe() -> torch.nn.Module:
@@ -63,13 +63,13 @@ def _train(rank: int, world: int, expert_parallel) -> dict:
 
 def _expected_bytes(routed: list, rank: int, call: int) -> int:
     """What `rank` sent the other ranks in expert call `call` (one layer's forward and
-    backward): the counts (two int64 per peer), the expert ids (int64) and tokens it sent, the
+    backward): the counts (an int64 per half and expert of each peer), the tokens it sent, the
     results of the tokens it received; in backward the gradients of the results it got back
     and of the tokens it received."""
     sent = sum(n for owner, n in enumerate(routed[rank][call][0]) if owner != rank)
     received = sum(routed[source][call][0][rank] for source in range(len(routed)) if source != rank)
     row = routed[rank][call][1]
-    return 16 * (EP - 1) + 8 * sent + 2 * row * (sent + received)
+    return 8 * 2 * (EXPERTS // EP) * (EP - 1) + 2 * row * (sent + received)
 
 
 @pytest.fixture(scope="module")

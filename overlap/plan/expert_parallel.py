@@ -15,12 +15,16 @@ The accounting:
   (E − 1)/E of it off the rank; of the E − 1 peers, E − gpus_per_node sit on other nodes once
   E spans nodes, and their share goes through the rank's NIC while the rest rides NVLink
   (the slower of the two bounds the call). Forward runs two (dispatch, combine), backward two.
-- Dual-batch overlap (overlap/runtime/expert_parallel.py): a layer's pairs are split in
-  halves, both sent before any expert computes. With a the time of one half's all-to-all and
-  c one half's expert compute in that pass, a pass exposes 4a − 2·min(a, c): its first and
-  last all-to-all always, the middle two as far as compute outlasts them. Backward runs the
-  same in reverse (both combines' gradients sent, then each half's expert backward while the
-  other half's all-to-all travels), with c twice forward's.
+- Dual-batch overlap (overlap/runtime/expert_parallel.py): the 1/E of a rank's pairs whose
+  expert it holds stay and are computed in two parts; the pairs sent are split in halves,
+  both sent before any received token is computed. With a the time of one half's all-to-all,
+  c one half's expert compute and o one own part's in that pass, a pass exposes
+  4a − 2·min(a, c) − 2·min(a, o): the middle two all-to-alls as far as the halves' compute
+  outlasts them, the first and the last as far as an own part does (the count exchange is
+  not priced). Backward runs the same in reverse (both combines' gradients sent during the
+  second own part's backward, then each half's expert backward while the other half's
+  all-to-all travels, the last tokens' gradients during the first own part's), with c and o
+  twice forward's.
 - ZeRO-3: per layer, the dense part gathered (bf16) and reduce-scattered (fp32) over the
   world's ring and the rank's experts over its dp ring (overlap.plan.tensor_parallel.dp_link:
   a ring of every E-th rank), one after the other on the collective stream, with prefetch
@@ -208,10 +212,11 @@ def a2a_s(nbytes: float, ep: int, cluster: ClusterShape) -> float:
     return alpha + max(nbytes * share / cluster.network_beta, nbytes * (1 - share) / cluster.node_link.beta)
 
 
-def two_chunk_exposed(half_a2a_s: float, half_compute_s: float) -> float:
+def two_chunk_exposed(half_a2a_s: float, half_compute_s: float, own_part_s: float) -> float:
     """The exposed all-to-all of one pass split in two halves (send both, compute the first
-    while the second travels, send the first back while the second computes): 4a − 2·min(a, c)."""
-    return 4 * half_a2a_s - 2 * min(half_a2a_s, half_compute_s)
+    while the second travels, send the first back while the second computes), the first
+    dispatch and the last combine behind an own part each: 4a − 2·min(a, c) − 2·min(a, o)."""
+    return 4 * half_a2a_s - 2 * min(half_a2a_s, half_compute_s) - 2 * min(half_a2a_s, own_part_s)
 
 
 def _ring_s(link: LinkModel, ranks: int, nbytes: float) -> float:
@@ -224,8 +229,9 @@ def _moe_layer(model: MoEShape, cluster: ClusterShape, tokens: int, ep: int, che
     expert_flops = tokens * 6 * model.top_k * model.expert_params
     dense_s, expert_s = dense_flops / cluster.flops, expert_flops / cluster.flops
     half = a2a_s(a2a_bytes(model, tokens, ep) / 2, ep, cluster)
-    forward_exposed = two_chunk_exposed(half, expert_s / 3 / 2)
-    backward_exposed = two_chunk_exposed(half, 2 * expert_s / 3 / 2)
+    sent_half, own_part = expert_s / 3 * (ep - 1) / ep / 2, expert_s / 3 / ep / 2    # forward's
+    forward_exposed = two_chunk_exposed(half, sent_half, own_part)
+    backward_exposed = two_chunk_exposed(half, 2 * sent_half, 2 * own_part)
     forward_s = (dense_s + expert_s) / 3 + forward_exposed
     backward_s = 2 * (dense_s + expert_s) / 3 + backward_exposed
     passes = 2 if checkpointing else 1                 # forward's all-to-alls run again in the recompute

@@ -14,17 +14,21 @@ expert-sharding group adds the other groups' tokens: the sum over all ranks' los
 the world size as every other parameter's (DDP's mean).
 
 [Note: dispatch behind compute]
-A layer's token-expert pairs, sorted by expert, are split into C chunks (DEFAULT_CHUNKS, or
-OVERLAP_EXPERT_CHUNKS), each with its own dispatch and combine on its own copy of the
-expert-parallel group. Every chunk's dispatch is issued before any expert computes, so chunk
-c + 1's all-to-all runs while chunk c's experts compute, and chunk c's combine while later
-chunks compute (dual-batch overlap at C = 2: gloo's work runs on its own threads, NCCL's on its
-own stream). Only the first dispatch and the last combine have nothing to hide behind, so more
-chunks leave less exposed, at the price of smaller calls. The groups keep each chunk's
-collectives in one order on every rank whatever order autograd runs the chunks' backwards in
-(see [Note: backward behind compute]). Every all-to-all goes through the runtime's issue
-protocol (overlap/runtime/issue.py): the step log records its time in flight and the time the
-caller waited for it, which the overlap report shows on its all-to-all line.
+A layer's token-expert pairs are sorted by expert. The pairs whose expert is on their own rank
+never travel: they are cut in two parts, one computed while the first chunk's dispatch is in
+flight and one while the last chunk's combine is, the all-to-alls that would otherwise have no
+compute to hide behind. The cut falls between two experts, so each expert's own pairs are one
+call (on CPU an expert's weight gradient costs a pass over its weights per call). The pairs sent to other ranks are split into C chunks
+(DEFAULT_CHUNKS, or OVERLAP_EXPERT_CHUNKS), each with its own dispatch and combine on its own
+copy of the expert-parallel group. Every chunk's dispatch is issued before any received token
+is computed, so chunk c + 1's all-to-all runs while chunk c's experts compute, and chunk c's
+combine while later chunks compute (dual-batch overlap at C = 2: gloo's work runs on its own
+threads, NCCL's on its own stream). More chunks leave less exposed, at the price of smaller
+calls. The groups keep each chunk's collectives in one order on every rank whatever order
+autograd runs the chunks' backwards in (see [Note: backward behind compute]). Every all-to-all
+goes through the runtime's issue protocol (overlap/runtime/issue.py): the step log records its
+time in flight and the time the caller waited for it, which the overlap report shows on its
+all-to-all line.
 
 [Note: backward behind compute]
 Autograd runs a node once its gradient is complete, the most recently made first. An
@@ -34,9 +38,11 @@ all-to-all's result is used, and the all-to-all's own node only waits for it (a 
 between the two, made by each forward). The join of the chunks' combined results sends every
 chunk's gradient back at once; the node between a chunk's dispatched tokens and its experts
 sends the tokens' gradients back as soon as that chunk's expert backward has made them.
-Backward then runs, from the last chunk to the first: wait for the chunk's combine gradient;
-its expert backward (the earlier chunks' combine gradients in flight, and the later chunks'
-token gradients); its tokens' gradients issued. Then the waits for the token gradients. Each
+Backward then runs, most recently made first: the second own part's backward (every chunk's
+combine gradient in flight); then from the last chunk to the first: wait for the chunk's
+combine gradient; its expert backward (the earlier chunks' combine gradients in flight, and the
+later chunks' token gradients); its tokens' gradients issued. Then the first own part's
+backward (the token gradients in flight) and the waits for the token gradients. Each
 all-to-all sends the same rows as a waiting backward would, so gradients are the same.
 
 [Note: ranks that part in a mixture of experts]
@@ -49,8 +55,9 @@ compares the units each rank ran and raises DivergenceError on every rank.
 
 [Note: routing that cannot hang]
 Each layer's dispatch is two all-to-alls over the expert-parallel group, issued by every rank
-whatever its routing: first the pair counts (one int per rank), then the tokens with those
-counts as uneven splits, zero where a rank sends or receives nothing. A rank with no tokens at
+whatever its routing: first the pair counts (one int per chunk and expert of each receiving
+rank), then the tokens with those counts as uneven splits, zero where a rank sends or receives
+nothing. A rank with no tokens at
 all, an expert no token chose and every token on one expert all take the same calls. The
 combine is the dispatch's reverse, and autograd runs both backwards in the same order on every
 rank: a rank whose experts got no token keeps both in its graph with zero terms, and gives its
@@ -181,6 +188,8 @@ def make_groups(size: int, all_group: dist.ProcessGroup, chunks: int = DEFAULT_C
 
 def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
     """Keep this rank's experts of each module and route its calls through the all-to-all."""
+    import torch._dynamo           # 1-3 s, so only where experts are split
+
     for number, module in enumerate(modules):
         total = int(module.num_experts)
         if total % groups.size:
@@ -196,8 +205,10 @@ def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
             # wrapping keeps stepping it (parameters keep their identity).
             param.data = param.data[first:first + local].clone()
         module.num_experts = local
-        module.forward = types.MethodType(_dispatched(type(module).forward, total, local, groups,
-                                                      f"experts {number}"), module)
+        # Never traced by Dynamo: the routing's sizes are data, read on the host between
+        # collectives, and a compiled unit holding the module runs it eagerly between its graphs.
+        dispatched = _dispatched(type(module).forward, total, local, groups, f"experts {number}")
+        module.forward = types.MethodType(torch._dynamo.disable(dispatched, recursive=True), module)
 
 
 class _Route(NamedTuple):
@@ -319,26 +330,53 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
         kept = expert_P < total                       # an index of `total` or more is a dropped choice
         order = torch.argsort(torch.where(kept, expert_P, total), stable=True)[:int(kept.sum())]
         expert_P, token_P, weight_P = expert_P[order], token_P[order], weight_P[order]
-        owner_P = torch.div(expert_P, local, rounding_mode="floor")
+        # Sorted by expert: this rank's own pairs are one run, which stays here, cut in two at
+        # the boundary between two of its experts nearest the middle (an expert's pairs split
+        # between calls would cost its weight gradient twice).
+        mine = torch.arange(groups.ep_rank * local, (groups.ep_rank + 1) * local + 1, dtype=expert_P.dtype,
+                            device=expert_P.device)
+        starts = torch.searchsorted(expert_P, mine).tolist()
+        first, last = starts[0], starts[-1]
+        middle = min(starts, key=lambda start: abs(2 * start - first - last))
+        own = (slice(first, middle), slice(middle, last))
+        sent = torch.cat([torch.arange(first, device=expert_P.device),
+                          torch.arange(last, len(expert_P), device=expert_P.device)])
         count = len(routes)
-        bounds = [len(expert_P) * c // count for c in range(count + 1)]
-        chunks = [slice(bounds[c], bounds[c + 1]) for c in range(count)]
-        # Pairs per owner rank, each chunk a column; one exchange carries them all.
-        send = torch.stack([torch.bincount(owner_P[h], minlength=size) for h in chunks], 1).to(torch.int64).cpu()
+        bounds = [len(sent) * c // count for c in range(count + 1)]
+        chunks = [sent[bounds[c]:bounds[c + 1]] for c in range(count)]
+        results, rows = [], []                        # the weighted outputs and their tokens
+
+        def compute_own(part: slice) -> None:
+            """This rank's own pairs in `part`, computed while an all-to-all is in flight."""
+            if part.start == part.stop:
+                return
+            ones_M1 = torch.ones(part.stop - part.start, 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
+            out_MD = compute(self, hidden_ND[token_P[part]], (expert_P[part] - groups.ep_rank * local)[:, None],
+                             ones_M1)
+            results.append(out_MD * weight_P[part, None].to(out_MD.dtype))
+            rows.append(token_P[part])
+
+        # Pairs per owner rank and its local expert, for each chunk; one exchange carries them
+        # all. A chunk's pairs travel sorted by expert, so the counts say which expert each
+        # received token is for.
+        send = torch.stack([torch.bincount(expert_P[h], minlength=total).view(size, local) for h in chunks], 1)
+        send = send.to(torch.int64).cpu().view(size, count * local)
         received = torch.empty_like(send)
         check = groups.watched.check
         if check is not None:
             check.before_issue(ALL_TO_ALL, label, 0)       # the sizes differ between ranks: not in the word
         _wait([_issue(received, send, [1] * size, [1] * size, routes[0])])
-        sizes = [(received[:, c].tolist(), send[:, c].tolist()) for c in range(count)]
+        send, received = send.view(size, count, local), received.view(size, count, local)
+        sizes = [(received[:, c].sum(1).tolist(), send[:, c].sum(1).tolist()) for c in range(count)]
+        local_experts = torch.arange(local, device=hidden_ND.device).repeat(size)
+        experts_M = [local_experts.repeat_interleave(received[:, c].reshape(-1).to(hidden_ND.device))
+                     for c in range(count)]
         dispatches: list[list[Pending]] = [[] for _ in range(count)]
-        experts_M, tokens = [], []
+        tokens = []
         for c, chunk in enumerate(chunks):                     # every chunk's dispatch in flight
             received_sizes, send_sizes = sizes[c]
-            experts_M.append(torch.empty(sum(received_sizes), dtype=torch.int64, device=hidden_ND.device))
-            ids = expert_P[chunk] - owner_P[chunk] * local
-            dispatches[c].append(_issue(experts_M[c], ids, received_sizes, send_sizes, routes[c]))
             tokens.append(_all_to_all(hidden_ND[token_P[chunk]], received_sizes, send_sizes, routes[c], dispatches[c]))
+        compute_own(own[0])
         combines: list[Pending] = []
         backs, handoffs = [], []
         for c in range(count):                                 # chunk c + 1 arrives while chunk c computes
@@ -361,9 +399,12 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
             back, handoff = _all_to_all(out_MD, send_sizes, received_sizes, routes[c], combines)
             backs.append(back)
             handoffs.append(handoff)
+        compute_own(own[1])
         _wait(combines)
         back_PD = _SendBack.apply(tuple(handoffs), *backs)
-        return torch.zeros_like(hidden_ND).index_add(0, token_P, back_PD * weight_P[:, None].to(back_PD.dtype))
+        results.append(back_PD * weight_P[sent, None].to(back_PD.dtype))
+        rows.append(token_P[sent])
+        return torch.zeros_like(hidden_ND).index_add(0, torch.cat(rows), torch.cat(results))
 
     return forward
 
