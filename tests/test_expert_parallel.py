@@ -106,9 +106,13 @@ def _optimizer(params, name: str) -> torch.optim.Optimizer:
 
 
 def one_process(world: int, kind: str, routing: str, optimizer: str, clip: float,
-                capacity: Optional[float]) -> dict:
+                capacity: Optional[float], recompute: Optional[str] = None) -> dict:
     model = _model(kind, capacity)
     _skew(model, routing)
+    if recompute is not None:
+        # The same recompute: a reentrant one runs the first forward without grad, so the
+        # routers' aux loss, read off the module after it, gives them no gradient.
+        _recomputed(model, recompute)
     if kind == "qwen3_moe" and capacity is not None:
         _cap_router_choices(model, capacity)
     dropped: list[int] = []
@@ -151,9 +155,25 @@ def _fully_shard(model: torch.nn.Module, kind: str, expert_parallel: int, capaci
         expert_parallel=expert_parallel, expert_capacity_factor=capacity if kind == "qwen3_moe" else None))
 
 
+def _recomputed(model: torch.nn.Module, recompute: str) -> None:
+    """Each block wrapped by torch's activation checkpointing, as users apply it before
+    sharding: "non_reentrant" or "reentrant"."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    from overlap.models.moe import MoEBlock
+
+    impl = CheckpointImpl.REENTRANT if recompute == "reentrant" else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=impl),
+                                   check_fn=lambda module: isinstance(module, MoEBlock))
+
+
 def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, optimizer: str,
           clip: float, capacity: Optional[float], chunks: Optional[int] = None, wrapper: str = "sharded",
-          mesh: bool = False, dim_1: bool = False) -> dict:
+          mesh: bool = False, dim_1: bool = False, recompute: Optional[str] = None) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -162,6 +182,8 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
 
     model = _model(kind, capacity)
     _skew(model, routing)
+    if recompute is not None:
+        _recomputed(model, recompute)
     if wrapper == "fully_shard":
         _fully_shard(model, kind, expert_parallel, capacity, mesh, dim_1)
         opt = _optimizer(model.parameters(), optimizer)       # over the DTensor parameters, as with FSDP2
@@ -192,7 +214,8 @@ def train(rank: int, world: int, kind: str, expert_parallel: int, routing: str, 
     # Each expert parameter's sharded dimensions over (ep, efsdp), under fully_shard.
     placements = {name: [placement.dim for placement in param.placements] for name, param in model.named_parameters()
                   if wrapper == "fully_shard" and ".experts." in name}
-    return {"losses": losses, "norms": norms, "dropped": sum(dropped), "state": state, "placements": placements}
+    return {"losses": losses, "norms": norms, "dropped": sum(dropped), "calls": len(dropped), "state": state,
+            "placements": placements}
 
 
 def reshard(rank: int, world: int) -> dict:
@@ -256,7 +279,9 @@ def diverge(rank: int, world: int) -> str:
 
 # (world, kind, expert_parallel, routing, optimizer, clip, capacity factor: None is dropless[,
 # chunks of each layer's tokens: OVERLAP_EXPERT_CHUNKS, the default where absent]); a name
-# ending in "-mesh" wraps over a 1-D mesh of every rank, which shards as the world does.
+# ending in "-mesh" wraps over a 1-D mesh of every rank, which shards as the world does; one
+# ending in "-recompute" or "-recompute-reentrant" checkpoints each block's activations, its
+# forward and so its all-to-alls run again in backward.
 CASES = {
     "w2-ep2-skewed-sgd-1chunk": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None, 1),
     "w2-ep2-normal-adamw-clip-3chunks": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None, 3),
@@ -273,6 +298,9 @@ CASES = {
     "w4-ep2-skewed-adamw-capacity": (4, "gpt_moe", 2, "skewed", "adamw", 0.0, 1.0),
     "w4-ep4-skewed-adamw": (4, "gpt_moe", 4, "skewed", "adamw", 0.0, None),
     "w4-ep4-normal-sgd": (4, "gpt_moe", 4, "normal", "sgd", 0.0, None),
+    "w2-ep2-skewed-sgd-recompute": (2, "gpt_moe", 2, "skewed", "sgd", 0.0, None),
+    "w2-ep2-normal-adamw-clip-recompute-reentrant": (2, "gpt_moe", 2, "normal", "adamw", 0.05, None),
+    "w4-ep4-skewed-sgd-capacity-recompute": (4, "gpt_moe", 4, "skewed", "sgd", 0.0, 1.0),
 }
 # The same under `fully_shard` (blocks, then the root with OverlapPolicy(expert_parallel=E)),
 # the state read through torch's state-dict API; the cases named "mesh" shard over a 1-D
@@ -289,11 +317,18 @@ FULLY_SHARD_CASES = {
 CHECKPOINT_PLANS = {2: ((2, (2, None)),), 4: ((2, (4, None)), (4, (2,)))}
 
 
+def _recompute(name: str) -> Optional[str]:
+    if name.endswith("-recompute-reentrant"):
+        return "reentrant"
+    return "non_reentrant" if name.endswith("-recompute") else None
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, CaseLaunch]:
     out = {}
     for world in (2, 4):
-        cases = {name: RankCase(train, (*case[1:], *(None,) * (8 - len(case)), "sharded", name.endswith("-mesh")))
+        cases = {name: RankCase(train, (*case[1:], *(None,) * (8 - len(case)), "sharded", name.endswith("-mesh"),
+                                        False, _recompute(name)))
                  for name, case in CASES.items() if case[0] == world}
         cases.update({name: RankCase(train, case[1:] + (None, "fully_shard", name.endswith("-mesh"),
                                                         name.endswith("-dim1")))
@@ -314,10 +349,12 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, CaseLaunch]:
 @pytest.mark.parametrize("case", [*CASES, *FULLY_SHARD_CASES])
 def test_trains_like_one_process(launches, case: str) -> None:
     world, kind, ep, routing, optimizer, clip, capacity, *_ = {**CASES, **FULLY_SHARD_CASES}[case]
-    reference = one_process(world, kind, routing, optimizer, clip, capacity)
+    reference = one_process(world, kind, routing, optimizer, clip, capacity, _recompute(case))
     assert (reference["dropped"] > 0) == (capacity is not None), reference["dropped"]     # the capacity binds
     outcomes = [outcome.result() for outcome in launches[world][case]]
     assert sum(result["dropped"] for result in outcomes) == reference["dropped"]   # each rank drops its own
+    # Each MoE layer's experts called once a step, twice where backward runs the forward again.
+    assert all(result["calls"] == (1 if _recompute(case) is None else 2) * 2 * STEPS for result in outcomes)
     for result in outcomes:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
                                    rtol=1e-5, atol=1e-6)
