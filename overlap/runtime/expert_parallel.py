@@ -18,17 +18,17 @@ A layer's token-expert pairs are sorted by expert. The pairs whose expert is on 
 never travel: they are cut in two parts, one computed while the first chunk's dispatch is in
 flight and one while the last chunk's combine is, the all-to-alls that would otherwise have no
 compute to hide behind. The cut falls between two experts, so each expert's own pairs are one
-call (on CPU an expert's weight gradient costs a pass over its weights per call). The pairs sent to other ranks are split into C chunks
-(DEFAULT_CHUNKS, or OVERLAP_EXPERT_CHUNKS), each with its own dispatch and combine on its own
-copy of the expert-parallel group. Every chunk's dispatch is issued before any received token
-is computed, so chunk c + 1's all-to-all runs while chunk c's experts compute, and chunk c's
-combine while later chunks compute (dual-batch overlap at C = 2: gloo's work runs on its own
-threads, NCCL's on its own stream). More chunks leave less exposed, at the price of smaller
-calls. The groups keep each chunk's collectives in one order on every rank whatever order
-autograd runs the chunks' backwards in (see [Note: backward behind compute]). Every all-to-all
-goes through the runtime's issue protocol (overlap/runtime/issue.py): the step log records its
-time in flight and the time the caller waited for it, which the overlap report shows on its
-all-to-all line.
+call (on CPU an expert's weight gradient costs a pass over its weights per call). The pairs
+sent to other ranks are split into C chunks (DEFAULT_CHUNKS, or OVERLAP_EXPERT_CHUNKS), each
+with its own dispatch and combine on its own copy of the expert-parallel group. Every chunk's
+dispatch is issued before any received token is computed, so chunk c + 1's all-to-all runs
+while chunk c's experts compute, and chunk c's combine while later chunks compute (dual-batch
+overlap at C = 2: gloo's work runs on its own threads, NCCL's on its own stream). More chunks
+leave less exposed, at the price of smaller calls. The groups keep each chunk's collectives in
+one order on every rank whatever order autograd runs the chunks' backwards in (see
+[Note: backward behind compute]). Every all-to-all goes through the runtime's issue protocol
+(overlap/runtime/issue.py): the step log records its time in flight and the time the caller
+waited for it, which the overlap report shows on its all-to-all line.
 
 [Note: backward behind compute]
 Autograd runs a node once its gradient is complete, the most recently made first. An
@@ -57,13 +57,12 @@ compares the units each rank ran and raises DivergenceError on every rank.
 Each layer's dispatch is two all-to-alls over the expert-parallel group, issued by every rank
 whatever its routing: first the pair counts (one int per chunk and expert of each receiving
 rank), then the tokens with those counts as uneven splits, zero where a rank sends or receives
-nothing. A rank with no tokens at
-all, an expert no token chose and every token on one expert all take the same calls. The
-combine is the dispatch's reverse, and autograd runs both backwards in the same order on every
-rank: a rank whose experts got no token keeps both in its graph with zero terms, and gives its
-experts a zero gradient, so the reductions over the ranks holding the same experts match
-too. Nothing is kept between calls, so a recompute under activation checkpointing or another
-microbatch in flight reissues its own.
+nothing. A rank with no tokens at all, an expert no token chose and every token on one expert
+all take the same calls. The combine is the dispatch's reverse, and autograd runs both
+backwards in the same order on every rank: a rank whose experts got no token keeps both in its
+graph with zero terms, and gives its experts a zero gradient, so the reductions over the ranks
+holding the same experts match too. Nothing is kept between calls, so a recompute under
+activation checkpointing or another microbatch in flight reissues its own.
 
 [Note: a backward split in two]
 The zero-bubble pipeline schedules (and DualPipeV) split a stage's backward: an input step
