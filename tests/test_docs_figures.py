@@ -1300,6 +1300,19 @@ FIGURES: list[Figure] = [
              tuple(at("summary", "FSDP2", key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max",
                                                           "peak_tensor_rise_mb_per_rank")))
       for link in ("loopback", "2gbit")],
+    # docs/moe.md's chunk counts: each row of the three tables, step ÷ two chunks in the same rounds.
+    *[Figure("docs/moe.md", f"| {ep} | {chunks} | {{0:.1f}} | {{1:.3f}} ({{2:.3f}}–{{3:.3f}}) | {{4:.1f}} | {{5:.0%}} |",
+             name, (at("summary", f"EP {ep}/{chunks}", "step_ms"), *_paired_variants(f"EP {ep}/{chunks}", f"EP {ep}"),
+                    at("summary", f"EP {ep}/{chunks}", "all_to_all_blocked_ms"),
+                    at("summary", f"EP {ep}/{chunks}", "all_to_all_hidden_share")))
+      for name, ep, chunks in (("moe_chunks_loopback.json", 2, 1), ("moe_chunks_loopback.json", 2, 4),
+                               ("moe_chunks_loopback.json", 4, 4), ("moe_chunks_2gbit.json", 2, 1),
+                               ("moe_chunks_2gbit.json", 4, 1), ("moe_chunks4_2gbit.json", 2, 4),
+                               ("moe_chunks4_2gbit.json", 4, 4))],
+    *[Figure("docs/moe.md", f"| {ep} | 2 | {{0:.1f}} | 1 | {{1:.1f}} | {{2:.0%}} |", name,
+             tuple(at("summary", f"EP {ep}", key) for key in ("step_ms", "all_to_all_blocked_ms",
+                                                              "all_to_all_hidden_share")))
+      for name in ("moe_chunks_loopback.json", "moe_chunks_2gbit.json", "moe_chunks4_2gbit.json") for ep in (2, 4)],
     # docs/moe.md's expert parallelism under fully_shard against ShardedModule's, same rounds.
     *[Figure("docs/moe.md", f"| `fully_shard`, E {e} | {{0:.3f}} ({{1:.3f}}–{{2:.3f}}) | {{3:.3f}} ({{4:.3f}}–{{5:.3f}}) | "
              "{6:.0%} (`ShardedModule`: {7:.0%}) |", "moe_fully_shard_2gbit.json",

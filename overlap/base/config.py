@@ -49,9 +49,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "OVERLAP_DISK_WINDOW_MB": ("number >= 0 or 'auto'", "host memory per rank that offload='disk' may hold its "
                                "state in, read ahead during backward and written behind the step (0: none; "
                                "docs/offload_disk.md)"),
-    "OVERLAP_EXPERT_CHUNKS": ("integer >= 1 or 'auto'", "chunks each MoE layer's tokens are split into under "
-                              "expert parallelism, each chunk's all-to-all behind another's expert compute "
-                              "(docs/moe.md)"),
+    "OVERLAP_EXPERT_CHUNKS": ("integer >= 1 or 'auto'", "chunks each MoE layer's tokens bound for other ranks "
+                              "are split into under expert parallelism, each chunk's all-to-all behind another's "
+                              "expert compute (docs/moe.md)"),
     "OVERLAP_OFFLOAD_DIR": ("directory path", "where offload='disk' keeps each rank's state file (default: a fresh "
                             "temporary directory per rank, removed at exit)"),
 }
