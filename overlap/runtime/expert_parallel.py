@@ -187,7 +187,7 @@ def make_groups(size: int, all_group: dist.ProcessGroup, chunks: int = DEFAULT_C
 
 def split_experts(modules: list[nn.Module], groups: ExpertGroups) -> None:
     """Keep this rank's experts of each module and route its calls through the all-to-all."""
-    import torch._dynamo           # 1-3 s, so only where experts are split
+    import torch._dynamo           # loaded by then: the runtime's hooks are Dynamo-disabled too (compiled.py)
 
     for number, module in enumerate(modules):
         total = int(module.num_experts)
