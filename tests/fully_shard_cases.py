@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -415,7 +416,8 @@ def copies_on_a_sub_mesh(rank: int, world: int) -> dict[str, Any]:
 def policy_refusals(rank: int, world: int) -> dict[str, str]:
     """A block given another OverlapPolicy than its root's, a policy of another type,
     ignored_params holding a tensor that is no Parameter, an int reshard_after_forward that
-    divides no group of the ranks, and a module given to fully_shard twice."""
+    divides no group of the ranks, a module given to fully_shard twice, and overlap.checkpoint
+    (a ShardedModule's) asked to save a model sharded with fully_shard."""
     from overlap import OverlapPolicy, fully_shard
 
     out = {}
@@ -448,6 +450,14 @@ def policy_refusals(rank: int, world: int) -> dict[str, str]:
         out["twice"] = "returned"
     except ValueError as error:
         out["twice"] = str(error)
+    from overlap import checkpoint
+    path = os.path.join(tempfile.mkdtemp(), "checkpoint")
+    try:
+        checkpoint.save(path, fully_shard(nn.Linear(2, 2)))
+        out["overlap.checkpoint"] = "saved"
+    except TypeError as error:
+        out["overlap.checkpoint"] = str(error)
+    out["written"] = os.listdir(os.path.dirname(path))
     return out
 
 

@@ -2,7 +2,9 @@
 parameters' post-accumulate-grad hooks (optimizer in backward), GradScaler's skipped steps,
 hooks registered before wrapping, nested units, a tied head called after the model returns,
 dataclass activations, the infinity-norm clip with empty parts, forward methods other than
-`forward`; and dtype conversions after wrapping, refused at the call on every rank.
+`forward`, `parameters()` within a pass and after an evaluation (the optimizer's own objects,
+so a checkpoint saved then loads back); and dtype conversions after wrapping, refused at the
+call on every rank.
 
 Each case trains ShardedModule on each rank's slice of a global batch and a plain copy of the
 model (same seed) on the whole batch inside the same rank, and returns both to compare."""
@@ -417,6 +419,39 @@ def _conversions_refused(rank: int, world: int) -> dict:
     return {**_states(reference, sharded), "errors": errors}
 
 
+def _wrapper_parameters(rank: int, world: int) -> dict:
+    """Between forward and backward, and after an evaluation forward (the root stays gathered),
+    the wrapper's `parameters()` yields the Parameter objects the optimizer holds; a checkpoint
+    saved after the evaluation loads back to the same training."""
+    import tempfile
+
+    from overlap import checkpoint
+
+    reference, sharded = _pair(Net, unit_types=(Block,))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (reference, sharded)]
+    held = [id(p) for p in optimizers[1].param_groups[0]["params"]]
+    seen: dict[str, Any] = {}
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    for step in range(2):
+        batch = _batch(step, world)
+        for model, opt, data in ((reference, optimizers[0], batch), (sharded, optimizers[1], _mine(batch, rank))):
+            loss = model(*data)
+            if model is sharded:
+                seen.setdefault("mid_pass", [id(p) for p in model.parameters()] == held)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model(*data)
+        seen.setdefault("after_eval", [id(p) for p in sharded.parameters()] == held)
+        if step == 0:
+            checkpoint.save(path[0], sharded, optimizers[1])
+            states = {"saved": _states(reference, sharded)["ours"]}
+    checkpoint.load(path[0], sharded, optimizers[1])
+    return {**seen, "loaded": _states(reference, sharded)["ours"], **states}
+
+
 CASES = {
     "freezing": _freezing,
     "optimizer_in_backward": _optimizer_in_backward,
@@ -429,6 +464,7 @@ CASES = {
     "clip_infinity_norm": _clip_infinity_norm,
     "forward_methods": _forward_methods,
     "conversions_refused": _conversions_refused,
+    "wrapper_parameters": _wrapper_parameters,
 }
 WORLDS = [2, 3]
 
@@ -559,3 +595,12 @@ def test_dtype_conversions_after_wrapping_are_refused_on_every_rank(world: int, 
                                     "dtype (torch.float32 to "), error
             assert "convert the model before wrapping" in error and "mixed precision" in error, error
         _same_state(result)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_parameters_are_the_optimizers_within_a_pass_and_after_an_evaluation(world: int, launches: dict) -> None:
+    for result in _results(launches, world, "wrapper_parameters"):
+        assert result["mid_pass"] and result["after_eval"], result
+        for key, expected in result["saved"].items():
+            torch.testing.assert_close(result["loaded"][key], expected, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")

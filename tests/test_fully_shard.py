@@ -168,6 +168,10 @@ def test_an_overlap_policy_is_the_whole_models_and_other_arguments_are_checked(l
         assert "ignored_params must hold nn.Parameter objects, got Tensor" in result["ignored"], result
         assert "reshard_after_forward=3: an int must divide the 2 ranks" in result["int"], result
         assert "FSDPLinear was given to fully_shard already" in result["twice"], result
+        assert result["overlap.checkpoint"].startswith("overlap.checkpoint saves and loads a ShardedModule, not a "
+                                                       "FSDPLinear") and "get_optimizer_state_dict" in \
+            result["overlap.checkpoint"], result
+        assert result["written"] == [], result
 
 
 @pytest.mark.timeout(900)

@@ -20,7 +20,7 @@ import os
 import shutil
 from concurrent import futures
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,7 @@ from overlap.checkpoint.state import (EXTRA, MODEL, PARAM_GROUPS, CheckpointMism
                                       streamed_keys)
 from overlap.optim.paged import PagedAdamW, paged_of
 from overlap.runtime.process_group import level_group_counts
-
-if TYPE_CHECKING:
-    from overlap.sharded_module import ShardedModule
+from overlap.sharded_module import ShardedModule
 
 __all__ = ["CheckpointMismatch", "CorruptCheckpoint", "IncompleteCheckpoint", "PendingSave", "UnsafeCheckpoint",
            "async_save", "async_save_items", "latest_checkpoint", "load", "load_items", "load_pretrained", "save",
@@ -66,7 +64,11 @@ class IncompleteCheckpoint(FileNotFoundError):
 _CHECKPOINT_GROUPS: dict[tuple[Any, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
-def _checkpoint_group(model: "ShardedModule") -> dist.ProcessGroup:
+def _checkpoint_group(model: ShardedModule) -> dist.ProcessGroup:
+    if not isinstance(model, ShardedModule):
+        raise TypeError(f"overlap.checkpoint saves and loads a ShardedModule, not a {type(model).__name__}: a model "
+                        "sharded with fully_shard is checkpointed as under FSDP2, with torch.distributed.checkpoint "
+                        "over model.state_dict() and get_optimizer_state_dict(model, optimizer) (docs/checkpoint.md)")
     return _gloo_group(model.collectives.all_group)
 
 
@@ -127,13 +129,13 @@ def _report_unfinished_saves() -> None:
 atexit.register(_report_unfinished_saves)
 
 
-def _paged_engines(model: "ShardedModule") -> list[PagedAdamW]:
+def _paged_engines(model: ShardedModule) -> list[PagedAdamW]:
     """The state files (offload="disk") the model's parameters live in."""
     engines = {id(where.engine): where.engine for where in map(paged_of, model.parameters()) if where is not None}
     return list(engines.values())
 
 
-def _items(model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer],
+def _items(model: ShardedModule, optimizer: Optional[torch.optim.Optimizer],
            extra: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     for engine in _paged_engines(model):
         engine.check_consistent()           # never save a state that is part one step, part another
@@ -190,7 +192,7 @@ def _writer(partial: str, checksums: bool, streamed: frozenset[str] = frozenset(
     return ChecksumWriter(partial, streamed=streamed) if checksums else StagingWriter(partial, streamed=streamed)
 
 
-def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
+def save(path: str | os.PathLike, model: ShardedModule, optimizer: Optional[torch.optim.Optimizer] = None,
          extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> None:
     """Write the model's (and optimizer's) state to the directory `path`, every rank its own
     parts, no gather. `extra`: tensors and plain values (numbers, strings, lists, dicts),
@@ -206,7 +208,7 @@ def save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[to
     dist.barrier(group)
 
 
-def async_save(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
+def async_save(path: str | os.PathLike, model: ShardedModule, optimizer: Optional[torch.optim.Optimizer] = None,
                extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> PendingSave:
     """Like `save`, but returns once the state is copied (staged) to host memory; the files
     are written by a background thread while training goes on. The next save, a load, or
@@ -299,7 +301,7 @@ def _read(items: dict[str, Any], path: str, metadata: Metadata, group: dist.Proc
         raise
 
 
-def load(path: str | os.PathLike, model: "ShardedModule", optimizer: Optional[torch.optim.Optimizer] = None,
+def load(path: str | os.PathLike, model: ShardedModule, optimizer: Optional[torch.optim.Optimizer] = None,
          *, verify: bool = True) -> dict[str, Any]:
     """Load a checkpoint written by `save` (at any world size or layout) into `model` and
     `optimizer` in place; returns the `extra` values saved with it. Called on every rank.
