@@ -25,7 +25,10 @@ KNOWN_FAILING: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {
         # ShardedModule keeps the module's own Parameter objects registered (scripts written for
         # DDP hold them); during a pass its modules compute with views of the gathered buffers,
         # which FSDP2 (and overlap's fully_shard) register as the parameters instead. At one rank
-        # those parameters are whole, so a pre-hook reading them reads whole weights.
+        # those parameters are whole, so a pre-hook reading them reads whole weights. Registering
+        # the views here too passes these cases, but the registered parameters are then no leaves:
+        # torch's MemTracker, which hooks each module parameter's post-accumulate grad, refuses
+        # them (as it does under fully_shard), and the memory measurements built on it fail.
         "parameters_registered_after_backward": ("during a pass the attributes are gathered views, not the "
                                                  "registered parameters (fully_shard registers them)", WORLDS),
         "pre_hook_reads_weights": ("named_parameters() in a pre-hook yields the registered parameters, this rank's "
