@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 import peers
-from common import PROCESS_GROUP_TIMEOUT, from_every_rank, peak_rss, write_json
+from common import from_every_rank, peak_rss, start_rank, write_json
 from gpt_options import model_config, token_batch
 
 if TYPE_CHECKING:
@@ -62,15 +62,10 @@ def _build_model(args: argparse.Namespace, config: "GPTConfig") -> torch.nn.Modu
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
     impl = args.worker
     torch.set_num_threads(1)
     distributed = impl not in peers.SINGLE_PROCESS
-    if distributed:
-        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
+    rank, world = start_rank() if distributed else (0, 1)
 
     config = model_config(args)
     torch.manual_seed(args.seed)

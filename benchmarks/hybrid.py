@@ -18,7 +18,8 @@ import torch
 
 from cluster import run_on_cluster
 from common import (RunRecord, add_options, arg_parser, forwarded, markdown_table, median, paired_ratios,
-                    parse_with_worker_options, quartiles, read_json, script_main, slowest_of_ranks, timed_steps, write_json)
+                    parse_with_worker_options, quartiles, read_json, script_main, slowest_of_ranks, start_rank,
+                    timed_steps, write_json)
 from gpt_options import token_step
 
 IMPLEMENTATIONS = ("overlap-full", "overlap-hybrid", "overlap-hybrid-int8", "overlap-hpz", "overlap-auto",
@@ -47,9 +48,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     import peers
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start_rank()
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     config = GPTConfig()
     torch.manual_seed(0)

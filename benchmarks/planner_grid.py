@@ -19,7 +19,7 @@ import time
 from typing import Optional, Sequence
 
 from common import (RunRecord, arg_parser, on_link, quartiles, read_json, run_with_deadline, single_thread_env,
-                    torchrun, write_json)
+                    start_rank, torchrun, write_json)
 
 DEPTHS = (0, 1, 2, 3)
 BUCKETS = (None, 25.0, 50.0)        # None: no merging
@@ -43,9 +43,7 @@ def _worker(out: str) -> None:
     from overlap.models.gpt import GPT, Block, GPTConfig
     from overlap.control.replanner import FIRST_DECISION_STEP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, _ = start_rank()
     if rank == 0:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = GPTConfig()

@@ -15,7 +15,8 @@ import torch
 
 import peers
 from common import (RunRecord, add_options, arg_parser, from_every_rank, launch_worker, markdown_table, median,
-                    paired_ratios, parse_with_worker_options, peak_rss, script_main, slowest_of_ranks, timed_steps, write_json)
+                    paired_ratios, parse_with_worker_options, peak_rss, script_main, slowest_of_ranks, start_rank,
+                    timed_steps, write_json)
 from gpt_options import token_step
 
 IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
@@ -50,8 +51,7 @@ def _build(args: argparse.Namespace):
 def run_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    rank, _ = start_rank()
     model, mesh, config = _build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     train = token_step(model, optimizer, config, BATCH, seed=mesh.get_local_rank("dp"))  # the same on tp ranks
@@ -64,7 +64,7 @@ def run_worker(args: argparse.Namespace) -> None:
     # The gathered flat buffers of ShardedModule are registered with MemTracker, as in compare.py.
     tracked = peers.tracked_memory(model, optimizer, step, flat_buffers=hasattr(model, "scheduler"))
     memory = from_every_rank((tracked["peak"].get("Total", 0), peak_rss()))
-    if dist.get_rank() == 0:
+    if rank == 0:
         write_json(args.result, dict(impl=args.worker, step_s=times, losses=losses,
                                      peak_tracked=[m[0] for m in memory], peak_rss=[m[1] for m in memory]))
     dist.barrier()
