@@ -17,14 +17,13 @@ import sys
 import time
 from typing import Any, Sequence
 
-from common import (RunRecord, add_options, arg_parser, median, parse_with_worker_options, print_and_write, quartiles,
-                    rotated, run_with_deadline, script_main, single_thread_env, torchrun)
+from common import (RunRecord, add_options, arg_parser, launch, median, parse_with_worker_options, print_and_write,
+                    quartiles, rotated, script_main, write_json)
 
 VARIANTS = ("loop", "lightning", "hf", "lightning-fsdp", "lightning-fsdp2", "hf-fsdp")
 CONFIG = dict(vocab_size=512, n_positions=128, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
               attn_pdrop=0.0)
 BATCH, SEQ, LR = 4, 128, 1e-3
-RESULT_MARK = "INTEGRATIONS_RESULT "
 LAUNCH_TIMEOUT_S = 600.0
 
 
@@ -190,20 +189,15 @@ def run_worker(args: argparse.Namespace) -> None:
     except Exception as exc:  # noqa: BLE001 - a framework's FSDP that does not run on CPU is a result
         result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
     if int(os.environ.get("RANK", "0")) == 0:
-        print(RESULT_MARK + json.dumps(result), flush=True)
+        write_json(args.result, result)
 
 
 def _launch(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    command = torchrun(os.path.abspath(__file__), 2, ["--worker", variant, "--steps", str(args.steps)])
-    env = {**single_thread_env(), "HF_HUB_OFFLINE": "1"}
     try:
-        output = run_with_deadline(command, LAUNCH_TIMEOUT_S, env=env)
+        return launch(os.path.abspath(__file__), 2, ["--worker", variant, "--steps", str(args.steps)], LAUNCH_TIMEOUT_S,
+                      env={"HF_HUB_OFFLINE": "1"})
     except (RuntimeError, TimeoutError) as exc:
         return {"error": str(exc).splitlines()[0][:300]}
-    for line in output.splitlines():
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
-    return {"error": "no result line in the output"}
 
 
 def run_driver(args: argparse.Namespace) -> int:
