@@ -15,6 +15,7 @@ import torch
 from common import device_seconds
 from gpu_harness import (Checks, Injection, all_finite, bf16, collectives_issued_alone, device_for, empty_cache,
                          flush_record, lm_step, one_rank_on, timed_steps)
+from peers import shard_by_block
 
 if TYPE_CHECKING:
     from overlap.models import GPTConfig
@@ -69,9 +70,7 @@ def _wrapped_model(kind: str, config: "GPTConfig", device: torch.device, prefetc
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        return fully_shard(model, mp_policy=policy), contextlib.nullcontext
+        return shard_by_block(fully_shard, model, mp_policy=policy), contextlib.nullcontext
     return model, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 

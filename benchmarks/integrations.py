@@ -91,9 +91,9 @@ def _lightning(steps: int, strategy_name: str) -> list[float]:
             if strategy_name == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
-                for block in self.gpt.transformer.h:
-                    fully_shard(block)
-                fully_shard(self.gpt)
+                from peers import shard_by_block
+
+                shard_by_block(fully_shard, self.gpt, self.gpt.transformer.h)
 
         def training_step(self, batch, batch_idx):
             return self.gpt(input_ids=batch[0], labels=batch[0]).loss

@@ -40,14 +40,13 @@ def _build(variant: str, args: argparse.Namespace):
 
     from overlap import ShardedModule
     from overlap.models.moe import GPTMoE, MoEBlock
+    from peers import shard_by_block
 
     torch.manual_seed(0)
     model = GPTMoE(_config(args))
     os.environ.pop("OVERLAP_EXPERT_CHUNKS", None)          # set below for "EP <E>/<chunks>" only
     if variant == "FSDP2":
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        shard_by_block(fully_shard, model)
     elif variant.startswith("fully_shard "):
         from overlap import OverlapPolicy
         from overlap import fully_shard as overlap_fully_shard

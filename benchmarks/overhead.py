@@ -139,9 +139,7 @@ def _wrap(args: argparse.Namespace, model: Chain):
     elif args.worker == OVERLAP_FULLY_SHARD:
         from overlap import fully_shard
 
-        for block in model.blocks:
-            fully_shard(block)
-        wrapped = fully_shard(model)
+        wrapped = peers.shard_by_block(fully_shard, model)
     else:
         from overlap import ShardedModule
 

@@ -6,7 +6,7 @@ differ by sharding and communication alone.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -107,6 +107,14 @@ def reduce_scatter_by_all_to_all(*modules: Any) -> None:
     comm = type("AllToAllReduceScatterComm", (AllToAllReduceScatter, ReduceScatter), {})()
     for module in modules:
         module.set_custom_reduce_scatter(comm)
+
+
+def shard_by_block(fully_shard: Callable[..., Any], model: torch.nn.Module,
+                   blocks: Optional[Iterable[torch.nn.Module]] = None, **kwargs: Any) -> torch.nn.Module:
+    """`fully_shard` (FSDP2's or overlap's) with `kwargs` on each block (default `model.blocks`), then the root."""
+    for block in model.blocks if blocks is None else blocks:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
 
 
 def fsdp2(model: torch.nn.Module, tuned: bool, depth: int, mesh=None) -> torch.nn.Module:

@@ -69,23 +69,17 @@ def _stage(index: int, args: argparse.Namespace):
 
 
 def _wrap(variant: str, stage, mesh):
+    from torch.distributed.fsdp import fully_shard
+
     from overlap import ShardedModule
     from overlap import fully_shard as overlap_fully_shard
+    from peers import reduce_scatter_by_all_to_all, shard_by_block
 
     if variant == "overlap ShardedModule":
         return ShardedModule(stage, mesh=mesh)
     if variant.startswith("overlap fully_shard"):
-        for block in stage.blocks:
-            overlap_fully_shard(block, mesh=mesh)
-        return overlap_fully_shard(stage, mesh=mesh)
-    from torch.distributed.fsdp import fully_shard
-
-    from peers import reduce_scatter_by_all_to_all
-
-    reshard = variant == "FSDP2 reshard"
-    for block in stage.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    root = fully_shard(stage, mesh=mesh, reshard_after_forward=reshard)
+        return shard_by_block(overlap_fully_shard, stage, mesh=mesh)
+    root = shard_by_block(fully_shard, stage, mesh=mesh, reshard_after_forward=variant == "FSDP2 reshard")
     reduce_scatter_by_all_to_all(root, *stage.blocks)
     return root
 

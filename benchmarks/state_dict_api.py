@@ -28,23 +28,19 @@ CALLS = ("model.state_dict()", "get_model_state_dict (full, cpu_offload)",
 
 def _built(variant: str, args: argparse.Namespace):
     import torch
+    from torch.distributed.fsdp import fully_shard
 
     from overlap import ShardedModule
     from overlap import fully_shard as overlap_fully_shard
     from overlap.models import GPT, GPTConfig
+    from peers import shard_by_block
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=8192, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width))
     if variant == "overlap ShardedModule":
         model = ShardedModule(model)
     else:
-        if variant == "FSDP2":
-            from torch.distributed.fsdp import fully_shard
-        else:
-            fully_shard = overlap_fully_shard
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        shard_by_block(fully_shard if variant == "FSDP2" else overlap_fully_shard, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, 8192, (2, args.seq), generator=torch.Generator().manual_seed(1))
     train_step(model, optimizer, idx, idx)()
