@@ -324,10 +324,12 @@ def parity_configs() -> dict[str, dict]:
     }
 
 
-def token_batches(device: torch.device, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def token_batches(device: torch.device, steps: int, vocab: int = 512, shape: tuple[int, int] = (8, 64)
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` (inputs, targets) pairs of random tokens, the same on every run."""
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 512, (8, 64), generator=gen).to(device),
-             torch.randint(0, 512, (8, 64), generator=gen).to(device)) for _ in range(steps)]
+    return [(torch.randint(0, vocab, shape, generator=gen).to(device),
+             torch.randint(0, vocab, shape, generator=gen).to(device)) for _ in range(steps)]
 
 
 def parity_steps(device: torch.device) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from common import device_seconds
 from gpu_harness import (Checks, Injection, all_finite, bf16, collectives_issued_alone, device_for, empty_cache,
-                         flush_record, lm_step, one_rank_on, timed_steps)
+                         flush_record, lm_step, one_rank_on, timed_steps, token_batches)
 from peers import shard_by_block
 
 if TYPE_CHECKING:
@@ -46,13 +46,6 @@ def _gpt_config(rehearse: bool, large: bool) -> "GPTConfig":
     return GPTConfig(vocab_size=8192, block_size=512, n_layer=8, n_head=8, n_embd=1024)
 
 
-def _tokens(config: "GPTConfig", batch: int, count: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """`count` batches of `batch` token sequences, each its own target, the same on every run."""
-    gen = torch.Generator().manual_seed(0)
-    return [(tokens, tokens) for tokens in (torch.randint(0, config.vocab_size, (batch, config.block_size),
-                                                          generator=gen).to(device) for _ in range(count))]
-
-
 def _wrapped_model(kind: str, config: "GPTConfig", device: torch.device, prefetch_depth: Optional[int] = None
              ) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
     """The GPT of `config` built on `device`, wrapped as `kind` ("overlap", "fsdp2" or "plain"),
@@ -79,7 +72,8 @@ def _emulated_run(kind: str, config, device: torch.device, injection: Injection,
     with collectives_issued_alone():                     # one device: the collectives to delay
         model, context = _wrapped_model(kind, config, device, prefetch_depth=1 if kind == "overlap" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    step = lm_step(model, optimizer, _tokens(config, 8, warmup + steps, device), context)
+    batches = token_batches(device, warmup + steps, config.vocab_size, (8, config.block_size))
+    step = lm_step(model, optimizer, batches, context)
     with injection.active():
         seconds, losses = timed_steps(step, device, warmup, steps, at_window=injection.reset)
     result = dict(step_s=statistics.median(seconds), finite=all_finite(losses), calls=Counter(injection.calls),
@@ -169,7 +163,7 @@ def check_overhead(checks: Checks, rehearse: bool) -> None:
     device = device_for(rehearse)
     config = _gpt_config(rehearse, large=True)
     batch = 2 if rehearse else 8
-    data = _tokens(config, batch, OVERHEAD_STEPS + OVERHEAD_WARMUP, device)
+    data = token_batches(device, OVERHEAD_STEPS + OVERHEAD_WARMUP, config.vocab_size, (batch, config.block_size))
     results = {}
     with one_rank_on(device):
         for kind in ("plain", "fsdp2", "overlap"):
