@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, T
 import torch
 import torch.distributed as dist
 
-from common import PROCESS_GROUP_TIMEOUT, patched, single_rank_env
+from common import PROCESS_GROUP_TIMEOUT, REPOSITORY as ROOT, patched, single_rank_env
 
 if TYPE_CHECKING:
     from overlap import MixedPrecision
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = TypeVar("T")
 
 
@@ -286,12 +285,6 @@ def small_gpt(layers: int = 4, width: int = 128) -> torch.nn.Module:
     return GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=layers, n_head=4, n_embd=width))
 
 
-def _feature_net() -> torch.nn.Module:
-    from models import FeatureNet
-
-    return FeatureNet(vocab=512, d=64, hidden=96)
-
-
 class OddNet(torch.nn.Module):
     """Parameters of odd sizes: offsets off 16-byte alignment unless the layout rounds them."""
 
@@ -311,10 +304,13 @@ class OddNet(torch.nn.Module):
 
 
 def parity_configs() -> dict[str, dict]:
+    from models import FeatureNet
+
     return {
         "gpt_fp32_depth2": dict(build=small_gpt, wrap=dict(prefetch_depth=2)),
         "no_sync": dict(build=small_gpt, wrap=dict(prefetch_depth=1), micro_batches=2),
-        "tied_frozen_twice_checkpointed": dict(build=_feature_net, wrap=dict(prefetch_depth=1)),
+        "tied_frozen_twice_checkpointed": dict(build=lambda: FeatureNet(vocab=512, d=64, hidden=96),
+                                               wrap=dict(prefetch_depth=1)),
         "bf16_gather_fp32_reduce": dict(build=small_gpt, wrap=dict(prefetch_depth=1, mixed_precision=bf16()),
                                         param_dtype=torch.bfloat16),
         "no_reshard_after_forward": dict(build=small_gpt, wrap=dict(prefetch_depth=1, reshard_after_forward=False)),
