@@ -181,19 +181,13 @@ def _wait(condition, deadline: float, alive=lambda: True) -> bool:
     return False
 
 
-def _current(job: Job, after: int, world: int, node: int):
-    """A condition: a round later than the first `after` runs at `world` with a worker on `node`."""
-    def ready() -> bool:
-        rounds = job.rounds()
-        return len(rounds) > after and rounds[-1].world == world and job.worker(node) is not None
-    return ready
-
-
 def _fire(job: Job, kill: Kill, after: int, deadline: float) -> bool:
     """Wait for the kill point in a round after the first `after`, and kill; False if it never came."""
     world = 1 if kill.point == "rejoin" else NODES
     watched = 0 if kill.point == "rejoin" else kill.node
-    if not _wait(_current(job, after, world, watched), deadline):
+    # A round later than the first `after` runs at `world` with a worker on the watched node.
+    if not _wait(lambda: len(job.rounds()) > after and job.rounds()[-1].world == world
+                 and job.worker(watched) is not None, deadline):
         return False
     index = len(job.rounds())
     this_round = lambda: job.rounds()[index - 1]          # noqa: E731
@@ -324,10 +318,9 @@ def ending(outcome: Outcome, reference: tuple[int, float, float], tolerance: flo
     return "failed"
 
 
-def table(runs: list[Outcome], reference: tuple[int, float, float], tolerance: float) -> str:
+def table(runs: list[Outcome], endings: list[str]) -> str:
     """Per kill point: runs, kills, recoveries, endings and the times to the first step after."""
     rows = []
-    endings = [ending(outcome, reference, tolerance) for outcome in runs]
     points = dict.fromkeys(kill.point for outcome in runs for kill in outcome.kills)
     for point in points:
         mine = [(outcome, end) for outcome, end in zip(runs, endings) if any(k.point == point for k in outcome.kills)]
@@ -359,19 +352,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(os.path.join(workdir, "reference"), exist_ok=True)
     reference = reference_final(os.path.join(workdir, "reference"), job)
     print(f"uninterrupted run: final {reference}", flush=True)
-    runs = []
+    runs, endings = [], []
     for index in range(args.runs):
         run_dir = os.path.join(workdir, f"run{index}")
         os.makedirs(run_dir)
         outcome = run_schedule(run_dir, job, points, args.nnodes, RUN_TIMEOUT_S)
         runs.append(outcome)
+        endings.append(ending(outcome, reference, args.tolerance))
         print(f"run {index}: {outcome.seconds:.0f} s, final {outcome.final}, exit codes {outcome.returncodes}, "
-              f"{ending(outcome, reference, args.tolerance)}; rounds (world, resumed, steps) "
+              f"{endings[-1]}; rounds (world, resumed, steps) "
               f"{[(r.world, r.resumed, r.step) for r in outcome.rounds]}", flush=True)
         for kill in outcome.kills:
             print(f"  {kill}", flush=True)
-    text = table(runs, reference, args.tolerance)
-    endings = [ending(o, reference, args.tolerance) for o in runs]
+    text = table(runs, endings)
     print_and_write(text, args.out, {
         **run_record.fields(), "job": job, "nnodes": args.nnodes, "rdzv_conf": RDZV_CONF,
         "env": ELASTIC_ENV if ":" in args.nnodes else {}, "node_cpus": [node_cpus(node) for node in range(NODES)],
