@@ -206,7 +206,7 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
         # A GPT block holds 12·d² parameters; vectors up to 4·d (norms, biases) stay whole.
         config = deepspeed_zero3_config(args.batch, 12 * args.n_embd * args.n_embd, args.n_embd * 4)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        return engine, optimizer, _deepspeed_step(engine)
+        return engine, optimizer, _timed(engine, engine.backward, engine.step)
     if impl == LOCAL:
         wrapped = model
     elif impl in (DDP, DDP_TUNED, DDP_FP16):
@@ -220,7 +220,12 @@ def wrap(impl: str, model: torch.nn.Module, args: argparse.Namespace):
                                 bucket_mb=args.bucket_mb, compression=SHARDED_MODULE[impl],
                                 compile=impl == OVERLAP_COMPILED)
     optimizer = make_optimizer(wrapped.parameters(), args.lr)
-    return wrapped, optimizer, _plain_step(wrapped, optimizer)
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return wrapped, optimizer, _timed(wrapped, lambda loss: loss.backward(), update)
 
 
 StepFn = Callable[[Any], tuple[float, list[float]]]
@@ -242,15 +247,3 @@ def _timed(forward, backward, update) -> StepFn:
         return loss.item(), [forward_end - start, backward_end - forward_end, end - backward_end]
 
     return step
-
-
-def _plain_step(model, optimizer) -> StepFn:
-    def update():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return _timed(model, lambda loss: loss.backward(), update)
-
-
-def _deepspeed_step(engine) -> StepFn:
-    return _timed(engine, engine.backward, engine.step)
