@@ -34,8 +34,7 @@ def _memory_target(link: str, what: str, ratio: Optional[float], limit: float = 
 
 
 def check_targets(summary: dict) -> list[dict]:
-    """ShardedModule's targets on each link measured: step time against tuned FSDP2 and the
-    faster DDP of each round, paired per round; peak memory against tuned FSDP2 (ZeRO-3 memory)."""
+    """ShardedModule's targets (above) on each link measured, then the compressed and compiled rows'."""
     targets = []
     for link in summary:
         if peers.OVERLAP in summary[link]:
@@ -50,10 +49,9 @@ def check_targets(summary: dict) -> list[dict]:
 
 
 def compression_targets(summary: dict) -> list[dict]:
-    """Each compressed ShardedModule row against the uncompressed one, DDP with fp16
-    compression (the compressed peer), and, where they ran, tuned FSDP2 and tuned DDP (step
-    time, paired per round, the same limits as the uncompressed row), and the uncompressed one
-    (peak memory)."""
+    """Each compressed row's step time, paired per round, against the uncompressed row, DDP with fp16
+    compression and, with the uncompressed row's limits, tuned FSDP2 and tuned DDP where they ran;
+    its peak memory against the uncompressed row's."""
     targets = []
     for link in summary:
         for impl in (peers.OVERLAP_INT8, peers.OVERLAP_INT8_INT4):
@@ -71,9 +69,7 @@ def compression_targets(summary: dict) -> list[dict]:
 
 
 def compile_targets(summary: dict) -> list[dict]:
-    """The runtime keeps what compiling gives: ShardedModule's compiled ÷ eager within 3% of the
-    plain model's (a ratio of the two at most 1.03); compiled ShardedModule ahead of compiled
-    tuned FSDP2."""
+    """The compiled rows' targets (above), and compiled ShardedModule ahead of compiled tuned FSDP2."""
     targets = []
     for link, by_impl in summary.items():
         overlap = by_impl.get(peers.OVERLAP_COMPILED, {}).get("compiled_over_eager")
