@@ -99,10 +99,6 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, dict]]]:
     return results
 
 
-def fastest_reduce_scatter(by_op: dict[str, dict]) -> str:
-    return min(REDUCE_SCATTER_WAYS, key=lambda name: by_op[name]["ms"])
-
-
 def table(results: dict) -> str:
     links = list(results)
     sizes = list(next(iter(results.values())))
@@ -112,7 +108,7 @@ def table(results: dict) -> str:
             cells = []
             for link in links:
                 entry = results[link][size][name]
-                best = fastest_reduce_scatter(results[link][size]) == name
+                best = min(REDUCE_SCATTER_WAYS, key=lambda way: results[link][size][way]["ms"]) == name
                 cells.append(f"{entry['ms']:.1f}{' *' if best else ''}")
                 cells.append(f"{entry['gbps']:.2f}")
             rows.append([size, name, *cells])
