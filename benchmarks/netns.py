@@ -19,18 +19,17 @@ def _ip(*args: str) -> None:
 
 
 @contextlib.contextmanager
-def throttled_namespace(rate: Optional[str], name: Optional[str] = None) -> Iterator[list[str]]:
-    """A namespace (loopback throttled to `rate`, None: not); yields the prefix that runs in it."""
+def throttled_namespace(rate: str) -> Iterator[list[str]]:
+    """A namespace whose loopback is throttled to `rate`; yields the prefix that runs in it."""
     if os.geteuid() != 0:
         raise PermissionError("emulated links need root for `ip netns` and `tc`")
-    name = name or f"overlap-{os.getpid()}"
+    name = f"overlap-{os.getpid()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     _ip("netns", "add", name)
     try:
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        if rate is not None:
-            _ip("netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "256kb",
-                "latency", "400ms")
+        _ip("netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "256kb",
+            "latency", "400ms")
         yield ["ip", "netns", "exec", name]
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
