@@ -61,14 +61,6 @@ def parse_sizes(text: str, option: str) -> list[float]:
     return values
 
 
-def parse_count(text: str) -> int:
-    """'300k', '50M', '2.5G' or '1B' (case ignored), or a plain integer -> the count."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgb]?)\s*", text.lower())
-    if not match:
-        raise ValueError(f"count {text!r} is invalid; expected e.g. 300k, 50M or 2.5G")
-    return int(float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}[match.group(2)])
-
-
 @contextlib.contextmanager
 def on_link(link: str) -> Iterator[list[str]]:
     """The command prefix for `link`: none for loopback, a throttled namespace for a rate."""

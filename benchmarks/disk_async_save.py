@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from common import (PeakMemory, RunRecord, add_options, arg_parser, median, parse_count, parse_recorded,
-                    print_and_write, single_rank_env, spread, spread_table)
+from common import (PeakMemory, RunRecord, add_options, arg_parser, median, parse_recorded, print_and_write,
+                    single_rank_env, spread, spread_table)
 from gpt_options import gpt_config
 
 MODES = ("staged", "streamed")
@@ -29,6 +29,7 @@ def run(args: argparse.Namespace, directory: str) -> dict:
 
     import overlap.checkpoint as checkpoint
     from overlap import MixedPrecision, ShardedModule
+    from overlap.cli.estimate import parameter_count
     from overlap.models import GPT
     from overlap.optim import AdamW
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace, directory: str) -> dict:
     os.environ.update(single_rank_env(), MASTER_PORT=str(PORT))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        config = gpt_config(parse_count(args.model_params), MODEL_LAYERS)
+        config = gpt_config(parameter_count(args.model_params), MODEL_LAYERS)
         with torch.device("meta"):
             inner = GPT(config)
         model = ShardedModule(inner, offload="disk",

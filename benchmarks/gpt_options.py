@@ -52,7 +52,7 @@ def token_step(model: Any, optimizer: torch.optim.Optimizer, config: "GPTConfig"
     return step
 
 
-def gpt_config(params: int, layers: int) -> "GPTConfig":
+def gpt_config(params: float, layers: int) -> "GPTConfig":
     """A GPT config of about `params` parameters with `layers` blocks (width a multiple of 64)."""
     from overlap.models.gpt import GPTConfig
 

@@ -52,10 +52,10 @@ def run_worker(args: argparse.Namespace) -> None:
                            n_embd=job.hidden)
         batch = job.batch
     else:
-        from common import parse_count
         from gpt_options import gpt_config
+        from overlap.cli.estimate import parameter_count
 
-        config, batch = gpt_config(parse_count(args.model_params), args.model_layers), 2
+        config, batch = gpt_config(parameter_count(args.model_params), args.model_layers), 2
     precision = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.precision == "bf16"
                  else None)
     optimizer_class = AdamW if args.optimizer == "overlap" else torch.optim.AdamW

@@ -21,9 +21,10 @@ from typing import Optional
 
 import torch
 
-from common import (RunRecord, add_options, arg_parser, parse_count, peak_rss, proc_status_kib, rotated, seconds_of, spread,
+from common import (RunRecord, add_options, arg_parser, peak_rss, proc_status_kib, rotated, seconds_of, spread,
                     write_json)
 
+from overlap.cli.estimate import parameter_count
 from overlap.optim import adamw_step, extension_available
 from overlap.optim.paged import Hyper, PagedAdamW, Segment
 from overlap.optim.state_file import bucket_views
@@ -160,7 +161,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     if not extension_available():
         parser.error("overlap._C was not built: the paged step has no kernel to measure")
-    sizes = [parse_count(s) for s in args.sizes.split(",")]
+    sizes = [int(parameter_count(s)) for s in args.sizes.split(",")]
     record = RunRecord("offload_disk.py", sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="offload-disk-bench-", dir=args.dir or ".") as directory:
         dd = dd_direct(directory, args.dd_mib) | {"mib": args.dd_mib}

@@ -20,8 +20,9 @@ from typing import Callable, Optional
 
 import torch
 
-from common import RunRecord, add_options, arg_parser, markdown_table, parse_count, seconds_of, write_json
+from common import RunRecord, add_options, arg_parser, markdown_table, seconds_of, write_json
 
+from overlap.cli.estimate import parameter_count
 from overlap.optim import AdamW, extension_available
 
 QUICK_SIZES = "10M,50M"
@@ -132,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not extension_available():
         parser.error("overlap._C was not built: overlap.optim.AdamW has no kernel to measure")
-    sizes = [parse_count(s) for s in (args.sizes or (FULL_SIZES if args.full else QUICK_SIZES)).split(",")]
+    sizes = [int(parameter_count(s)) for s in (args.sizes or (FULL_SIZES if args.full else QUICK_SIZES)).split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     impls, skipped = implementations()
     record = RunRecord("optim_step.py", sys.argv[1:] if argv is None else argv)
