@@ -149,11 +149,10 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    add_options(parser, rounds=5)
+    add_options(parser, rounds=5, out=None, timeout=900.0)
     parser.add_argument("--steps", type=int, default=3, help="training steps after each async save")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
-    add_options(parser, out=None, timeout=900.0)
     args = parse_with_worker_options(parser, argv)
     require_min(parser, args, 1, "rounds", "steps", "batch")
     return args

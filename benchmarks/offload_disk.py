@@ -153,11 +153,10 @@ def measure(count: int, rounds: int, directory: str) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = arg_parser(__doc__)
-    add_options(parser, sizes="50M,200M,400M", rounds=3)
+    add_options(parser, sizes="50M,200M,400M", rounds=3, out="docs/results/offload_disk.json")
     parser.add_argument("--dir", default=None, help="where the state files go (default: a temporary directory "
                                                     "under the current one, on its disk)")
     parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd reference file")
-    add_options(parser, out="docs/results/offload_disk.json")
     args = parser.parse_args(argv)
     if not extension_available():
         parser.error("overlap._C was not built: the paged step has no kernel to measure")

@@ -126,9 +126,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--full", action="store_true", help=f"sizes {FULL_SIZES}")
     parser.add_argument("--sizes", default=None, help=f"comma-separated parameter counts (default {QUICK_SIZES})")
-    add_options(parser, threads="1,2", rounds=5)
+    add_options(parser, threads="1,2", rounds=5, out="docs/results/optim_step.json")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round (the fastest counts)")
-    add_options(parser, out="docs/results/optim_step.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not extension_available():

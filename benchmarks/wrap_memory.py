@@ -96,9 +96,8 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
-    add_options(parser, layers=20, hidden=2048, heads=16, vocab=8192, seq=128, rounds=2)
+    add_options(parser, layers=20, hidden=2048, heads=16, vocab=8192, seq=128, rounds=2, out=None, timeout=1200.0)
     parser.add_argument("--train-step", action="store_true", help="also one AdamW training step after wrapping")
-    add_options(parser, out=None, timeout=1200.0)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     return parse_with_worker_options(parser, argv)
 
