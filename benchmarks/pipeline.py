@@ -16,8 +16,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from common import (RunRecord, add_options, arg_parser, launch_worker, markdown_table, median,
-                    parse_with_worker_options, ratio_cell, ratio_fields, rotated, script_main, slower_rank, start_rank,
+from common import (RunRecord, add_options, arg_parser, in_turns, launch_worker, markdown_table, median,
+                    parse_with_worker_options, ratio_cell, ratio_fields, script_main, slower_rank, start_rank,
                     timed_steps, to_driver, write_results)
 from tensor_memory import peak_tensor_rise_mb
 
@@ -169,19 +169,17 @@ def run_worker(args: argparse.Namespace) -> None:
             built[variant][2].overlap_runtime.scheduler.keep_units = KEEP[setting]
     decided = built["overlap fully_shard"][2].overlap_report().decisions
     counter.take()
-    step_s = {variant: [] for variant in VARIANTS}
-    moved = {variant: [] for variant in VARIANTS}
-    for round_index in range(args.rounds):
-        for variant in rotated(VARIANTS, round_index):
-            step_s[variant].append(median(steps(variant, args.steps)))
-            gathered, reduced = counter.take()
-            moved[variant].append((gathered / args.steps, reduced / args.steps))
-    peak = {variant: [] for variant in VARIANTS}
-    for round_index in range(args.rounds):                          # memory apart from the timed steps
-        for variant in VARIANTS:
-            peak[variant].append(rise_mb(variant))
-    to_driver(args.result, dict(step_s=step_s, moved=moved, peak_tensor_rise_mb=peak, pp_rank=pp_rank,
-                                decided=decided))
+
+    def measure(variant: str) -> tuple[float, list[float]]:
+        """A round's median step, and the bytes gathered and reduced per step."""
+        step = median(steps(variant, args.steps))
+        return step, [moved / args.steps for moved in counter.take()]
+
+    measured = in_turns(VARIANTS, args.rounds, measure)
+    peak = in_turns(VARIANTS, args.rounds, rise_mb)                 # memory apart from the timed steps
+    to_driver(args.result, dict(step_s={v: [m[0] for m in ms] for v, ms in measured.items()},
+                                moved={v: [m[1] for m in ms] for v, ms in measured.items()}, peak_tensor_rise_mb=peak,
+                                pp_rank=pp_rank, decided=decided))
 
 
 def run_driver(args: argparse.Namespace) -> int:
