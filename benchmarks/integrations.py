@@ -129,21 +129,10 @@ def _lightning(steps: int, strategy_name: str) -> list[float]:
 def _hf(steps: int, fsdp: bool) -> list[float]:
     import tempfile
 
-    import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from overlap.integrations.hf import OverlapTrainer
-
-    class Rows(torch.utils.data.Dataset):
-        def __init__(self, rows: torch.Tensor) -> None:
-            self.rows = rows
-
-        def __len__(self) -> int:
-            return len(self.rows)
-
-        def __getitem__(self, i: int) -> dict:
-            return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
     class StepTimes(TrainerCallback):
         def __init__(self) -> None:
@@ -164,7 +153,7 @@ def _hf(steps: int, fsdp: bool) -> list[float]:
                              learning_rate=LR, weight_decay=0.0, lr_scheduler_type="constant", optim="adamw_torch",
                              max_grad_norm=1.0, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
                              logging_strategy="no", dataloader_num_workers=0, **extra)
-    dataset = Rows(_rows(steps * BATCH * world))
+    dataset = [{"input_ids": row, "labels": row} for row in _rows(steps * BATCH * world)]
     if fsdp:
         trainer = Trainer(model=_model(), args=args, train_dataset=dataset, callbacks=[times])
     else:
