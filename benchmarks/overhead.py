@@ -24,7 +24,7 @@ import resource
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -73,13 +73,10 @@ def overlap_rows(world: int) -> list[Row]:
 
 
 def all_rows(world: int, baseline: bool) -> list[Row]:
-    ours = overlap_rows(world)
-    theirs = [Row(row.name + BASELINE_SUFFIX, OVERLAP, row.sharding, row.compression, baseline=True)
-              for row in ours if row.order_check == "collective"] if baseline else []
-    if baseline:
-        theirs.append(Row(OVERLAP_FULLY_SHARD + BASELINE_SUFFIX, OVERLAP_FULLY_SHARD, baseline=True))
-    return [*ours, Row(OVERLAP_FULLY_SHARD, OVERLAP_FULLY_SHARD), Row(FSDP2, FSDP2), Row(FSDP2_TUNED, FSDP2_TUNED),
-            Row(DEEPSPEED, DEEPSPEED), *theirs]
+    ours = [*overlap_rows(world), Row(OVERLAP_FULLY_SHARD, OVERLAP_FULLY_SHARD)]
+    theirs = [replace(row, name=row.name + BASELINE_SUFFIX, baseline=True) for row in ours
+              if baseline and row.order_check == "collective"]
+    return [*ours, Row(FSDP2, FSDP2), Row(FSDP2_TUNED, FSDP2_TUNED), Row(DEEPSPEED, DEEPSPEED), *theirs]
 
 
 # The worker is this file's, whichever checkout's interpreter runs it: what is measured is the
@@ -234,18 +231,13 @@ def run_worker(args: argparse.Namespace) -> None:
     to_driver(args.result, mine, **facts)
 
 
-def _worker_args(args: argparse.Namespace, row: Row, world: int, units: int) -> list[str]:
-    out = ["--worker", row.impl, "--units", str(units), "--sharding", row.sharding, "--compression", row.compression]
-    if row.sharding != "full" and world > 1:
-        out += ["--ranks-per-node", "1"]
-    return out + forwarded(args, ("warmup", "steps"))
-
-
 def _launch(args: argparse.Namespace, row: Row, world: int, units: int, profile_out: Optional[str] = None) -> dict:
     """Run `row` once on `world` ranks (one rank: without torchrun's agent) and read its result."""
     checkout = args.baseline if row.baseline else REPO
     python = checkout_python(checkout) if row.baseline else sys.executable
-    worker = _worker_args(args, row, world, units) + (["--profile-out", profile_out] if profile_out else [])
+    worker = ["--worker", row.impl, "--units", str(units), "--sharding", row.sharding, "--compression", row.compression,
+              *(["--ranks-per-node", "1"] if row.sharding != "full" and world > 1 else []),
+              *(["--profile-out", profile_out] if profile_out else []), *forwarded(args, ("warmup", "steps"))]
     env = {"OVERLAP_ORDER_CHECK": row.order_check, **(single_rank_env() if world == 1 else {})}
     data = launch(os.path.abspath(__file__), None if world == 1 else world, worker, RUN_TIMEOUT_S, python=python,
                   env=env)
