@@ -22,7 +22,6 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
@@ -328,11 +327,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def write_profile(args: argparse.Namespace, record: RunRecord) -> None:
-    with tempfile.TemporaryDirectory() as scratch:
-        profile_out = os.path.join(scratch, "profile.txt")
-        _launch(args, Row("overlap-full", OVERLAP), 1, PROFILE_UNITS, profile_out)
-        with open(profile_out) as f:
-            profile = f.read()
+    _launch(args, Row("overlap-full", OVERLAP), 1, PROFILE_UNITS, args.profile)
+    with open(args.profile) as f:
+        profile = f.read()
     header = (f"ShardedModule (full sharding, no compression), {PROFILE_UNITS} units, 1 rank: the {args.steps} "
               f"steps after {args.warmup + args.steps} others; commit {record.commit}\n{record.command}\n\n")
     write_text(args.profile, header + profile)
