@@ -30,7 +30,6 @@ from compare_targets import check_targets
 from compare_worker import run_worker
 from gpt_options import BENCHMARK_MODEL, MODEL_FIELDS, SMALL_MODEL, add_model_options
 
-IMPLEMENTATIONS = peers.IMPLEMENTATIONS
 WORKER_OPTIONS = ("model", "seed", "lr", "batch", "warmup", "steps", *MODEL_FIELDS, "prefetch_depth", "bucket_mb",
                   "ddp_bucket_mb", "fsdp2_prefetch")
 
@@ -67,7 +66,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = arg_parser(__doc__)
     parser.add_argument("--impls", default=None, help="comma-separated, alternated in this order "
-                        f"(default: {','.join(IMPLEMENTATIONS)}, less those not installed)")
+                        f"(default: {','.join(peers.IMPLEMENTATIONS)}, less those not installed)")
     parser.add_argument("--links", default=LOOPBACK, help="loopback and/or tc rates, e.g. loopback,10gbit,2gbit")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
@@ -102,7 +101,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     try:
         args.links = parse_links(args.links)
         args.skipped = {} if args.impls else peers.unavailable()
-        args.impls = parse_choices(args.impls or ",".join(i for i in IMPLEMENTATIONS if i not in args.skipped),
+        args.impls = parse_choices(args.impls or ",".join(i for i in peers.IMPLEMENTATIONS if i not in args.skipped),
                                    (*peers.ALL, BASELINE), "--impls")
         if args.baseline and BASELINE not in args.impls:
             args.impls.append(BASELINE)

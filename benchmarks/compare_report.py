@@ -56,25 +56,21 @@ def ratio_table(summary: dict) -> str:
     """Per link: every implementation's median step time, then ShardedModule's ratios to the
     tuned peers (paired per round: median and range)."""
     impls = [impl for impl in (*peers.ALL, BASELINE) if any(impl in by_impl for by_impl in summary.values())]
-    rows = []
-    for link in summary:
-        rows.append([link, *(_fmt(step_ms(summary, link, impl)) for impl in impls),
-                     spread_cell(paired_rounds(summary, link, peers.OVERLAP, (peers.FSDP2_TUNED,))),
-                     spread_cell(paired_rounds(summary, link, peers.OVERLAP, (peers.DDP, peers.DDP_TUNED))),
-                     _fmt(ratio_of(peak_bytes(summary, link, peers.OVERLAP),
-                                   peak_bytes(summary, link, peers.FSDP2_TUNED)), 2)])
+    rows = [[link, *(_fmt(step_ms(summary, link, impl)) for impl in impls),
+             spread_cell(paired_rounds(summary, link, peers.OVERLAP, (peers.FSDP2_TUNED,))),
+             spread_cell(paired_rounds(summary, link, peers.OVERLAP, (peers.DDP, peers.DDP_TUNED))),
+             _fmt(ratio_of(peak_bytes(summary, link, peers.OVERLAP), peak_bytes(summary, link, peers.FSDP2_TUNED)), 2)]
+            for link in summary]
     return markdown_table(["link", *(f"{impl} ms" for impl in impls), "overlap / fsdp2-tuned per round",
                            "overlap / faster ddp per round", "peak mem overlap / fsdp2-tuned"], rows)
 
 
 def memory_table(summary: dict) -> str:
     link = next(iter(summary))
-    rows = []
-    for impl, entry in summary[link].items():
-        for rank, memory in enumerate(entry["ranks_memory"] or []):
-            rows.append([impl, rank, *(_fmt(memory["peak"].get(c, 0) / MIB, 1) for c in MEMORY_CATEGORIES),
-                         " / ".join(_fmt(memory["phases"][p] / MIB) for p in ("forward", "backward")),
-                         _fmt(entry["peak_rss"][rank] / MIB)])
+    rows = [[impl, rank, *(_fmt(memory["peak"].get(c, 0) / MIB, 1) for c in MEMORY_CATEGORIES),
+             " / ".join(_fmt(memory["phases"][p] / MIB) for p in ("forward", "backward")),
+             _fmt(entry["peak_rss"][rank] / MIB)]
+            for impl, entry in summary[link].items() for rank, memory in enumerate(entry["ranks_memory"] or [])]
     return markdown_table(["impl", "rank", *(f"{c} MiB" for c in MEMORY_CATEGORIES),
                            "peak in fwd / bwd MiB", "peak RSS MiB"], rows)
 
