@@ -17,8 +17,8 @@ import re
 from typing import Optional, Sequence
 
 from common import (RunRecord, add_options, arg_parser, in_turns, launch_worker, markdown_table, median, on_link,
-                    parse_with_worker_options, ratio_cell, ratio_fields, script_main, spread, start_rank, timed_steps,
-                    to_driver, train_step, write_results)
+                    parse_with_worker_options, ratio_cell, ratio_fields, script_main, slower_rank, spread, start_rank,
+                    timed_steps, to_driver, train_step, write_results)
 from tensor_memory import peak_tensor_rise_mb
 
 WORLD_SIZE = 4
@@ -115,8 +115,7 @@ def run_driver(args: argparse.Namespace) -> int:
         data = launch_worker(__file__, WORLD_SIZE, args, options, prefix=prefix)
     ranks = data["ranks"]
     variants = args.variants.split(",")
-    # A round's step takes as long as its slowest rank.
-    rounds = {v: [max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds)] for v in variants}
+    rounds = {v: slower_rank(r["step_s"][v] for r in ranks) for v in variants}
     summary = {}
     for variant in variants:
         ratios = [mine / base for mine, base in zip(rounds[variant], rounds["no EP"])]
