@@ -175,8 +175,7 @@ else
     if [ "$rc" != 0 ]; then
         ended extension "$rc"
         tail -20 "$OUT_DIR/extension.log"
-    else
-        if "$PY" - <<'EOF'; then
+    elif "$PY" - <<'EOF'; then
 import torch
 from overlap.kernels.backends import available_backends
 import overlap._C  # noqa: F401
@@ -184,11 +183,10 @@ print("kernel backends on cuda, in auto's order:", available_backends(torch.devi
 for op in ("overlap::pack", "overlap::quantize"):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
 EOF
-            verdict PASS extension "overlap._C has its CUDA kernels"
-        else
-            skipped=$(grep -o 'installing without the overlap._C extension: [^.]*' "$OUT_DIR/extension.log" | head -1)
-            verdict FAIL extension "overlap._C lacks its CUDA kernels${skipped:+: $skipped}; see $OUT_DIR/extension.log"
-        fi
+        verdict PASS extension "overlap._C has its CUDA kernels"
+    else
+        skipped=$(grep -o 'installing without the overlap._C extension: [^.]*' "$OUT_DIR/extension.log" | head -1)
+        verdict FAIL extension "overlap._C lacks its CUDA kernels${skipped:+: $skipped}; see $OUT_DIR/extension.log"
     fi
 fi
 
