@@ -18,7 +18,7 @@ import torch
 
 from common import (PeakMemory, RunRecord, add_options, arg_parser, median, parse_recorded, print_and_write,
                     single_rank_env, spread, spread_table)
-from gpt_options import gpt_config
+from gpt_options import gpt_config, token_step
 
 MODES = ("staged", "streamed")
 MODEL_LAYERS, PORT = 8, 29517       # the GPT's blocks; the one rank's process group port
@@ -44,17 +44,12 @@ def run(args: argparse.Namespace, directory: str) -> dict:
                               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         optimizer = AdamW(model.parameters(), lr=1e-4)
         model.optimizer_link.link(optimizer)
-        generator = torch.Generator().manual_seed(0)
+        train = token_step(model, optimizer, config, batch=2, seed=0)
 
         def step() -> float:
             start = time.perf_counter()
-            tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=generator)
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if not torch.isfinite(loss.detach()):
+            loss = train()
+            if not torch.isfinite(loss):
                 raise RuntimeError(f"the loss is {float(loss)}")
             return time.perf_counter() - start
 
