@@ -14,9 +14,9 @@ from typing import Sequence
 import torch
 
 import peers
-from common import (RunRecord, add_options, arg_parser, from_every_rank, launch_worker, markdown_table, median,
-                    paired_ratios, parse_with_worker_options, peak_rss, script_main, slowest_of_ranks, start_rank,
-                    timed_steps, write_json)
+from common import (RunRecord, add_options, arg_parser, launch_worker, markdown_table, median, paired_ratios,
+                    parse_with_worker_options, peak_rss, script_main, slowest_of_ranks, start_rank, timed_steps,
+                    to_driver, write_json)
 from gpt_options import token_step
 
 IMPLEMENTATIONS = ("overlap-tp", "fsdp2-tp", "fsdp2-tp-tuned")
@@ -49,9 +49,7 @@ def _build(args: argparse.Namespace):
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
-    rank, _ = start_rank()
+    start_rank()
     model, mesh, config = _build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     train = token_step(model, optimizer, config, BATCH, seed=mesh.get_local_rank("dp"))  # the same on tp ranks
@@ -63,11 +61,7 @@ def run_worker(args: argparse.Namespace) -> None:
     times = slowest_of_ranks(timed_steps(step, args.warmup + args.steps))[args.warmup:]
     # The gathered flat buffers of ShardedModule are registered with MemTracker, as in compare.py.
     tracked = peers.tracked_memory(model, optimizer, step, flat_buffers=hasattr(model, "scheduler"))
-    memory = from_every_rank((tracked["peak"].get("Total", 0), peak_rss()))
-    if rank == 0:
-        write_json(args.result, dict(impl=args.worker, step_s=times, losses=losses,
-                                     peak_tracked=[m[0] for m in memory], peak_rss=[m[1] for m in memory]))
-    dist.barrier()
+    to_driver(args.result, (tracked["peak"].get("Total", 0), peak_rss()), impl=args.worker, step_s=times, losses=losses)
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -79,8 +73,8 @@ def run_driver(args: argparse.Namespace) -> int:
         for impl in IMPLEMENTATIONS:
             measured = launch_worker(__file__, DP * TP, args, ("steps", "warmup"), impl)
             per_round[-1][impl] = measured["step_s"]
-            memory[impl] = dict(peak_tracked=measured["peak_tracked"], peak_rss=measured["peak_rss"],
-                                losses=measured["losses"])
+            tracked, rss = zip(*measured["ranks"])
+            memory[impl] = dict(peak_tracked=list(tracked), peak_rss=list(rss), losses=measured["losses"])
             print(f"round {round_index + 1} {impl}: median {median(measured['step_s']):.3f} s", flush=True)
     rows = [(impl, f"{median([s for r in per_round for s in r[impl]]):.3f}",
              f"{max(memory[impl]['peak_tracked']) / 2**20:.1f}", f"{max(memory[impl]['peak_rss']) / 2**20:.0f}")
