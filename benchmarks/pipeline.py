@@ -2,11 +2,10 @@
 `ShardedModule(stage, mesh=mesh["dp"])`, `overlap.fully_shard` (and forced to gather again per
 microbatch, or to keep only the first 3 of a stage's 5 units across them; each `fully_shard`
 setting again with the gathers between passes following the schedule's actions,
-`overlap.follow_schedule`), against FSDP2 with `reshard_after_forward`
-True and False (its reduce-scatter by all-to-all, as peers.py tunes it). Built in one launch,
-taking turns over rounds; per step the bytes each rank gathers and reduces, the peak rise of
-tensor memory (tensor_memory.py, apart from the timed steps), and per-round ratios to FSDP2's
-faster setting.
+`overlap.follow_schedule`), against FSDP2 with `reshard_after_forward` True and False (its
+reduce-scatter by all-to-all, as peers.py tunes it). Built in one launch, taking turns over
+rounds; per step the bytes each rank gathers and reduces, the peak rise of tensor memory
+(tensor_memory.py, apart from the timed steps), and per-round ratios to FSDP2's faster setting.
 
     python benchmarks/pipeline.py --rounds 3 --steps 2
 """
