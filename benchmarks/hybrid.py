@@ -75,7 +75,6 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
     script = os.path.abspath(__file__)
-    steps: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
     per_round: list[dict[str, list[float]]] = []
     decisions: dict[str, list[str]] = {}
     load_before = os.getloadavg()
@@ -89,11 +88,11 @@ def _one_rate(args: argparse.Namespace, rate: str, scratch: str) -> dict:
                 if done.returncode != 0:
                     raise RuntimeError(f"{impl} at {rate} failed on node {node}:\n{done.stdout[-3000:]}")
             measured = read_json(result)
-            steps[impl] += measured["step_s"]
             per_round[-1][impl] = measured["step_s"]
             if measured.get("decision"):
                 decisions.setdefault(impl, []).append(measured["decision"])
             print(f"{rate} round {round_index + 1} {impl}: done", flush=True)
+    steps = {impl: [s for r in per_round for s in r[impl]] for impl in IMPLEMENTATIONS}
     result = summarise(args, rate, steps, decisions)
     result.update(per_round_steps_s=per_round, paired=paired_ratios(per_round, PAIRS),
                   load_average=dict(before=load_before, after=os.getloadavg()))
