@@ -76,9 +76,8 @@ def run_worker(args: argparse.Namespace) -> None:
         steps_during = timed(lambda: [step() for _ in range(args.steps)])
         wait_s = timed(pending[0].wait)
         steps_alone = timed(lambda: [step() for _ in range(args.steps)])
-        load_s: dict[bool, float] = {}
-        for verify in checked_first:
-            load_s[verify] = timed(lambda: checkpoint.load(path + "-sync", model, optimizer, verify=verify))
+        load_s = {verify: timed(lambda: checkpoint.load(path + "-sync", model, optimizer, verify=verify))
+                  for verify in checked_first}
         bytes_on_disk = sum(os.path.getsize(os.path.join(path + "-sync", f)) for f in os.listdir(path + "-sync"))
         rounds.append(dict(sync_s=save_s[True], plain_sync_s=save_s[False], async_blocking_s=async_s,
                            async_wait_after_steps_s=wait_s, steps_during_write_s=steps_during,
