@@ -335,13 +335,19 @@ def parity_steps(device: torch.device) -> int:
 def train_sharded(config: dict, device: torch.device, injection: Optional[Injection],
                   steps: Optional[int] = None) -> dict:
     """`steps` (default `parity_steps`) steps of ShardedModule under `injection`: losses,
-    allocated bytes per step, final state, and the collectives its step records hold."""
+    allocated bytes per step, final state, and the collectives its step records hold. With
+    config["optimizer"] (parameters -> optimizer; SGD without) the optimizer is linked, as a job
+    links its own; config["after_backward"](model) runs before each optimizer step."""
     from overlap import ShardedModule
 
     torch.manual_seed(0)
     with collectives_issued_alone():
         model = ShardedModule(config["build"](), **config["wrap"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if "optimizer" in config:
+        optimizer = config["optimizer"](model.parameters())
+        model.optimizer_link.link(optimizer)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     micro = config.get("micro_batches", 1)
     losses, allocated = [], []
     records: list = []            # the step records `model` delivers from now on
@@ -349,6 +355,7 @@ def train_sharded(config: dict, device: torch.device, injection: Optional[Inject
     with injection.active() if injection is not None else contextlib.nullcontext():
         for idx, targets in token_batches(device, steps or parity_steps(device)):
             total = _backward_in_parts(model, idx, targets, micro, model.no_sync)
+            config.get("after_backward", lambda model: None)(model)
             optimizer.step()
             optimizer.zero_grad()
             synchronize(device)

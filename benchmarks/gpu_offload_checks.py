@@ -3,15 +3,13 @@ the host<->device copies' bandwidth and overlap with compute, the disk tier's 16
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable, Optional
 
 import torch
 
 from common import device_seconds
-from gpu_harness import (Checks, all_finite, bf16, collectives_issued_alone, device_for, one_rank_on, parity_steps,
-                         race_injection, small_gpt, token_batches)
+from gpu_harness import Checks, all_finite, bf16, device_for, one_rank_on, race_injection, small_gpt, train_sharded
 
 OFFLOAD_COPY_NUMEL = 64 * 2**20          # 256 MiB a copy: several ms, launches do not count
 OFFLOAD_RTOL = 1e-3                      # "cpu" and "disk" against "none": losses and parameters
@@ -20,35 +18,26 @@ OFFLOAD_BANDWIDTH_SHARE, OFFLOAD_HIDDEN_SHARE = 0.8, 0.5
 
 
 def _runs_against_none(device: torch.device, offload: str, wrap: dict, optimizer: str) -> dict:
-    """A GPT with offload "none" and with `offload` under the race injection: losses, states,
-    where parameters and gradients lived (device, pinned, dtype, grad device, grad dtype) and,
-    for "disk", the gathered 16-bit shards. `optimizer`: "torch" or "overlap"'s AdamW."""
-    from overlap import ShardedModule
+    """A GPT trained by `train_sharded` with offload "none" and with `offload` under the race
+    injection, and where its parameters and gradients lived (device, pinned, dtype, grad device,
+    grad dtype) and, for "disk", the gathered 16-bit shards. `optimizer`: "torch" or "overlap"'s AdamW."""
     from overlap.optim import AdamW
 
     optimizer_class = AdamW if optimizer == "overlap" else torch.optim.AdamW
-
     out = {}
-    batches = token_batches(device, parity_steps(device))
     for mode in ("none", offload):
-        torch.manual_seed(0)
-        with collectives_issued_alone():
-            model = ShardedModule(small_gpt(), offload=mode, **wrap)
-        optimizer = optimizer_class(model.parameters(), lr=1e-3)
-        model.optimizer_link.link(optimizer)
-        losses = []
-        with race_injection(device.type != "cuda").active() if mode != "none" else contextlib.nullcontext():
-            for inputs, targets in batches:
-                loss = model(inputs, targets)
-                loss.backward()
-                places = {(p.device.type, p.is_pinned(), str(p.dtype), p.grad.device.type, str(p.grad.dtype))
-                          for p in model.parameters() if p.grad is not None}
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(float(loss.detach()))
-        groups = [g for unit in model.scheduler.all_units for g in unit.groups if g.place.offloaded]
+        seen: dict = {}
+
+        def after_backward(model: torch.nn.Module) -> None:
+            seen.update(model=model, places={(p.device.type, p.is_pinned(), str(p.dtype), p.grad.device.type,
+                                              str(p.grad.dtype)) for p in model.parameters() if p.grad is not None})
+
+        config = dict(build=small_gpt, wrap=dict(offload=mode, **wrap), after_backward=after_backward,
+                      optimizer=lambda params: optimizer_class(params, lr=1e-3))
+        run = train_sharded(config, device, race_injection(device.type != "cuda") if mode != "none" else None)
+        groups = [g for unit in seen["model"].scheduler.all_units for g in unit.groups if g.place.offloaded]
         sent = {g.place.sent.device.type for g in groups} if mode == "disk" else None
-        out[mode] = dict(losses=losses, state=model.full_state_dict(), places=places, sent=sent)
+        out[mode] = dict(run, places=seen["places"], sent=sent)
     return out
 
 
