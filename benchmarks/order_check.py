@@ -15,7 +15,7 @@ import time
 from typing import Sequence
 
 from common import (RunRecord, add_options, arg_parser, in_turns, launch_worker, markdown_table, median,
-                    parse_with_worker_options, ratio_cell, ratio_fields, script_main, seconds_of, slower_rank,
+                    parse_with_worker_options, patched, ratio_cell, ratio_fields, script_main, seconds_of, slower_rank,
                     start_rank, to_driver, train_step, write_results)
 
 WORLD_SIZE = 2
@@ -63,15 +63,10 @@ def run_worker(args: argparse.Namespace) -> None:
         issued.append((kind, unit, nbytes))
         original(kind, unit, nbytes)
 
-    check.before_issue = counted
-    _train_steps(model, optimizer, batch, 1)
-    del check.before_issue
+    with patched((check, "before_issue", counted)):
+        _train_steps(model, optimizer, batch, 1)
     # One order word exchange alone, as `before_issue` makes it.
-    word_times = []
-    for _ in range(300):
-        start = time.perf_counter()
-        check.before_issue("all_gather", "bench", 0)
-        word_times.append(time.perf_counter() - start)
+    word_times = [seconds_of(lambda: check.before_issue("all_gather", "bench", 0)) for _ in range(300)]
 
     # The bookkeeping alone: one step's notes, words and reset, as the scheduler makes them.
     units = len(scheduler.all_units)
@@ -94,9 +89,7 @@ def run_worker(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(300):
         for name, words in variants.items():
-            start = time.perf_counter()
-            collectives.any_rank(flags, words)()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(seconds_of(lambda: collectives.any_rank(flags, words)()))
     all_reduce_s = {name: median(samples) for name, samples in times.items()}
     to_driver(args.result, dict(step_s=step_s, bookkeeping_s=bookkeeping_s, all_reduce_s=all_reduce_s, units=units,
                                 flags=len(flags), words_per_step=len(issued), word_s=median(word_times)),
