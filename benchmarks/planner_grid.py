@@ -19,7 +19,7 @@ import time
 from typing import Optional, Sequence
 
 from common import (RunRecord, arg_parser, on_link, quartiles, read_json, run_with_deadline, single_thread_env,
-                    start_rank, torchrun, write_json)
+                    start_rank, torchrun, train_step, write_json)
 
 DEPTHS = (0, 1, 2, 3)
 BUCKETS = (None, 25.0, 50.0)        # None: no merging
@@ -60,7 +60,8 @@ def _worker(out: str) -> None:
                               prefetch_depth=None if auto else depth,
                               bucket_mb=None if auto else (NO_MERGE_MB if bucket is None else bucket))
         key = "auto" if auto else f"{depth}/{_label(bucket)}"
-        models[key] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), depth, bucket)
+        train = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), idx, targets)
+        models[key] = (model, train, depth, bucket)
 
     # Warm-up lasts until the planner's first decision.
     warmup = max(WARMUP, FIRST_DECISION_STEP)
@@ -68,13 +69,9 @@ def _worker(out: str) -> None:
     for step in range(warmup + STEPS):
         order = list(models) if step % 2 == 0 else list(models)[::-1]
         for key in order:
-            model, optimizer, _, _ = models[key]
             dist.barrier()
             start = time.perf_counter()
-            loss = model(idx, targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            models[key][1]()
             dist.barrier()
             if step >= warmup:
                 times[key].append(time.perf_counter() - start)
