@@ -90,10 +90,6 @@ def target_lines(targets: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _rank0_peak(entry: dict) -> dict[str, int]:
-    return entry["ranks_memory"][0]["peak"] if entry["ranks_memory"] else {}
-
-
 def plot(summary: dict, path: str) -> None:
     import matplotlib
 
@@ -117,8 +113,9 @@ def plot(summary: dict, path: str) -> None:
 
     memory_link = links[0]
     bottoms = [0.0] * len(impls)
+    peaks = [(summary[memory_link][impl]["ranks_memory"] or [{"peak": {}}])[0]["peak"] for impl in impls]  # rank 0's
     for category in MEMORY_CATEGORIES[:-1]:
-        values = [_rank0_peak(summary[memory_link][impl]).get(category, 0) / MIB for impl in impls]
+        values = [peak.get(category, 0) / MIB for peak in peaks]
         right.bar(impls, values, bottom=bottoms, label=category)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     right.set_ylabel("MiB (rank 0, MemTracker peak)")
