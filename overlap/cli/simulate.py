@@ -221,7 +221,7 @@ def _mb(nbytes: float) -> str:
     return "none" if nbytes == 0 else f"{nbytes / 2**20:.0f}"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="overlap simulate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, choices=sorted({**MODELS, **MOE_MODELS}))
@@ -249,7 +249,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              f"({', '.join(sorted(MOE_MODELS))}), --batch sequences per GPU "
                              "(overlap.plan.expert_parallel), beside published throughput")
     add_offload_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Exit through the parser, naming the option, where a value is out of its range."""
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu {args.mfu} is invalid; expected a number in (0, 1]")
     if args.batch < 1 or (args.seq is not None and args.seq < 1):
@@ -262,6 +266,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--nodes {args.nodes} is invalid; expected an integer >= 1")
     if (args.global_batch is not None and args.global_batch < 1) or args.microbatch < 1:
         parser.error("--global-batch and --microbatch must be >= 1")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check(args, parser)
     if args.moe or args.model in MOE_MODELS:
         return _moe_main(args, parser)
 
