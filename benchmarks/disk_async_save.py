@@ -21,7 +21,7 @@ from common import (PeakMemory, RunRecord, add_options, arg_parser, median, pars
 from gpt_options import gpt_config, token_step
 
 MODES = ("staged", "streamed")
-MODEL_LAYERS, PORT = 8, 29517       # the GPT's blocks; the one rank's process group port
+MODEL_LAYERS = 8                    # the GPT's blocks
 
 
 def run(args: argparse.Namespace, directory: str) -> dict:
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace, directory: str) -> dict:
     from overlap.optim import AdamW
 
     streamed_keys = checkpoint.streamed_keys
-    os.environ.update(single_rank_env(), MASTER_PORT=str(PORT))
+    os.environ.update(single_rank_env())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         config = gpt_config(parameter_count(args.model_params), MODEL_LAYERS)
