@@ -408,7 +408,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print_table(rows)
         result = {"rows": rows, "summary": summarise(rows)}
         print_summary(result["summary"])
-    meta = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    meta = {"device": str(device), "threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             **({} if name == "kernels" else {"repeats": repeats}), **record.fields()}
     out = args.out or f"bench_out/{name}_{device.type}.json"
