@@ -253,6 +253,8 @@ sanitizer_step() {
         verdict SKIP "$name" "$(not_ready_reason)"
     elif [ -z "$sanitizer" ]; then
         verdict SKIP "$name" "compute-sanitizer not found (it ships with the CUDA toolkit)"
+    elif [ "$has_pytest" != 1 ]; then
+        verdict SKIP "$name" "pytest is not importable here"
     else
         capped "$name" "$sanitizer" --tool "$tool" --error-exitcode 3 "$PY" -m pytest -q -x -p no:cacheprovider \
             -k "cuda and (ext or cupy) and not compile and not fuse_no_fma" tests/test_kernels.py \
