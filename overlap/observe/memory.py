@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -157,9 +157,19 @@ def measure(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer] = No
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         allocated_before = torch.cuda.memory_allocated()
+    def refile_gathered(_module: torch.nn.Module, _args: Any) -> None:
+        # Within a unit's forward its parameters point at the gathered buffer (see [Note: the
+        # parameters hold the gathered values during forward] in overlap/runtime/flat_group.py),
+        # and the tracker files a storage under what last referred to it: back under "Other".
+        tracker.track_external(*gathered)
+
     try:
         with tracker, peaks:
-            step_fn()
+            refiling = torch.nn.modules.module.register_module_forward_pre_hook(refile_gathered)   # after the tracker's
+            try:
+                step_fn()
+            finally:
+                refiling.remove()
             if optimizer is not None:
                 tracker.track_external(optimizer)
     finally:

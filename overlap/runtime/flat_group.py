@@ -57,6 +57,19 @@ hands autograd zeros to accumulate instead (into the published `.grad` autograd 
 place, and that is the flat gradient shard the reduction adds into); it is added when the
 reduced gradient is published.
 
+[Note: the parameters hold the gathered values during forward]
+A module's own forward reads its attributes, the views of `full`; a hook reads what
+`named_parameters()` yields, the registered parameters. From a unit's forward pre-hook to its
+forward hook each of its parameters' `.data` is its view of `full` too, so a forward pre-hook
+(or a forward hook registered before wrapping) reading `module.named_parameters()` sees the
+gathered weights, as FSDP2's unsharded parameters are. The objects stay the optimizer's and
+stay leaves (what torch's MemTracker hooks); only what they point at changes, and `.data =`
+keeps their version counters, which the offload tiers read. Their rows come back at the
+unit's forward hook, before any free, and before any gradient is published, so an optimizer
+step, a gradient hook and a checkpoint see this rank's rows. Tensor-parallel parameters (their
+views are DTensors), a pipeline stage's leaves and `fully_shard`'s DTensors (registered as the
+views already) are left as they are.
+
 [Note: post-accumulate-grad hooks of sharded parameters]
 Autograd accumulates into the gathered buffer, never into the module's parameters, so a hook
 a user registered on one with `register_post_accumulate_grad_hook` (an optimizer stepped
@@ -311,6 +324,9 @@ class FlatGroup:
         self._views_installed = False          # on the modules since the last `remove_views`
         self._views_record_grads = False       # the views made last are connected to `full` where they train
         self._views: list[torch.Tensor] = []   # the views made last, in this pass
+        # The parameters' own data while they show the gathered values (None when they hold
+        # their rows). See [Note: the parameters hold the gathered values during forward].
+        self._rows: Optional[list[torch.Tensor]] = None
         # Which parameters received a gradient in this rank's backward passes since the last
         # published gradients; only those (on any rank) get a `.grad`.
         self.got_grad = [False] * len(self.slots)
@@ -387,6 +403,7 @@ class FlatGroup:
         With DTensor parameters the modules' attributes fall back to them (FSDP2's sharded
         state); otherwise they stay views, of freed storage until the next gather (a use
         outside the hooks fails loudly instead of computing with this rank's rows)."""
+        self.hide_gathered()
         if not self.resident:
             self.full.untyped_storage().resize_(0)
         if self.dtensor_params and not self.stage_leaves:
@@ -438,6 +455,24 @@ class FlatGroup:
                     # pre-hook); freeing registers the DTensors again.
                     module._parameters[attr] = view
 
+    def show_gathered(self) -> None:
+        """The parameters hold their gathered values (the views last put on the modules) until
+        `hide_gathered`. See [Note: the parameters hold the gathered values during forward]."""
+        if self._rows is not None or self.dtensor_params or self.stage_leaves or self.resident or not self._views:
+            return
+        self._rows = [param.data for param in self.params]
+        for param, view, tp in zip(self.params, self._views, self.tensor_parallel):
+            if tp is None:
+                param.data = view
+
+    def hide_gathered(self) -> None:
+        """The parameters hold this rank's rows again."""
+        if self._rows is None:
+            return
+        for param, rows in zip(self.params, self._rows):
+            param.data = rows
+        self._rows = None
+
     @property
     def views_current(self) -> bool:
         """Whether the modules still hold the views this pass's forward made, connected to
@@ -462,6 +497,7 @@ class FlatGroup:
         checkpointing reads the attributes without a forward hook to install them."""
         if self.stage_leaves:
             return                             # until the step's gradients are reduced: `release_leaves`
+        self.hide_gathered()
         self._views = []                       # their graph ends with the pass
         if self._views_installed and (self.dtensor_params or not self.resident):
             self._register_params()

@@ -293,6 +293,7 @@ class Scheduler:
             self.root.finish_gather()
             self.log.mark(Mark.PRE_FORWARD, self.root.name)
             self.root.install_views()
+            self.root.show_gathered()
             self.root.enter_forward()
 
     def _recover(self, discard: bool = True) -> None:
@@ -306,6 +307,8 @@ class Scheduler:
             self.reduction.wait_all()
         else:
             self.reduction.abandon(self.all_units)
+        for unit in self.all_units:
+            unit.hide_gathered()               # a forward that raised: the rows, for what comes next
         if discard:
             self._discard_all()
         self.in_backward = False
@@ -329,6 +332,7 @@ class Scheduler:
                 self.order.ran(self._index[id(unit)], backward=False)
             self.prefetch.gather_for_forward(unit)
             unit.install_views()
+            unit.show_gathered()
             if id(unit) in self._needs_root:
                 self._gather_root()
             unit.enter_forward(module)
@@ -393,6 +397,8 @@ class Scheduler:
             # bucket, a registered method that calls forward) leaves the unit gathered for
             # the outer call.
             outermost = unit.leave_forward()
+            if outermost:
+                unit.hide_gathered()
             # A unit that is never freed (one rank: [Note: one rank computing in the master
             # dtype]) stays gathered for its backward: a free would release nothing.
             backward_next = backward_follows and self._next_pass in (None, NEXT_BACKWARD)
@@ -405,6 +411,7 @@ class Scheduler:
         self.in_forward = False
         self.prefetch.end_forward()
         if self.root is not None:
+            self.root.hide_gathered()
             self.log.mark(Mark.POST_FORWARD, self.root.name)
         if self.order is not None:
             self.order.boundary(END_FORWARD)

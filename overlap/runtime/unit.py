@@ -190,6 +190,15 @@ class Unit:
         for group in self.groups:
             group.install_views()
 
+    def show_gathered(self) -> None:
+        """Its parameters hold the gathered values, for hooks of its forward (see FlatGroup)."""
+        for group in self.groups:
+            group.show_gathered()
+
+    def hide_gathered(self) -> None:
+        for group in self.groups:
+            group.hide_gathered()
+
     def restore_views(self) -> None:
         """Before the unit's backward: its views on the modules again, where a free took them
         off (units with DTensor parameters, `drops_views`; see FlatGroup.restore_views)."""
