@@ -21,18 +21,6 @@ from distributed import CaseLaunch
 # the mark goes).
 KNOWN_FAILING: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {
     "overlap": {
-        # ShardedModule keeps the module's own Parameter objects registered (scripts written for
-        # DDP hold them); during a pass its modules compute with views of the gathered buffers,
-        # which FSDP2 (and overlap's fully_shard) register as the parameters instead. (Within a
-        # unit's forward the parameters' data are those views, so hooks reading them see whole
-        # weights.) Registering the views too passes this case, but the registered parameters
-        # are then no leaves: torch's MemTracker, which hooks each module parameter's
-        # post-accumulate grad, refuses them (as it does under fully_shard), and the memory
-        # measurements built on it fail. Making the parameters themselves the attributes after
-        # forward would let a call outside the hooks compute with this rank's rows in silence,
-        # where the views of freed memory fail loudly.
-        "parameters_registered_after_backward": ("during a pass the attributes are gathered views, not the "
-                                                 "registered parameters (fully_shard registers them)", WORLDS),
     },
     "overlap-fully-shard": {},
 }

@@ -64,11 +64,15 @@ forward hook each of its parameters' `.data` is its view of `full` too, so a for
 (or a forward hook registered before wrapping) reading `module.named_parameters()` sees the
 gathered weights, as FSDP2's unsharded parameters are. The objects stay the optimizer's and
 stay leaves (what torch's MemTracker hooks); only what they point at changes, and `.data =`
-keeps their version counters, which the offload tiers read. Their rows come back at the
-unit's forward hook, before any free, and before any gradient is published, so an optimizer
-step, a gradient hook and a checkpoint see this rank's rows. Tensor-parallel parameters (their
-views are DTensors), a pipeline stage's leaves and `fully_shard`'s DTensors (registered as the
-views already) are left as they are.
+keeps their version counters, which the offload tiers read. At the unit's forward hook, before
+any free and so before any gradient is published, they hold their rows again and are the
+modules' attributes again (`getattr(module, name) is param` after forward, as under FSDP2), so
+an optimizer step, a gradient hook, a checkpoint and a loss term over `model.parameters()`
+(refused by [Note: a gradient that reaches a parameter directly]) see this rank's rows. The
+views go back on the modules before the unit's backward, for a recompute that calls a module
+without hooks of its own. Tensor-parallel parameters (their views are DTensors), a pipeline
+stage's leaves and `fully_shard`'s DTensors (registered as the views already) are left as they
+are.
 
 [Note: post-accumulate-grad hooks of sharded parameters]
 Autograd accumulates into the gathered buffer, never into the module's parameters, so a hook
@@ -182,6 +186,8 @@ class FlatGroup:
         # parameters in flat shards].
         self.tensor_parallel = tensor_parallel if tensor_parallel is not None else [None] * len(params)
         self._any_tensor_parallel = any(tp is not None for tp in self.tensor_parallel)
+        # See [Note: the parameters hold the gathered values during forward].
+        self.params_between_forwards = not (dtensor_params or stage_leaves or self._any_tensor_parallel)
         # A pipeline stage's gathered parameters as one leaf per parameter; see [Note: a
         # pipeline stage's parameters as leaves].
         self.stage_leaves = stage_leaves
@@ -414,7 +420,8 @@ class FlatGroup:
         """The modules' attributes and registered parameters are the parameters again."""
         for slot, param in zip(self.slots, self.module_params):
             for module, attr in slot.owners:
-                module.__dict__.pop(attr, None)
+                if attr in module.__dict__:
+                    del module.__dict__[attr]          # a statement, not a call per parameter
                 module._parameters[attr] = param
 
     def install_views(self) -> None:
@@ -458,7 +465,7 @@ class FlatGroup:
     def show_gathered(self) -> None:
         """The parameters hold their gathered values (the views last put on the modules) until
         `hide_gathered`. See [Note: the parameters hold the gathered values during forward]."""
-        if self._rows is not None or self.dtensor_params or self.stage_leaves or self.resident or not self._views:
+        if self._rows is not None or not self.params_between_forwards or self.resident or not self._views:
             return
         self._rows = [param.data for param in self.params]
         for param, view, tp in zip(self.params, self._views, self.tensor_parallel):
@@ -472,6 +479,19 @@ class FlatGroup:
         for param, rows in zip(self.params, self._rows):
             param.data = rows
         self._rows = None
+
+    def leave_forward(self) -> None:
+        """The unit's forward ended: the modules hold the registered parameters, this rank's
+        rows, until the views are put back for its backward or its next forward."""
+        if self.params_between_forwards and self._views_installed:
+            self.hide_gathered()
+            self._register_params()
+            self._views_installed = False
+
+    @property
+    def views_installed(self) -> bool:
+        """Whether the modules' attributes are views of `full` (not the registered parameters)."""
+        return self._views_installed
 
     @property
     def views_current(self) -> bool:
@@ -499,7 +519,7 @@ class FlatGroup:
             return                             # until the step's gradients are reduced: `release_leaves`
         self.hide_gathered()
         self._views = []                       # their graph ends with the pass
-        if self._views_installed and (self.dtensor_params or not self.resident):
+        if self._views_installed and (self.dtensor_params or self.params_between_forwards or not self.resident):
             self._register_params()
             self._views_installed = False
 

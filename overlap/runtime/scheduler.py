@@ -343,7 +343,7 @@ class Scheduler:
     def _gather_root(self, *_: Any) -> None:
         """The root's parameters gathered and on their modules, for a module that holds some
         of them called outside the root's forward (an earlier backward may have freed them)."""
-        if self.root.gather_state is not GatherState.GATHERED:
+        if self.root.gather_state is not GatherState.GATHERED or not self.root.views_installed:
             self.root.finish_gather()
             self.root.install_views()
 
@@ -398,7 +398,7 @@ class Scheduler:
             # the outer call.
             outermost = unit.leave_forward()
             if outermost:
-                unit.hide_gathered()
+                unit.leave_forward_views()
             # A unit that is never freed (one rank: [Note: one rank computing in the master
             # dtype]) stays gathered for its backward: a free would release nothing.
             backward_next = backward_follows and self._next_pass in (None, NEXT_BACKWARD)
@@ -411,7 +411,7 @@ class Scheduler:
         self.in_forward = False
         self.prefetch.end_forward()
         if self.root is not None:
-            self.root.hide_gathered()
+            self.root.leave_forward_views()
             self.log.mark(Mark.POST_FORWARD, self.root.name)
         if self.order is not None:
             self.order.boundary(END_FORWARD)
@@ -578,9 +578,9 @@ class Scheduler:
                 # An earlier backward of this step (a head run on chunks outside the forward,
                 # each chunk its own backward) ended its pass and freed the root: gather again.
                 self.root.finish_gather()
-                if self.root.drops_views:
-                    with torch.enable_grad():
-                        self.root.restore_views()
+            if self.root.drops_views and not self.root.views_current:
+                with torch.enable_grad():
+                    self.root.restore_views()
             self.log.mark(Mark.PRE_BACKWARD, self.root.name)
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:

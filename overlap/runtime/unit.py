@@ -95,9 +95,10 @@ class Unit:
         # Fixed once the groups are built; read at every gather and step.
         self.gathered_nbytes = sum(g.gathered_nbytes for g in groups)
         self.trainable_groups = [g for g in groups if g.requires_grad]
-        # Freeing can take the views off the modules (DTensor parameters stand in; see
-        # FlatGroup.free): only such units ask their groups at each backward.
-        self.drops_views = any(g.dtensor_params for g in groups)
+        # The end of a forward or a free can take the views off the modules (the parameters
+        # stand in; see FlatGroup.leave_forward and FlatGroup.free): only such units ask their
+        # groups at each backward.
+        self.drops_views = any(g.dtensor_params or g.params_between_forwards for g in groups)
         # Nothing of the unit is ever freed (one rank, see [Note: one rank computing in the
         # master dtype] in flat_group.py): no need to learn when its input gradients are complete.
         self.never_freed = all(g.resident for g in groups)
@@ -199,12 +200,22 @@ class Unit:
         for group in self.groups:
             group.hide_gathered()
 
+    def leave_forward_views(self) -> None:
+        """Its forward ended: the modules hold the registered parameters (see FlatGroup)."""
+        for group in self.groups:
+            group.leave_forward()
+
+    @property
+    def views_installed(self) -> bool:
+        return all(group.views_installed for group in self.groups)
+
     def restore_views(self) -> None:
         """Before the unit's backward: its views on the modules again, where a free took them
         off (units with DTensor parameters, `drops_views`; see FlatGroup.restore_views)."""
         self._require((GatherState.GATHERED,), "restore parameter views")
         for group in self.groups:
-            group.restore_views()
+            if not group.views_current:
+                group.restore_views()
 
     @property
     def views_current(self) -> bool:
