@@ -6,6 +6,7 @@ differ by sharding and communication alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -176,15 +177,15 @@ def tracked_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ste
                    flat_buffers: bool) -> dict[str, dict]:
     """One call of `step` under MemTracker: each category's bytes at the peak, and the peak total
     within forward and within backward. With `flat_buffers` ShardedModule's gathered buffers
-    (not nn.Parameters) are registered and show as 'Other'."""
+    (not nn.Parameters) show as 'Other'."""
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    from overlap.observe.memory import gathered_buffers_as_other
 
     tracker = MemTracker()
     # DeepSpeed's ZeRO optimizer is a wrapper; the torch optimizer inside holds the state.
     tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
-    if flat_buffers:
-        tracker.track_external(*[group.full for unit in model.scheduler.all_units for group in unit.groups])
-    with tracker:
+    with tracker, gathered_buffers_as_other(tracker, model) if flat_buffers else contextlib.nullcontext():
         step()
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     snapshots = tracker.memory_tracking[model].snapshots

@@ -3,9 +3,10 @@ report that sets them beside the estimate.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -124,6 +125,23 @@ def _category_bytes(tracker: "MemTracker", category: str) -> int:
     return sum(snapshot.get(category, 0) for snapshot in tracker.get_tracker_snapshot("current").values())
 
 
+@contextlib.contextmanager
+def gathered_buffers_as_other(tracker: "MemTracker", model: ShardedModel) -> Iterator[None]:
+    """Within an entered `tracker`: file `model`'s gathered buffers under "Other", whatever
+    operator writes into them (their storage resizes are followed from there), and keep them
+    there. Within a unit's forward its parameters point at its gathered buffer too (see [Note:
+    the parameters hold the gathered values during forward] in overlap/runtime/flat_group.py),
+    and the tracker files a storage under what last referred to it, so each module's forward
+    files them back (a hook registered after the tracker's runs after it)."""
+    gathered = [group.full for unit in model.scheduler.all_units for group in unit.groups]
+    tracker.track_external(*gathered)
+    refiling = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: tracker.track_external(*gathered))
+    try:
+        yield
+    finally:
+        refiling.remove()
+
+
 def measure(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer] = None,
             step_fn: Optional[Callable[[], object]] = None) -> MeasuredMemory:
     """Measure this rank's memory with torch's MemTracker while `step_fn` runs one training
@@ -134,10 +152,7 @@ def measure(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer] = No
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    # Gathered buffers are registered up front so the tracker files them under "Other"
-    # whatever operator writes into them; their storage resizes are followed from there.
-    gathered = [group.full for unit in model.scheduler.all_units for group in unit.groups]
-    tracker.track_external(model, *([optimizer] if optimizer is not None else []), *gathered)
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     held_grads: list[int] = []
 
     def after_backward(_scheduler: object) -> None:
@@ -148,7 +163,8 @@ def measure(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer] = No
         held_grads.append(_category_bytes(tracker, "Gradient"))
 
     if step_fn is None:
-        return MeasuredMemory(*(_category_bytes(tracker, c) for c in ("Parameter", "Gradient", "Optstate")))
+        with gathered_buffers_as_other(tracker, model):
+            return MeasuredMemory(*(_category_bytes(tracker, c) for c in ("Parameter", "Gradient", "Optstate")))
     on_cuda = model.collectives.device.type == "cuda"
     model.scheduler.step_end_callbacks.append(after_backward)
     peaks = _CategoryPeaks(tracker)
@@ -157,19 +173,9 @@ def measure(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer] = No
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         allocated_before = torch.cuda.memory_allocated()
-    def refile_gathered(_module: torch.nn.Module, _args: Any) -> None:
-        # Within a unit's forward its parameters point at the gathered buffer (see [Note: the
-        # parameters hold the gathered values during forward] in overlap/runtime/flat_group.py),
-        # and the tracker files a storage under what last referred to it: back under "Other".
-        tracker.track_external(*gathered)
-
     try:
-        with tracker, peaks:
-            refiling = torch.nn.modules.module.register_module_forward_pre_hook(refile_gathered)   # after the tracker's
-            try:
-                step_fn()
-            finally:
-                refiling.remove()
+        with tracker, peaks, gathered_buffers_as_other(tracker, model):
+            step_fn()
             if optimizer is not None:
                 tracker.track_external(optimizer)
     finally:
