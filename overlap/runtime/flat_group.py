@@ -409,7 +409,8 @@ class FlatGroup:
         With DTensor parameters the modules' attributes fall back to them (FSDP2's sharded
         state); otherwise they stay views, of freed storage until the next gather (a use
         outside the hooks fails loudly instead of computing with this rank's rows)."""
-        self.hide_gathered()
+        if self._rows is not None:
+            self.hide_gathered()
         if not self.resident:
             self.full.untyped_storage().resize_(0)
         if self.dtensor_params and not self.stage_leaves:
@@ -484,7 +485,8 @@ class FlatGroup:
         """The unit's forward ended: the modules hold the registered parameters, this rank's
         rows, until the views are put back for its backward or its next forward."""
         if self.params_between_forwards and self._views_installed:
-            self.hide_gathered()
+            if self._rows is not None:
+                self.hide_gathered()
             self._register_params()
             self._views_installed = False
 
@@ -517,7 +519,8 @@ class FlatGroup:
         checkpointing reads the attributes without a forward hook to install them."""
         if self.stage_leaves:
             return                             # until the step's gradients are reduced: `release_leaves`
-        self.hide_gathered()
+        if self._rows is not None:
+            self.hide_gathered()
         self._views = []                       # their graph ends with the pass
         if self._views_installed and (self.dtensor_params or self.params_between_forwards or not self.resident):
             self._register_params()

@@ -99,6 +99,10 @@ class Unit:
         # stand in; see FlatGroup.leave_forward and FlatGroup.free): only such units ask their
         # groups at each backward.
         self.drops_views = any(g.dtensor_params or g.params_between_forwards for g in groups)
+        # The groups whose parameters stand in for the views between forwards, and those of them
+        # that show the gathered values during forward (one rank's need not: they are whole).
+        self._between_forwards = [g for g in groups if g.params_between_forwards]
+        self._showing = [g for g in self._between_forwards if not g.resident]
         # Nothing of the unit is ever freed (one rank, see [Note: one rank computing in the
         # master dtype] in flat_group.py): no need to learn when its input gradients are complete.
         self.never_freed = all(g.resident for g in groups)
@@ -193,16 +197,16 @@ class Unit:
 
     def show_gathered(self) -> None:
         """Its parameters hold the gathered values, for hooks of its forward (see FlatGroup)."""
-        for group in self.groups:
+        for group in self._showing:
             group.show_gathered()
 
     def hide_gathered(self) -> None:
-        for group in self.groups:
+        for group in self._showing:
             group.hide_gathered()
 
     def leave_forward_views(self) -> None:
         """Its forward ended: the modules hold the registered parameters (see FlatGroup)."""
-        for group in self.groups:
+        for group in self._between_forwards:
             group.leave_forward()
 
     @property
