@@ -505,6 +505,14 @@ def _spread(ratios: Reader) -> tuple:
     return (lambda d: statistics.median(ratios(d)), lambda d: min(ratios(d)), lambda d: max(ratios(d)))
 
 
+
+def _paired_rounds(impl: str, base: str, link: str = "loopback") -> tuple[Reader, Reader, Reader]:
+    """Median, least and most over rounds of compare.py's `impl` step ÷ `base`'s in the same round."""
+    def ratios(data: Any) -> list[float]:
+        rows = data["results"][link]
+        return [a / b for a, b in zip(rows[impl]["round_step_ms"], rows[base]["round_step_ms"])]
+    return (lambda d: statistics.median(ratios(d)), lambda d: min(ratios(d)), lambda d: max(ratios(d)))
+
 _CURRENT = {"loopback": "compare_current_loopback.json", "2gbit": "compare_current.json"}
 _AGAINST_26 = "compare_against_26a39e3.json"
 _AGAINST_26_LOOPBACK = "compare_against_26a39e3_loopback.json"
@@ -1032,6 +1040,22 @@ FIGURES: list[Figure] = [
                                                   ("overlap-full", "`ShardedModule`"))],
     Figure("docs/history.md", "registration ({0:.0f} before, in the", "overhead_views_registered.json",
            (at("results", "1", "16", "overlap-fully-shard-base", "host_us_per_unit", "median"),)),
+    Figure("docs/history.md", "`ShardedModule` {0:.0f} ({1:.0f}–{2:.0f}) µs per unit per step against {3:.0f} before, "
+           "{4:.2f} ({5:.2f}–{6:.2f}) of the baseline per round; `fully_shard`, whose path this does not change, "
+           "{7:.2f} ({8:.2f}–{9:.2f})", "overhead_one_rank_registered_after_forward.json",
+           (*_host("1", "overlap-full", "host"), at("results", "1", "16", "overlap-full-base", "host_us_per_unit", "median"),
+            *_host("1", "overlap-full", "overlap-full-base"), *_host("1", "overlap-fully-shard", "overlap-fully-shard-base"))),
+    Figure("docs/history.md", "`ShardedModule` {0:.0f} ({1:.0f}–{2:.0f}) µs per unit per step, {3:.2f} ({4:.2f}–{5:.2f}) of "
+           "the baseline per round", "overhead_registered_after_forward.json",
+           (*_host("2", "overlap-full", "host"), *_host("2", "overlap-full", "overlap-full-base"))),
+    Figure("docs/history.md", "Its one-rank rows, 5 rounds at a noisier moment (the plain model's step too was half again "
+           "as long in some), read {0:.2f} ({1:.2f}–{2:.2f})", "overhead_registered_after_forward.json",
+           _host("1", "overlap-full", "overlap-full-base")),
+    Figure("docs/history.md", "{0:.0f} ms against {1:.0f} ms, {2:.2f} ({3:.2f}–{4:.2f}) of the baseline per round",
+           "compare_registered_after_forward_loopback.json",
+           (lambda d: statistics.median(d["results"]["loopback"]["overlap"]["round_step_ms"]),
+            lambda d: statistics.median(d["results"]["loopback"]["overlap-base"]["round_step_ms"]),
+            *_paired_rounds("overlap", "overlap-base"))),
     # docs/host_cost.md
     *[Figure("docs/host_cost.md", f"| {ranks} | {label} | " + _HOST_ROW + " |", "overhead_current.json",
              _host(ranks, impl, "host", "fsdp2-tuned", "fsdp2")) for ranks, impl, label in _HOST_CURRENT],
