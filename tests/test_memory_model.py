@@ -176,6 +176,33 @@ def test_measured_model_states_match_estimate_on_two_ranks():
             assert held.peak is None and held.activations is None
 
 
+
+def _one_rank_measures(rank: int, world_size: int) -> tuple:
+    from overlap import ShardedModule
+    from overlap.observe.memory import measure
+
+    torch.manual_seed(0)
+    model = ShardedModule(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]), unit_types=[torch.nn.Linear])
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(8, 64)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    return measure(model, optimizer), measure(model, optimizer, step), sum(p.nbytes for p in model.parameters())
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_counts_its_shards_as_weights_and_gathers_nothing():
+    """At one rank the gathered buffer is the shard itself ([Note: one rank computing in the
+    master dtype]): the weights, with or without a step, and nothing gathered."""
+    (held, measured, nbytes), = run_distributed(_one_rank_measures, 1, env={"OMP_NUM_THREADS": "1"}, timeout=100)
+    assert held.weights == measured.weights == nbytes
+    assert measured.gathered_buffers == 0
+
 def test_wrap_peak_eager_holds_the_whole_model_meta_only_the_shard_and_a_unit(capsys):
     from overlap.plan.memory import wrap_peak_bytes
 

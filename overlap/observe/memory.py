@@ -132,8 +132,10 @@ def gathered_buffers_as_other(tracker: "MemTracker", model: ShardedModel) -> Ite
     there. Within a unit's forward its parameters point at its gathered buffer too (see [Note:
     the parameters hold the gathered values during forward] in overlap/runtime/flat_group.py),
     and the tracker files a storage under what last referred to it, so each module's forward
-    files them back (a hook registered after the tracker's runs after it)."""
-    gathered = [group.full for unit in model.scheduler.all_units for group in unit.groups]
+    files them back (a hook registered after the tracker's runs after it). A resident group's
+    buffer is its shard (one rank: [Note: one rank computing in the master dtype]): weights,
+    left to the tracker."""
+    gathered = [group.full for unit in model.scheduler.all_units for group in unit.groups if not group.resident]
     tracker.track_external(*gathered)
     refiling = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: tracker.track_external(*gathered))
     try:

@@ -70,7 +70,9 @@ modules' attributes again (`getattr(module, name) is param` after forward, as un
 an optimizer step, a gradient hook, a checkpoint and a loss term over `model.parameters()`
 (refused by [Note: a gradient that reaches a parameter directly]) see this rank's rows. The
 views go back on the modules before the unit's backward, for a recompute that calls a module
-without hooks of its own. Tensor-parallel parameters (their views are DTensors), a pipeline
+without hooks of its own. Between a unit's forward and its backward, a module of it called
+outside the hooks (not the unit's own module, which gathers) computes with the rows, as between
+steps; under FSDP2 it would meet the sharded DTensors. Tensor-parallel parameters (their views are DTensors), a pipeline
 stage's leaves and `fully_shard`'s DTensors (registered as the views already) are left as they
 are.
 
@@ -407,8 +409,10 @@ class FlatGroup:
     def free(self) -> None:
         """Release the gathered parameters. See [Note: freeing `full` by resizing its storage].
         With DTensor parameters the modules' attributes fall back to them (FSDP2's sharded
-        state); otherwise they stay views, of freed storage until the next gather (a use
-        outside the hooks fails loudly instead of computing with this rank's rows)."""
+        state); otherwise they stay what they are: after a unit's forward the registered
+        parameters ([Note: the parameters hold the gathered values during forward]), within
+        backward views of freed storage until the next gather (a use outside the hooks fails
+        loudly instead of computing with this rank's rows)."""
         if self._rows is not None:
             self.hide_gathered()
         if not self.resident:
@@ -465,13 +469,13 @@ class FlatGroup:
 
     def show_gathered(self) -> None:
         """The parameters hold their gathered values (the views last put on the modules) until
-        `hide_gathered`. See [Note: the parameters hold the gathered values during forward]."""
-        if self._rows is not None or not self.params_between_forwards or self.resident or not self._views:
+        `hide_gathered`; for groups with `params_between_forwards` that are not resident (the
+        unit asks only those). See [Note: the parameters hold the gathered values during forward]."""
+        if self._rows is not None or not self._views:
             return
         self._rows = [param.data for param in self.params]
-        for param, view, tp in zip(self.params, self._views, self.tensor_parallel):
-            if tp is None:
-                param.data = view
+        for param, view in zip(self.params, self._views):
+            param.data = view
 
     def hide_gathered(self) -> None:
         """The parameters hold this rank's rows again."""
