@@ -3,8 +3,9 @@ parameters' post-accumulate-grad hooks (optimizer in backward), GradScaler's ski
 hooks registered before wrapping, nested units, a tied head called after the model returns,
 dataclass activations, the infinity-norm clip with empty parts, forward methods other than
 `forward`, `parameters()` within a pass and after an evaluation (the optimizer's own objects,
-so a checkpoint saved then loads back); and dtype conversions after wrapping, refused at the
-call on every rank.
+so a checkpoint saved then loads back), pre-hooks reading whole weights through
+`named_parameters()` in every mode; and dtype conversions after wrapping, refused at the call
+on every rank.
 
 Each case trains ShardedModule on each rank's slice of a global batch and a plain copy of the
 model (same seed) on the whole batch inside the same rank, and returns both to compare."""
@@ -449,6 +450,53 @@ def _wrapper_parameters(rank: int, world: int) -> dict:
     return {**seen, "loaded": sharded.full_state_dict()}
 
 
+# Modes a pre-hook's `named_parameters()` reads whole weights in, with what the wrap takes and
+# the two-node emulation hybrid and hpZ need (each rank a node of its own).
+HOOK_MODES: dict[str, tuple[dict, bool]] = {
+    "fp32": ({}, False), "bf16": ({"mixed_precision": torch.bfloat16}, False), "offload-cpu": ({"offload": "cpu"}, False),
+    "int8": ({"compression": "int8"}, False), "hybrid": ({"sharding": "hybrid"}, True),
+    "hpz": ({"sharding": "hpz"}, True)}
+
+
+def _named_parameters_in_every_mode(rank: int, world: int) -> dict:
+    """Per mode: what a pre-hook registered after wrapping reads through each block's
+    `named_parameters()` in a training forward, the whole weights, and whether every module
+    attribute is its registered parameter after forward and after backward."""
+    import os
+
+    from overlap import MixedPrecision
+
+    out = {}
+    local_world = os.environ["LOCAL_WORLD_SIZE"]
+    for mode, (wrap, one_rank_nodes) in HOOK_MODES.items():
+        if "mixed_precision" in wrap:
+            wrap = {**wrap, "mixed_precision": MixedPrecision(param_dtype=wrap["mixed_precision"])}
+        os.environ["LOCAL_WORLD_SIZE"] = "1" if one_rank_nodes else local_world
+        try:
+            _, sharded = _pair(Net, unit_types=(Block,), **wrap)
+        finally:
+            os.environ["LOCAL_WORLD_SIZE"] = local_world
+        optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+        read: dict[str, torch.Tensor] = {}
+        for index, block in enumerate(sharded.module.blocks):
+            def hook(module: nn.Module, args: tuple, index: int = index) -> None:
+                for name, p in module.named_parameters():
+                    read[f"blocks.{index}.{name}"] = p.detach().float().clone()
+            block.register_forward_pre_hook(hook)
+
+        def attributes_registered() -> bool:
+            return all(getattr(module, name) is p for module in sharded.module.modules()
+                       for name, p in module.named_parameters(recurse=False))
+
+        whole = {k: v for k, v in sharded.full_state_dict().items() if k.startswith("blocks.")}
+        loss = sharded(*_mine(_batch(0, world), rank))
+        after_forward = attributes_registered()
+        loss.backward()
+        out[mode] = {"read": read, "whole": whole, "after_forward": after_forward,
+                     "after_backward": attributes_registered(), "loss": _global_mean(loss)}
+        optimizer.step()
+    return out
+
 CASES = {
     "freezing": _freezing,
     "optimizer_in_backward": _optimizer_in_backward,
@@ -462,6 +510,7 @@ CASES = {
     "forward_methods": _forward_methods,
     "conversions_refused": _conversions_refused,
     "wrapper_parameters": _wrapper_parameters,
+    "named_parameters_in_every_mode": _named_parameters_in_every_mode,
 }
 WORLDS = [2, 3]
 
@@ -527,6 +576,27 @@ def test_pre_hooks_registered_before_wrapping_read_gathered_weights(world: int, 
         # Steps 1 and 2 begin with what each block's hook saw in the steps before: whole weights.
         assert [shapes for shapes in result["shapes"] if shapes] and \
             all(set(shapes) == {(HIDDEN, D)} for shapes in result["shapes"] if shapes), result["shapes"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_pre_hooks_read_whole_weights_through_named_parameters_in_every_mode(world: int, launches: dict) -> None:
+    """Registered after wrapping, in a training forward: the gathered weights in the compute
+    dtype (int8's as its codec decodes them), and the attributes the registered parameters
+    after forward and after backward, in every sharding, precision, compression and offload mode."""
+    for result in _results(launches, world, "named_parameters_in_every_mode"):
+        for mode, seen in result.items():
+            assert math.isfinite(seen["loss"]), mode
+            assert seen["after_forward"] and seen["after_backward"], mode
+            assert list(seen["read"]) == list(seen["whole"]), mode
+            # int8: one scale per block of the flat buffer, whose values may be any parameter's:
+            # an error of at most half a step of the largest.
+            largest = max(float(whole.abs().max()) for whole in seen["whole"].values())
+            for name, whole in seen["whole"].items():
+                expected = whole.to(torch.bfloat16).float() if mode == "bf16" else whole
+                tolerance = {"atol": largest / 254, "rtol": 0} if mode == "int8" else {"atol": 0, "rtol": 0}
+                torch.testing.assert_close(seen["read"][name], expected, **tolerance,
+                                           msg=lambda m: f"{mode} {name}: {m}")
 
 
 @pytest.mark.timeout(300)
