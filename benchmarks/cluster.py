@@ -54,14 +54,14 @@ class Cluster:
         return ["ip", "netns", "exec", self.namespaces[node]]
 
     def torchrun(self, node: int, nproc_per_node: int, script_and_args: Sequence[str],
-                 python: str = sys.executable, run_id: Optional[str] = None, nnodes: str = str(NODES),
+                 run_id: Optional[str] = None, nnodes: str = str(NODES),
                  max_restarts: int = 0, rdzv_conf: Sequence[str] = (), cpus: Optional[str] = None) -> list[str]:
         """The command that starts node `node`'s ranks: `nnodes` "MIN:MAX" makes the job elastic,
         `rdzv_conf` adds "key=value" settings, `cpus` (a taskset list) confines the node."""
         conf = ",".join([f"is_host={'true' if node == 0 else 'false'}", *rdzv_conf])
         pinned = ["taskset", "-c", cpus] if cpus is not None else []
         return [*self.prefix(node), *pinned, "env", f"GLOO_SOCKET_IFNAME={self.interfaces[node]}",
-                python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+                sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
                 f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.addresses[0]}:{RDZV_PORT}", f"--rdzv-id={run_id or 'overlap'}",
                 f"--local-addr={self.addresses[node]}", f"--rdzv-conf={conf}", *script_and_args]
