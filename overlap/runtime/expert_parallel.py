@@ -40,10 +40,12 @@ chunk's gradient back at once; the node between a chunk's dispatched tokens and 
 sends the tokens' gradients back as soon as that chunk's expert backward has made them.
 Backward then runs, most recently made first: the second own part's backward (every chunk's
 combine gradient in flight); then from the last chunk to the first: wait for the chunk's
-combine gradient; its expert backward (the earlier chunks' combine gradients in flight, and the
-later chunks' token gradients); its tokens' gradients issued. Then the first own part's
-backward (the token gradients in flight) and the waits for the token gradients. Each
-all-to-all sends the same rows as a waiting backward would, so gradients are the same.
+combine gradient; its experts' backward for the tokens (the earlier chunks' combine gradients
+in flight, and the later chunks' token gradients); its tokens' gradients issued; its experts'
+weight gradients, behind that send ([Note: expert weight gradients after the send] in
+overlap/runtime/expert_backward.py). Then the first own part's backward (the token gradients
+in flight) and the waits for the token gradients. Each all-to-all sends the same rows as a
+waiting backward would, so gradients are the same.
 
 [Note: ranks that part in a mixture of experts]
 A rank that runs another number of MoE layers than the others (a layer skipped under a
@@ -71,14 +73,17 @@ one backward per group of parameters, from the nodes where the group's parameter
 input's path down to the parameters. Every all-to-all lies on the input's path (tokens go out
 and come back), so the input step issues each once, in the same order on every rank, and no
 weight step reaches one. What it must not meet is two parameters whose paths join the
-input's path at one node: torch 2.13's grouping (`get_param_groups`) then merges them only if
-it meets that node first among the second parameter's, else it keeps a second group that holds
-the node as well, whose backward runs through it again after the first group's has freed it
-("backward through the graph a second time"). The zero terms of a chunk that got no token
-therefore join the output one parameter at a time.
+input's path at one node, unless both join it at exactly the same nodes: torch 2.13's grouping
+(`get_param_groups`) merges two parameters' groups only if it meets a shared node first among
+the second parameter's, else it keeps a second group that holds the node as well, whose
+backward runs through it again after the first group's has freed it ("backward through the
+graph a second time"). Split expert calls meet this: every parameter of the module joins the
+input's path at the calls' input nodes and nowhere else. Unsplit (under saved-tensor hooks),
+the zero terms of a chunk that got no token join the output one parameter at a time.
 """
 from __future__ import annotations
 
+import functools
 import math
 import types
 from dataclasses import dataclass, field
@@ -90,6 +95,7 @@ from torch import nn
 
 from overlap.base.expert_capacity import capacity_factor_error, drop_over_capacity
 from overlap.base.step_record import ALL_TO_ALL
+from overlap.runtime.expert_backward import ExpertCall, splits_backward
 from overlap.runtime.issue import issue
 from overlap.runtime.pending import Pending
 from overlap.runtime.process_group import level_group_counts
@@ -323,6 +329,7 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
     def forward(self: nn.Module, hidden_ND: torch.Tensor, top_k_index_NK: torch.Tensor,
                 top_k_weights_NK: torch.Tensor) -> torch.Tensor:
         N = hidden_ND.shape[0]
+        split = splits_backward(self, hidden_ND)
         expert_P = top_k_index_NK.reshape(-1)
         token_P = torch.arange(N, device=hidden_ND.device).repeat_interleave(top_k_index_NK.shape[1])
         weight_P = top_k_weights_NK.reshape(-1)
@@ -350,8 +357,11 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
             if part.start == part.stop:
                 return
             ones_M1 = torch.ones(part.stop - part.start, 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
-            out_MD = compute(self, hidden_ND[token_P[part]], (expert_P[part] - groups.ep_rank * local)[:, None],
-                             ones_M1)
+            call = ExpertCall(self, compute) if split else None
+            if call is not None:
+                call.weights_node()
+            out_MD = (call or functools.partial(compute, self))(
+                hidden_ND[token_P[part]], (expert_P[part] - groups.ep_rank * local)[:, None], ones_M1)
             results.append(out_MD * weight_P[part, None].to(out_MD.dtype))
             rows.append(token_P[part])
 
@@ -381,13 +391,19 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
         for c in range(count):                                 # chunk c + 1 arrives while chunk c computes
             _wait(dispatches[c])
             tokens_MD, sent_back = tokens[c]
+            # The weight node before the send-back node: backward runs it after the send (see
+            # [Note: expert weight gradients after the send] in overlap/runtime/expert_backward.py).
+            call = ExpertCall(self, compute) if split else None
+            if call is not None:
+                call.weights_node()
             tokens_MD = _SendBack.apply((sent_back,), tokens_MD)    # its gradient goes back from here
             ones_M1 = torch.ones(len(experts_M[c]), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
-            out_MD = compute(self, tokens_MD, experts_M[c][:, None], ones_M1)
-            if len(experts_M[c]) == 0 and torch.is_grad_enabled():
-                # No token of this chunk reached this rank's experts: zero terms keep it in the
-                # dispatch's backward all-to-all and give its experts the (zero) gradient whose
-                # reduction the ranks holding the same experts issue.
+            out_MD = (call or functools.partial(compute, self))(tokens_MD, experts_M[c][:, None], ones_M1)
+            if len(experts_M[c]) == 0 and torch.is_grad_enabled() and call is None:
+                # No token of this chunk reached this rank's experts, and the call is not split
+                # (whose input node keeps the chunk in the graph as it is): zero terms keep it in
+                # the dispatch's backward all-to-all and give its experts the (zero) gradient
+                # whose reduction the ranks holding the same experts issue.
                 # The attributes: the gathered views the unit computes with (the registered
                 # parameters are this rank's rows, which no gradient may reach). Each joins the
                 # output on its own (see [Note: a backward split in two]).
