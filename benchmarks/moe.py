@@ -7,6 +7,7 @@ blocked on and hidden of the all-to-alls.
     python benchmarks/moe.py --rounds 5 --steps 3 --link loopback      # or --link 2gbit
     python benchmarks/moe.py --variants "no EP,EP 2/1,EP 2,EP 2/4"    # EP 2 with 1, 2 (default) and 4 chunks
     python benchmarks/moe.py --variants "no EP,EP 2,fully_shard EP 2"  # the same through overlap.fully_shard
+    python benchmarks/moe.py --variants "no EP,EP 4,EP 4 unsplit"      # expert backward not split in two
 """
 from __future__ import annotations
 
@@ -24,8 +25,25 @@ from tensor_memory import peak_tensor_rise_mb
 WORLD_SIZE = 4
 VARIANTS = ("no EP", "EP 2", "EP 4", "FSDP2")
 # "EP <E>/<C>": each MoE layer's tokens in C chunks (OVERLAP_EXPERT_CHUNKS); "fully_shard EP <E>":
-# overlap.fully_shard with OverlapPolicy(expert_parallel=E).
-VARIANT_FORM = re.compile(r"(no EP|FSDP2|(fully_shard )?EP [124](/[1-9])?)$")
+# overlap.fully_shard with OverlapPolicy(expert_parallel=E); "EP <E> unsplit": the forward under
+# pass-through saved-tensor hooks, under which expert calls keep their backward in one piece
+# ([Note: expert weight gradients after the send] in overlap/runtime/expert_backward.py).
+VARIANT_FORM = re.compile(r"(no EP|FSDP2|(fully_shard )?EP [124](/[1-9])?( unsplit)?)$")
+
+
+class _Unsplit:
+    """`model` called under pass-through saved-tensor hooks."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, *args):
+        import torch
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return self.model(*args)
+
+    def overlap_report(self):
+        return self.model.overlap_report()
 
 
 def _config(args: argparse.Namespace):
@@ -59,6 +77,8 @@ def _build(variant: str, args: argparse.Namespace):
         if chunks:
             os.environ["OVERLAP_EXPERT_CHUNKS"] = chunks
         model = ShardedModule(model, unit_types=(MoEBlock,), expert_parallel=None if ep is None else int(ep))
+        if variant.endswith(" unsplit"):
+            return _Unsplit(model), torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -101,6 +121,11 @@ def run_worker(args: argparse.Namespace) -> None:
                                 peak_tensor_rise_mb=peak))
 
 
+def _twin(variant: str) -> str:
+    """The same expert parallelism under ShardedModule, split: what a variant is compared with."""
+    return variant.removeprefix("fully_shard ").removesuffix(" unsplit")
+
+
 def _hidden_share(per_round: list[list[list[float]]]) -> Optional[float]:
     """The median over rounds of the share of all-to-all time not waited on; None without any."""
     shares = [1 - sum(rank[2] for rank in round_) / total for round_ in per_round
@@ -131,7 +156,7 @@ def run_driver(args: argparse.Namespace) -> int:
             gathered_mb_per_rank=None if report is None else round(report["gathered_bytes"] / 2**20, 2),
             reduced_mb_per_rank=None if report is None else round(report["reduced_bytes"] / 2**20, 2),
             peak_tensor_rise_mb_per_rank=round(max(median(r["peak_tensor_rise_mb"][variant]) for r in ranks), 1))
-        twin = variant.removeprefix("fully_shard ")       # the same expert parallelism under ShardedModule
+        twin = _twin(variant)
         if twin != variant and twin in rounds:
             summary[variant]["ratio_to_" + twin.replace(" ", "_")] = spread(
                 [round(mine / theirs, 3) for mine, theirs in zip(rounds[variant], rounds[twin])])
@@ -146,7 +171,7 @@ def run_driver(args: argparse.Namespace) -> int:
           "–" if s["all_to_all_hidden_share"] is None else f"{100 * s['all_to_all_hidden_share']:.0f}%",
           s["peak_tensor_rise_mb_per_rank"]]
          for v, s in summary.items()])
-    twins = [f"{v} ÷ {v.removeprefix('fully_shard ')}, per round: {s[key]['median']} ({s[key]['min']}–{s[key]['max']})"
+    twins = [f"{v} ÷ {_twin(v)}, per round: {s[key]['median']} ({s[key]['min']}–{s[key]['max']})"
              for v, s in summary.items() for key in s if key.startswith("ratio_to_")]
     table += "".join(f"\n{line}" for line in twins)
     write_results(args.out, f"moe_{args.link}", dict(**record.fields(), link=args.link, world=WORLD_SIZE,
@@ -162,7 +187,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 2gbit")
     add_options(parser, rounds=5, width=256, layers=4, seq=128, out="bench_out", timeout=1800.0)
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated, 'no EP' among them: no EP, EP 2, EP 4, FSDP2, or EP <E>/<chunks>")
+                        help="comma-separated, 'no EP' among them: no EP, EP 2, EP 4, FSDP2, EP <E>/<chunks>, "
+                             "EP <E> unsplit")
     args = parse_with_worker_options(parser, argv)
     variants = args.variants.split(",")
     if "no EP" not in variants or len(set(variants)) != len(variants) or not all(

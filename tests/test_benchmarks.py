@@ -127,7 +127,7 @@ def test_collectives_tiny(tmp_path):
 @pytest.mark.timeout(120)
 def test_moe_tiny(tmp_path):
     """Every variant timed in its round, expert parallelism's all-to-alls counted, the others' not."""
-    variants = "no EP,EP 2,EP 4,FSDP2,fully_shard EP 2"
+    variants = "no EP,EP 2,EP 4,FSDP2,fully_shard EP 2,EP 2 unsplit"
     proc = _run("moe.py", "--rounds", "1", "--steps", "1", "--width", "32", "--layers", "1", "--expert-hidden", "32",
                 "--seq", "16", "--variants", variants, "--out", str(tmp_path), timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -139,6 +139,7 @@ def test_moe_tiny(tmp_path):
     assert summary["no EP"]["all_to_all_mb_per_step"] == 0
     assert summary["EP 2"]["all_to_all_mb_per_step"] > 0 and summary["fully_shard EP 2"]["all_to_all_mb_per_step"] > 0
     assert summary["fully_shard EP 2"]["ratio_to_EP_2"]["median"] > 0
+    assert summary["EP 2 unsplit"]["ratio_to_EP_2"]["median"] > 0
     assert all(entry["peak_tensor_rise_mb_per_rank"] > 0 for entry in summary.values())
     assert data["commit"] and data["command"].startswith("python benchmarks/moe.py")
 
