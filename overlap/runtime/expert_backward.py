@@ -65,10 +65,10 @@ class ExpertCall:
         self.leaves: list[torch.Tensor] = []
         self.out: Optional[torch.Tensor] = None
         self.grad: Optional[torch.Tensor] = None
-        # Set by the tokens' gradient when the weight node will follow: the gradient each join
-        # received, and the joins (see `_joins`).
+        # Set by the tokens' gradient when the weight node will follow: the joins (see `_joins`)
+        # and the gradient each received; None, the weights' gradients come from the output.
         self.received: Optional[dict[Any, tuple]] = None
-        self.joins: list[tuple[Any, list[tuple[Any, int]]]] = []
+        self.joins: Optional[dict[frozenset[int], Optional[set[Any]]]] = {}
 
     def weights_node(self) -> None:
         """Make the weight node, whose 0-d tap the input node takes."""
@@ -101,85 +101,110 @@ class ExpertCall:
                     owner.__dict__[name] = before
         return self.out.detach()
 
-    def _grads(self, roots: list[Any], grads: list[torch.Tensor], inputs: list[Any], keep: bool,
-               materialize: bool = True) -> list[Optional[torch.Tensor]]:
+    def _grads(self, roots: list[Any], grads: list[torch.Tensor], inputs: list[torch.Tensor],
+               keep: bool) -> list[torch.Tensor]:
         if not self.out.requires_grad or not roots:     # no pair reached a weight (an empty call)
             return [torch.zeros_like(tensor) for tensor in inputs]
         return list(torch.autograd.grad(roots, inputs, grads, retain_graph=keep, allow_unused=True,
-                                        materialize_grads=materialize))
+                                        materialize_grads=True))
 
     def input_grad(self, keep: bool) -> torch.Tensor:
         """The tokens' gradient; kept for the weight node, the gradient each join received."""
         if self.out is None:
             raise RuntimeError(f"a second backward through one forward of {type(self.module).__name__} under "
                                "expert parallelism: its expert calls keep their graph for one backward only")
-        joins = self._joins() if keep and self.out.requires_grad else []
+        self.joins = self._joins() if keep and self.out.requires_grad else {}
+        if self.joins is None:
+            return self._grads([self.out], [self.grad], [self.tokens], keep)[0]
+        nodes = {node for joins in self.joins.values() for node in joins or ()}
         self.received = {}
-        handles = [node.register_prehook(functools.partial(_receive, self.received, node)) for node, _ in joins]
+        handles = [node.register_prehook(functools.partial(_receive, self.received, node)) for node in nodes]
         try:
             (grad,) = self._grads([self.out], [self.grad], [self.tokens], keep)
         finally:
             for handle in handles:
                 handle.remove()
-        self.joins = joins
         return grad
 
     def weight_grads(self) -> list[Optional[torch.Tensor]]:
-        """The weights' gradients: from each join's received gradient through its edges to the
-        weights only, or, where the tokens' gradient was not made, from the output."""
+        """The weights' gradients, one set of weights at a time: from the gradients that set's
+        joins received, or from the output (the tokens' gradient was not made, or no join
+        leads to them)."""
         wanted = [leaf for leaf in self.leaves if leaf.requires_grad]
-        if self.received is None:
-            grads = iter(self._grads([self.out], [self.grad], wanted, keep=False))
-        else:
-            into: dict[tuple[Any, int], torch.Tensor] = {}
-            for node, edges in self.joins:
-                received = self.received.get(node, ())
-                outputs = [(GradientEdge(node, i), grad) for i, grad in enumerate(received) if grad is not None]
-                if not outputs:
-                    continue
-                # Only `node` runs: its outputs towards the tokens are not asked for.
-                made = self._grads([edge for edge, _ in outputs], [grad for _, grad in outputs],
-                                   [GradientEdge(*edge) for edge in edges], keep=True, materialize=False)
-                for edge, grad in zip(edges, made):
-                    if grad is not None:
-                        into[edge] = grad if edge not in into else into[edge] + grad
-            grads = iter(self._grads([GradientEdge(*edge) for edge in into], list(into.values()), wanted, keep=False))
-        out = [next(grads) if leaf.requires_grad else None for leaf in self.leaves]
+        made: dict[int, torch.Tensor] = {}
+        parts = [(frozenset(map(id, wanted)), None)] if self.received is None else self.joins.items()
+        for reached, joins in parts:
+            targets = [leaf for leaf in wanted if id(leaf) in reached]
+            if joins is None:
+                grads = self._grads([self.out], [self.grad], targets, keep=True)
+            else:
+                roots = [(GradientEdge(node, i), grad) for node in joins
+                         for i, grad in enumerate(self.received.get(node, ())) if grad is not None]
+                # The joins run for their weights' outputs only: their outputs towards the
+                # tokens lead to none of these weights (see `_joins`).
+                grads = self._grads([edge for edge, _ in roots], [grad for _, grad in roots], targets, keep=True)
+            made.update(zip(map(id, targets), grads))
+        out = [None if not leaf.requires_grad else made[id(leaf)] if id(leaf) in made else torch.zeros_like(leaf)
+               for leaf in self.leaves]
         self.release()
         return out
 
-    def _joins(self) -> list[tuple[Any, list[tuple[Any, int]]]]:
-        """The inner graph's nodes on the tokens' path with edges that lead to weights only, and
-        those edges: where the weights' gradients part from the tokens'."""
+    def _joins(self) -> Optional[dict[frozenset[int], Optional[set[Any]]]]:
+        """The inner graph's nodes on the tokens' path with an edge that leads to weights only
+        (the joins, where the weights' gradients part from the tokens'), by the set of weights
+        those edges lead to, and the weights no join leads to (None: from the output). None
+        where a weight's gradient would be counted twice from the joins: the weight is in two
+        sets, or one join of a set lies below another on the tokens' path."""
         leaves = {id(leaf) for leaf in self.leaves if leaf.requires_grad}
-        reached: dict[Any, tuple[bool, bool]] = {}     # node -> (reaches the tokens, reaches a weight)
+        # node -> (whether it reaches the tokens, the weights it reaches)
+        reached: dict[Any, tuple[bool, frozenset[int]]] = {}
 
-        def reach(node: Any) -> tuple[bool, bool]:
+        def reach(node: Any) -> tuple[bool, frozenset[int]]:
             if node not in reached:
                 variable = getattr(node, "variable", None)
                 if variable is not None:
-                    reached[node] = (variable is self.tokens, id(variable) in leaves)
+                    reached[node] = (variable is self.tokens,
+                                     frozenset((id(variable),)) if id(variable) in leaves else frozenset())
                 else:
                     below = [reach(after) for after, _ in node.next_functions if after is not None]
-                    reached[node] = (any(t for t, _ in below), any(w for _, w in below))
+                    reached[node] = (any(tokens for tokens, _ in below), frozenset().union(*(w for _, w in below)))
             return reached[node]
 
         reach(self.out.grad_fn)
-        joins = []
+        joins: dict[frozenset[int], Optional[set[Any]]] = {}
         for node, (tokens, _) in reached.items():
-            edges = [(after, k) for after, k in getattr(node, "next_functions", ())
-                     if after is not None and reached[after] == (False, True)]
-            if tokens and edges:
-                joins.append((node, edges))
+            for after, _ in getattr(node, "next_functions", ()) if tokens else ():
+                if after is not None and not reached[after][0] and reached[after][1]:
+                    joins.setdefault(reached[after][1], set()).add(node)
+        covered = [leaf for weights in joins for leaf in weights]
+        if len(covered) != len(set(covered)) or any(
+                _below_on_tokens_path(node, nodes, reached) for nodes in joins.values() for node in nodes):
+            return None
+        if leaves - set(covered):
+            joins[frozenset(leaves - set(covered))] = None
         return joins
 
     def release(self) -> None:
         self.tokens, self.leaves, self.out, self.grad = None, [], None, None
-        self.received, self.joins = None, []
+        self.received, self.joins = None, {}
 
 
 def _receive(received: dict, node: Any, grads: tuple) -> None:
     received[node] = grads
+
+
+def _below_on_tokens_path(node: Any, others: set[Any], reached: dict[Any, tuple[bool, frozenset[int]]]) -> bool:
+    """Whether one of `others` lies below `node` on the tokens' path."""
+    seen, stack = set(), [after for after, _ in node.next_functions if after is not None]
+    while stack:
+        current = stack.pop()
+        if current in seen or not reached[current][0]:
+            continue
+        if current in others:
+            return True
+        seen.add(current)
+        stack.extend(after for after, _ in current.next_functions if after is not None)
+    return False
 
 
 class _WeightNode(torch.autograd.Function):
