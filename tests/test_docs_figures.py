@@ -1324,6 +1324,15 @@ FIGURES: list[Figure] = [
              tuple(at("summary", "FSDP2", key) for key in ("step_ms", "ratio_median", "ratio_min", "ratio_max",
                                                           "peak_tensor_rise_mb_per_rank")))
       for link in ("loopback", "2gbit")],
+    # docs/moe.md's expert backward in two steps: split against unsplit, same rounds.
+    *[Figure("docs/moe.md", f"| {where} | {e} | {{0:.1f}}, {{1:.0%}} | {{2:.1f}}, {{3:.0%}} | "
+             "{4:.3f} ({5:.3f}–{6:.3f}) | {7:.1f} / {8:.1f} |", f"moe_{link}.json",
+             (at("summary", f"EP {e}", "step_ms"), at("summary", f"EP {e}", "all_to_all_hidden_share"),
+              at("summary", f"EP {e} unsplit", "step_ms"), at("summary", f"EP {e} unsplit", "all_to_all_hidden_share"),
+              *_paired_variants(f"EP {e} unsplit", f"EP {e}"),
+              at("summary", f"EP {e}", "peak_tensor_rise_mb_per_rank"),
+              at("summary", f"EP {e} unsplit", "peak_tensor_rise_mb_per_rank")))
+      for link, where in (("2gbit", "2 Gbit/s"), ("loopback", "loopback")) for e in (2, 4)],
     # docs/moe.md's chunk counts: each row of the three tables, step ÷ two chunks in the same rounds.
     *[Figure("docs/moe.md", f"| {ep} | {chunks} | {{0:.1f}} | {{1:.3f}} ({{2:.3f}}–{{3:.3f}}) | {{4:.1f}} | {{5:.0%}} |",
              name, (at("summary", f"EP {ep}/{chunks}", "step_ms"), *_paired_variants(f"EP {ep}/{chunks}", f"EP {ep}"),
@@ -1350,7 +1359,7 @@ FIGURES: list[Figure] = [
     Figure("docs/moe.md", "The all-to-alls hand {0:.2f} MB a step to gloo", "moe_2gbit.json",
            (at("summary", "EP 2", "all_to_all_mb_per_step"),)),
     Figure("docs/moe.md", "the others; {0:.2f} MB at E = 4)", "moe_2gbit.json", (at("summary", "EP 4", "all_to_all_mb_per_step"),)),
-    Figure("docs/moe.md", "link the two chunks hide {0:.0%} of it at E = 2 and {1:.0%} at E = 4", "moe_2gbit.json",
+    Figure("docs/moe.md", "On the slow link E = 2 hides {0:.0%} of it and E = 4 {1:.0%};", "moe_2gbit.json",
            tuple(at("summary", variant, "all_to_all_hidden_share") for variant in ("EP 2", "EP 4"))),
     Figure("docs/moe.md", "on loopback {0:.0%} and {1:.0%}.", "moe_loopback.json",
            tuple(at("summary", variant, "all_to_all_hidden_share") for variant in ("EP 2", "EP 4"))),
