@@ -115,3 +115,28 @@ def test_the_split_backward_costs_the_flops_of_the_modules_own() -> None:
             out.backward(grad_out)
         counted.append(counter.get_total_flops())
     assert counted[0] > 0 and counted[1] == counted[0], counted
+
+
+class _TwiceAndChild(torch.nn.Module):
+    """A weight used at two depths of the tokens' path (a join below another), and a child
+    module's weight beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.square = torch.nn.Parameter(torch.randn(6, 6) / 3)
+        self.child = torch.nn.Linear(6, 6)
+
+    def forward(self, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.child(hidden @ self.square @ self.square) * weights
+
+
+def test_a_weight_used_twice_and_a_childs_weights_get_the_modules_own_gradients() -> None:
+    torch.manual_seed(1)
+    module = _TwiceAndChild()
+    hidden = torch.randn(5, 6, requires_grad=True)
+    experts, weights, grad_out = torch.zeros(5, 1, dtype=torch.long), torch.rand(5, 1), torch.randn(5, 6)
+    expected = torch.autograd.grad(module(hidden, experts, weights), [hidden, *module.parameters()], grad_out)
+    out = _split_call(module, hidden, experts, weights, [])
+    out.backward(grad_out)
+    for got, want in zip([hidden.grad, *(param.grad for param in module.parameters())], expected):
+        torch.testing.assert_close(got, want)

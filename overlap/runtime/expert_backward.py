@@ -13,6 +13,16 @@ graph's weights' gradient, the graph dropped). A chunk's weight gradients are th
 while its tokens' gradient travels, as zero-bubble schedules split a backward in two
 (DeepSeek's DualPipe does the same for its expert weights).
 
+The weights' pass does not run the tokens' path again. The tokens' pass records the gradient
+reaching each join, a node on the tokens' path with an edge to weights only (a weight's
+matrix multiply); the weights' pass starts at the joins with those gradients, one
+`autograd.grad` per set of weights the joins lead to, so that a join computes only its
+weight's output and one set's per-expert pieces are not held beside another set's whole
+gradient. Where that would count a gradient twice (a join below another on the tokens' path,
+a weight used at two depths) the weights' pass starts from the output instead, running the
+tokens' path again. The weights' pass costs the flops of the module's own backward, and the
+inner graph it keeps from the tokens' pass adds a call's activations to the peak.
+
 The inner graph is dropped by the last node that needs it, so a second backward through the
 same forward is refused by name. A backward that reaches only one of the two nodes keeps the
 graph for the other: the zero-bubble pipeline schedules' input step (`autograd.grad` over the
