@@ -1403,28 +1403,21 @@ FIGURES: list[Figure] = [
            (lambda data: _recovery_cell("node", 7)(data).split(" s (")[0].replace("-", " / "),)),
     Figure("docs/train.md", "rejoin: {0} s", "recovery_rejoin.json",
            (lambda data: _recovery_cell("rejoin", 7)(data).split(" s (")[0].replace("-", " / "),)),
-    # README and docs/benchmarks.md: this code against a checkout at 26a39e3, side by side.
-    *[Figure(doc, "**{0:.2f} ({1:.2f}–{2:.2f})** per round, medians {3:.0f} against {4:.0f} ms", _AGAINST_26,
-             (*_spread(_paired("2gbit", "overlap", ("overlap-base",))), at("results", "2gbit", "overlap", "step_ms"),
-              at("results", "2gbit", "overlap-base", "step_ms")))
-      for doc in ("README.md", "docs/benchmarks.md")],
-    *[Figure(doc, "÷ tuned DDP" + between + "{0:.2f} ({1:.2f}–{2:.2f}) and ÷ tuned FSDP2\n{3:.2f} ({4:.2f}–{5:.2f})",
-             _AGAINST_26, (*_spread(_paired("2gbit", "overlap", ("ddp-tuned",))),
-                           *_spread(_paired("2gbit", "overlap", ("fsdp2-tuned",)))))
-      for doc, between in (("README.md", " was "), ("docs/benchmarks.md", "\n  "))],
-    *[Figure("README.md", f"| 0a3e162's code ÷ 26a39e3's (the run before), {words} | {{0:.2f}} ({{1:.2f}}–{{2:.2f}}) |",
-             name, _spread(_paired(link, "overlap", ("overlap-base",))))
-      for words, name, link in (("2 Gbit/s", _AGAINST_26, "2gbit"), ("loopback", _AGAINST_26_LOOPBACK, "loopback"))],
-    Figure("README.md", "on loopback **{0:.2f} ({1:.2f}–{2:.2f})**, {3:.0f} against {4:.0f} ms", _AGAINST_26_LOOPBACK,
+    # docs/history.md: 0a3e162's code against a checkout at 26a39e3, side by side.
+    Figure("docs/history.md", "**{0:.2f} ({1:.2f}–{2:.2f})** per round, medians {3:.0f} against {4:.0f} ms", _AGAINST_26,
+           (*_spread(_paired("2gbit", "overlap", ("overlap-base",))), at("results", "2gbit", "overlap", "step_ms"),
+            at("results", "2gbit", "overlap-base", "step_ms"))),
+    Figure("docs/history.md", "÷ tuned DDP was {0:.2f} ({1:.2f}–{2:.2f}) and ÷ tuned FSDP2\n{3:.2f} ({4:.2f}–{5:.2f})",
+           _AGAINST_26, (*_spread(_paired("2gbit", "overlap", ("ddp-tuned",))),
+                         *_spread(_paired("2gbit", "overlap", ("fsdp2-tuned",))))),
+    Figure("docs/history.md", "on loopback **{0:.2f} ({1:.2f}–{2:.2f})**, {3:.0f} against {4:.0f} ms", _AGAINST_26_LOOPBACK,
            (*_spread(_paired("loopback", "overlap", ("overlap-base",))), at("results", "loopback", "overlap", "step_ms"),
             at("results", "loopback", "overlap-base", "step_ms"))),
-    Figure("README.md", "loopback {0:.2f} ({1:.2f}–{2:.2f}) and {3:.2f} ({4:.2f}–{5:.2f})", _AGAINST_26_LOOPBACK,
+    Figure("docs/history.md", "loopback {0:.2f} ({1:.2f}–{2:.2f}) and {3:.2f} ({4:.2f}–{5:.2f})", _AGAINST_26_LOOPBACK,
            (*_spread(_paired("loopback", "overlap", ("ddp-tuned",))),
             *_spread(_paired("loopback", "overlap", ("fsdp2-tuned",))))),
-    Figure("docs/benchmarks.md", "at 2 Gbit/s and {0:.2f} ({1:.2f}–{2:.2f}) on loopback", _AGAINST_26_LOOPBACK,
-           _spread(_paired("loopback", "overlap", ("overlap-base",)))),
-    Figure("docs/benchmarks.md", "the side\n  by side run against 26a39e3 below measured {0:.2f} ({1:.2f}–{2:.2f}) on the same link",
-           _AGAINST_26_LOOPBACK, _spread(_paired("loopback", "overlap", ("fsdp2-tuned",)))),
+    Figure("docs/benchmarks.md", "the side\n  by side run against 26a39e3 in history.md measured {0:.2f} ({1:.2f}–{2:.2f}) on the "
+                                 "same link", _AGAINST_26_LOOPBACK, _spread(_paired("loopback", "overlap", ("fsdp2-tuned",)))),
 ]
 
 # Result files a doc links to whose figures no row above checks, and why.
