@@ -78,6 +78,11 @@ def main() -> None:
         print(f"{config.num_params / 1e6:.2f}M parameters on {trainer.world_size} ranks: loss {loss:.3f} after "
               f"{trainer.global_step} steps (from ln({args.vocab}) = {math.log(args.vocab):.2f}); "
               f"checkpoint in {args.out}/last.ckpt, weights in {args.out}/gpt.pt")
+    # Lightning leaves the process group up; gloo's threads outliving the interpreter's
+    # teardown can abort the process at exit.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()             # the ranks take the group down together, after rank 0's save
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
