@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from overlap.models.moe import Experts
-from overlap.runtime.expert_backward import ExpertCall, splits_backward
+from overlap.runtime.expert_backward import expert_call, splits_backward
 
 
 class _Marked(torch.autograd.Function):
@@ -37,8 +37,7 @@ def _setup(tokens: int, seed: int = 0) -> tuple[Experts, torch.Tensor, torch.Ten
 
 def _split_call(module: Experts, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 events: list) -> torch.Tensor:
-    call = ExpertCall(module, type(module).forward)
-    call.weights_node()                          # before the marked node, as the dispatcher makes it
+    call = expert_call(module, type(module).forward, True)  # its weight node before the marked one
     return call(_Marked.apply(hidden, events), experts, weights)
 
 

@@ -58,6 +58,17 @@ def splits_backward(module: nn.Module, tokens: torch.Tensor) -> bool:
     return tokens.requires_grad or any(param.requires_grad for param in module.parameters())
 
 
+def expert_call(module: nn.Module, compute: Callable[..., torch.Tensor],
+                split: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`compute(module, tokens, experts, weights)` as a call of (tokens, experts, weights): split
+    in two (an `ExpertCall`, its weight node made now, before the caller's next node), or as it is."""
+    if not split:
+        return functools.partial(compute, module)
+    call = ExpertCall(module, compute)
+    call.weights_node()
+    return call
+
+
 class ExpertCall:
     """One call of an expert module's forward, `compute(module, tokens, experts, weights)`,
     with its backward split in two (see the note). `weights_node` makes the weight node (before

@@ -83,7 +83,6 @@ the zero terms of a chunk that got no token join the output one parameter at a t
 """
 from __future__ import annotations
 
-import functools
 import math
 import types
 from dataclasses import dataclass, field
@@ -95,7 +94,7 @@ from torch import nn
 
 from overlap.base.expert_capacity import capacity_factor_error, drop_over_capacity
 from overlap.base.step_record import ALL_TO_ALL
-from overlap.runtime.expert_backward import ExpertCall, splits_backward
+from overlap.runtime.expert_backward import expert_call, splits_backward
 from overlap.runtime.issue import issue
 from overlap.runtime.pending import Pending
 from overlap.runtime.process_group import level_group_counts
@@ -357,11 +356,8 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
             if part.start == part.stop:
                 return
             ones_M1 = torch.ones(part.stop - part.start, 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
-            call = ExpertCall(self, compute) if split else None
-            if call is not None:
-                call.weights_node()
-            out_MD = (call or functools.partial(compute, self))(
-                hidden_ND[token_P[part]], (expert_P[part] - groups.ep_rank * local)[:, None], ones_M1)
+            out_MD = expert_call(self, compute, split)(hidden_ND[token_P[part]],
+                                                       (expert_P[part] - groups.ep_rank * local)[:, None], ones_M1)
             results.append(out_MD * weight_P[part, None].to(out_MD.dtype))
             rows.append(token_P[part])
 
@@ -393,13 +389,11 @@ def _dispatched(compute: Callable[..., torch.Tensor], total: int, local: int, gr
             tokens_MD, sent_back = tokens[c]
             # The weight node before the send-back node: backward runs it after the send (see
             # [Note: expert weight gradients after the send] in overlap/runtime/expert_backward.py).
-            call = ExpertCall(self, compute) if split else None
-            if call is not None:
-                call.weights_node()
+            call = expert_call(self, compute, split)
             tokens_MD = _SendBack.apply((sent_back,), tokens_MD)    # its gradient goes back from here
             ones_M1 = torch.ones(len(experts_M[c]), 1, dtype=hidden_ND.dtype, device=hidden_ND.device)
-            out_MD = (call or functools.partial(compute, self))(tokens_MD, experts_M[c][:, None], ones_M1)
-            if len(experts_M[c]) == 0 and torch.is_grad_enabled() and call is None:
+            out_MD = call(tokens_MD, experts_M[c][:, None], ones_M1)
+            if len(experts_M[c]) == 0 and torch.is_grad_enabled() and not split:
                 # No token of this chunk reached this rank's experts, and the call is not split
                 # (whose input node keeps the chunk in the graph as it is): zero terms keep it in
                 # the dispatch's backward all-to-all and give its experts the (zero) gradient
